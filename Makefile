@@ -1,0 +1,39 @@
+# make demo / make test do all set-up on a fresh machine: .venv, CPU torch when no CUDA, tpkv[test].
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.tpkv-installed
+TORCH_CPU := torch==2.13.0
+
+.PHONY: demo test lint unit venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	    $(BIN)/python -m pip install -q 'torch>=2.4'; \
+	else \
+	    $(BIN)/python -c 'import torch' 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH_CPU); \
+	fi
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/tpkv demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check tpkv tests bench
+	$(BIN)/mypy tpkv
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+test: $(STAMP)
+	$(BIN)/ruff check tpkv tests bench
+	$(BIN)/mypy tpkv
+	RAY_USAGE_STATS_ENABLED=0 $(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,284 @@
+"""Frozen, validated configuration: KV geometry, the three tiers, policy; the one place env vars are read."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tpkv.errors import ConfigError
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# Element sizes of the dtypes a KV cache is stored in (names as torch spells them).
+DTYPE_BYTES = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'8GiB', '512M', '4096' -> bytes (binary units either way)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ConfigError(f"cannot read {text!r} as a size; use e.g. 4096, 512MiB, 8GiB")
+    unit = (m.group(2) or "").upper().rstrip("B").rstrip("I")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def machine_memory_bytes() -> int:
+    """Physical memory of this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_watermarks(tier: str, high: float, low: float) -> None:
+    if not (0.0 < low < high <= 1.0):
+        raise ConfigError(
+            f"{tier} watermarks need 0 < low < high <= 1, got low={low} high={high}"
+        )
+
+
+@dataclass(frozen=True)
+class KvGeometry:
+    """Shape of the KV cache, and of one block on one TP rank."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    block_tokens: int = 16
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "tp_size"):
+            _check_positive(name, getattr(self, name))
+        if self.dtype not in DTYPE_BYTES:
+            raise ConfigError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        if self.num_kv_heads % self.tp_size != 0:
+            raise ConfigError(
+                f"kv_heads % tp != 0: {self.num_kv_heads} KV heads cannot be split evenly "
+                f"over {self.tp_size} TP ranks"
+            )
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_kv_heads // self.tp_size
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """One block on one rank: [layers, 2 (K, V), block_tokens, heads_per_rank, head_dim]."""
+        return (self.num_layers, 2, self.block_tokens, self.heads_per_rank, self.head_dim)
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer (K and V) of one block on one rank."""
+        return 2 * self.block_tokens * self.heads_per_rank * self.head_dim * self.dtype_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block on one rank."""
+        return self.num_layers * self.layer_bytes
+
+    @property
+    def token_bytes_all_ranks(self) -> int:
+        """KV bytes of one token summed over all ranks."""
+        return self.block_bytes * self.tp_size // self.block_tokens
+
+    def fingerprint(self) -> str:
+        """Stable digest of every field; part of what makes an SSD record valid."""
+        text = "|".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class HbmConfig:
+    """L1, per GPU (each rank has its own HBM): size in blocks or bytes, and watermarks."""
+
+    num_blocks: int | None = None
+    budget_bytes: int | None = None
+    high_watermark: float = 0.90
+    low_watermark: float = 0.75
+
+    def __post_init__(self) -> None:
+        if (self.num_blocks is None) == (self.budget_bytes is None):
+            raise ConfigError("L1 needs exactly one of num_blocks or budget_bytes")
+        if self.num_blocks is not None:
+            _check_positive("L1 num_blocks", self.num_blocks)
+        if self.budget_bytes is not None:
+            _check_positive("L1 budget_bytes", self.budget_bytes)
+        _check_watermarks("L1", self.high_watermark, self.low_watermark)
+
+    def slots(self, geometry: KvGeometry) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        assert self.budget_bytes is not None
+        slots = self.budget_bytes // geometry.block_bytes
+        if slots < 1:
+            raise ConfigError(
+                f"L1 budget of {self.budget_bytes} bytes holds no block of "
+                f"{geometry.block_bytes} bytes"
+            )
+        return slots
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """L2: one node-wide budget of pinned host memory, divided across the TP ranks."""
+
+    budget_bytes: int = 1 * GiB
+    arena_bytes: int = 1 * GiB
+    pin: Literal["auto", "always", "never"] = "auto"
+    high_watermark: float = 0.85
+    low_watermark: float = 0.70
+    max_memory_fraction: float = 0.8
+
+    def __post_init__(self) -> None:
+        _check_positive("L2 budget_bytes", self.budget_bytes)
+        _check_positive("L2 arena_bytes", self.arena_bytes)
+        _check_watermarks("L2", self.high_watermark, self.low_watermark)
+        if self.pin not in ("auto", "always", "never"):
+            raise ConfigError(f"L2 pin must be auto, always or never, got {self.pin!r}")
+        limit = int(machine_memory_bytes() * self.max_memory_fraction)
+        if self.budget_bytes > limit:
+            raise ConfigError(
+                f"L2 budget of {self.budget_bytes / GiB:.2f} GiB is above "
+                f"{self.max_memory_fraction:.0%} of this machine's "
+                f"{machine_memory_bytes() / GiB:.2f} GiB of memory ({limit / GiB:.2f} GiB)"
+            )
+
+    def bytes_per_rank(self, tp_size: int) -> int:
+        return self.budget_bytes // tp_size
+
+    def slots_per_rank(self, geometry: KvGeometry) -> int:
+        slots = self.bytes_per_rank(geometry.tp_size) // geometry.block_bytes
+        if slots < 1:
+            raise ConfigError(
+                f"L2 budget of {self.budget_bytes} bytes over {geometry.tp_size} ranks holds no "
+                f"block of {geometry.block_bytes} bytes"
+            )
+        return slots
+
+
+@dataclass(frozen=True)
+class SsdConfig:
+    """L3: a directory of append-only segment files; None disables the tier."""
+
+    root: str | None = None
+    budget_bytes: int = 64 * GiB
+    backend: Literal["auto", "posix", "kvikio"] = "auto"
+    o_direct: bool = True
+    io_threads: int = 4
+    high_watermark: float = 0.90
+    low_watermark: float = 0.75
+
+    def __post_init__(self) -> None:
+        _check_positive("L3 budget_bytes", self.budget_bytes)
+        _check_positive("L3 io_threads", self.io_threads)
+        _check_watermarks("L3", self.high_watermark, self.low_watermark)
+        if self.backend not in ("auto", "posix", "kvikio"):
+            raise ConfigError(f"L3 backend must be auto, posix or kvikio, got {self.backend!r}")
+        if self.root is not None:
+            try:
+                os.makedirs(self.root, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"L3 directory {self.root!r} cannot be created: {exc}") from exc
+            if not os.access(self.root, os.W_OK | os.X_OK):
+                raise ConfigError(f"L3 directory {self.root!r} is not writable")
+
+    @property
+    def enabled(self) -> bool:
+        return self.root is not None
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Placement policy knobs (see the controller)."""
+
+    kind: Literal["heat", "lru", "lruk"] = "heat"
+    w_attn: float = 0.7
+    w_recency: float = 0.3
+    lru_k: int = 2
+    cooldown_s: float = 30.0
+    auto_pin_fraction: float = 0.10
+    max_auto_pin_blocks: int = 4096
+    prefetch_steps: int = 2
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("heat", "lru", "lruk"):
+            raise ConfigError(f"policy kind must be heat, lru or lruk, got {self.kind!r}")
+        if self.w_attn < 0 or self.w_recency < 0 or self.w_attn + self.w_recency <= 0:
+            raise ConfigError(
+                f"heat weights must be >= 0 with a positive sum, got "
+                f"w_attn={self.w_attn} w_recency={self.w_recency}"
+            )
+        _check_positive("lru_k", self.lru_k)
+        if not (0.0 <= self.auto_pin_fraction <= 1.0):
+            raise ConfigError(f"auto_pin_fraction must be in [0, 1], got {self.auto_pin_fraction}")
+        if self.cooldown_s < 0:
+            raise ConfigError(f"cooldown_s must be >= 0, got {self.cooldown_s}")
+
+
+@dataclass(frozen=True)
+class TpkvConfig:
+    """Everything one tpkv node needs; per-rank copies come from `dataclasses.replace`."""
+
+    geometry: KvGeometry
+    l1: HbmConfig
+    l2: HostConfig = field(default_factory=HostConfig)
+    l3: SsdConfig = field(default_factory=SsdConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    model_fingerprint: str = ""
+    dashboard_host: str = "127.0.0.1"
+    dashboard_port: int = 8470
+    dashboard_token: str | None = None
+    wait_timeout_s: float = 30.0
+    ray_address: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.dashboard_port <= 65535):
+            raise ConfigError(f"dashboard_port must be in 0..65535, got {self.dashboard_port}")
+        if self.wait_timeout_s <= 0:
+            raise ConfigError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s}")
+
+
+def from_env(config: TpkvConfig, env: dict[str, str] | None = None) -> TpkvConfig:
+    """Overlay TPKV_* environment variables (and RAY_ADDRESS) on `config`."""
+    env = dict(os.environ if env is None else env)
+    out = config
+    if "TPKV_SSD_DIR" in env:
+        out = dataclasses.replace(out, l3=dataclasses.replace(out.l3, root=env["TPKV_SSD_DIR"]))
+    if "TPKV_L2_BYTES" in env:
+        l2 = dataclasses.replace(out.l2, budget_bytes=parse_bytes(env["TPKV_L2_BYTES"]))
+        out = dataclasses.replace(out, l2=l2)
+    if "TPKV_DASHBOARD_HOST" in env:
+        out = dataclasses.replace(out, dashboard_host=env["TPKV_DASHBOARD_HOST"])
+    if "TPKV_DASHBOARD_PORT" in env:
+        out = dataclasses.replace(out, dashboard_port=int(env["TPKV_DASHBOARD_PORT"]))
+    if "TPKV_DASHBOARD_TOKEN" in env:
+        out = dataclasses.replace(out, dashboard_token=env["TPKV_DASHBOARD_TOKEN"])
+    if "TPKV_WAIT_TIMEOUT_S" in env:
+        out = dataclasses.replace(out, wait_timeout_s=float(env["TPKV_WAIT_TIMEOUT_S"]))
+    if "RAY_ADDRESS" in env:
+        out = dataclasses.replace(out, ray_address=env["RAY_ADDRESS"])
+    return out

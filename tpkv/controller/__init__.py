@@ -1,0 +1,1 @@
+"""The controller: block table, policy, planner, cost model (no Ray or torch here but actor.py)."""

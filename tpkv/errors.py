@@ -1,0 +1,43 @@
+"""Typed errors raised at tpkv's boundaries; every message carries the numbers behind it."""
+
+from __future__ import annotations
+
+
+class TpkvError(Exception):
+    """Base of every error tpkv raises on purpose."""
+
+
+class ConfigError(TpkvError, ValueError):
+    """A configuration value is invalid (raised at construction, before anything is allocated)."""
+
+
+class TierFullError(TpkvError):
+    """A tier has fewer free slots than a request needs, e.g. `L2 needs 512 slots, 37 free of 4096`."""
+
+
+class SlotError(TpkvError, IndexError):
+    """A slot index is out of range or in the wrong state (double free, not allocated)."""
+
+
+class InvalidSessionIdError(TpkvError, ValueError):
+    """A session id is empty, too long or has characters outside `[A-Za-z0-9._:-]`."""
+
+
+class UnknownSessionError(TpkvError, KeyError):
+    """A session id the controller does not know."""
+
+
+class PlanOrderError(TpkvError):
+    """A plan arrived out of epoch order."""
+
+
+class PlanMismatchError(TpkvError):
+    """TP ranks disagree after applying a plan; names the ranks and the epoch."""
+
+
+class WireFormatError(TpkvError, ValueError):
+    """A message failed to decode (bad msgpack, unknown type, limits exceeded)."""
+
+
+class DeviceError(TpkvError, RuntimeError):
+    """A CUDA call failed; the message holds the call and its error code."""

@@ -1,0 +1,1 @@
+"""Launch: torchrun and Ray entry points, CLI."""

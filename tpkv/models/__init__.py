@@ -1,0 +1,1 @@
+"""Models: paged TP decode engine, transformers cache adapter."""

@@ -1,0 +1,192 @@
+"""Plain data that crosses processes (Tier, MovePlan, MoveResult) and its strict msgpack wire form."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from tpkv.errors import WireFormatError
+
+
+class Tier(enum.IntEnum):
+    """Where a block lives. NONE: nowhere (evicted; its prefix is recomputed on demand)."""
+
+    NONE = -1
+    HBM = 0  # L1
+    DRAM = 1  # L2
+    SSD = 2  # L3
+
+
+_PLAN_ARRAYS = ("block_ids", "src_tier", "src_slot", "dst_tier", "dst_slot", "session_idx",
+                "logical_idx")
+_PLAN_DTYPES = {
+    "block_ids": np.int64, "src_tier": np.int8, "src_slot": np.int64, "dst_tier": np.int8,
+    "dst_slot": np.int64, "session_idx": np.int32, "logical_idx": np.int64,
+}
+
+
+@dataclass(frozen=True)
+class MovePlan:
+    """A numbered list of moves; workers apply plans in epoch order and decide nothing.
+
+    Move i takes block `block_ids[i]` from (src_tier, src_slot) to (dst_tier, dst_slot). For SSD
+    ends the slot is unused (-1): the record is addressed by (session_names[session_idx[i]],
+    logical_idx[i]), which every move carries so workers can name what they write.
+    """
+
+    epoch: int
+    block_ids: np.ndarray
+    src_tier: np.ndarray
+    src_slot: np.ndarray
+    dst_tier: np.ndarray
+    dst_slot: np.ndarray
+    session_idx: np.ndarray
+    logical_idx: np.ndarray
+    session_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.block_ids)
+        for name in _PLAN_ARRAYS:
+            arr = np.ascontiguousarray(getattr(self, name), dtype=_PLAN_DTYPES[name])
+            if arr.ndim != 1 or len(arr) != n:
+                raise WireFormatError(f"plan array {name} has shape {arr.shape}, expected ({n},)")
+            arr.setflags(write=False)
+            object.__setattr__(self, name, arr)
+        object.__setattr__(self, "session_names", tuple(self.session_names))
+        if self.epoch < 0:
+            raise WireFormatError(f"plan epoch must be >= 0, got {self.epoch}")
+        valid = {t.value for t in Tier if t != Tier.NONE}
+        for name in ("src_tier", "dst_tier"):
+            bad = ~np.isin(getattr(self, name), list(valid))
+            if bad.any():
+                raise WireFormatError(f"plan {name} has invalid tiers {getattr(self, name)[bad][:8]}")
+        if n and (self.session_idx.min() < 0 or self.session_idx.max() >= len(self.session_names)):
+            raise WireFormatError(
+                f"plan session_idx outside 0..{len(self.session_names) - 1}"
+            )
+        if n and len(np.unique(self.block_ids)) != n:
+            raise WireFormatError("plan moves a block more than once")
+
+    @classmethod
+    def empty(cls, epoch: int) -> MovePlan:
+        z = np.zeros(0, dtype=np.int64)
+        return cls(epoch, z, z, z, z, z, z, z)
+
+    @property
+    def num_moves(self) -> int:
+        return len(self.block_ids)
+
+    def mask(self, src: Tier, dst: Tier) -> np.ndarray:
+        return (self.src_tier == src) & (self.dst_tier == dst)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {name: getattr(self, name) for name in _PLAN_ARRAYS}
+        out["epoch"] = self.epoch
+        out["session_names"] = list(self.session_names)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MovePlan:
+        try:
+            return cls(epoch=int(d["epoch"]), session_names=tuple(d["session_names"]),
+                       **{name: d[name] for name in _PLAN_ARRAYS})
+        except (KeyError, TypeError) as exc:
+            raise WireFormatError(f"plan message is missing or mistypes a field: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class MoveResult:
+    """What one rank reports after applying one plan."""
+
+    epoch: int
+    rank: int
+    moves_applied: int
+    slot_map_digest: int
+    status: int = 0  # 0 ok; otherwise a failure code
+    miss_block_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    bytes_ssd_read: int = 0
+    bytes_ssd_write: int = 0
+    elapsed_ns: int = 0
+
+
+# ---- wire format: msgpack with one extension (ndarray) and hard limits ------------------------
+
+_EXT_NDARRAY = 1
+_WIRE_DTYPES = {"<i1", "<i2", "<i4", "<i8", "<u1", "<u2", "<u4", "<u8", "<f4", "<f8", "|b1",
+                "|i1", "|u1"}
+MAX_MESSAGE_BYTES = 256 << 20
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        arr = np.ascontiguousarray(obj)
+        if arr.dtype.str not in _WIRE_DTYPES:
+            raise WireFormatError(f"dtype {arr.dtype} cannot be sent")
+        header = msgpack.packb([arr.dtype.str, list(arr.shape)])
+        return msgpack.ExtType(_EXT_NDARRAY, header + arr.tobytes())
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    raise WireFormatError(f"type {type(obj).__name__} cannot be sent")
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code != _EXT_NDARRAY:
+        raise WireFormatError(f"unknown msgpack extension type {code}")
+    unpacker = msgpack.Unpacker(max_buffer_size=len(data), max_array_len=64, max_str_len=16)
+    unpacker.feed(data)
+    try:
+        dtype, shape = unpacker.unpack()
+        offset = unpacker.tell()
+    except Exception as exc:
+        raise WireFormatError(f"bad ndarray header: {exc}") from exc
+    if dtype not in _WIRE_DTYPES or not isinstance(shape, list):
+        raise WireFormatError(f"bad ndarray header: dtype={dtype!r} shape={shape!r}")
+    if any(not isinstance(s, int) or s < 0 for s in shape):
+        raise WireFormatError(f"bad ndarray shape {shape!r}")
+    payload = data[offset:]
+    expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if len(payload) != expected:
+        raise WireFormatError(f"ndarray payload is {len(payload)} bytes, shape needs {expected}")
+    return np.frombuffer(payload, dtype=dtype).reshape(shape).copy()
+
+
+def encode(obj: Any) -> bytes:
+    """Pack dicts, lists, scalars, str/bytes and numpy arrays."""
+    return msgpack.packb(obj, default=_default, use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    """Unpack a message from `encode`; anything else raises WireFormatError, never executes."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireFormatError(f"message must be bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireFormatError(f"message of {len(data)} bytes is above {MAX_MESSAGE_BYTES}")
+    try:
+        return msgpack.unpackb(
+            data, ext_hook=_ext_hook, raw=False, strict_map_key=True, use_list=True,
+            max_buffer_size=MAX_MESSAGE_BYTES, max_str_len=1 << 20, max_bin_len=MAX_MESSAGE_BYTES,
+            max_array_len=1 << 24, max_map_len=1 << 20, max_ext_len=MAX_MESSAGE_BYTES,
+        )
+    except WireFormatError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types on bad input
+        raise WireFormatError(f"cannot decode message: {type(exc).__name__}: {exc}") from exc
+
+
+def encode_plan(plan: MovePlan) -> bytes:
+    return encode(plan.to_dict())
+
+
+def decode_plan(data: bytes) -> MovePlan:
+    d = decode(data)
+    if not isinstance(d, dict):
+        raise WireFormatError(f"plan message must be a map, got {type(d).__name__}")
+    return MovePlan.from_dict(d)
