@@ -172,7 +172,7 @@ def decode(data: bytes) -> Any:
     try:
         return msgpack.unpackb(
             data, ext_hook=_ext_hook, raw=False, strict_map_key=True, use_list=True,
-            max_buffer_size=MAX_MESSAGE_BYTES, max_str_len=1 << 20, max_bin_len=MAX_MESSAGE_BYTES,
+            max_str_len=1 << 20, max_bin_len=MAX_MESSAGE_BYTES,
             max_array_len=1 << 24, max_map_len=1 << 20, max_ext_len=MAX_MESSAGE_BYTES,
         )
     except WireFormatError:

@@ -1,0 +1,60 @@
+"""The pool/copy-engine cases of tests/unit on CUDA, through each copy method (GPU machine only)."""
+
+import numpy as np
+import pytest
+import torch
+
+from tests.pool_cases import check_round_trip, make_engine, random_fill
+from tpkv.config import KvGeometry
+
+pytestmark = pytest.mark.gpu
+
+GEOMS = [
+    KvGeometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16"),  # 2 MiB
+    KvGeometry(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16", tp_size=8),  # 256 KiB
+    KvGeometry(num_layers=3, num_kv_heads=4, head_dim=8, dtype="float16", tp_size=2),  # 768 B
+]
+
+
+@pytest.mark.parametrize("method", ["dma", "kernel", "torch", "auto"])
+@pytest.mark.parametrize("geometry", GEOMS, ids=lambda g: str(g.block_bytes))
+def test_round_trip_cuda(geometry, method):
+    engine = make_engine(geometry, l1_slots=64, l2_slots=40, device="cuda", method=method,
+                         arena_blocks=16)
+    assert engine.host.pinned
+    for seed in range(2):
+        check_round_trip(engine, seed)
+    engine.host.close()
+
+
+def test_both_directions_at_once_are_exact():
+    g = GEOMS[1]
+    engine = make_engine(g, l1_slots=128, l2_slots=128, device="cuda", arena_blocks=48)
+    random_fill(engine.hbm.tensor, 1)
+    host_seed = engine.host.arenas
+    for i, arena in enumerate(host_seed):
+        random_fill(arena, 100 + i)
+    want_host = [engine.host.block(s).clone() for s in range(64, 128)]
+    want_hbm = engine.hbm.tensor[:64].cpu().clone()
+    down = engine.d2h(np.arange(64), np.arange(64))       # L1 0..63 -> L2 0..63
+    up = engine.h2d(np.arange(64, 128), np.arange(64, 128))  # L2 64..127 -> L1 64..127
+    assert up.method == down.method == "dma"
+    down.wait()
+    up.wait()
+    for s in range(64):
+        assert torch.equal(engine.host.block(s).view(torch.uint8), want_hbm[s].view(torch.uint8))
+    got = engine.hbm.tensor[64:].cpu()
+    for i in range(64):
+        assert torch.equal(got[i].view(torch.uint8), want_host[i].view(torch.uint8))
+    engine.host.close()
+
+
+def test_d2h_waits_for_compute_on_current_stream():
+    g = GEOMS[0]
+    engine = make_engine(g, l1_slots=8, l2_slots=8, device="cuda")
+    engine.hbm.tensor.zero_()
+    torch.cuda._sleep(50_000_000)  # keep the compute stream busy, then write the block
+    engine.hbm.tensor[3].fill_(1.5)
+    engine.d2h(np.array([3]), np.array([0])).wait()
+    assert (engine.host.block(0) == 1.5).all()
+    engine.host.close()

@@ -1,0 +1,96 @@
+"""The msgpack wire format: plans round-trip exactly; anything malformed is a WireFormatError."""
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tpkv.errors import WireFormatError
+from tpkv.types import MovePlan, Tier, decode, decode_plan, encode, encode_plan
+
+
+def make_plan(n: int = 5, epoch: int = 7) -> MovePlan:
+    rng = np.random.default_rng(n)
+    return MovePlan(
+        epoch=epoch, block_ids=rng.permutation(1000)[:n], src_tier=np.full(n, Tier.HBM),
+        src_slot=rng.integers(0, 100, n), dst_tier=np.full(n, Tier.DRAM),
+        dst_slot=rng.integers(0, 100, n), session_idx=np.zeros(n), logical_idx=np.arange(n),
+        session_names=("sess-a",),
+    )
+
+
+def test_plan_round_trip():
+    plan = make_plan()
+    back = decode_plan(encode_plan(plan))
+    assert back.epoch == 7 and back.session_names == ("sess-a",)
+    for name in ("block_ids", "src_tier", "src_slot", "dst_tier", "dst_slot", "logical_idx"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(plan, name))
+        assert getattr(back, name).dtype == getattr(plan, name).dtype
+    assert back.num_moves == 5 and back.mask(Tier.HBM, Tier.DRAM).all()
+
+
+def test_plan_rejects_duplicate_block():
+    with pytest.raises(WireFormatError, match="more than once"):
+        MovePlan(1, [3, 3], [0, 0], [1, 2], [1, 1], [4, 5], [0, 0], [0, 1], ("s",))
+
+
+def test_plan_rejects_bad_tier_and_lengths():
+    with pytest.raises(WireFormatError, match="invalid tiers"):
+        MovePlan(1, [3], [0], [1], [7], [4], [0], [0], ("s",))
+    with pytest.raises(WireFormatError, match="shape"):
+        MovePlan(1, [3, 4], [0], [1], [1], [4], [0], [0], ("s",))
+    with pytest.raises(WireFormatError, match="session_idx"):
+        MovePlan(1, [3], [0], [1], [1], [4], [2], [0], ("s",))
+
+
+def test_unknown_extension_rejected():
+    data = msgpack.packb({"x": msgpack.ExtType(42, b"evil")})
+    with pytest.raises(WireFormatError, match="unknown msgpack extension type 42"):
+        decode(data)
+
+
+def test_ndarray_payload_length_checked():
+    header = msgpack.packb(["<i8", [4]])
+    data = msgpack.packb(msgpack.ExtType(1, header + b"\0" * 8))
+    with pytest.raises(WireFormatError, match="payload is 8 bytes, shape needs 32"):
+        decode(data)
+
+
+def test_object_dtype_cannot_be_sent_or_received():
+    with pytest.raises(WireFormatError):
+        encode(np.array([object()], dtype=object))
+    header = msgpack.packb(["|O", [1]])
+    with pytest.raises(WireFormatError, match="dtype"):
+        decode(msgpack.packb(msgpack.ExtType(1, header + b"\0" * 8)))
+
+
+def test_non_bytes_and_non_map_plan():
+    with pytest.raises(WireFormatError):
+        decode("not bytes")  # type: ignore[arg-type]
+    with pytest.raises(WireFormatError, match="must be a map"):
+        decode_plan(encode([1, 2]))
+    with pytest.raises(WireFormatError, match="missing"):
+        decode_plan(encode({"epoch": 1}))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_fuzz_random_bytes_only_typed_errors(data):
+    try:
+        decode(data)
+    except WireFormatError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 64), st.integers(0, 2**40))
+def test_fuzz_mutated_plans_only_typed_errors(n, seed):
+    raw = bytearray(encode_plan(make_plan(n, epoch=seed % 1000)))
+    rng = np.random.default_rng(seed)
+    for _ in range(int(rng.integers(1, 4))):
+        raw[int(rng.integers(0, len(raw)))] = int(rng.integers(0, 256))
+    try:
+        decode_plan(bytes(raw))
+    except WireFormatError:
+        pass
