@@ -1,6 +1,6 @@
-"""Transfer benchmark: L1 <-> L2 copy paths and L2 <-> L3 against ceilings measured in the same run.
+"""Transfer benchmark: L1 <-> L2 copy paths and L2 <-> L3, each beside a ceiling from the same run.
 
-    python bench/transfer.py [--gib 1] [--ssd-dir /tmp/tpkv-bench] [--out bench/results/transfer.json]
+    python bench/transfer.py [--gib 1] [--ssd-dir /tmp/tpkv-bench] [--out FILE]
 
 Needs CUDA for the L1 <-> L2 part; the L2 <-> L3 part runs anywhere (POSIX O_DIRECT or kvikio).
 """
@@ -73,8 +73,6 @@ def ceilings(num_bytes: int, reps: int) -> dict[str, float]:
         "d2h": num_bytes / cuda_time_ms(lambda: host_b.copy_(dev_b, non_blocking=True), reps) / 1e6,
         "both": 2 * num_bytes / cuda_time_ms(both, reps) / 1e6,
     }
-    del dev_a, dev_b, host_a, host_b
-    torch.cuda.empty_cache()
     return out
 
 
@@ -187,7 +185,8 @@ def bench_ssd(root: Path, total_bytes: int, backend: str) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     return {"ssd_write_gbps": round(write, 3), "ssd_read_gbps": round(read, 3),
             "raw_write_gbps": round(raw["write"], 3), "raw_read_gbps": round(raw["read"], 3),
-            "write_ratio": round(write / raw["write"], 3), "read_ratio": round(read / raw["read"], 3),
+            "write_ratio": round(write / raw["write"], 3),
+            "read_ratio": round(read / raw["read"], 3),
             "backend": store.backend_name, "bytes": total_bytes}
 
 

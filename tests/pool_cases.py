@@ -45,3 +45,32 @@ def check_round_trip(engine: CopyEngine, seed: int) -> None:
     back = hbm.tensor.cpu()
     for s, d in zip(src, dst):
         assert torch.equal(back[int(d)].view(torch.uint8), expected[int(s)].view(torch.uint8))
+
+
+def check_tier_round_trip(engine: CopyEngine, store, seed: int, session: str) -> None:  # noqa: ANN001
+    """Random blocks L1 -> L2 -> L3 -> L2 -> L1, other slots at every hop: bit-exact end to end."""
+    hbm, host = engine.hbm, engine.host
+    rng = np.random.default_rng(seed)
+    n = min(hbm.num_slots, host.num_slots) // 2
+    random_fill(hbm.tensor, seed)
+    expected = hbm.tensor.cpu().clone()
+    l1_src = rng.choice(hbm.num_slots, size=n, replace=False)
+    l2_a = rng.choice(host.num_slots, size=n, replace=False)
+    engine.d2h(l1_src, l2_a).wait()
+    logical = rng.permutation(n).astype(np.int64)  # logical index of each block in the session
+    store.write_blocks(session, logical, [host.block_bytes_view(int(s)) for s in l2_a])
+    assert store.commit_manifest(session)
+    for arena in host.arenas:
+        arena.view(torch.uint8).fill_(0x5A)  # nothing stale can pass for a hit
+    l2_b = rng.permutation(host.num_slots)[:n]
+    order = rng.permutation(n)  # read back in another order than written
+    hits = store.read_blocks(session, logical[order],
+                             [host.block_bytes_view(int(l2_b[i])) for i in order])
+    assert hits.all(), f"{(~hits).sum()} of {n} blocks missed"
+    hbm.tensor.zero_()
+    l1_dst = rng.permutation(hbm.num_slots)[:n]
+    engine.h2d(l2_b, l1_dst).wait()
+    back = hbm.tensor.cpu()
+    for i in range(n):
+        assert torch.equal(back[int(l1_dst[i])].view(torch.uint8),
+                           expected[int(l1_src[i])].view(torch.uint8)), f"block {i} differs"

@@ -1,4 +1,4 @@
-"""Frozen, validated configuration: KV geometry, the three tiers, policy; the one place env vars are read."""
+"""Frozen, validated config: KV geometry, tiers, policy; the one place env vars are read."""
 
 from __future__ import annotations
 

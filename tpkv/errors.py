@@ -12,7 +12,7 @@ class ConfigError(TpkvError, ValueError):
 
 
 class TierFullError(TpkvError):
-    """A tier has fewer free slots than a request needs, e.g. `L2 needs 512 slots, 37 free of 4096`."""
+    """A tier has fewer free slots than a request needs: `L2 needs 512 slots, 37 free of 4096`."""
 
 
 class SlotError(TpkvError, IndexError):
@@ -41,3 +41,23 @@ class WireFormatError(TpkvError, ValueError):
 
 class DeviceError(TpkvError, RuntimeError):
     """A CUDA call failed; the message holds the call and its error code."""
+
+
+class SsdError(TpkvError):
+    """The L3 SSD tier refused a request (its reads never raise for bad data: that is a miss)."""
+
+
+class SsdRequestError(SsdError, ValueError):
+    """An L3 call got bad arguments: wrong buffer size, dtype or shape, or a negative index."""
+
+
+class SsdIoError(SsdError):
+    """An OS call failed while writing L3 (e.g. ENOSPC); the previous committed state is intact."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
+class SsdFormatError(SsdError):
+    """An L3 file failed validation (magic, CRC32C, fingerprint); readers turn it into a miss."""

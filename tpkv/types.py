@@ -1,4 +1,4 @@
-"""Plain data that crosses processes (Tier, MovePlan, MoveResult) and its strict msgpack wire form."""
+"""Plain data crossing processes (Tier, MovePlan, MoveResult) and its strict msgpack wire form."""
 
 from __future__ import annotations
 
@@ -63,7 +63,8 @@ class MovePlan:
         for name in ("src_tier", "dst_tier"):
             bad = ~np.isin(getattr(self, name), list(valid))
             if bad.any():
-                raise WireFormatError(f"plan {name} has invalid tiers {getattr(self, name)[bad][:8]}")
+                bad_tiers = getattr(self, name)[bad][:8]
+                raise WireFormatError(f"plan {name} has invalid tiers {bad_tiers}")
         if n and (self.session_idx.min() < 0 or self.session_idx.max() >= len(self.session_names)):
             raise WireFormatError(
                 f"plan session_idx outside 0..{len(self.session_names) - 1}"
