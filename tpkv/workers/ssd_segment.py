@@ -1,0 +1,199 @@
+"""L3 segment record I/O: contiguous batched record writes and checked scatter reads of records."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from tpkv.errors import SsdFormatError
+from tpkv.workers.ssd_backend import IOV_MAX, BlockFile, aligned_empty, is_direct_capable
+from tpkv.workers.ssd_format import (
+    ALIGN_BYTES,
+    SegmentIdentity,
+    check_record_header,
+    check_segment_header,
+    crc_of,
+    pack_record_header,
+    pack_segment_header,
+    round_up,
+)
+
+log = logging.getLogger(__name__)
+
+STAGE_BYTES = 32 << 20  # most payload bytes staged through the aligned buffer per syscall
+_IOVECS_PER_RECORD = 3  # header, payload, padding
+
+
+def last_positions(stored: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """Record number of the last record holding each wanted index (the newest wins), or -1."""
+    if len(stored) == 0:
+        return np.full(len(wanted), -1, dtype=np.int64)
+    uniq, first_in_reversed = np.unique(stored[::-1], return_index=True)
+    last = len(stored) - 1 - first_in_reversed
+    k = np.minimum(np.searchsorted(uniq, wanted), len(uniq) - 1)
+    return np.where(uniq[k] == wanted, last[k], -1).astype(np.int64)
+
+
+class SegmentIo:
+    """Moves block records between host buffers and an open segment file.
+
+    Record headers are built in a per-thread page-aligned buffer. Payloads go straight from and
+    into the caller's buffers (one iovec each) unless O_DIRECT needs an alignment they lack; then
+    they pass through that aligned buffer. Consecutive records become one preadv/pwritev.
+    """
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self.padded_bytes = round_up(block_bytes)
+        self.record_bytes = ALIGN_BYTES + self.padded_bytes
+        self._zero_pad = np.zeros(self.padded_bytes - block_bytes, dtype=np.uint8)
+        self._tls = threading.local()
+
+    def buffer(self, name: str, num_bytes: int) -> np.ndarray:
+        """A per-thread page-aligned buffer of num_bytes (grown in MiB steps, never shrunk)."""
+        buf: np.ndarray | None = getattr(self._tls, name, None)
+        if buf is None or buf.nbytes < num_bytes:
+            buf = aligned_empty(round_up(max(num_bytes, 1), 1 << 20))
+            setattr(self._tls, name, buf)
+        return buf[:num_bytes]
+
+    def write_header(self, f: BlockFile, ident: SegmentIdentity) -> None:
+        header = self.buffer("header", ALIGN_BYTES)
+        pack_segment_header(ident, header)
+        f.write_at([header], 0)
+
+    def check_header(self, f: BlockFile, ident: SegmentIdentity, need_bytes: int) -> int:
+        """Validate the segment header; return the file size (at least need_bytes)."""
+        size_bytes = f.size_bytes()
+        if size_bytes < max(need_bytes, ALIGN_BYTES):
+            raise SsdFormatError(f"segment is {size_bytes} bytes, {need_bytes} are committed")
+        header = self.buffer("header", ALIGN_BYTES)
+        got = f.read_at([header], 0)
+        if got < ALIGN_BYTES:
+            raise SsdFormatError(f"segment header read {got} of {ALIGN_BYTES} bytes")
+        check_segment_header(header, ident)
+        return size_bytes
+
+    def _staged(self, f: BlockFile, bufs: Sequence[np.ndarray]) -> list[bool]:
+        return [f.direct and not is_direct_capable(b) for b in bufs]
+
+    def _chunk_end(self, start: int, staged: Sequence[bool]) -> tuple[int, int]:
+        """End of the chunk from `start`: at most IOV_MAX iovecs and STAGE_BYTES staged."""
+        max_records = max(1, IOV_MAX // _IOVECS_PER_RECORD)
+        end, num_staged = start, 0
+        while end < len(staged) and end - start < max_records:
+            if staged[end]:
+                if num_staged and (num_staged + 1) * self.padded_bytes > STAGE_BYTES:
+                    break
+                num_staged += 1
+            end += 1
+        return end, num_staged
+
+    def write_records(self, f: BlockFile, ident: SegmentIdentity, indices: np.ndarray,
+                      blocks: Sequence[np.ndarray], first_record_no: int,
+                      offset_bytes: int) -> None:
+        """One record per block, contiguous from offset_bytes, numbered from first_record_no."""
+        staged = self._staged(f, blocks)
+        start = 0
+        while start < len(blocks):
+            end, num_staged = self._chunk_end(start, staged)
+            num = end - start
+            scratch = self.buffer("scratch", num * ALIGN_BYTES + num_staged * self.padded_bytes)
+            bufs: list[np.ndarray] = []
+            stage_at = num * ALIGN_BYTES
+            for k in range(start, end):
+                block = blocks[k]
+                header = scratch[(k - start) * ALIGN_BYTES:(k - start + 1) * ALIGN_BYTES]
+                pack_record_header(ident, header, int(indices[k]), crc_of(block),
+                                   first_record_no + k)
+                bufs.append(header)
+                if staged[k]:
+                    slot = scratch[stage_at:stage_at + self.padded_bytes]
+                    stage_at += self.padded_bytes
+                    slot[:self.block_bytes] = block
+                    slot[self.block_bytes:] = 0
+                    bufs.append(slot)
+                else:
+                    bufs.append(block)
+                    if len(self._zero_pad):
+                        bufs.append(self._zero_pad)
+            f.write_at(bufs, offset_bytes + start * self.record_bytes)
+            start = end
+
+    def read_records(self, f: BlockFile, ident: SegmentIdentity, stored: np.ndarray,
+                     wanted: np.ndarray, out: Sequence[np.ndarray], hits: np.ndarray) -> None:
+        """Read wanted[i] into out[i] and set hits[i] for each record that checks out.
+
+        `stored[r]` is the logical index record r must hold (the manifest's list); records past
+        the end of the file, or failing any check, are left as misses.
+        """
+        size_bytes = self.check_header(f, ident, ALIGN_BYTES)
+        on_disk = (size_bytes - ALIGN_BYTES) // self.record_bytes
+        positions = last_positions(stored, wanted)
+        cut = (positions >= on_disk).sum()
+        if cut:
+            log.warning("L3 rank %d: segment %s holds %d of %d records; %d requested blocks are "
+                        "past its end", ident.rank, ident.session_hash.hex()[:16], on_disk,
+                        len(stored), cut)
+        order = np.flatnonzero((positions >= 0) & (positions < on_disk))
+        order = order[np.argsort(positions[order], kind="stable")]
+        staged = self._staged(f, [out[int(i)] for i in order])
+        start = 0
+        while start < len(order):
+            end, _ = self._chunk_end(start, staged)
+            for k in range(start + 1, end):  # a run is consecutive records on disk
+                if positions[order[k]] != positions[order[k - 1]] + 1:
+                    end = k
+                    break
+            self._read_run(f, ident, stored, int(positions[order[start]]), order[start:end],
+                           staged[start:end], out, hits)
+            start = end
+
+    def _read_run(self, f: BlockFile, ident: SegmentIdentity, stored: np.ndarray, first: int,
+                  reqs: np.ndarray, staged: Sequence[bool], out: Sequence[np.ndarray],
+                  hits: np.ndarray) -> None:
+        num = len(reqs)
+        scratch = self.buffer("scratch", num * ALIGN_BYTES + sum(staged) * self.padded_bytes)
+        sink = self.buffer("sink", len(self._zero_pad))
+        bufs: list[np.ndarray] = []
+        payloads: list[np.ndarray] = []
+        stage_at = num * ALIGN_BYTES
+        for k, req in enumerate(reqs):
+            bufs.append(scratch[k * ALIGN_BYTES:(k + 1) * ALIGN_BYTES])
+            if staged[k]:
+                slot = scratch[stage_at:stage_at + self.padded_bytes]
+                stage_at += self.padded_bytes
+                bufs.append(slot)
+                payloads.append(slot[:self.block_bytes])
+            else:
+                bufs.append(out[int(req)])
+                payloads.append(out[int(req)])
+                if len(sink):
+                    bufs.append(sink)
+        try:
+            got = f.read_at(bufs, ALIGN_BYTES + first * self.record_bytes)
+        except OSError as exc:
+            log.warning("L3 rank %d: segment %s: reading records %d..%d failed, misses: %s",
+                        ident.rank, ident.session_hash.hex()[:16], first, first + num - 1, exc)
+            return
+        for k, req in enumerate(reqs):
+            if got < (k + 1) * self.record_bytes:
+                break
+            record_no = first + k
+            try:
+                crc = check_record_header(scratch[k * ALIGN_BYTES:(k + 1) * ALIGN_BYTES], ident,
+                                          int(stored[record_no]), record_no)
+                actual = crc_of(payloads[k])
+                if actual != crc:
+                    raise SsdFormatError(f"record {record_no} payload crc32c {actual:#010x} != "
+                                         f"stored {crc:#010x}")
+            except SsdFormatError as exc:
+                log.warning("L3 rank %d: segment %s: miss: %s", ident.rank,
+                            ident.session_hash.hex()[:16], exc)
+                continue
+            if staged[k]:
+                out[int(req)][:] = payloads[k]
+            hits[req] = True
