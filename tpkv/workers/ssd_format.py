@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import struct
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import crc32c
@@ -62,6 +65,22 @@ def byte_view(data: np.ndarray | bytes | bytearray | memoryview) -> memoryview:
 
 def crc_of(data: np.ndarray | bytes | bytearray | memoryview) -> int:
     return int(crc32c.crc32c(byte_view(data)))
+
+
+_CRC_POOL: ThreadPoolExecutor | None = None
+_CRC_PARALLEL_MIN_BYTES = 4 << 20
+
+
+def crc_many(bufs: Sequence[np.ndarray]) -> list[int]:
+    """CRC32C of each buffer, spread over threads for large batches (crc32c drops the GIL): at
+    ~13 GB/s a core, a serial pass would cost a fifth of a 2.6 GB/s disk write."""
+    global _CRC_POOL
+    if sum(b.nbytes for b in bufs) < _CRC_PARALLEL_MIN_BYTES or len(bufs) < 2:
+        return [crc_of(b) for b in bufs]
+    if _CRC_POOL is None:
+        _CRC_POOL = ThreadPoolExecutor(max_workers=max(2, min(8, (os.cpu_count() or 2))),
+                                       thread_name_prefix="tpkv-crc")
+    return list(_CRC_POOL.map(crc_of, bufs))
 
 
 @dataclass(frozen=True)

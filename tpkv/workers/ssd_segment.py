@@ -15,7 +15,7 @@ from tpkv.workers.ssd_format import (
     SegmentIdentity,
     check_record_header,
     check_segment_header,
-    crc_of,
+    crc_many,
     pack_record_header,
     pack_segment_header,
     round_up,
@@ -102,12 +102,13 @@ class SegmentIo:
             end, num_staged = self._chunk_end(start, staged)
             num = end - start
             scratch = self.buffer("scratch", num * ALIGN_BYTES + num_staged * self.padded_bytes)
+            crcs = crc_many(blocks[start:end])
             bufs: list[np.ndarray] = []
             stage_at = num * ALIGN_BYTES
             for k in range(start, end):
                 block = blocks[k]
                 header = scratch[(k - start) * ALIGN_BYTES:(k - start + 1) * ALIGN_BYTES]
-                pack_record_header(ident, header, int(indices[k]), crc_of(block),
+                pack_record_header(ident, header, int(indices[k]), crcs[k - start],
                                    first_record_no + k)
                 bufs.append(header)
                 if staged[k]:
@@ -179,14 +180,14 @@ class SegmentIo:
             log.warning("L3 rank %d: segment %s: reading records %d..%d failed, misses: %s",
                         ident.rank, ident.session_hash.hex()[:16], first, first + num - 1, exc)
             return
-        for k, req in enumerate(reqs):
-            if got < (k + 1) * self.record_bytes:
-                break
+        num_read = min(num, got // self.record_bytes)
+        actuals = crc_many(payloads[:num_read])
+        for k, req in enumerate(reqs[:num_read]):
             record_no = first + k
             try:
                 crc = check_record_header(scratch[k * ALIGN_BYTES:(k + 1) * ALIGN_BYTES], ident,
                                           int(stored[record_no]), record_no)
-                actual = crc_of(payloads[k])
+                actual = actuals[k]
                 if actual != crc:
                     raise SsdFormatError(f"record {record_no} payload crc32c {actual:#010x} != "
                                          f"stored {crc:#010x}")
