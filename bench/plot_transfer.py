@@ -52,8 +52,27 @@ def plot(result: dict, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def markdown(result: dict) -> str:
+    """The README's table: the auto method per geometry and direction, then L2 <-> L3."""
+    lines = ["| blocks | direction | method | GB/s | ceiling GB/s | ratio |",
+             "|---|---|---|---|---|---|"]
+    for r in result["copies"]:
+        if r["method"] == "auto":
+            lines.append(f"| {r['block_bytes'] // 1024} KiB ({r['geometry']}) "
+                         f"| {r['direction']} | {r['method_used']} | {r['gbps']} "
+                         f"| {r['ceiling_gbps']} | {r['ratio']} |")
+    ssd = result.get("ssd")
+    if ssd:
+        for op in ("write", "read"):
+            lines.append(f"| L2 <-> L3, 2 MiB | {op} | {ssd['backend']} | {ssd[f'ssd_{op}_gbps']} "
+                         f"| {ssd[f'raw_{op}_gbps']} (raw O_DIRECT) | {ssd[f'{op}_ratio']} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     src = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results/transfer.json")
     dst = Path(sys.argv[2] if len(sys.argv) > 2 else src.with_suffix(".png"))
-    plot(json.loads(src.read_text()), dst)
+    result = json.loads(src.read_text())
+    plot(result, dst)
     print(f"wrote {dst}")
+    print(markdown(result))
