@@ -153,15 +153,15 @@ def raw_odirect(path: Path, total_bytes: int, request_bytes: int = 64 << 20) -> 
     return {"write": write, "read": read}
 
 
-def bench_ssd(root: Path, total_bytes: int, backend: str) -> dict:
+def bench_ssd(root: Path, total_bytes: int, backend: str, rounds: int = 3) -> dict:
+    """SsdStore against raw O_DIRECT on the same disk, alternating the two for `rounds` rounds
+    (a virtio disk drifts by 20% between minutes): medians, and every round's numbers."""
     from tpkv.workers.ssd_store import SsdStore
 
     g = GEOMETRIES["llama8b-tp1"]
     n = total_bytes // g.block_bytes
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    raw = raw_odirect(root / "raw.bin", total_bytes)
-    print(f"raw O_DIRECT: write {raw['write']:.2f} GB/s  read {raw['read']:.2f} GB/s")
     host = HostPool(g, n, HostConfig(budget_bytes=total_bytes, pin="never"))
     for s in range(n):
         host.block_bytes_view(s)[:] = np.random.default_rng(s).integers(0, 256, g.block_bytes,
@@ -169,24 +169,45 @@ def bench_ssd(root: Path, total_bytes: int, backend: str) -> dict:
     cfg = SsdConfig(root=str(root / "store"), budget_bytes=4 * total_bytes, backend=backend)
     store = SsdStore(cfg, g, "bench-model", rank=0)
     blocks = [host.block_bytes_view(s) for s in range(n)]
-    logical = np.arange(n, dtype=np.int64)
-    t0 = time.perf_counter()
-    store.write_blocks("bench-session", logical, blocks)
-    write = total_bytes / (time.perf_counter() - t0) / 1e9
-    assert store.commit_manifest("bench-session")
     want = [b.copy() for b in blocks[:8]]
-    for b in blocks:
-        b[:] = 0
-    t0 = time.perf_counter()
-    hits = store.read_blocks("bench-session", logical, blocks)
-    read = total_bytes / (time.perf_counter() - t0) / 1e9
-    assert hits.all() and all(np.array_equal(w, b) for w, b in zip(want, blocks))
-    print(f"SsdStore ({store.backend_name}): write {write:.2f} GB/s  read {read:.2f} GB/s")
+    logical = np.arange(n, dtype=np.int64)
+    per: dict[str, list[float]] = {k: [] for k in ("raw_write", "raw_read", "write", "read",
+                                                   "read_4way")}
+    for r in range(rounds):
+        raw = raw_odirect(root / "raw.bin", total_bytes)
+        per["raw_write"].append(raw["write"])
+        per["raw_read"].append(raw["read"])
+        session = f"bench-{r}"
+        t0 = time.perf_counter()
+        store.write_blocks(session, logical, blocks)
+        per["write"].append(total_bytes / (time.perf_counter() - t0) / 1e9)
+        assert store.commit_manifest(session)
+        for b in blocks:
+            b[:] = 0
+        t0 = time.perf_counter()
+        hits = store.read_blocks(session, logical, blocks)
+        per["read"].append(total_bytes / (time.perf_counter() - t0) / 1e9)
+        assert hits.all() and all(np.array_equal(w, b) for w, b in zip(want, blocks))
+        parts = np.array_split(np.arange(n), 4)  # the same read as 4 concurrent requests
+        t0 = time.perf_counter()
+        futures = [store.submit_read(session, logical[p], [blocks[i] for i in p]) for p in parts]
+        assert all(f.result().all() for f in futures)
+        per["read_4way"].append(total_bytes / (time.perf_counter() - t0) / 1e9)
+        store.drop_session(session)
+        print("round", r, {k: round(v[-1], 2) for k, v in per.items()})
+    med = {k: statistics.median(v) for k, v in per.items()}
+    print(f"raw O_DIRECT: write {med['raw_write']:.2f} GB/s  read {med['raw_read']:.2f} GB/s")
+    print(f"SsdStore ({store.backend_name}): write {med['write']:.2f} GB/s  read "
+          f"{med['read']:.2f} GB/s  (4 concurrent reads {med['read_4way']:.2f})")
+    host.close()
     shutil.rmtree(root, ignore_errors=True)
-    return {"ssd_write_gbps": round(write, 3), "ssd_read_gbps": round(read, 3),
-            "raw_write_gbps": round(raw["write"], 3), "raw_read_gbps": round(raw["read"], 3),
-            "write_ratio": round(write / raw["write"], 3),
-            "read_ratio": round(read / raw["read"], 3),
+    return {"ssd_write_gbps": round(med["write"], 3), "ssd_read_gbps": round(med["read"], 3),
+            "raw_write_gbps": round(med["raw_write"], 3),
+            "raw_read_gbps": round(med["raw_read"], 3),
+            "write_ratio": round(med["write"] / med["raw_write"], 3),
+            "read_ratio": round(med["read"] / med["raw_read"], 3),
+            "read_4way_gbps": round(med["read_4way"], 3),
+            "rounds": {k: [round(x, 3) for x in v] for k, v in per.items()},
             "backend": store.backend_name, "bytes": total_bytes}
 
 
@@ -197,6 +218,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--ssd-dir", default="/tmp/tpkv-bench-ssd")
     ap.add_argument("--ssd-backend", default="auto", choices=["auto", "posix", "kvikio"])
+    ap.add_argument("--ssd-rounds", type=int, default=3)
     ap.add_argument("--skip-ssd", action="store_true")
     ap.add_argument("--out", default="bench/results/transfer.json")
     args = ap.parse_args()
@@ -210,7 +232,8 @@ def main() -> None:
     if torch.cuda.is_available():
         result["copies"] = bench_copies(total, args.reps)
     if not args.skip_ssd:
-        result["ssd"] = bench_ssd(Path(args.ssd_dir), int(args.ssd_gib * GiB), args.ssd_backend)
+        result["ssd"] = bench_ssd(Path(args.ssd_dir), int(args.ssd_gib * GiB), args.ssd_backend,
+                                  args.ssd_rounds)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -22,6 +22,9 @@ Method = Literal["auto", "dma", "kernel", "torch"]
 # while 2 MiB blocks do best on one stream (bench/copy_sweep.py, bench/results/copy_sweep.json).
 SMALL_BLOCK_BYTES = 1 << 20
 DMA_SMALL_BLOCK_STREAMS = 8
+# Descriptors per cudaMemcpyBatchAsync call for small blocks: 256 did a little better than 8192
+# one way (0.93 vs 0.91) and both ways (0.76 vs 0.72) in bench/both_sweep.py.
+DMA_SMALL_BLOCK_CHUNK = 256
 
 
 @dataclass
@@ -46,8 +49,8 @@ class CopyEngine:
     """Executes L1 <-> L2 block copies for one rank. Never decides what to move."""
 
     def __init__(self, hbm: HbmPool, host: HostPool, method: Method = "auto",
-                 dma_streams: int | None = None, kernel_args: dict[str, int] | None = None
-                 ) -> None:
+                 dma_streams: int | None = None, kernel_args: dict[str, int] | None = None,
+                 dma_chunk: int | None = None) -> None:
         if hbm.geometry != host.geometry:
             raise ValueError("L1 and L2 pools of one engine must share a geometry")
         self.hbm = hbm
@@ -56,13 +59,15 @@ class CopyEngine:
         self.on_gpu = hbm.device.type == "cuda"
         self.method: Method = method
         self.kernel_args = kernel_args or {}
+        small = self.block_bytes < SMALL_BLOCK_BYTES
+        self.dma_chunk = dma_chunk or (DMA_SMALL_BLOCK_CHUNK if small else
+                                       cuda_rt.MAX_BATCH_DESCRIPTORS)
         self._last: dict[str, CopyHandle | None] = {"h2d": None, "d2h": None}
         if self.on_gpu:
             if not host.pinned:
                 raise ValueError("a GPU copy engine needs a pinned L2 pool (HostConfig.pin)")
             self.streams = {d: torch.cuda.Stream(hbm.device) for d in ("h2d", "d2h")}
             if dma_streams is None:
-                small = self.block_bytes < SMALL_BLOCK_BYTES
                 dma_streams = DMA_SMALL_BLOCK_STREAMS if small else 1
             # Extra streams per direction so that one batch is spread over several copy engines.
             self.dma_substreams = {d: [torch.cuda.Stream(hbm.device) for _ in range(dma_streams)]
@@ -142,12 +147,13 @@ class CopyEngine:
         src, dst, sizes = coalesce(src, dst, self.block_bytes)
         subs = self.dma_substreams[direction] if self.dma_substreams else None
         if subs is None or len(src) < 2 * len(subs):
-            cuda_rt.memcpy_batch(dst.tolist(), src.tolist(), sizes.tolist(), stream.cuda_stream)
+            cuda_rt.memcpy_batch(dst.tolist(), src.tolist(), sizes.tolist(), stream.cuda_stream,
+                                 self.dma_chunk)
             return
         for part, sub in zip(np.array_split(np.arange(len(src)), len(subs)), subs):
             sub.wait_stream(stream)
             cuda_rt.memcpy_batch(dst[part].tolist(), src[part].tolist(), sizes[part].tolist(),
-                                 sub.cuda_stream)
+                                 sub.cuda_stream, self.dma_chunk)
             stream.wait_stream(sub)
 
     def _copy_kernel(self, direction: str, hbm_slots: np.ndarray, host_slots: np.ndarray,

@@ -74,14 +74,15 @@ def _stream_order_attr() -> Any:
 
 
 def memcpy_batch(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int],
-                 stream: int) -> None:
+                 stream: int, chunk: int = MAX_BATCH_DESCRIPTORS) -> None:
     """Issue copies dst[i] <- src[i] of sizes[i] bytes on `stream`, in chunks of <= 8192 (one
     cudaMemcpyBatchAsync each). `stream` must be a created stream, not the legacy stream 0."""
     rt = runtime()
     attr = _stream_order_attr()
     n = len(dsts)
-    for start in range(0, n, MAX_BATCH_DESCRIPTORS):
-        stop = min(n, start + MAX_BATCH_DESCRIPTORS)
+    chunk = max(1, min(chunk, MAX_BATCH_DESCRIPTORS))
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
         count = stop - start
         res = rt.cudaMemcpyBatchAsync(list(dsts[start:stop]), list(srcs[start:stop]),
                                       list(sizes[start:stop]), count, [attr], [0], 1, stream)
