@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def plot(result: dict, out: Path) -> None:
-    rows = result["copies"]
+    rows = [r for r in result["copies"] if r.get("placement", "random") == "random"]
     geoms = sorted({r["geometry"] for r in rows})
     fig, axes = plt.subplots(1, len(geoms) + 1, figsize=(5 * (len(geoms) + 1), 4.2))
     for ax, geom in zip(axes, geoms):
@@ -58,7 +58,8 @@ def markdown(result: dict) -> str:
              "|---|---|---|---|---|---|"]
     for r in result["copies"]:
         if r["method"] == "auto":
-            lines.append(f"| {r['block_bytes'] // 1024} KiB ({r['geometry']}) "
+            lines.append(f"| {r['block_bytes'] // 1024} KiB ({r['geometry']}), "
+                         f"{r.get('placement', 'random')} "
                          f"| {r['direction']} | {r['method_used']} | {r['gbps']} "
                          f"| {r['ceiling_gbps']} | {r['ratio']} |")
     ssd = result.get("ssd")

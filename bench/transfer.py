@@ -76,11 +76,15 @@ def ceilings(num_bytes: int, reps: int) -> dict[str, float]:
     return out
 
 
-def run_copy(engine: CopyEngine, direction: str, reps: int, seed: int) -> tuple[float, str]:
-    """GB/s moving every block of the pool in random order; returns (gbps, method used)."""
+def run_copy(engine: CopyEngine, direction: str, reps: int, seed: int,
+             placement: str = "random") -> tuple[float, str]:
+    """GB/s moving every block of the pool; returns (gbps, method used). Placement "random":
+    both sides in random order; "l2-runs": L1 side random, L2 side in ascending slots (as an
+    allocator hands out fresh L2 slots to one batch of demotions)."""
     n = engine.hbm.num_slots
     rng = np.random.default_rng(seed)
-    hbm_slots, host_slots = rng.permutation(n), rng.permutation(n)
+    hbm_slots = rng.permutation(n)
+    host_slots = rng.permutation(n) if placement == "random" else np.arange(n)
     half = n // 2
     used: list[str] = []
     cur = torch.cuda.current_stream()
@@ -117,13 +121,26 @@ def bench_copies(total_bytes: int, reps: int) -> list[dict]:
                 if method == "torch" and direction == "both":
                     continue  # the torch fallback stages on the host; not a both-ways path
                 gbps, used = run_copy(engine, direction, reps, seed=1)
-                row = {"geometry": name, "direction": direction, "method": method,
+                row = {"geometry": name, "placement": "random", "direction": direction,
+                       "method": method,
                        "method_used": used, "gbps": round(gbps, 2),
                        "ceiling_gbps": round(ceil[direction], 2),
                        "ratio": round(gbps / ceil[direction], 3),
                        "block_bytes": g.block_bytes, "num_blocks": n}
                 rows.append(row)
                 print(f"{name:12s} {direction:4s} {method:6s} ({used:10s}) {gbps:6.1f} GB/s "
+                      f"ratio {row['ratio']:.3f}")
+        for label, kw in (("auto", {}), ("dma-unstaged", {"method": "dma", "staging_bytes": 0})):
+            engine = CopyEngine(hbm, host, **kw)  # type: ignore[arg-type]
+            for direction in ("h2d", "d2h", "both"):
+                gbps, used = run_copy(engine, direction, reps, seed=1, placement="l2-runs")
+                row = {"geometry": name, "placement": "l2-runs", "direction": direction,
+                       "method": label, "method_used": used, "gbps": round(gbps, 2),
+                       "ceiling_gbps": round(ceil[direction], 2),
+                       "ratio": round(gbps / ceil[direction], 3),
+                       "block_bytes": g.block_bytes, "num_blocks": n}
+                rows.append(row)
+                print(f"{name:12s} {direction:4s} {label:12s} l2-runs {gbps:6.1f} GB/s "
                       f"ratio {row['ratio']:.3f}")
         host.close()
         del hbm, host

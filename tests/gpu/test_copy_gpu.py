@@ -58,3 +58,4 @@ def test_d2h_waits_for_compute_on_current_stream():
     engine.d2h(np.array([3]), np.array([0])).wait()
     assert (engine.host.block(0) == 1.5).all()
     engine.host.close()
+

@@ -35,6 +35,8 @@ def test_host_pool_arenas_are_page_aligned_and_block_contiguous():
     ptrs = pool.slot_ptrs(np.arange(10))
     assert ptrs[1] - ptrs[0] == g.block_bytes
     assert ptrs[5] == pool.arena_ptrs[1] + g.block_bytes
+    ends = {int(p) + pool.slots_per_arena * g.block_bytes for p in pool.arena_ptrs}
+    assert not ends & {int(p) for p in pool.arena_ptrs}, "two arenas are adjacent"
     view = pool.block_bytes_view(7)
     view[:] = 0xAB
     assert (pool.block(7).view(torch.uint8) == 0xAB).all()
@@ -71,3 +73,4 @@ def test_coalesce_merges_runs_only_where_both_sides_continue():
     assert s.tolist() == [10_000, 10_200, 10_500, 10_900]
     assert d.tolist() == [50_000, 50_300, 50_400, 50_700]
     assert sizes.sum() == len(src) * b
+

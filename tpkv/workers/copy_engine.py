@@ -50,7 +50,7 @@ class CopyEngine:
 
     def __init__(self, hbm: HbmPool, host: HostPool, method: Method = "auto",
                  dma_streams: int | None = None, kernel_args: dict[str, int] | None = None,
-                 dma_chunk: int | None = None) -> None:
+                 dma_chunk: int | None = None, host_order: bool = True) -> None:
         if hbm.geometry != host.geometry:
             raise ValueError("L1 and L2 pools of one engine must share a geometry")
         self.hbm = hbm
@@ -63,6 +63,7 @@ class CopyEngine:
         self.dma_chunk = dma_chunk or (DMA_SMALL_BLOCK_CHUNK if small else
                                        cuda_rt.MAX_BATCH_DESCRIPTORS)
         self._last: dict[str, CopyHandle | None] = {"h2d": None, "d2h": None}
+        self.host_order = host_order
         if self.on_gpu:
             if not host.pinned:
                 raise ValueError("a GPU copy engine needs a pinned L2 pool (HostConfig.pin)")
@@ -144,7 +145,11 @@ class CopyEngine:
     def _copy_dma(self, direction: str, hbm_slots: np.ndarray, host_slots: np.ndarray,
                   stream: torch.cuda.Stream) -> None:
         src, dst = self._endpoints(direction, hbm_slots, host_slots)
-        src, dst, sizes = coalesce(src, dst, self.block_bytes)
+        # Descriptors in ascending host address (or device address when host_order is off).
+        if self.host_order == (direction == "d2h"):  # sort by dst
+            dst, src, sizes = coalesce(dst, src, self.block_bytes)
+        else:
+            src, dst, sizes = coalesce(src, dst, self.block_bytes)
         subs = self.dma_substreams[direction] if self.dma_substreams else None
         if subs is None or len(src) < 2 * len(subs):
             cuda_rt.memcpy_batch(dst.tolist(), src.tolist(), sizes.tolist(), stream.cuda_stream,

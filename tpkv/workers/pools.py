@@ -94,7 +94,9 @@ class HostPool:
         self._bytes_views: list[np.ndarray] = []  # each [n, block_bytes] uint8 over the same mmap
         for start in range(0, num_slots, self.slots_per_arena):
             n = min(self.slots_per_arena, num_slots - start)
-            size = -(-n * block_bytes // PAGE_BYTES) * PAGE_BYTES
+            # One spare page after the blocks: two arenas are then never adjacent in virtual
+            # memory, so no copy that merges adjacent blocks can span two registrations.
+            size = -(-n * block_bytes // PAGE_BYTES) * PAGE_BYTES + PAGE_BYTES
             mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             raw = torch.frombuffer(mm, dtype=torch.uint8)[: n * block_bytes]
             self._maps.append(mm)
