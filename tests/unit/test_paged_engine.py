@@ -1,0 +1,177 @@
+"""The paged engine against a dense recompute: batched decode, moves between turns, the loop."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from tpkv.errors import BadRequestError, ConfigError, TierFullError
+from tpkv.models.engine import Finished, PagedEngine, StepReport
+from tpkv.models.llama import Llama, ModelConfig, build_model, dense_generate
+from tpkv.models.paged import paged_attention_ref
+
+BT = 4
+ATOL = 1e-4  # float32 logits: paged (masked fp32 softmax) vs dense (SDPA) differ by reduction order
+
+
+@functools.cache
+def _model(tied: bool = False) -> Llama:
+    return build_model(ModelConfig.preset("tiny", tie_embeddings=tied), seed=0)
+
+
+def _pool(model: Llama, slots: int) -> torch.Tensor:
+    g = model.kv_geometry(block_tokens=BT)
+    return torch.full((slots, *g.block_shape), float("nan"))  # reading unwritten KV shows
+
+
+def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 512, n).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_batched_decode_over_scattered_blocks_matches_dense(tied):
+    model, steps = _model(tied), 8
+    prompts = _prompts([1, 4, 7, 13, 16, 22], seed=1)
+    pool = _pool(model, 64)
+    perm = np.random.default_rng(2).permutation(64)
+    nb = [-(-(len(p) + steps) // BT) for p in prompts]
+    tables = dict(zip("abcdef", np.split(perm[:sum(nb)], np.cumsum(nb)[:-1])))
+    engine = PagedEngine(model, pool)
+    got: dict[str, list[int]] = {s: [] for s in tables}
+    logits: dict[str, list[torch.Tensor]] = {s: [] for s in tables}
+    for s, p in zip(tables, prompts):  # each prompt prefilled alone
+        out = engine.prefill(s, p, tables[s])
+        got[s].append(out.tokens[0])
+        logits[s].append(out.logits[0])
+    for _ in range(steps - 1):  # then one batch of six sessions of different lengths
+        out = engine.decode_step(list(tables.items()))
+        for s, t, row in zip(out.session_ids, out.tokens, out.logits):
+            got[s].append(t)
+            logits[s].append(row)
+    for s, p in zip(tables, prompts):
+        want, want_logits = dense_generate(model, p, steps)
+        assert got[s] == want, s
+        torch.testing.assert_close(torch.stack(logits[s]), want_logits, atol=ATOL, rtol=ATOL)
+
+
+def test_moving_blocks_between_turns_leaves_tokens_unchanged():
+    model = _model()
+    turn1, turn2 = _prompts([10, 7], seed=3)
+    results = []
+    for move in (False, True):
+        engine = PagedEngine(model, _pool(model, 40), scheduler_seed=5)
+        engine.add_turn("s", turn1, 6)
+        (first,) = engine.run()
+        assert engine.scheduler is not None
+        if move:  # the controller moved the blocks (e.g. to L2 and back) to other L1 slots
+            old = engine.scheduler.session_slots("s")
+            new = engine.scheduler.relocate("s", engine.pool)
+            assert not set(old) & set(new)
+            engine.pool[torch.from_numpy(old)] = float("nan")  # the old copies must not be read
+        engine.add_turn("s", turn2, 6)
+        (second,) = engine.run()
+        results.append((first.token_ids, second.token_ids))
+    assert results[0] == results[1]
+    want1, _ = dense_generate(model, turn1, 6)
+    want2, _ = dense_generate(model, turn1 + want1 + turn2, 6)
+    assert results[1] == (tuple(want1), tuple(want2))
+
+
+def test_lost_blocks_are_recomputed_after_invalidate():
+    model, (turn1, turn2) = _model(), _prompts([13, 6], seed=8)
+    engine = PagedEngine(model, _pool(model, 16), scheduler_seed=2)
+    engine.add_turn("s", turn1, 4)
+    (first,) = engine.run()
+    assert engine.scheduler is not None
+    slots = engine.scheduler.session_slots("s")
+    engine.pool[torch.from_numpy(slots[1:])] = float("nan")  # blocks 1.. lost
+    assert engine.invalidate("s", keep_tokens=BT) == 13 + 4 - BT
+    engine.add_turn("s", turn2, 4)
+    (second,) = engine.run()
+    want, _ = dense_generate(model, turn1 + list(first.token_ids) + turn2, 4)
+    assert list(second.token_ids) == want
+
+
+def test_step_loop_runs_multi_turn_sessions_like_dense():
+    model = _model()
+    prompts = dict(zip(["x", "y", "z", "w"], _prompts([3, 18, 9, 5], seed=4)))
+    calls: list[str] = []
+    reports: list[StepReport] = []
+
+    def report(r: StepReport) -> None:
+        calls.append("report")
+        reports.append(r)
+
+    engine = PagedEngine(model, _pool(model, 48), scheduler_seed=0, max_prefill_tokens=20,
+                         wait=lambda tables: calls.append("wait"), report=report)
+    for s, p in prompts.items():
+        engine.add_turn(s, p, 1 + len(p) % 5)
+    first = {f.session: f.token_ids for f in engine.run()}
+    assert calls[:2] == ["wait", "report"] and len(calls) == 2 * len(reports)
+    kinds = [r.kind for r in reports]
+    assert kinds[:2] == ["prefill", "prefill"] and "decode" in kinds  # x+y > 20: two prefills
+    second_prompts = _prompts([4, 4], seed=5)
+    for s, p in zip(["y", "w"], second_prompts):
+        engine.add_turn(s, p, 3)
+    second = {f.session: f.token_ids for f in engine.run()}
+    for s, p in prompts.items():
+        want, _ = dense_generate(model, p, 1 + len(p) % 5)
+        assert first[s] == tuple(want), s
+    for s, p in zip(["y", "w"], second_prompts):
+        history = prompts[s] + list(first[s])
+        want, _ = dense_generate(model, history + p, 3)
+        assert second[s] == tuple(want), s
+    assert engine.scheduler is not None
+    used = engine.scheduler.slots.num_used
+    engine.close_session("y")
+    assert engine.scheduler.slots.num_used == used - -(-(3 + 18 + 4 + 4 - 1) // BT)
+
+
+def test_attention_mass_sums_to_layers_heads_and_tokens():
+    model = _model()
+    cfg = model.config
+    reports: list[StepReport] = []
+    engine = PagedEngine(model, _pool(model, 32), report=reports.append)
+    for s, p in zip("ab", _prompts([11, 5], seed=6)):
+        engine.add_turn(s, p, 4)
+    engine.run()
+    for r in reports:
+        for i, mass in enumerate(r.output.block_mass):
+            blocks = len(r.tables.session_slots(i))
+            assert mass.shape == (blocks,) and (mass >= 0).all()
+            total = cfg.num_layers * cfg.num_heads * r.num_new_tokens[i]
+            assert mass.sum() == pytest.approx(total, rel=1e-5)
+
+
+def test_chunked_reference_in_the_engine_gives_the_same_tokens():
+    model, prompt = _model(), _prompts([30], seed=7)[0]
+    tiny_chunks = functools.partial(paged_attention_ref, max_score_bytes=1)
+    outs = []
+    for impl in (paged_attention_ref, tiny_chunks):
+        engine = PagedEngine(model, _pool(model, 16), attention=impl)
+        engine.add_turn("s", prompt, 5)
+        outs.append(engine.run())
+    assert outs[0] == outs[1] == [Finished("s", tuple(dense_generate(model, prompt, 5)[0]))]
+
+
+def test_misuse_is_refused():
+    model = _model()
+    with pytest.raises(ConfigError, match="needs"):
+        PagedEngine(model, torch.zeros(8, 3, 2, 4, 3, 16))  # wrong head count
+    engine = PagedEngine(model, _pool(model, 4))
+    engine.add_turn("s", [1, 2], 2)
+    with pytest.raises(BadRequestError, match="in progress"):
+        engine.add_turn("s", [3], 2)
+    with pytest.raises(BadRequestError, match="max_new_tokens"):
+        engine.add_turn("t", [3], 0)
+    engine.add_turn("big", list(range(40)), 1)  # 40 tokens need 10 blocks of a 4-slot L1
+    with pytest.raises(TierFullError, match="free of 4"):
+        engine.run()
+    assert len(engine.waiting) == 2 and not engine.running  # nothing half-done: retry works
+    engine.waiting.pop()
+    del engine.seqs["big"]
+    assert engine.run() == [Finished("s", tuple(dense_generate(model, [1, 2], 2)[0]))]

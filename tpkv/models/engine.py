@@ -1,0 +1,246 @@
+"""Paged TP decode engine: KV of every session in L1 blocks; schedule, wait, forward, sample."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from tpkv.errors import BadRequestError, ConfigError, UnknownSessionError
+from tpkv.models.llama import Llama
+from tpkv.models.paged import AttentionImpl, PagedAttention, build_meta, paged_attention_ref
+from tpkv.models.scheduler import LocalScheduler, StepTables
+
+
+@dataclass(eq=False)
+class Seq:
+    """One session: every token so far; the first `num_cached` have K/V in the cache."""
+
+    session: str
+    token_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    max_new_tokens: int = 0  # of the current turn
+    generated: list[int] = field(default_factory=list)  # tokens of the current turn
+
+    @property
+    def num_uncached(self) -> int:
+        return len(self.token_ids) - self.num_cached
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One forward: the greedy token, its logits and the attention mass of every session."""
+
+    session_ids: tuple[str, ...]
+    tokens: tuple[int, ...]  # [B]
+    logits: Tensor  # [B, vocab] float32
+    block_mass: tuple[np.ndarray, ...]  # B arrays [blocks of the session], float32; empty: none
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What `report` gets after every step (the controller adapter turns it into its calls)."""
+
+    tick: int
+    kind: Literal["prefill", "decode"]
+    tables: StepTables  # as `schedule` returned them
+    num_new_tokens: tuple[int, ...]  # [B] tokens whose K/V this step wrote
+    output: StepOutput
+    forward_s: float  # wall time of forward + sample (includes the device sync of sampling)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A turn that is done: the tokens it generated. The session stays cached for its next turn."""
+
+    session: str
+    token_ids: tuple[int, ...]
+
+
+ScheduleFn = Callable[[Sequence[str], Sequence[int]], StepTables]
+WaitFn = Callable[[StepTables], None]
+ReportFn = Callable[[StepReport], None]
+ReleaseFn = Callable[[str], object]
+
+
+class PagedEngine:
+    """Greedy decoding of many sessions whose K/V live in one rank's L1 pool tensor
+    [slots, layers, 2, block_tokens, heads_per_rank, head_dim].
+
+    Low level: `prefill` / `decode_step` with block tables given by the caller. High level:
+    `add_turn` then `step()` until `has_work` is False; block tables then come from `schedule`
+    (default: a LocalScheduler over the whole pool), `wait` blocks until the step's blocks are in
+    L1 (default: nothing to wait for), `report` receives a StepReport, `release` frees a closed
+    session's blocks. Under TP every rank runs the same calls; the model's hooks do the rest.
+    """
+
+    def __init__(self, model: Llama, hbm_tensor: Tensor, *, schedule: ScheduleFn | None = None,
+                 wait: WaitFn | None = None, report: ReportFn | None = None,
+                 release: ReleaseFn | None = None, attention: AttentionImpl = paged_attention_ref,
+                 max_batch: int = 64, max_prefill_tokens: int = 8192,
+                 eos_token_id: int | None = None, scheduler_seed: int | None = None) -> None:
+        cfg = model.config
+        local_kv_heads = model.blocks[0].attn.wk.out_features // cfg.head_dim
+        want = (cfg.num_layers, 2, "block_tokens", local_kv_heads, cfg.head_dim)
+        shape = tuple(hbm_tensor.shape)
+        if len(shape) != 6 or shape[1:3] != want[:2] or shape[4:] != want[3:]:
+            raise ConfigError(f"L1 tensor has shape {shape}; this rank's model needs "
+                              f"[slots, {', '.join(map(str, want))}]")
+        if hbm_tensor.device != model.device:
+            raise ConfigError(f"L1 is on {hbm_tensor.device}, the model on {model.device}")
+        self.model = model
+        self.pool = hbm_tensor
+        self.num_slots, self.block_tokens = shape[0], shape[3]
+        self.scheduler: LocalScheduler | None = None
+        if schedule is None:
+            local = self.scheduler = LocalScheduler(self.num_slots, self.block_tokens,
+                                                    scheduler_seed)
+            schedule = local.schedule
+            release = release or (lambda session: local.close(session) if session in local
+                                  else 0)  # sessions run by prefill/decode_step hold no slots
+        self.schedule: ScheduleFn = schedule
+        self.wait: WaitFn = wait or (lambda tables: None)
+        self.report: ReportFn = report or (lambda step_report: None)
+        self.release: ReleaseFn = release or (lambda session: None)
+        self.attention = attention
+        self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
+        self.eos_token_id = eos_token_id
+        self.seqs: dict[str, Seq] = {}
+        self.waiting: deque[Seq] = deque()  # turns whose prompt is not yet prefilled
+        self.running: list[Seq] = []  # turns decoding
+        self.tick = 0
+
+    # ---- the step loop ---------------------------------------------------------------------
+    def add_turn(self, session: str, prompt_token_ids: Sequence[int], max_new_tokens: int) -> None:
+        """Queue a turn: its prompt follows whatever the session holds; it generates up to
+        `max_new_tokens` tokens (>= 1)."""
+        seq = self.seqs.setdefault(session, Seq(session))
+        if seq in self.waiting or seq in self.running:
+            raise BadRequestError(f"session {session!r} already has a turn in progress")
+        if max_new_tokens < 1 or not (len(prompt_token_ids) or seq.num_uncached):
+            raise BadRequestError(f"a turn needs max_new_tokens >= 1 (got {max_new_tokens}) and "
+                                  f"a token to start from (session {session!r})")
+        seq.token_ids.extend(int(t) for t in prompt_token_ids)
+        seq.max_new_tokens, seq.generated = max_new_tokens, []
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[Finished]:
+        """One step: schedule -> wait for the step's blocks -> forward -> sample -> report."""
+        kind, seqs = self._pick()
+        if not seqs:
+            return []
+        new = [s.num_uncached for s in seqs]
+        tables = self.schedule([s.session for s in seqs], new)  # L1 slot of every block
+        self.wait(tables)  # the step's plans are applied: its blocks are in L1
+        t0 = time.perf_counter()
+        out = self._forward(seqs, [tables.session_slots(i) for i in range(len(seqs))])
+        self.tick += 1
+        self.report(StepReport(self.tick, kind, tables, tuple(new), out,
+                               time.perf_counter() - t0))
+        return self._postprocess(kind, seqs)
+
+    def run(self) -> list[Finished]:
+        """Step until every queued turn is done."""
+        done: list[Finished] = []
+        while self.has_work:
+            done.extend(self.step())
+        return done
+
+    def close_session(self, session: str) -> None:
+        """Forget a session whose turns are over and release its blocks."""
+        seq = self._seq(session)
+        if seq in self.waiting or seq in self.running:
+            raise BadRequestError(f"session {session!r} has a turn in progress")
+        del self.seqs[session]
+        self.release(session)
+
+    def invalidate(self, session: str, keep_tokens: int) -> int:
+        """K/V of the session's tokens from `keep_tokens` on are lost (e.g. the controller
+        dropped their blocks): the next step feeds them again. Returns the tokens to recompute."""
+        seq = self._seq(session)
+        seq.num_cached = max(0, min(seq.num_cached, keep_tokens))
+        return seq.num_uncached
+
+    def _pick(self) -> tuple[Literal["prefill", "decode"], list[Seq]]:
+        """Prefill first (whole prompts, up to max_prefill_tokens, at least one), else decode.
+        Changes nothing: a step whose schedule or forward raises can simply be retried."""
+        if self.waiting:
+            seqs = [self.waiting[0]]
+            budget = self.max_prefill_tokens - seqs[0].num_uncached
+            for seq in list(self.waiting)[1:self.max_batch]:
+                if seq.num_uncached > budget:
+                    break
+                budget -= seq.num_uncached
+                seqs.append(seq)
+            return "prefill", seqs
+        return "decode", self.running[:self.max_batch]
+
+    def _postprocess(self, kind: str, seqs: list[Seq]) -> list[Finished]:
+        if kind == "prefill":  # the prefilled turns move from waiting to running
+            for _ in seqs:
+                self.waiting.popleft()
+            self.running.extend(seqs)
+        done = []
+        for seq in seqs:
+            seq.generated.append(seq.token_ids[-1])
+            if (len(seq.generated) >= seq.max_new_tokens
+                    or seq.token_ids[-1] == self.eos_token_id):
+                self.running.remove(seq)  # its last token stays uncached until the next turn
+                done.append(Finished(seq.session, tuple(seq.generated)))
+        return done
+
+    # ---- explicit block tables (tests, and callers with their own scheduling) ---------------
+    def prefill(self, session: str, token_ids: Sequence[int],
+                block_slots: np.ndarray | Sequence[int]) -> StepOutput:
+        """Append `token_ids` to a session (after its uncached tail, if any), write their K/V
+        into `block_slots` (every block of the session, logical order) and sample one token."""
+        seq = self.seqs.setdefault(session, Seq(session))
+        seq.token_ids.extend(int(t) for t in token_ids)
+        return self._forward([seq], [block_slots])
+
+    def decode_step(self, batch: Sequence[tuple[str, np.ndarray | Sequence[int]]]
+                    ) -> StepOutput:
+        """One token for each (session, block_slots): feeds each session's uncached tail (the
+        token sampled last) and samples the next."""
+        return self._forward([self._seq(s) for s, _ in batch], [slots for _, slots in batch])
+
+    @torch.inference_mode()
+    def _forward(self, seqs: list[Seq], slots: Sequence[np.ndarray | Sequence[int]]
+                 ) -> StepOutput:
+        """Write the uncached tokens' K/V, attend through the block tables, sample greedily."""
+        for seq in seqs:
+            if seq.num_uncached < 1:
+                raise BadRequestError(f"session {seq.session!r} has no token to feed")
+        device = self.model.device
+        meta = build_meta(slots, [len(s.token_ids) for s in seqs],
+                          [s.num_uncached for s in seqs], self.block_tokens, self.num_slots,
+                          device)
+        new_ids = [t for s in seqs for t in s.token_ids[s.num_cached:]]
+        token_ids = torch.tensor(new_ids, dtype=torch.long, device=device)  # [T]
+        attn = PagedAttention(self.pool, meta, self.attention)
+        logits = self.model(token_ids, meta.positions, attn, meta.last_rows)  # [B, vocab]
+        tokens = logits.argmax(dim=-1).tolist()
+        mass: tuple[np.ndarray, ...] = tuple(np.zeros(0, dtype=np.float32) for _ in seqs)
+        if attn.block_mass is not None:
+            per_session = attn.block_mass.cpu().numpy()  # [B, NB]
+            nb = meta.num_blocks.tolist()
+            mass = tuple(per_session[i, :nb[i]].copy() for i in range(len(seqs)))
+        for seq, token in zip(seqs, tokens):
+            seq.num_cached = len(seq.token_ids)
+            seq.token_ids.append(int(token))
+        return StepOutput(tuple(s.session for s in seqs), tuple(tokens), logits, mass)
+
+    def _seq(self, session: str) -> Seq:
+        if session not in self.seqs:
+            raise UnknownSessionError(f"the engine holds no session {session!r}")
+        return self.seqs[session]

@@ -1,0 +1,170 @@
+"""Paged attention over L1 through per-session block tables: step metadata, KV writes, reference."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from tpkv.errors import BadRequestError, SlotError
+
+
+@dataclass(frozen=True)
+class PagedMeta:
+    """Where one forward's new tokens go and what each attends to; built once, used by all layers.
+
+    A batch holds B sessions; session b adds q_lens[b] new tokens at the end of its sequence, so
+    they sit at positions seq_lens[b] - q_lens[b] .. seq_lens[b] - 1. Decode is q_lens == 1;
+    prefill is one session with many; mixed batches work too. New tokens are flat, session by
+    session: T = sum(q_lens).
+    """
+
+    block_tokens: int
+    block_table: Tensor  # [B, NB] int64 L1 slots in logical order, padded with slot 0
+    num_blocks: Tensor  # [B] int64 blocks in use (ceil(seq_len / block_tokens))
+    seq_lens: Tensor  # [B] int64 tokens after this forward
+    q_lens: Tensor  # [B] int64 new tokens of this forward
+    query_start: Tensor  # [B + 1] int64 offsets of each session's new tokens into T
+    positions: Tensor  # [T] int64 absolute position of each new token
+    token_session: Tensor  # [T] int64 session (row of the batch) of each new token
+    token_index: Tensor  # [T] int64 index of each new token among its session's new ones
+    write_slots: Tensor  # [T] int64 L1 slot each new token's K/V goes to
+    write_offsets: Tensor  # [T] int64 offset inside that block
+    max_q_len: int
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.block_table.shape[0])
+
+    @property
+    def last_rows(self) -> Tensor:
+        """[B] row of T holding each session's last new token (the one that is sampled)."""
+        return self.query_start[1:] - 1
+
+
+def build_meta(block_tables: Sequence[np.ndarray | Sequence[int]], seq_lens: Sequence[int],
+               q_lens: Sequence[int], block_tokens: int, num_slots: int,
+               device: torch.device | str = "cpu") -> PagedMeta:
+    """Check the step's block tables and lengths, and lay them out as tensors on `device`."""
+    tables = [np.asarray(t, dtype=np.int64).reshape(-1) for t in block_tables]
+    seq = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+    qn = np.asarray(q_lens, dtype=np.int64).reshape(-1)
+    b = len(tables)
+    if b == 0 or len(seq) != b or len(qn) != b:
+        raise BadRequestError(f"a paged step needs B >= 1 block tables, seq_lens and q_lens of "
+                              f"one length; got {b}, {len(seq)}, {len(qn)}")
+    if (qn < 1).any() or (qn > seq).any():
+        i = int(np.flatnonzero((qn < 1) | (qn > seq))[0])
+        raise BadRequestError(f"session {i} of the batch adds {qn[i]} tokens to a sequence of "
+                              f"{seq[i]}; need 1 <= new tokens <= sequence length")
+    nb = -(-seq // block_tokens)
+    for i, t in enumerate(tables):
+        if len(t) < nb[i]:
+            raise BadRequestError(f"session {i} of the batch has {seq[i]} tokens in {nb[i]} "
+                                  f"blocks of {block_tokens}, but its block table lists {len(t)}")
+        used = t[:nb[i]]
+        if len(used) and (used.min() < 0 or used.max() >= num_slots):
+            raise SlotError(f"session {i} of the batch names L1 slots outside 0..{num_slots - 1}"
+                            f": {used[(used < 0) | (used >= num_slots)][:8].tolist()}")
+    every = np.concatenate([t[:n] for t, n in zip(tables, nb)])
+    if len(np.unique(every)) != len(every):  # tpkv shares no blocks between sessions
+        values, counts = np.unique(every, return_counts=True)
+        raise SlotError(f"the batch lists L1 slots more than once: "
+                        f"{values[counts > 1][:8].tolist()}")
+    table = np.zeros((b, int(nb.max())), dtype=np.int64)
+    for i, t in enumerate(tables):
+        table[i, :nb[i]] = t[:nb[i]]
+    start = np.concatenate(([0], np.cumsum(qn)))
+    tok_session = np.repeat(np.arange(b), qn)
+    tok_index = np.arange(int(start[-1])) - start[tok_session]
+    pos = (seq - qn)[tok_session] + tok_index
+    slots = table[tok_session, pos // block_tokens]
+
+    def dev(a: np.ndarray) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    return PagedMeta(block_tokens, dev(table), dev(nb), dev(seq), dev(qn), dev(start), dev(pos),
+                     dev(tok_session), dev(tok_index), dev(slots), dev(pos % block_tokens),
+                     int(qn.max()))
+
+
+def write_kv(pool: Tensor, layer: int, k: Tensor, v: Tensor, meta: PagedMeta) -> None:
+    """Store the new tokens' K and V (each [T, Hkv, D]) at their (slot, offset) of `layer`."""
+    kv = pool[:, layer]  # [slots, 2, bt, Hkv, D]
+    index = (meta.write_slots, meta.write_offsets)
+    kv[:, 0].index_put_(index, k.to(pool.dtype))
+    kv[:, 1].index_put_(index, v.to(pool.dtype))
+
+
+# An attention implementation reads one layer of the pool (after write_kv) for queries q
+# [T, Hq, D] and returns the output [T, Hq, D] and, if it can, the block mass [B, NB] (float32).
+AttentionImpl = Callable[[Tensor, int, Tensor, PagedMeta, float], tuple[Tensor, Tensor | None]]
+
+
+def paged_attention_ref(pool: Tensor, layer: int, q: Tensor, meta: PagedMeta, scale: float,
+                        max_score_bytes: int = 256 << 20) -> tuple[Tensor, Tensor]:
+    """Exact reference: gather each session's blocks, masked softmax in float32.
+
+    Queries are padded to [B, Qmax] and processed in chunks of Qmax so that the scores stay below
+    `max_score_bytes`. Block mass [B, NB]: the softmax weight that falls in each block, summed over
+    heads and query tokens (each query row and head contributes exactly 1).
+    """
+    b, nb = meta.block_table.shape
+    bt = meta.block_tokens
+    kv = pool[:, layer]  # [slots, 2, bt, Hkv, D]
+    keys = kv[:, 0][meta.block_table].flatten(1, 2).float()  # [B, L, Hkv, D]
+    vals = kv[:, 1][meta.block_table].flatten(1, 2).float()  # [B, L, Hkv, D]
+    t, hq, d = q.shape
+    hkv = keys.shape[2]
+    g = hq // hkv
+    length = nb * bt
+    qmax = meta.max_q_len
+    q_pad = q.new_zeros((b, qmax, hq, d), dtype=torch.float32)
+    q_pad[meta.token_session, meta.token_index] = q.float()
+    q_pad = q_pad.view(b, qmax, hkv, g, d)  # [B, Q, Hkv, G, D]; query head = kv head * G + g
+    rows = torch.arange(qmax, device=q.device)
+    q_valid = rows[None, :] < meta.q_lens[:, None]  # [B, Q]
+    q_pos = torch.where(q_valid, (meta.seq_lens - meta.q_lens)[:, None] + rows[None, :], 0)
+    k_pos = torch.arange(length, device=q.device)  # [L]
+    in_range = k_pos[None, :] < meta.seq_lens[:, None]  # [B, L]
+    vals = vals.masked_fill(~in_range[:, :, None, None], 0.0)  # 0 * NaN garbage would be NaN
+    out_pad = torch.empty((b, qmax, hkv, g, d), dtype=torch.float32, device=q.device)
+    mass = torch.zeros((b, length), dtype=torch.float32, device=q.device)
+    chunk = max(1, max_score_bytes // max(1, 3 * b * hq * length * 4))
+    for q0 in range(0, qmax, chunk):
+        q1 = min(qmax, q0 + chunk)
+        scores = torch.einsum("bqhgd,blhd->bhgql", q_pad[:, q0:q1], keys) * scale
+        allowed = k_pos[None, None, :] <= q_pos[:, q0:q1, None]  # [B, Qc, L] causal and in range
+        scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # [B, Hkv, G, Qc, L]
+        out_pad[:, q0:q1] = torch.einsum("bhgql,blhd->bqhgd", probs, vals)
+        weight = q_valid[:, None, None, q0:q1, None].to(probs.dtype)  # padding rows count 0
+        mass += (probs * weight).sum(dim=(1, 2, 3))
+    out = out_pad.view(b, qmax, hq, d)[meta.token_session, meta.token_index]  # [T, Hq, D]
+    return out.to(q.dtype), mass.view(b, nb, bt).sum(-1)
+
+
+class PagedAttention:
+    """The model's `AttentionFn` for one paged forward: write new K/V to L1, then attend.
+
+    `impl` is the seam for a fused kernel (FlashInfer-style paged decode on GPU); the default is
+    the exact reference. Block mass, when the implementation gives it, accumulates over layers
+    into `block_mass` [B, NB].
+    """
+
+    def __init__(self, pool: Tensor, meta: PagedMeta,
+                 impl: AttentionImpl = paged_attention_ref) -> None:
+        self.pool = pool
+        self.meta = meta
+        self.impl = impl
+        self.block_mass: Tensor | None = None
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        write_kv(self.pool, layer, k, v, self.meta)
+        out, mass = self.impl(self.pool, layer, q, self.meta, q.shape[-1] ** -0.5)
+        if mass is not None:
+            self.block_mass = mass if self.block_mass is None else self.block_mass + mass
+        return out
