@@ -223,6 +223,16 @@ class PolicyConfig:
     auto_pin_fraction: float = 0.10
     max_auto_pin_blocks: int = 4096
     prefetch_steps: int = 2
+    # Controller knobs (checked by tpkv.controller when it starts):
+    max_moves_per_step: int = 512  # watermark moves per step (bounds copy time); demand uncapped
+    prefetch_max_blocks: int = 1024  # speculative promotions per step
+    auto_pin_refresh_steps: int = 64  # how often the auto-pin attention threshold is recomputed
+    gpu_share_weight: float = 1.0  # a recompute delays the other sessions of its step by this much
+    prefill_tokens_per_s: float = 70_000.0  # start value until prefill speed is measured
+    h2d_bytes_per_s: float = 55e9  # per rank, L2 -> L1; start value until measured
+    ssd_read_bytes_per_s: float = 2.1e9  # per rank, L3 -> L2; start value until measured
+    max_tracked_blocks: int = 1 << 25  # block table rows per node (metadata only)
+    max_pending_plans: int = 256  # plans sent but not yet confirmed by every rank
 
     def __post_init__(self) -> None:
         if self.kind not in ("heat", "lru", "lruk"):
@@ -254,12 +264,24 @@ class TpkvConfig:
     dashboard_token: str | None = None
     wait_timeout_s: float = 30.0
     ray_address: str | None = None
+    # TP workers (tpkv.workers.worker) and their all-gather confirmation:
+    confirm_backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: gloo (see bench/consistency)
+    heartbeat_s: float = 0.5  # liveness beats in the rendezvous store; names dead or stuck ranks
+    layer_events: bool = True  # L2 -> L1 copies issued layer by layer, one event per layer
+    layer_chunk_bytes: int = 64 << 10  # fewest bytes per block per per-layer copy (layers merge)
 
     def __post_init__(self) -> None:
         if not (0 <= self.dashboard_port <= 65535):
             raise ConfigError(f"dashboard_port must be in 0..65535, got {self.dashboard_port}")
         if self.wait_timeout_s <= 0:
             raise ConfigError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s}")
+        if self.confirm_backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"confirm_backend must be auto, gloo or nccl, got "
+                              f"{self.confirm_backend!r}")
+        if not self.heartbeat_s > 0:  # used as min(heartbeat_s, wait_timeout_s / 8)
+            raise ConfigError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
+        if self.layer_chunk_bytes < 0:
+            raise ConfigError(f"layer_chunk_bytes must be >= 0, got {self.layer_chunk_bytes}")
 
 
 def from_env(config: TpkvConfig, env: dict[str, str] | None = None) -> TpkvConfig:

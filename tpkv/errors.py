@@ -61,3 +61,52 @@ class SsdIoError(SsdError):
 
 class SsdFormatError(SsdError):
     """An L3 file failed validation (magic, CRC32C, fingerprint); readers turn it into a miss."""
+
+
+class DuplicateSessionError(TpkvError, ValueError):
+    """A session id is opened twice, or appears twice in one step."""
+
+
+class SessionClosedError(UnknownSessionError):
+    """A session id that was closed (a double close, or a step naming a closed session)."""
+
+
+class BadRequestError(TpkvError, ValueError):
+    """A controller call got arguments it cannot act on (negative tokens, lengths that differ)."""
+
+
+class ControllerRecoveringError(TpkvError):
+    """The controller restarted and waits for the workers' slot maps before it plans again."""
+
+
+class RankMismatchError(PlanMismatchError):
+    """All-gathered confirmations differ: `.epoch` is the first plan they differ on, `.ranks` the
+    ranks whose row is not the one every rank expects from the plan."""
+
+    def __init__(self, message: str, epoch: int = -1, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.epoch = epoch
+        self.ranks = tuple(ranks)
+
+    def __reduce__(self) -> tuple[type, tuple[str, int, tuple[int, ...]]]:
+        return (type(self), (str(self), self.epoch, self.ranks))
+
+
+class RankTimeoutError(TpkvError, TimeoutError):
+    """A collective of the TP group failed or passed its bound; `.ranks` names the ranks that did
+    not answer (dead, hung, or behind), as far as their heartbeats tell."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+    def __reduce__(self) -> tuple[type, tuple[str, tuple[int, ...]]]:
+        return (type(self), (str(self), self.ranks))
+
+
+class WaitTimeoutError(TpkvError, TimeoutError):
+    """A local wait (copy event, SSD I/O, controller lock) passed its bound."""
+
+
+class LaunchError(TpkvError, RuntimeError):
+    """Starting or joining a tpkv TP group failed (rendezvous, Ray, placement group, the app)."""

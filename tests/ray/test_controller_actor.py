@@ -1,0 +1,90 @@
+"""The controller as a named Ray actor: one round trip per step, typed errors, kill and restart."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tpkv.config import HbmConfig, HostConfig, KvGeometry, SsdConfig, TpkvConfig
+from tpkv.controller import SlotMapReplica
+from tpkv.controller.actor import NAME, NAMESPACE, ControllerClient, get_existing, get_or_create
+from tpkv.errors import ControllerRecoveringError, PlanOrderError, UnknownSessionError
+from tpkv.types import MoveResult
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def config(tmp_path) -> TpkvConfig:
+    g = KvGeometry(num_layers=1, num_kv_heads=4, head_dim=8, dtype="float16", block_tokens=4,
+                   tp_size=2)
+    return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=8),
+                      l2=HostConfig(budget_bytes=8 * 2 * g.block_bytes, arena_bytes=1 << 20),
+                      l3=SsdConfig(root=str(tmp_path / "ssd"), budget_bytes=64 * g.block_bytes))
+
+
+def drive(client: ControllerClient, reps: list[SlotMapReplica], batch: list[str],
+          tokens: list[int]) -> None:
+    res = client.schedule(batch, tokens)
+    reports = [r.apply_step(res) for r in reps]
+    for i in range(len(res.plans)):
+        assert client.commit([rep[i] for rep in reports]).committed
+
+
+def wait_for_restart(client: ControllerClient, deadline_s: float = 60.0) -> dict:
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            snap = client.snapshot()
+            if snap["restarts"] >= 1:
+                return snap
+        except Exception:
+            if time.monotonic() > end:
+                raise
+        time.sleep(0.2)
+
+
+def test_actor_steps_kill_restart_rebuild(ray_cluster, tmp_path):
+    import ray
+
+    handle = get_or_create(config(tmp_path))
+    assert ray.get_actor(NAME, namespace=NAMESPACE)._actor_id == handle._actor_id
+    assert get_existing(timeout_s=5)._actor_id == handle._actor_id
+    assert get_or_create(config(tmp_path))._actor_id == handle._actor_id  # by name, once
+    assert ray.available_resources().get("CPU", 0) == 2  # num_cpus=0: it holds no CPU
+
+    client = ControllerClient(handle)
+    g = config(tmp_path).geometry
+    for rank in range(2):
+        client.register_rank(rank=rank, geometry=g.__dict__, host="test")
+    reps = [SlotMapReplica(r, 8, 8) for r in range(2)]
+    for n in "abcde":
+        client.open_session(session_id=n, num_tokens=16)
+    for n in "abcde":
+        drive(client, reps, [n], [1])
+    with pytest.raises(UnknownSessionError, match="'zz'"):
+        client.schedule(["zz"], [1])
+    with pytest.raises(PlanOrderError, match="no plan awaits confirmation"):
+        client.commit([MoveResult(epoch=10_000, rank=r, moves_applied=0, slot_map_digest=0)
+                       for r in range(2)])
+    snap = client.snapshot()
+    assert snap["restarts"] == 0 and snap["tiers"]["L3"]["used"] > 0
+    assert snap["plan_latency_us"]["count"] == 5  # the refused step is not timed
+
+    ray.kill(handle, no_restart=False)
+    snap = wait_for_restart(client)
+    assert snap["restarts"] == 1 and snap["awaiting_rebuild"]
+    with pytest.raises(ControllerRecoveringError):
+        client.schedule(["a"], [1])
+    summary = client.rebuild(slot_maps=[r.export() for r in reps],
+                             ssd_manifests=reps[0].manifests())
+    assert summary["sessions"] == 5 and summary["ranks"] == [0, 1]
+    snap = client.snapshot()
+    assert not snap["awaiting_rebuild"] and snap["recovery"]["blocks"] == summary["blocks"]
+    assert any(e["kind"] == "rebuilt" for e in snap["events"])
+    drive(client, reps, ["a"], [1])  # it comes back from L3 through L2
+    full = client.resync()
+    assert full["digest"] == reps[0].digest() == reps[1].digest()
+    assert client.check_integrity() is True
+    ray.kill(handle, no_restart=True)
+

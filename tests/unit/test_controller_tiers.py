@@ -1,0 +1,251 @@
+"""Placement across tiers: watermarks, pins, cooldown, prefetch, spills, cost model, recovery."""
+
+import numpy as np
+import pytest
+
+from tpkv.controller import Controller, SlotMapReplica
+from tpkv.errors import ControllerRecoveringError
+from tpkv.types import Tier
+
+
+class Rig:
+    """A controller and two replicas that apply and confirm every step."""
+
+    def __init__(self, config, clock, l1=16, l2=32):
+        self.c = Controller(config, clock, check_invariants=True)
+        self.reps = [SlotMapReplica(r, l1, l2) for r in range(2)]
+
+    def step(self, batch, tokens=None, upcoming=None, misses=None, commit=True):
+        res = self.c.schedule(batch, tokens or [0] * len(batch), upcoming)
+        reports = [r.apply_step(res, misses) for r in self.reps]
+        if commit:
+            for i in range(len(res.plans)):
+                assert self.c.commit([rep[i] for rep in reports]).committed
+            assert self.reps[0].digest() == self.c.slot_map()["digest"]
+        return res
+
+    def where(self, name):
+        S, T = self.c.sessions, self.c.table
+        return [Tier(int(t)).name for t in T.tier[S.rows(S.lookup(name))]]
+
+    def open(self, *names, tokens=16):
+        for n in names:
+            self.c.open_session(n, tokens)
+
+
+def moves(res, src, dst):
+    return sum(int(p.mask(src, dst).sum()) for p in res.plans)
+
+
+@pytest.fixture
+def rig(make_config, fake_clock):
+    return Rig(make_config(), fake_clock)
+
+
+def test_watermark_demotes_coldest_whole_session_then_it_returns(rig):
+    rig.open("a", "b", "c", "d")  # 4 blocks each; L1 16: high 0.9 (14.4), low 0.75 (12)
+    for n in "abc":
+        rig.step([n])
+    res = rig.step(["d"])  # 16 > 14.4: down to 12, coldest session first
+    assert moves(res, Tier.HBM, Tier.DRAM) == 4 and rig.where("a") == ["DRAM"] * 4
+    res = rig.step(["a"])  # demand wins; 'b' is now the coldest
+    assert moves(res, Tier.DRAM, Tier.HBM) == 4 and moves(res, Tier.HBM, Tier.DRAM) == 4
+    assert len(res.plans) == 1 and rig.where("b") == ["DRAM"] * 4
+    assert (rig.c.table.tier[rig.c.sessions.rows(rig.c.sessions.lookup("a"))] == Tier.HBM).all()
+
+
+def test_explicit_pin_is_never_demoted(rig):
+    rig.open("a", "b", "c", "d")
+    for n in "abc":
+        rig.step([n])
+    rig.c.pin("a", 0, 2)
+    rig.step(["d"])
+    assert rig.where("a") == ["HBM", "HBM", "DRAM", "DRAM"]
+    assert rig.where("b") == ["DRAM"] * 4  # the watermark still reaches low
+    snap = {s["session"]: s for s in rig.c.snapshot()["sessions"]}
+    assert snap["a"]["pinned_blocks"] == 2 and snap["a"]["pins"] == [[0, 2]]
+
+
+def test_auto_pin_keeps_the_most_attended_block(make_config, fake_clock):
+    rig = Rig(make_config(auto_pin_fraction=0.1, auto_pin_refresh_steps=1), fake_clock)
+    rig.open("a", "b", "c", "d")
+    for n in "abc":
+        rig.step([n])
+    rig.c.report_attention("a", [0.05, 0.0, 0.0, 0.0])  # a small share: 'a' stays coldest
+    rig.step(["d"])
+    assert rig.where("a") == ["HBM", "DRAM", "DRAM", "DRAM"]
+    assert rig.c.snapshot()["auto_pin_threshold"] == pytest.approx(0.05)
+
+
+def test_cooldown_stops_prefetch_not_demand(rig, fake_clock):
+    rig.open("a", tokens=16)
+    rig.open("big", tokens=48)
+    rig.step(["a"])
+    rig.step(["big"])  # 16 blocks: 'a' demoted at t=0
+    assert rig.where("a") == ["DRAM"] * 4
+    rig.c.close_session("big")
+    rig.open("c", tokens=4)
+    fake_clock.advance(10)
+    res = rig.step(["c"], upcoming={"a": 1})
+    assert res.num_moves == 0  # cooling down: no speculative promotion
+    fake_clock.advance(25)
+    res = rig.step(["c"], upcoming={"a": 1})
+    assert moves(res, Tier.DRAM, Tier.HBM) == 4 and rig.where("a") == ["HBM"] * 4
+    assert any(e["kind"] == "prefetch" for e in rig.c.snapshot()["events"])
+
+
+def test_demand_ignores_cooldown_and_horizon(rig):
+    rig.open("a", tokens=16)
+    rig.open("big", tokens=48)
+    rig.step(["a"])
+    rig.step(["big"])
+    rig.c.close_session("big")
+    rig.open("c", tokens=4)
+    assert rig.step(["c"], upcoming={"a": 5}).num_moves == 0  # beyond prefetch_steps=2
+    res = rig.step(["a"])
+    assert moves(res, Tier.DRAM, Tier.HBM) == 4
+
+
+def small_l2_rig(make_config, fake_clock, **policy):
+    return Rig(make_config(l1=8, l2=8, l3=64, **policy), fake_clock, l1=8, l2=8)
+
+
+def test_spill_to_l3_is_whole_session_and_comes_back_in_two_epochs(make_config, fake_clock):
+    rig = small_l2_rig(make_config, fake_clock)
+    rig.open("a", "b", "c", "d", "e")
+    for n in "abcde":
+        rig.step([n])
+    assert rig.where("a") == ["SSD"] * 4  # L2 8 slots: high 6.8, the coldest spilled
+    assert all(e["sessions"] >= 1 for e in rig.c.events if e["kind"] == "spill")
+    res = rig.step(["a"])
+    assert len(res.plans) == 2
+    assert res.plans[0].mask(Tier.SSD, Tier.DRAM).sum() == 4
+    assert res.plans[1].mask(Tier.DRAM, Tier.HBM).sum() == 4
+    assert res.plans[1].epoch == res.plans[0].epoch + 1
+    assert rig.where("a") == ["HBM"] * 4
+    snap = {s["session"]: s for s in rig.c.snapshot()["sessions"]}
+    cost = snap["a"]["cost"]
+    assert cost["choice"] == "load" and cost["load_s"] > 0 and cost["recompute_s"] > 0
+
+
+def test_cost_model_chooses_recompute_when_disk_is_slow(make_config, fake_clock):
+    rig = small_l2_rig(make_config, fake_clock, ssd_read_bytes_per_s=1.0,
+                       prefill_tokens_per_s=1e9)
+    rig.open("a", "b", "c", "d", "e")
+    for n in "abcde":
+        rig.step([n])
+    assert rig.where("a") == ["SSD"] * 4
+    res = rig.step(["a"])
+    assert moves(res, Tier.SSD, Tier.DRAM) == 0 and "a" in res.ssd_dropped_sessions
+    assert all("a" not in p.session_names for p in res.plans)
+    assert res.recompute_session_idx.tolist() == [0]
+    assert (res.recompute_start.tolist(), res.recompute_stop.tolist()) == ([0], [4])
+    snap = {s["session"]: s for s in rig.c.snapshot()["sessions"]}
+    assert snap["a"]["cost"]["choice"] == "recompute"
+    assert snap["a"]["cost"]["load_s"] > snap["a"]["cost"]["recompute_s"]
+
+
+def test_ssd_miss_becomes_recompute(make_config, fake_clock):
+    rig = small_l2_rig(make_config, fake_clock)
+    rig.open("a", "b", "c", "d", "e")
+    for n in "abcde":
+        rig.step([n])
+    c = rig.c
+    res = c.schedule(["a"], [0])
+    first = res.plans[0]
+    a_idx = first.session_names.index("a")
+    bad = int(first.block_ids[(first.session_idx == a_idx) & (first.logical_idx == 1)][0])
+    reports = [r.apply_step(res, {res.plans[0].epoch: [bad]}) for r in rig.reps]
+    out = c.commit([rep[0] for rep in reports])
+    assert out.committed and out.num_misses == 1
+    assert c.commit([rep[1] for rep in reports]).committed
+    assert rig.where("a")[1] == "NONE"
+    res = rig.step(["a"], [1])
+    assert bad in res.drops[0].tolist()
+    assert (res.recompute_start.tolist(), res.recompute_stop.tolist()) == ([1], [2])
+
+
+def test_mismatch_asks_for_resync(make_config, fake_clock):
+    rig = Rig(make_config(), fake_clock)
+    rig.open("a", "b", "c", "d")
+    for n in "abc":
+        rig.step([n])
+    res = rig.c.schedule(["d"], [0])
+    reports = [r.apply_step(res) for r in rig.reps]
+    wrong = reports[1][0].__class__(**{**reports[1][0].__dict__, "slot_map_digest": 12345})
+    out = rig.c.commit([reports[0][0], wrong])
+    assert not out.committed and out.mismatch_ranks == (1,) and out.resync_needed
+    full = rig.c.resync()
+    for r in rig.reps:
+        r.restore(full)
+        assert r.digest() == full["digest"]
+    rig.step(["a"])
+
+
+def test_without_l3_l2_overflow_drops_coldest(make_config, fake_clock):
+    rig = Rig(make_config(l1=8, l2=8, l3=0), fake_clock, l1=8, l2=8)
+    rig.open("a", "b", "c", "d", "e")
+    for n in "abcde":
+        rig.step([n])
+    assert rig.where("a") == ["NONE"] * 4
+    res = rig.step(["a"])
+    assert (res.recompute_start.tolist(), res.recompute_stop.tolist()) == ([0], [4])
+
+
+def test_full_l3_drops_coldest_sessions(make_config, fake_clock):
+    rig = Rig(make_config(l1=8, l2=8, l3=8), fake_clock, l1=8, l2=8)
+    names = [f"s{i}" for i in range(8)]
+    rig.open(*names)
+    for n in names:
+        rig.step([n])
+    T = rig.c.table
+    assert T.used(Tier.SSD) <= 8 and rig.where("s0") == ["NONE"] * 4
+    assert any(e["kind"] == "drop_l3" for e in rig.c.events)
+
+
+@pytest.mark.parametrize("kind,expected", [("lru", "x"), ("lruk", "y")])
+def test_lru_and_lruk_pick_different_victims(make_config, fake_clock, kind, expected):
+    rig = Rig(make_config(kind=kind), fake_clock)
+    rig.open("x", "y", "z", "w", tokens=16)
+    rig.step(["x"])
+    rig.step(["x"])  # x: runs at 1, 2 (two accesses)
+    rig.step(["y"])  # y: one access at 3
+    rig.step(["z"])
+    rig.step(["w"])  # 16 blocks: one session goes
+    assert rig.where(expected) == ["DRAM"] * 4
+
+
+def test_restart_rebuilds_from_slot_maps_and_manifests(make_config, fake_clock):
+    cfg = make_config(l1=8, l2=8, l3=64)
+    rig = Rig(cfg, fake_clock, l1=8, l2=8)
+    rig.open("a", "b", "c", "d", "e")
+    for n in "abcde":
+        rig.step([n], [1])
+    before = rig.c.slot_map()
+    fresh = Controller(cfg, fake_clock, restarts=1, awaiting_rebuild=True, check_invariants=True)
+    with pytest.raises(ControllerRecoveringError):
+        fresh.schedule(["a"], [1])
+    summary = fresh.rebuild([r.export() for r in rig.reps], rig.reps[0].manifests())
+    after = fresh.slot_map()
+    assert after["digest"] == before["digest"]
+    assert summary["l3"] == int((before["tiers"] == Tier.SSD).sum()) > 0
+    assert fresh.next_epoch == rig.c.next_epoch
+    snap = fresh.snapshot()
+    assert snap["restarts"] == 1 and snap["recovery"]["sessions"] == 5
+    assert not snap["awaiting_rebuild"]
+    rig.c = fresh
+    res = rig.step(["a"], [1])  # 'a' was on L3: it comes back through L2
+    assert res.num_tokens.tolist() == [18] and len(res.plans) >= 2
+    assert len(res.recompute_start) == 0  # L2 was full: spills made room, nothing was lost
+
+
+def test_rebuild_drops_what_ranks_disagree_on(make_config, fake_clock):
+    cfg = make_config()
+    rig = Rig(cfg, fake_clock)
+    rig.open("a", "b")
+    rig.step(["a", "b"])
+    maps = [r.export() for r in rig.reps]
+    maps[1]["slots"] = np.where(np.arange(len(maps[1]["slots"])) == 0, 15, maps[1]["slots"])
+    fresh = Controller(cfg, fake_clock, restarts=1, awaiting_rebuild=True, check_invariants=True)
+    summary = fresh.rebuild(maps, {})
+    assert summary["recompute"] == 1 and summary["l1"] == 7

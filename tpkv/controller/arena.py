@@ -1,0 +1,139 @@
+"""Per-session lists of block rows, stored as extents of one int32 arena (vectorized gathers)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+_MIN_EXTENT = 8
+
+
+class RowArena:
+    """The rows of session `s` in logical order are `arena[start[s] : start[s] + length[s]]`.
+
+    Appending grows an extent in place while it has room; otherwise the extent moves to the end of
+    the arena with 1/8 more room. Dead space is compacted away when the end is reached; when
+    live extents would fill 7/8 of it, the arena is resized to 3/2 of them (~1.7x its rows).
+    """
+
+    def __init__(self, num_sessions: int, capacity: int = 1 << 12) -> None:
+        self.arena = np.full(max(capacity, _MIN_EXTENT), -1, dtype=np.int32)
+        self.start = np.zeros(num_sessions, dtype=np.int64)
+        self.cap = np.zeros(num_sessions, dtype=np.int64)
+        self.length = np.zeros(num_sessions, dtype=np.int64)
+        self.top = 0  # first unused position at the end of the arena
+        self._index = np.zeros(0, dtype=np.int64)  # scratch of gather(reuse=True)
+        self._rows = np.zeros(0, dtype=np.int32)
+        self.live_cap = 0  # sum of the capacities of live extents
+
+    def grow_sessions(self, num_sessions: int) -> None:
+        extra = num_sessions - len(self.start)
+        if extra > 0:
+            self.start = np.concatenate([self.start, np.zeros(extra, dtype=np.int64)])
+            self.cap = np.concatenate([self.cap, np.zeros(extra, dtype=np.int64)])
+            self.length = np.concatenate([self.length, np.zeros(extra, dtype=np.int64)])
+
+    def rows(self, s: int) -> np.ndarray:
+        """View of session s's rows in logical order (do not keep it across appends)."""
+        begin = int(self.start[s])
+        return self.arena[begin:begin + int(self.length[s])]
+
+    def gather(self, sessions: np.ndarray,
+               reuse: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of `sessions`, concatenated in the given order, and offsets [len(sessions) + 1].
+
+        With `reuse` the rows land in a buffer the next reuse=True call overwrites (no fresh
+        pages to fault in on the hot path); copy them to keep them.
+        """
+        lens = self.length[sessions]
+        offsets = np.zeros(len(sessions) + 1, dtype=np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        total = int(offsets[-1])
+        if total == 0:
+            return np.zeros(0, dtype=np.int32), offsets
+        if reuse:
+            if len(self._index) < total:
+                self._index = np.empty(total + total // 2, dtype=np.int64)
+                self._rows = np.empty(len(self._index), dtype=np.int32)
+            out = self._rows[:total]
+            step = extent_index(self.start[sessions], lens, self._index)
+        else:
+            out = np.empty(total, dtype=np.int32)
+            step = extent_index(self.start[sessions], lens)
+        np.take(self.arena, step, out=out)
+        return out, offsets
+
+    def append(self, sessions: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> None:
+        """Append counts[i] rows (taken in order from `rows`) to sessions[i]; sessions unique."""
+        need = self.length[sessions] + counts
+        move = need > self.cap[sessions]
+        if move.any():
+            self._relocate(sessions[move], need[move])
+        total = int(counts.sum())
+        if total == 0:
+            return
+        ends = np.cumsum(counts)
+        base = np.repeat(self.start[sessions] + self.length[sessions] - (ends - counts), counts)
+        self.arena[base + np.arange(total)] = rows
+        self.length[sessions] += counts
+
+    def release(self, s: int) -> None:
+        self.live_cap -= int(self.cap[s])
+        self.start[s] = self.cap[s] = self.length[s] = 0
+
+    def set_rows(self, s: int, rows: np.ndarray) -> None:
+        """Replace session s's rows (used when the table is rebuilt)."""
+        self.release(s)
+        self._relocate(np.array([s]), np.array([len(rows)], dtype=np.int64))
+        self.rows_view_set(s, rows)
+
+    def rows_view_set(self, s: int, rows: np.ndarray) -> None:
+        begin = int(self.start[s])
+        self.arena[begin:begin + len(rows)] = rows
+        self.length[s] = len(rows)
+
+    def nbytes(self) -> int:
+        return int(self.arena.nbytes + self.start.nbytes + self.cap.nbytes + self.length.nbytes
+                   + self._index.nbytes + self._rows.nbytes)
+
+    def _relocate(self, sessions: np.ndarray, need: np.ndarray) -> None:
+        new_cap = np.maximum(need + np.maximum(need // 8, 4), _MIN_EXTENT)
+        want = int(new_cap.sum())
+        if self.top + want > len(self.arena):
+            self._compact_or_grow(want)
+        for s, cap in zip(sessions.tolist(), new_cap.tolist()):
+            old = self.rows(s).copy()
+            self.live_cap += cap - int(self.cap[s])
+            self.start[s], self.cap[s] = self.top, cap
+            self.arena[self.top:self.top + len(old)] = old
+            self.top += cap
+
+    def _compact_or_grow(self, want: int) -> None:
+        """Move live extents to the front, in place order (one vectorized copy); resize the
+        arena if that would leave less than an eighth of it free."""
+        live = np.flatnonzero(self.cap > 0)
+        order = live[np.argsort(self.start[live], kind="stable")]
+        caps, lens = self.cap[order], self.length[order]
+        new_start = np.cumsum(caps) - caps
+        size = len(self.arena)
+        if self.live_cap + want > size - size // 8:
+            size = (self.live_cap + want) * 3 // 2
+        fresh = np.full(size, -1, dtype=np.int32)
+        fresh[extent_index(new_start, lens)] = self.arena[extent_index(self.start[order], lens)]
+        self.start[order] = new_start
+        self.arena, self.top = fresh, int(caps.sum())
+
+
+def extent_index(starts: np.ndarray, lens: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """starts[0] .. starts[0] + lens[0] - 1, then the same for the next extent, concatenated."""
+    total = int(lens.sum())
+    step = np.empty(total, dtype=np.int64) if out is None else out[:total]
+    if total == 0:
+        return step
+    keep = lens > 0
+    first, n = starts[keep], lens[keep]
+    begin = np.cumsum(n) - n
+    step.fill(1)  # the running sum of these steps walks every extent in turn
+    step[0] = first[0]
+    step[begin[1:]] = first[1:] - (first[:-1] + n[:-1] - 1)
+    np.cumsum(step, out=step)
+    return step

@@ -1,0 +1,183 @@
+"""PlanBuilder: applies moves and drops to the table one phase (one MovePlan) at a time."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tpkv.controller.sessions import SessionTable, add_counts
+from tpkv.controller.table import DRAM, HBM, NONE, SSD, BlockTable
+from tpkv.errors import WireFormatError
+from tpkv.types import MovePlan
+
+_DTYPES = {"block_ids": np.int64, "src_tier": np.int8, "src_slot": np.int64,
+           "dst_tier": np.int8, "dst_slot": np.int64, "session_idx": np.int32,
+           "logical_idx": np.int64}
+
+
+class BuiltPlan(MovePlan):
+    """A MovePlan whose checks run in tens of microseconds: the same invariants as
+    MovePlan.__post_init__ (read-only 1-D arrays of one length and the wire dtypes, epoch >= 0,
+    tiers in L1..L3, session_idx in range, no block twice), with a sort instead of np.unique's
+    hash table and range checks instead of np.isin (0.3 ms to 0.9 ms per plan there)."""
+
+    def __post_init__(self) -> None:
+        n = len(self.block_ids)
+        for name, dtype in _DTYPES.items():
+            arr = getattr(self, name)
+            if not (isinstance(arr, np.ndarray) and arr.dtype == dtype
+                    and arr.flags.c_contiguous):
+                arr = np.ascontiguousarray(arr, dtype=dtype)
+            if arr.ndim != 1 or len(arr) != n:
+                raise WireFormatError(f"plan array {name} has shape {arr.shape}, expected ({n},)")
+            arr.setflags(write=False)
+            object.__setattr__(self, name, arr)
+        object.__setattr__(self, "session_names", tuple(self.session_names))
+        if self.epoch < 0:
+            raise WireFormatError(f"plan epoch must be >= 0, got {self.epoch}")
+        if n == 0:
+            return
+        for name in ("src_tier", "dst_tier"):
+            arr = getattr(self, name)
+            if arr.min() < HBM or arr.max() > SSD:
+                raise WireFormatError(f"plan {name} has invalid tiers")
+        if self.session_idx.min() < 0 or self.session_idx.max() >= len(self.session_names):
+            raise WireFormatError(f"plan session_idx outside 0..{len(self.session_names) - 1}")
+        ids = np.sort(self.block_ids)
+        if (ids[1:] == ids[:-1]).any():
+            raise WireFormatError("plan moves a block more than once")
+
+
+def group_sorted(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted unique values, index of each value in them), without np.unique's hashing cost."""
+    ordered = np.sort(values)
+    keep = np.ones(len(ordered), dtype=bool)
+    keep[1:] = ordered[1:] != ordered[:-1]
+    uniq = ordered[keep]
+    return uniq, np.searchsorted(uniq, values)
+
+
+class PlanBuilder:
+    """Collects the moves of one step, phase by phase; each phase with moves becomes one plan.
+
+    A slot vacated by a move is held back until its phase ends, so no slot is the source of one
+    move and the destination of another in the same plan: workers may run a plan's moves in any
+    order. A later phase (the next epoch) may reuse it, since plans are applied in order. A drop
+    (a block loses its only copy; no data moves) frees its slot at once. Drops are reported per
+    position: `drops[i]` apply before plan i, `drops[len(plans)]` after the last plan.
+    """
+
+    def __init__(self, table: BlockTable, sessions: SessionTable, first_epoch: int,
+                 now_s: float) -> None:
+        self.t = table
+        self.s = sessions
+        self.epoch = first_epoch
+        self.now_s = now_s
+        self.plans: list[MovePlan] = []
+        self.plan_rows: list[np.ndarray] = []
+        self.drops: list[list[np.ndarray]] = [[]]
+        self.ssd_dropped: list[int] = []  # sessions whose L3 records were all discarded
+        self.events: list[dict[str, object]] = []
+        self.touched = np.zeros(0, dtype=bool)  # sessions changed this phase (made on first use)
+        self._parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int]] = []
+        self._held: dict[int, list[np.ndarray]] = {HBM: [], DRAM: []}
+
+    @property
+    def num_moves(self) -> int:
+        return sum(len(p[0]) for p in self._parts) + sum(p.num_moves for p in self.plans)
+
+    def begin_phase(self) -> None:
+        self.touched = np.zeros(self.s.capacity, dtype=bool)
+
+    def touch(self, sessions: np.ndarray) -> None:
+        self._touch(sessions)
+
+    def move(self, rows: np.ndarray, src: int, dst: int) -> None:
+        """Move `rows`, all on tier `src` and none moved yet in this phase, to tier `dst`,
+        assigning destination slots; their source slots are held back until the phase ends."""
+        n = len(rows)
+        if n == 0:
+            return
+        t = self.t
+        assert (t.tier[rows] == src).all(), "move: a row is not on its source tier"
+        sess = t.session[rows].astype(np.int64)
+        slots = t.free[dst].pop(n) if dst != SSD else np.full(n, -1, dtype=np.int32)
+        old_slot = t.slot[rows]
+        if src != SSD:
+            t.owner[src][old_slot] = -1
+            self._held[src].append(old_slot)
+        if dst != SSD:
+            t.owner[dst][slots] = rows
+        t.tier[rows] = dst
+        t.slot[rows] = slots
+        t.num_in[src + 1] -= n
+        t.num_in[dst + 1] += n
+        assert t.used(SSD) <= t.l3_capacity, "L3 over capacity"
+        first, lengths = _runs(sess)
+        flat = self.s.counts.reshape(-1)
+        np.add.at(flat, self.s.count_keys(src + 1, first), -lengths)
+        np.add.at(flat, self.s.count_keys(dst + 1, first), lengths)
+        self._touch(first)
+        t.in_flight[rows] = 1
+        if dst > src:
+            t.demoted_at[rows] = self.now_s
+        if dst == HBM:
+            self.s.clean[first] = False
+        self._parts.append((rows, sess, old_slot, slots, src, dst))
+
+    def drop(self, rows: np.ndarray) -> None:
+        """The blocks lose their copy (they will be recomputed if needed again); slots free now."""
+        if len(rows) == 0:
+            return
+        old_tier, _ = self.t.set_tier(rows, NONE, np.full(len(rows), -1, dtype=np.int32),
+                                      free_src=True)
+        self._count(rows, old_tier, NONE)
+        self.drops[-1].append(self.t.ids(rows))
+
+    def end_phase(self) -> None:
+        for tier, held in self._held.items():
+            if held:
+                self.t.free[tier].push(np.concatenate(held))
+                held.clear()
+        if not self._parts:
+            return
+        parts, self._parts = self._parts, []
+        rows, sess, src_slot, dst_slot = (np.concatenate([p[k] for p in parts]) for k in range(4))
+        sizes = [len(p[0]) for p in parts]
+        src_tier = np.repeat(np.array([p[4] for p in parts], dtype=np.int8), sizes)
+        dst_tier = np.repeat(np.array([p[5] for p in parts], dtype=np.int8), sizes)
+        first, lengths = _runs(sess)
+        local: dict[int, int] = {}  # session -> index into the plan's names, in order of use
+        inverse = [local.setdefault(x, len(local)) for x in first.tolist()]
+        names = self.s.names
+        plan = BuiltPlan(
+            epoch=self.epoch, block_ids=self.t.ids(rows), src_tier=src_tier,
+            src_slot=src_slot, dst_tier=dst_tier, dst_slot=dst_slot,
+            session_idx=np.repeat(np.asarray(inverse, dtype=np.int32), lengths),
+            logical_idx=self.t.logical[rows],
+            session_names=tuple(names[i] for i in local))  # type: ignore[misc]
+        self.plans.append(plan)
+        self.plan_rows.append(rows)
+        self.drops.append([])
+        self.epoch += 1
+
+    def drop_lists(self) -> list[np.ndarray]:
+        return [np.concatenate(d) if d else np.zeros(0, dtype=np.int64) for d in self.drops]
+
+    def _count(self, rows: np.ndarray, old_tier: np.ndarray, new_tier: int) -> None:
+        sess = self.t.session[rows].astype(np.int64)
+        add_counts(self.s.counts, self.s.count_keys(old_tier.astype(np.int64) + 1, sess), -1)
+        add_counts(self.s.counts, self.s.count_keys(int(new_tier) + 1, sess), 1)
+        self._touch(sess)
+
+    def _touch(self, sessions: np.ndarray) -> None:
+        if len(self.touched) == 0:
+            self.touched = np.zeros(self.s.capacity, dtype=bool)
+        self.touched[sessions] = True
+        self.s.dirty[sessions] = True
+
+
+def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first value, length) of each run of equal consecutive values."""
+    starts = np.flatnonzero(values[1:] != values[:-1]) + 1
+    bounds = np.concatenate([[0], starts, [len(values)]])
+    return values[bounds[:-1]], np.diff(bounds)

@@ -1,0 +1,330 @@
+"""Controller: the one owner of the block table; every placement decision is made here."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tpkv.config import KvGeometry, TpkvConfig
+from tpkv.controller import confirm, recovery, snapshot
+from tpkv.controller.batchtable import BatchTable
+from tpkv.controller.builder import PlanBuilder
+from tpkv.controller.cost import RateMeter
+from tpkv.controller.messages import CommitOutcome, StepResult
+from tpkv.controller.policy import auto_pin_threshold, fold_access
+from tpkv.controller.sessions import SessionTable
+from tpkv.controller.step import Upcoming, schedule_step
+from tpkv.controller.table import PIN_EXPLICIT, BlockTable
+from tpkv.errors import (
+    BadRequestError,
+    ConfigError,
+    ControllerRecoveringError,
+)
+from tpkv.types import MovePlan, MoveResult, Tier
+
+_TICK_LIMIT = 1 << 30  # ticks are int32 in the table; rebased long before they overflow
+
+
+@dataclass
+class PendingPlan:
+    plan: MovePlan
+    rows: np.ndarray  # table rows it moved (ids in plan.block_ids tell if a row was reused)
+
+
+class Controller:
+    """Block table, sessions, policy and plans of one node. No Ray, no torch: `actor.py` wraps it.
+
+    `clock` returns seconds (monotonic); tests pass a fake one. Every method either applies in
+    full or raises a typed error (tpkv.errors) with the table unchanged.
+    """
+
+    def __init__(self, config: TpkvConfig, clock: Callable[[], float] = time.monotonic, *,
+                 restarts: int = 0, awaiting_rebuild: bool = False,
+                 table_capacity: int | None = None, check_invariants: bool = False) -> None:
+        pol, g = config.policy, config.geometry
+        for name in ("max_moves_per_step", "prefetch_max_blocks", "auto_pin_refresh_steps",
+                     "max_tracked_blocks", "max_pending_plans"):
+            if not isinstance(getattr(pol, name), int) or getattr(pol, name) <= 0:
+                raise ConfigError(f"PolicyConfig.{name} must be a positive integer, "
+                                  f"got {getattr(pol, name)!r}")
+        for name in ("prefill_tokens_per_s", "h2d_bytes_per_s", "ssd_read_bytes_per_s"):
+            if not getattr(pol, name) > 0:
+                raise ConfigError(f"PolicyConfig.{name} must be > 0, got {getattr(pol, name)}")
+        if pol.gpu_share_weight < 0:
+            raise ConfigError(f"gpu_share_weight must be >= 0, got {pol.gpu_share_weight}")
+        self.config = config
+        self.clock = clock
+        self.started_s = clock()
+        self.l3_enabled = config.l3.enabled
+        l1, l2 = config.l1.slots(g), config.l2.slots_per_rank(g)
+        l3 = config.l3.budget_bytes // g.block_bytes if self.l3_enabled else 0
+        self.marks: dict[int, tuple[float, float]] = {
+            Tier.HBM: (config.l1.high_watermark, config.l1.low_watermark),
+            Tier.DRAM: (config.l2.high_watermark, config.l2.low_watermark),
+            Tier.SSD: (config.l3.high_watermark, config.l3.low_watermark)}
+        capacity = table_capacity or min(l1 + l2 + l3 + 1024, 1 << 20)
+        self.table = BlockTable(l1, l2, l3, pol.lru_k, min(capacity, pol.max_tracked_blocks))
+        self.sessions = SessionTable(pol.lru_k)
+        self.batch_table = BatchTable()
+        self.names_cache: tuple[np.ndarray, tuple[str, ...]] = (np.zeros(0, np.int64), ())
+        self.rates = RateMeter(pol)
+        self.check_invariants = check_invariants
+        self.tick = 0
+        self.next_epoch = 1
+        self.committed_epoch = 0
+        self.pending: deque[PendingPlan] = deque()
+        self.draining: dict[int, bool] = {Tier.HBM: False, Tier.DRAM: False, Tier.SSD: False}
+        self.eviction_orders: dict[int, tuple[int, np.ndarray]] = {}  # planner cache, per tier
+        self.pin_threshold = math.inf
+        self._pin_dirty = False
+        self._pin_tick = -(1 << 40)
+        self.ranks: dict[int, str] = {}
+        self.events: deque[dict[str, Any]] = deque(maxlen=256)
+        self.latency_us: deque[float] = deque(maxlen=2048)
+        self.restarts = restarts
+        self.awaiting_rebuild = awaiting_rebuild
+        self.recovery: dict[str, Any] | None = None
+        self.outbox_released: list[np.ndarray] = []
+        self.outbox_lost: list[np.ndarray] = []
+        self.outbox_closed: list[str] = []
+        self.outbox_ssd_dropped: list[str] = []
+        if awaiting_rebuild:
+            self.event("restarted", restarts=restarts)
+
+    # ---- clock, events ---------------------------------------------------------------------
+    def now_s(self) -> float:
+        return self.clock() - self.started_s
+
+    def event(self, kind: str, **data: Any) -> None:
+        self.events.append({"tick": self.tick, "t_s": round(self.now_s(), 6), "kind": kind,
+                            **data})
+
+    def require_ready(self) -> None:
+        if self.awaiting_rebuild:
+            raise ControllerRecoveringError(
+                f"controller restarted (restart {self.restarts}); call rebuild() with the "
+                f"workers' slot maps and the SSD manifests before anything else")
+
+    # ---- ranks and sessions ----------------------------------------------------------------
+    def register_rank(self, rank: int, geometry: KvGeometry | Mapping[str, Any],
+                      host: str = "") -> dict[str, Any]:
+        """A worker announces itself; its geometry must be the controller's exactly."""
+        g = self.config.geometry
+        if isinstance(geometry, Mapping):
+            try:
+                geometry = KvGeometry(**geometry)
+            except TypeError as exc:
+                raise ConfigError(f"rank {rank} sent a geometry that does not parse: "
+                                  f"{exc}") from exc
+        if not 0 <= rank < g.tp_size:
+            raise BadRequestError(f"rank {rank} is outside 0..{g.tp_size - 1} (tp_size)")
+        if geometry != g:
+            raise ConfigError(f"rank {rank} geometry {geometry} differs from the controller's {g}")
+        self.ranks[rank] = host
+        self.event("rank", rank=rank, host=host, registered=len(self.ranks))
+        t = self.table
+        return {"l1_slots": t.slots(Tier.HBM), "l2_slots": t.slots(Tier.DRAM),
+                "l3_blocks": t.slots(Tier.SSD), "next_epoch": self.next_epoch}
+
+    def open_session(self, session_id: str, num_tokens: int = 0) -> int:
+        """Register a session; `num_tokens` of prompt get blocks at its first step. -> handle."""
+        self.require_ready()
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise BadRequestError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        s = self.sessions.open(session_id, self.tick)
+        self.sessions.pending[s] = num_tokens
+        return self.sessions.handle(s)
+
+    def extend_session(self, session_id: str, num_tokens: int) -> None:
+        """Announce tokens (e.g. the user's next turn) that its next step writes."""
+        self.require_ready()
+        s = self.sessions.lookup(session_id)
+        if not isinstance(num_tokens, int) or num_tokens < 0:
+            raise BadRequestError(f"extend needs num_tokens >= 0, got {num_tokens!r}")
+        self.sessions.pending[s] += num_tokens
+
+    def close_session(self, session_id: str) -> int:
+        """Forget a session and free its blocks everywhere; returns how many blocks it had."""
+        self.require_ready()
+        S, T = self.sessions, self.table
+        s = S.lookup(session_id)
+        rows = S.rows(s).copy()
+        self.outbox_released.append(T.ids(rows))
+        T.release_rows(rows)
+        S.close(s, self.tick)
+        self.outbox_closed.append(session_id)
+        self.event("close", session=session_id, blocks=len(rows))
+        self.maybe_check()
+        return len(rows)
+
+    def pin(self, session_id: str, start: int = 0, stop: int | None = None) -> int:
+        """Never demote blocks [start, stop) of a session (also ones created later in the range).
+        Returns the number of existing blocks pinned."""
+        self.require_ready()
+        S = self.sessions
+        s = S.lookup(session_id)
+        stop = S.nblocks(s) if stop is None else stop
+        if not 0 <= start <= stop:
+            raise BadRequestError(f"pin range [{start}, {stop}) is not a range of blocks")
+        S.pins.setdefault(s, []).append((start, stop))
+        rows = S.rows(s)[start:stop]
+        self.table.pinned[rows] |= PIN_EXPLICIT
+        return len(rows)
+
+    def unpin(self, session_id: str, start: int = 0, stop: int | None = None) -> int:
+        self.require_ready()
+        S = self.sessions
+        s = S.lookup(session_id)
+        stop = (1 << 62) if stop is None else stop
+        kept: list[tuple[int, int]] = []
+        for a, z in S.pins.get(s, []):
+            kept += [(a, min(z, start))] if a < start else []
+            kept += [(max(a, stop), z)] if z > stop else []
+        S.pins[s] = [(a, z) for a, z in kept if a < z]
+        if not S.pins[s]:
+            del S.pins[s]
+        rows = S.rows(s)
+        covered = np.zeros(len(rows), dtype=bool)
+        for a, z in S.pins.get(s, []):
+            covered[a:z] = True
+        unpinned = rows[~covered & (self.table.pinned[rows] != 0)]
+        self.table.pinned[unpinned] &= ~PIN_EXPLICIT
+        S.clean[s] = False
+        return len(unpinned)
+
+    # ---- steps -----------------------------------------------------------------------------
+    def schedule(self, session_ids: Sequence[str] | np.ndarray,
+                 num_new_tokens: Sequence[int] | np.ndarray,
+                 upcoming: Upcoming = None) -> StepResult:
+        """Plan one step: `session_ids` run and add num_new_tokens[i] tokens each; `upcoming`
+        maps sessions expected soon to the steps until they run (prefetched within
+        policy.prefetch_steps). Returns block tables, fresh slots and 0..3 plans."""
+        started = time.perf_counter_ns()
+        self.require_ready()
+        if self.tick >= _TICK_LIMIT:
+            self._rebase_ticks()
+        result = schedule_step(self, session_ids, num_new_tokens, upcoming)
+        self.latency_us.append((time.perf_counter_ns() - started) / 1e3)
+        return result
+
+    def finish_step(self, b: PlanBuilder) -> dict[str, Any]:
+        """Keep the step's plans as pending; return its plans, drops, and what happened
+        since the last step (closed sessions, lost blocks) for the StepResult."""
+        for plan, rows in zip(b.plans, b.plan_rows):
+            self.pending.append(PendingPlan(plan, rows))
+        self.next_epoch = b.epoch
+        drops = b.drop_lists()
+        if self.outbox_lost:
+            lost = np.concatenate(self.outbox_lost)
+            lost = lost[self.table.rows_of(lost)[1]]  # not those of sessions closed since
+            drops[0] = np.concatenate([lost, drops[0]]).astype(np.int64)
+        ssd_dropped = self.outbox_ssd_dropped + [self.sessions.name(s) for s in b.ssd_dropped]
+        for e in b.events:
+            self.event(**e)  # type: ignore[arg-type]
+        released = self.outbox_released
+        out = {"plans": tuple(b.plans), "drops": tuple(drops),
+               "released_block_ids": (np.concatenate(released) if released
+                                      else np.zeros(0, dtype=np.int64)),
+               "closed_sessions": tuple(self.outbox_closed),
+               "ssd_dropped_sessions": tuple(ssd_dropped)}
+        self.outbox_released, self.outbox_lost = [], []
+        self.outbox_closed, self.outbox_ssd_dropped = [], []
+        self.maybe_check()
+        return out
+
+    def report_attention(self, session_id: str, mass: Sequence[float] | np.ndarray,
+                         start: int = 0) -> None:
+        """Add attention mass to blocks start, start+1, ... of a session (cumulative)."""
+        self.require_ready()
+        S, T = self.sessions, self.table
+        s = S.lookup(session_id)
+        values = np.asarray(mass, dtype=np.float64).reshape(-1)
+        if not np.isfinite(values).all() or (values < 0).any():
+            raise BadRequestError(f"attention mass must be finite and >= 0 ({session_id!r})")
+        if start < 0 or start + len(values) > S.nblocks(s):
+            raise BadRequestError(f"attention for blocks [{start}, {start + len(values)}) of "
+                                  f"{session_id!r}, which has {S.nblocks(s)} blocks")
+        rows = S.rows(s)[start:start + len(values)]
+        T.attn[rows] += values.astype(np.float32)
+        S.attn_sum[s] += float(values.sum())
+        self._pin_dirty = True
+
+    def report_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A measured prefill (tokens, seconds) for the cost model."""
+        self.rates.observe_prefill(int(num_tokens), float(seconds))
+
+    def refresh_pin_threshold(self) -> None:
+        """Recompute the auto-pin mass threshold over L1 (at most every N steps)."""
+        pol = self.config.policy
+        if not self._pin_dirty or self.tick - self._pin_tick < pol.auto_pin_refresh_steps:
+            return
+        owner = self.table.owner[Tier.HBM]
+        attn = self.table.attn[owner[owner >= 0]]
+        threshold = auto_pin_threshold(attn, pol.auto_pin_fraction, pol.max_auto_pin_blocks)
+        if threshold != self.pin_threshold:
+            self.sessions.clean[:] = False
+            self.eviction_orders.clear()
+        self.pin_threshold, self._pin_dirty, self._pin_tick = threshold, False, self.tick
+
+    # ---- confirmations ---------------------------------------------------------------------
+    def commit(self, results: Sequence[MoveResult]) -> CommitOutcome:
+        """All ranks' reports for the oldest unconfirmed epoch (see confirm.commit)."""
+        return confirm.commit(self, results)
+
+    def slot_map(self) -> dict[str, Any]:
+        """The authoritative map of every live block (for resync and for tests)."""
+        return confirm.slot_map(self)
+
+    def resync(self) -> dict[str, Any]:
+        """After a mismatch: the full map for workers to restore; pending plans are superseded."""
+        return confirm.resync(self)
+
+    # ---- recovery and observability --------------------------------------------------------
+    def rebuild(self, slot_maps: Sequence[Mapping[str, Any]],
+                ssd_manifests: Mapping[str, Sequence[int] | np.ndarray]) -> dict[str, Any]:
+        """After a restart: rebuild the table from every rank's slot map and the SSD manifests."""
+        summary = recovery.rebuild(self, slot_maps, ssd_manifests)
+        self.maybe_check()
+        return summary
+
+    def snapshot(self, max_sessions: int = 256) -> dict[str, Any]:
+        return snapshot.build(self, max_sessions)
+
+    def session_blocks(self, session_id: str) -> dict[str, Any]:
+        """Per-block state of one session (access history folded in first)."""
+        return snapshot.session_blocks(self, session_id)
+
+    def sync_access(self, rows: np.ndarray) -> None:
+        """Fold the sessions' runs into the blocks' own access history (LRU-K)."""
+        T, S = self.table, self.sessions
+        sess = T.session[rows]
+        T.last_tick[rows], T.hist[rows], T.count[rows], T.runs_seen[rows] = fold_access(
+            T.last_tick[rows], T.hist[rows], T.count[rows], T.runs_seen[rows], S.runs[sess],
+            S.run_hist[:, sess].T)
+
+    def metadata_bytes(self) -> int:
+        """Bytes of every array the controller keeps (table, sessions, arena, caches)."""
+        return self.table.nbytes() + self.sessions.nbytes() + self.batch_table.nbytes()
+
+    def check_integrity(self) -> None:
+        recovery.check_integrity(self)
+
+    def maybe_check(self) -> None:
+        if self.check_invariants:
+            self.check_integrity()
+
+    def _rebase_ticks(self) -> None:
+        shift = self.tick - (1 << 20)
+        T, S = self.table, self.sessions
+        for arr in (T.last_tick, T.hist, S.run_hist):
+            arr[...] = np.where(arr >= 0, np.maximum(arr - shift, 0), arr)
+        S.opened_tick -= shift
+        self.tick -= shift
+        self._pin_tick -= shift
+        self.event("rebase_ticks", shift=shift)

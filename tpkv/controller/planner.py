@@ -1,0 +1,293 @@
+"""plan_step: the moves one step needs (demand, demotions, spills, prefetch), in up to 3 phases."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tpkv.config import PolicyConfig
+from tpkv.controller.builder import PlanBuilder
+from tpkv.controller.policy import cooling, eviction_keys, select_victims, watermark_excess
+from tpkv.controller.table import DRAM, HBM, SSD
+
+MAX_PHASES = 3  # L3 -> L2, then L2 -> L1 into slots a demotion freed; a third phase for slack
+_TIER_COL = {HBM: 1, DRAM: 2, SSD: 3}
+
+
+@dataclass
+class StepNeeds:
+    """What one step asks of the planner."""
+
+    batch: np.ndarray  # session indices that run this step
+    want_l1: np.ndarray  # rows of their blocks on L2/L3 that must end in L1 (demand)
+    num_fresh: int  # blocks that get fresh L1 slots after the plans (new tokens, recompute)
+    upcoming: np.ndarray  # session indices expected within the prefetch horizon, soonest first
+
+
+@dataclass
+class PlanContext:
+    """Policy inputs of a step: knobs, watermarks, clock, and the hysteresis state it updates."""
+
+    policy: PolicyConfig
+    marks: dict[int, tuple[float, float]]  # (high, low) per tier
+    l3_enabled: bool
+    tick: int
+    now_s: float  # seconds since the controller started (the cooldown clock)
+    pin_threshold: float  # attention mass at or above which a block is auto-pinned
+    draining: dict[int, bool] = field(default_factory=dict)
+    orders: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # see _order
+
+
+def plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray:
+    """Emit the step's moves through `b`; return rows of `needs.want_l1` that could not be
+    brought up in MAX_PHASES phases and were dropped (the caller recomputes them)."""
+    t, s = b.t, b.s
+    protect = np.zeros(s.capacity, dtype=bool)
+    protect[needs.batch] = True
+    shield = protect.copy()
+    shield[needs.upcoming] = True
+    budget = ctx.policy.max_moves_per_step
+    pending = needs.want_l1
+    for phase in range(MAX_PHASES):
+        b.begin_phase()
+        tier = t.tier[pending]
+        in2, in3 = pending[tier == DRAM], pending[tier == SSD]
+        free1 = t.num_free(HBM)
+        need1 = len(in2) + len(in3) + needs.num_fresh
+        room1 = max(0, need1 - free1)
+        extra1 = 0
+        if phase == 0:
+            extra1 = _watermark(ctx, HBM, t.used(HBM) + need1, t.slots(HBM))
+            extra1 = min(max(0, extra1 - room1), budget)
+        victims, units, sizes = _pick_l1(ctx, b, shield, protect, room1, extra1)
+        free2 = t.num_free(DRAM)
+        short2 = max(0, len(in3) + len(victims) - free2)
+        extra2 = 0
+        if phase == 0 and ctx.l3_enabled:  # L1 draining goes first; L2 gets the rest
+            projected = t.used(DRAM) + len(in3) + len(victims) - min(len(in2), free1)
+            extra2 = _watermark(ctx, DRAM, projected, t.slots(DRAM))
+            extra2 = min(max(0, extra2 - short2), max(budget - extra1, budget // 4))
+        _make_l2_room(ctx, b, shield, short2, extra2, budget)
+        free2 = t.num_free(DRAM)
+        stage = in3[:free2]
+        b.move(stage, SSD, DRAM)
+        demoted = victims[:free2 - len(stage)]
+        b.move(demoted, HBM, DRAM)
+        done = units[np.cumsum(sizes) <= len(demoted)]
+        s.clean[done] = True
+        b.move(in2[:free1], DRAM, HBM)
+        if demoted.size:
+            b.events.append({"kind": "demote", "blocks": len(demoted), "sessions": len(done)})
+        if phase == 0:
+            _prefetch(ctx, b, needs, len(pending) - min(len(in2), free1))
+        b.end_phase()
+        pending = pending[t.tier[pending] != HBM]
+        if len(pending) == 0 and t.num_free(HBM) >= needs.num_fresh:
+            _settle(ctx, b, needs.num_fresh)
+            return pending
+    b.begin_phase()  # drops from here on apply after the last plan: any block may go
+    b.drop(pending)  # could not be loaded in time: recompute instead
+    short = needs.num_fresh + len(pending) - t.num_free(HBM)
+    if short > 0:
+        rows, _, _ = _pick_l1(ctx, b, protect, protect, short, 0)
+        b.drop(rows)
+        b.events.append({"kind": "drop_l1", "blocks": len(rows)})
+    _settle(ctx, b, needs.num_fresh + len(pending))
+    return pending
+
+
+def _settle(ctx: PlanContext, b: PlanBuilder, fresh: int) -> None:
+    """A tier keeps draining into the next step only if this step left it above its low mark
+    (the per-step move budget, or too few victims, stopped it): that is the hysteresis."""
+    t = b.t
+    for tier in (HBM, DRAM, SSD):
+        used = t.used(tier) + (fresh if tier == HBM else 0)
+        target = int(math.floor(ctx.marks[tier][1] * t.slots(tier)))
+        ctx.draining[tier] = ctx.draining.get(tier, False) and used > target
+
+
+def _watermark(ctx: PlanContext, tier: int, used: int, slots: int) -> int:
+    high, low = ctx.marks[tier]
+    excess, ctx.draining[tier] = watermark_excess(used, slots, high, low,
+                                                  ctx.draining.get(tier, False))
+    return excess
+
+
+def _keys(ctx: PlanContext, b: PlanBuilder, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    s = b.s
+    mean_attn = s.attn_sum[cand] / np.maximum(s.arena.length[cand], 1)
+    p = ctx.policy
+    return eviction_keys(p.kind, mean_attn, s.run_hist[:, cand].T, ctx.tick, p.w_attn,
+                         p.w_recency)
+
+
+_Picked = tuple[np.ndarray, np.ndarray, np.ndarray]  # rows, their sessions, rows per session
+MaskFn = Callable[[np.ndarray | None], np.ndarray]  # sessions -> may they give blocks up?
+ORDER_TTL = 16  # steps an eviction order is reused (minus sessions that ran since) for a tier
+
+
+def _order(ctx: PlanContext, b: PlanBuilder, tier: int, need: int, mask: MaskFn,
+           cache: bool) -> np.ndarray:
+    """Sessions with blocks on `tier` that `mask` allows, coldest first, holding at least `need`
+    blocks there when that many exist. With `cache`, an order made for ORDER_TTL steps' worth
+    is kept and reused, less sessions that ran since or left: choosing victims then costs
+    O(victims) a step, not O(sessions)."""
+    s, col = b.s, _TIER_COL[tier]
+    if cache and tier in ctx.orders:
+        built, units = ctx.orders[tier]
+        if ctx.tick - built <= ORDER_TTL:
+            units = units[mask(units) & (s.counts[col][units] > 0)
+                          & (s.run_hist[0][units] <= built)]
+            ctx.orders[tier] = (built, units)
+            if int(s.counts[col][units].sum()) >= need:
+                return units
+    cand = np.flatnonzero(mask(None) & (s.counts[col] > 0))
+    primary, secondary = _keys(ctx, b, cand)
+    sizes = s.counts[col][cand].astype(np.int64)
+    units = cand[select_victims(primary, secondary, sizes, need * (ORDER_TTL if cache else 1))]
+    if cache:
+        ctx.orders[tier] = (ctx.tick, units)
+    return units
+
+
+def _coldest(ctx: PlanContext, b: PlanBuilder, tier: int, need: int, mask: MaskFn,
+             keep_auto: bool = False, skip: np.ndarray | None = None,
+             cache: bool = False) -> _Picked:
+    """Rows on `tier` of the coldest sessions `mask` allows, whole sessions, until `need` rows.
+    Pinned blocks stay; with keep_auto, so do blocks at or above the auto-pin threshold.
+    Vectorized: the cost is one pass over the rows of the sessions it looks at."""
+    t, s = b.t, b.s
+    empty = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64), np.zeros(0, np.int64)
+    if need <= 0:
+        return empty
+    order = _order(ctx, b, tier, need, mask, cache)
+    bound = np.cumsum(s.counts[_TIER_COL[tier]][order])  # blocks there, pinned ones included
+    k = min(int(np.searchsorted(bound, need)) + 1, len(order))
+    while True:
+        units = order[:k]
+        if len(units) == 0:
+            return empty
+        rows, offsets = s.arena.gather(units)
+        sel = (t.tier[rows] == tier) & (t.pinned[rows] == 0)
+        if keep_auto and ctx.pin_threshold != math.inf:
+            sel &= t.attn[rows] < ctx.pin_threshold
+        if skip is not None and len(skip):
+            sel &= ~np.isin(rows, skip)  # already picked by an earlier pass
+        per_unit = np.add.reduceat(sel.astype(np.int64), offsets[:-1])
+        total = np.cumsum(per_unit)
+        if total[-1] >= need:
+            break
+        if k == len(order):  # pinned blocks made the prefix short: look at every candidate
+            everyone = _order(ctx, b, tier, 1 << 62, mask, cache=False)
+            if len(everyone) <= len(order):
+                break
+            order, k = everyone, len(order)
+        k = min(2 * k, len(order))
+    stop = min(int(np.searchsorted(total, need)) + 1, len(units))
+    if tier == HBM:
+        s.clean[units[:stop][per_unit[:stop] == 0]] = True  # only pinned blocks left in L1
+    keep = per_unit[:stop] > 0
+    picked = rows[:offsets[stop]][sel[:offsets[stop]]]
+    b.touch(units[:stop][keep])
+    return picked, units[:stop][keep], per_unit[:stop][keep]
+
+
+def _masked(*flags: np.ndarray) -> MaskFn:
+    """A MaskFn that allows sessions where every flag array is True."""
+    def mask(units: np.ndarray | None) -> np.ndarray:
+        out = flags[0] if units is None else flags[0][units]
+        for f in flags[1:]:
+            out = out & (f if units is None else f[units])
+        return out
+    return mask
+
+
+def _pick_l1(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, protect: np.ndarray,
+             room: int, extra: int) -> _Picked:
+    """Demotion victims: first sessions neither running nor expected soon, keeping auto pins;
+    if the room this step must have is still short, expected sessions and auto pins too."""
+    s = b.s
+    if room + extra <= 0:
+        return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64), np.zeros(0, np.int64)
+    untouched = ~b.touched
+    rows, units, sizes = _coldest(ctx, b, HBM, room + extra, _masked(untouched, ~shield, ~s.clean),
+                                  keep_auto=True, cache=True)
+    if len(rows) < room:
+        more = _coldest(ctx, b, HBM, room - len(rows), _masked(untouched, ~protect), skip=rows)
+        rows, units, sizes = (np.concatenate([a, m]) for a, m in zip((rows, units, sizes), more))
+    return rows, units, sizes
+
+
+def _make_l2_room(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, short: int, extra: int,
+                  budget: int) -> None:
+    """Free L2: without L3, drop the coldest sessions' L2 blocks now; with L3, spill whole
+    sessions (their slots free at the end of this phase), dropping L3 sessions if it is full."""
+    t = b.t
+    want = short + extra
+    if want <= 0:
+        return
+    # Sessions whose L1 blocks go down in this phase may still spill their older L2 blocks:
+    # those are other rows, and nothing has moved yet in this phase.
+    rows, units, _ = _coldest(ctx, b, DRAM, want if ctx.l3_enabled else short, _masked(~shield),
+                              cache=True)
+    if not ctx.l3_enabled:
+        b.drop(rows)
+        if len(rows):
+            b.events.append({"kind": "drop_l2", "blocks": len(rows), "sessions": len(units)})
+        return
+    cap3 = t.slots(SSD)
+    room3 = max(0, len(rows) - t.num_free(SSD))
+    excess3 = _watermark(ctx, SSD, t.used(SSD) + len(rows), cap3)
+    _drop_l3(ctx, b, shield, max(room3, min(excess3, budget)))
+    rows = rows[:t.num_free(SSD)]
+    b.move(rows, DRAM, SSD)
+    if len(rows):
+        b.events.append({"kind": "spill", "blocks": len(rows), "sessions": len(units)})
+
+
+def _drop_l3(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, need: int) -> None:
+    """Discard whole sessions' L3 records (coldest first; none with a pinned block there)."""
+    t, s = b.t, b.s
+    if need <= 0:
+        return
+    allowed = ~shield & ~b.touched
+    for si in s.pins:
+        r = s.rows(si)
+        if ((t.tier[r] == SSD) & (t.pinned[r] != 0)).any():
+            allowed[si] = False
+    rows, units, _ = _coldest(ctx, b, SSD, need, _masked(allowed), cache=True)
+    b.drop(rows)
+    b.ssd_dropped.extend(units.tolist())
+    if len(rows):
+        b.events.append({"kind": "drop_l3", "blocks": len(rows), "sessions": len(units)})
+
+
+def _prefetch(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds, still_needed: int) -> None:
+    """Bring up blocks of sessions expected soon, skipping blocks in their cooldown, at most
+    prefetch_max_blocks per step, and never past a tier's high watermark: those blocks would
+    come up on demand a step later anyway, so this moves no more than demand would."""
+    t, s, p = b.t, b.s, ctx.policy
+    if len(needs.upcoming) == 0:
+        return
+    slots1, slots2 = t.slots(HBM), t.slots(DRAM)
+    reserve = needs.num_fresh + still_needed
+    room1 = min(int(math.floor(ctx.marks[HBM][0] * slots1)) - t.used(HBM) - reserve,
+                t.num_free(HBM) - reserve, p.prefetch_max_blocks)
+    room2 = min(int(math.floor(ctx.marks[DRAM][0] * slots2)) - t.used(DRAM),
+                t.num_free(DRAM), p.prefetch_max_blocks)
+    if room1 <= 0 and room2 <= 0:
+        return
+    ups = needs.upcoming[~b.touched[needs.upcoming]]  # none that gave up blocks this phase
+    rows, _ = s.arena.gather(ups)
+    tier = t.tier[rows]
+    ok = ~cooling(t.demoted_at[rows], ctx.now_s, p.cooldown_s)
+    up = rows[(tier == DRAM) & ok][:max(room1, 0)]  # soonest sessions first
+    stage = rows[(tier == SSD) & ok][:max(room2, 0)]
+    b.move(up, DRAM, HBM)
+    b.move(stage, SSD, DRAM)
+    if len(up) or len(stage):
+        b.events.append({"kind": "prefetch", "sessions": len(ups), "l2_l1": len(up),
+                         "l3_l2": len(stage)})

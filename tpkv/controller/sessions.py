@@ -1,0 +1,223 @@
+"""Session registry: ids and handles, token counts, run history, pins, per-tier block counts."""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from tpkv.controller.arena import RowArena
+from tpkv.errors import (
+    DuplicateSessionError,
+    InvalidSessionIdError,
+    SessionClosedError,
+    UnknownSessionError,
+)
+
+MAX_SESSION_ID_CHARS = 256
+_SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:-]+")
+_ID_SHIFT = 32
+_REMEMBER_CLOSED = 4096
+CHOICE_NAMES = {-1: "none", 0: "load", 1: "recompute"}
+
+
+def check_session_id(session_id: object) -> str:
+    """Return the id if it matches ^[A-Za-z0-9._:-]{1,256}$, else InvalidSessionIdError."""
+    if not isinstance(session_id, str):
+        raise InvalidSessionIdError(f"session id must be a str, got {type(session_id).__name__}")
+    if not 1 <= len(session_id) <= MAX_SESSION_ID_CHARS:
+        raise InvalidSessionIdError(f"session id has {len(session_id)} characters, allowed "
+                                    f"1..{MAX_SESSION_ID_CHARS}")
+    if not _SESSION_ID_RE.fullmatch(session_id):
+        raise InvalidSessionIdError(f"session id {session_id[:64]!r} has characters outside "
+                                    f"A-Z a-z 0-9 . _ : -")
+    return session_id
+
+
+def add_counts(target: np.ndarray, keys: np.ndarray, delta: int) -> None:
+    """target.flat[k] += delta for every k in keys (repeats add up). Runs of equal keys (rows
+    of one session come together) are counted first, so ufunc.at sees few entries."""
+    if len(keys) == 0:
+        return
+    starts = np.flatnonzero(keys[1:] != keys[:-1]) + 1
+    lengths = np.diff(np.concatenate([[0], starts, [len(keys)]]))
+    first = keys[np.concatenate([[0], starts])] if len(starts) else keys[:1]
+    np.add.at(target.reshape(-1), first, delta * lengths)
+
+
+class SessionTable:
+    """Struct of arrays over session indices; indices are reused after close, handles never."""
+
+    gen: np.ndarray
+    handle_of: np.ndarray
+    is_open: np.ndarray
+    tokens: np.ndarray
+    pending: np.ndarray
+    runs: np.ndarray
+    run_hist: np.ndarray
+    attn_sum: np.ndarray
+    clean: np.ndarray
+    counts: np.ndarray
+    choice: np.ndarray
+    load_s: np.ndarray
+    recompute_s: np.ndarray
+    opened_tick: np.ndarray
+    mark: np.ndarray
+    table_pos: np.ndarray
+    dirty: np.ndarray
+
+    def __init__(self, lru_k: int, capacity: int = 256) -> None:
+        self.lru_k = lru_k
+        self.names: list[str | None] = []
+        self.index: dict[str, int] = {}
+        self.recently_closed: OrderedDict[str, int] = OrderedDict()  # id -> tick of close
+        self.pins: dict[int, list[tuple[int, int]]] = {}  # explicit pins: [start, stop) ranges
+        self.free_idx: list[int] = []
+        self.capacity = 0
+        self.arena = RowArena(0)
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        def grow(name: str, dtype: type, fill: float, lead: int = 0) -> None:
+            """1-D over sessions, or [lead, sessions] so that each row is a 1-D array."""
+            shape = (lead, capacity) if lead else (capacity,)
+            new: np.ndarray = np.full(shape, fill, dtype=dtype)
+            old = getattr(self, name, None)
+            if old is not None:
+                new[..., :old.shape[-1]] = old
+            setattr(self, name, new)
+
+        grow("gen", np.int32, 0)
+        grow("handle_of", np.int64, -1)  # the handle of an open session, -1 when closed
+        grow("is_open", np.bool_, False)
+        grow("tokens", np.int64, 0)  # tokens with KV (or KV being written this step)
+        grow("pending", np.int64, 0)  # tokens announced by extend(), written at the next run
+        grow("runs", np.int32, 0)  # how many steps the session ran in
+        grow("run_hist", np.int32, -1, self.lru_k)  # [K, S] ticks of its latest runs, newest first
+        grow("attn_sum", np.float64, 0.0)  # sum of its blocks' attention mass
+        grow("clean", np.bool_, False)  # L1 holds only its pinned blocks (after a demotion)
+        grow("counts", np.int32, 0, 4)  # [4, S] blocks per tier: NONE, L1, L2, L3
+        grow("choice", np.int8, -1)  # cost model: -1 none, 0 load, 1 recompute
+        grow("load_s", np.float32, 0.0)
+        grow("recompute_s", np.float32, 0.0)
+        grow("opened_tick", np.int64, 0)
+        grow("mark", np.bool_, False)  # scratch; all False between calls
+        grow("table_pos", np.int64, -1)  # position in the last step's batch table, or -1
+        grow("dirty", np.bool_, True)  # an L1 slot of a block changed since that table
+        self.arena.grow_sessions(capacity)
+        self.names.extend([None] * (capacity - len(self.names)))
+        self.capacity = capacity
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def open(self, name: str, tick: int) -> int:
+        check_session_id(name)
+        if name in self.index:
+            raise DuplicateSessionError(f"session {name!r} is already open "
+                                        f"({len(self.index)} sessions open)")
+        if not self.free_idx:
+            old = self.capacity
+            self._grow(max(old + old // 2, 64))
+            self.free_idx = list(range(self.capacity - 1, old - 1, -1))
+        s = self.free_idx.pop()
+        self.names[s] = name
+        self.index[name] = s
+        self.recently_closed.pop(name, None)
+        self.is_open[s] = True
+        self.dirty[s] = True
+        self.handle_of[s] = self.handle(s)
+        self.tokens[s] = self.pending[s] = self.runs[s] = 0
+        self.run_hist[:, s] = -1
+        self.attn_sum[s] = 0.0
+        self.clean[s] = False
+        self.counts[:, s] = 0
+        self.choice[s], self.load_s[s], self.recompute_s[s] = -1, 0.0, 0.0
+        self.opened_tick[s] = tick
+        return s
+
+    def close(self, s: int, tick: int) -> None:
+        name = self.names[s]
+        assert name is not None
+        del self.index[name]
+        self.recently_closed[name] = tick
+        while len(self.recently_closed) > _REMEMBER_CLOSED:
+            self.recently_closed.popitem(last=False)
+        self.names[s] = None
+        self.is_open[s] = False
+        self.counts[:, s] = 0
+        self.dirty[s] = True
+        self.handle_of[s] = -1
+        self.gen[s] += 1
+        self.pins.pop(s, None)
+        self.arena.release(s)
+        self.free_idx.append(s)
+
+    # ---- lookups -------------------------------------------------------------------------------
+    def lookup(self, name: str) -> int:
+        s = self.index.get(name)
+        if s is not None:
+            return s
+        if not isinstance(name, str):
+            raise UnknownSessionError(f"session ids are str, got {type(name).__name__}")
+        if name in self.recently_closed:
+            raise SessionClosedError(f"session {name!r} was closed at tick "
+                                     f"{self.recently_closed[name]}")
+        raise UnknownSessionError(f"unknown session {name!r} ({len(self.index)} sessions open)")
+
+    def resolve(self, sessions: Sequence[str] | np.ndarray) -> np.ndarray:
+        """Session indices for ids (str) or handles (int64 array from `handle`)."""
+        if isinstance(sessions, np.ndarray) and sessions.dtype.kind in "iu":
+            return self._resolve_handles(sessions.astype(np.int64))
+        index = self.index
+        try:
+            return np.array([index[name] for name in sessions], dtype=np.int64)
+        except (KeyError, TypeError):
+            for name in sessions:
+                self.lookup(name)
+            raise
+
+    def _resolve_handles(self, handles: np.ndarray) -> np.ndarray:
+        idx = handles & ((1 << _ID_SHIFT) - 1)
+        if len(idx) and (handles.min() < 0 or idx.max() >= self.capacity):
+            bad = handles[(handles < 0) | (idx >= self.capacity)]
+            raise UnknownSessionError(f"session handle {int(bad[0])} names no session")
+        ok = self.handle_of[idx] == handles
+        if not ok.all():
+            raise UnknownSessionError(f"session handle {int(handles[~ok][0])} names no open "
+                                      f"session ({int((~ok).sum())} of {len(handles)} handles "
+                                      f"are stale)")
+        return idx
+
+    def handle(self, s: int) -> int:
+        return (int(self.gen[s]) << _ID_SHIFT) | s
+
+    def name(self, s: int) -> str:
+        name = self.names[s]
+        assert name is not None, f"session index {s} is not open"
+        return name
+
+    def nblocks(self, s: int) -> int:
+        return int(self.arena.length[s])
+
+    def rows(self, s: int) -> np.ndarray:
+        return self.arena.rows(s)
+
+    def count_keys(self, tier_cols: np.ndarray | int, sessions: np.ndarray) -> np.ndarray:
+        """Flat indices into `counts` for add_counts (tier column 0..3, session)."""
+        return np.asarray(tier_cols, dtype=np.int64) * self.capacity + sessions
+
+    def open_indices(self) -> np.ndarray:
+        return np.flatnonzero(self.is_open)
+
+    def record_runs(self, sessions: np.ndarray, tick: int) -> None:
+        """Sessions ran at `tick`: shift their run history (LRU-K) and count the run."""
+        self.runs[sessions] += 1
+        hist = self.run_hist
+        for k in range(self.lru_k - 1, 0, -1):
+            hist[k][sessions] = hist[k - 1][sessions]
+        hist[0][sessions] = tick
+
+    def nbytes(self) -> int:
+        arrays = [v for v in vars(self).values() if isinstance(v, np.ndarray)]
+        return int(sum(a.nbytes for a in arrays)) + self.arena.nbytes()

@@ -1,0 +1,260 @@
+"""One scheduled step: validate, update sessions, resolve demand, plan, allocate, block tables."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tpkv.controller.builder import PlanBuilder
+from tpkv.controller.cost import resume_costs
+from tpkv.controller.messages import StepResult
+from tpkv.controller.planner import MAX_PHASES, PlanContext, StepNeeds, plan_step
+from tpkv.controller.sessions import add_counts
+from tpkv.controller.table import DRAM, HBM, NONE, PIN_EXPLICIT, SSD
+from tpkv.errors import BadRequestError, DuplicateSessionError, PlanOrderError, TierFullError
+
+if TYPE_CHECKING:
+    from tpkv.controller.controller import Controller
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+Upcoming = Mapping[str, int] | Sequence[str] | None
+
+
+def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
+                  num_new_tokens: Sequence[int] | np.ndarray, upcoming: Upcoming) -> StepResult:
+    """Controller.schedule: every check first (a refused step changes nothing), then the step."""
+    S, T, pol = ctl.sessions, ctl.table, ctl.config.policy
+    bt = ctl.config.geometry.block_tokens
+    # ---- validate everything before changing anything ------------------------------------------
+    batch = S.resolve(session_ids)
+    add = np.asarray(num_new_tokens).reshape(-1)
+    if len(add) != len(batch) or (len(add) and add.dtype.kind not in "iu"):
+        raise BadRequestError(f"num_new_tokens needs {len(batch)} integers, got {len(add)} of "
+                              f"dtype {add.dtype}")
+    add = add.astype(np.int64)
+    if len(add) and add.min() < 0:
+        i = int(np.argmin(add))
+        raise BadRequestError(f"num_new_tokens must be >= 0; session {S.name(int(batch[i]))!r} "
+                              f"got {int(add[i])}")
+    ordered = np.sort(batch)
+    if len(ordered) > 1 and (ordered[1:] == ordered[:-1]).any():
+        dup = int(ordered[1:][ordered[1:] == ordered[:-1]][0])
+        raise DuplicateSessionError(f"session {S.name(dup)!r} appears twice in a step of "
+                                    f"{len(batch)} sessions")
+    up = _upcoming(ctl, upcoming, batch)
+    tokens = S.tokens[batch] + S.pending[batch] + add
+    nb_before = S.arena.length[batch]
+    n_new = -(-tokens // bt) - nb_before
+    total = int(nb_before.sum() + n_new.sum())
+    l1 = T.slots(HBM)
+    if total > l1:
+        raise TierFullError(f"a step of {len(batch)} sessions needs {total} L1 slots; L1 holds "
+                            f"{l1} per rank")
+    held = _pinned_l1_outside(ctl, batch) if S.pins else 0
+    if total + held > l1:
+        raise TierFullError(f"a step of {len(batch)} sessions needs {total} L1 slots; {held} of "
+                            f"L1's {l1} hold pinned blocks of other sessions")
+    new_total = int(n_new.sum())
+    T.ensure_rows(new_total, pol.max_tracked_blocks)
+    if len(ctl.pending) + MAX_PHASES > pol.max_pending_plans:
+        raise PlanOrderError(f"{len(ctl.pending)} plans await confirmation (limit "
+                             f"{pol.max_pending_plans}); confirm epoch "
+                             f"{ctl.pending[0].plan.epoch} first")
+    # ---- the step is valid: from here on the table changes -------------------------------------
+    ctl.tick += 1
+    tick = ctl.tick
+    S.tokens[batch] = tokens
+    S.pending[batch] = 0
+    S.record_runs(batch, tick)
+    S.clean[batch] = False
+    b = PlanBuilder(T, S, ctl.next_epoch, ctl.now_s())
+    want, recompute = _demand(ctl, b, batch, nb_before)
+    needs = StepNeeds(batch, want, len(recompute) + new_total, up)
+    lost = _EMPTY
+    if _needs_planning(ctl, needs):
+        ctl.refresh_pin_threshold()
+        ctx = PlanContext(pol, ctl.marks, ctl.l3_enabled, tick, ctl.now_s(), ctl.pin_threshold,
+                          ctl.draining, ctl.eviction_orders)
+        lost = plan_step(ctx, b, needs).astype(np.int64)
+    fresh_old = np.concatenate([recompute, lost]).astype(np.int64)
+    has_new = np.flatnonzero(n_new > 0)
+    slots = T.free[HBM].pop(len(fresh_old) + new_total)
+    _place_fresh(ctl, fresh_old, slots[:len(fresh_old)])
+    new_rows = _alloc_new(ctl, batch[has_new], n_new[has_new], nb_before[has_new],
+                          slots[len(fresh_old):])
+    offsets, table = ctl.batch_table.build(S, T, batch)
+    if ctl.check_invariants:
+        rows, _ = S.arena.gather(batch)
+        assert (T.tier[rows] == HBM).all(), "a block of the batch is not in L1"
+        assert (table == T.slot[rows]).all(), "the patched batch table is stale"
+    fresh_rows = np.concatenate([fresh_old, new_rows.astype(np.int64)])
+    old_pos = _positions(batch)(T.session[fresh_old]) if len(fresh_old) else _EMPTY
+    fresh_pos = np.concatenate([old_pos, np.repeat(has_new, n_new[has_new])])
+    rc_pos, rc_start, rc_stop = _ranges(old_pos, T.logical[fresh_old].astype(np.int64))
+    return StepResult(
+        tick=tick, session_ids=_names(ctl, session_ids, batch), num_tokens=tokens,
+        block_offsets=offsets, block_table=table, fresh_block_ids=T.ids(fresh_rows),
+        fresh_slots=T.slot[fresh_rows].astype(np.int64), fresh_session_idx=fresh_pos,
+        fresh_logical=T.logical[fresh_rows].astype(np.int64), recompute_session_idx=rc_pos,
+        recompute_start=rc_start, recompute_stop=rc_stop, **ctl.finish_step(b))
+
+
+def _upcoming(ctl: Controller, upcoming: Upcoming, batch: np.ndarray) -> np.ndarray:
+    """Sessions expected within prefetch_steps steps, soonest first, without the batch."""
+    if not upcoming:
+        return _EMPTY
+    if isinstance(upcoming, Mapping):
+        steps = {name: int(k) for name, k in upcoming.items()}
+        if any(k < 0 for k in steps.values()):
+            raise BadRequestError(f"upcoming steps must be >= 0, got {sorted(steps.values())[0]}")
+        horizon = ctl.config.policy.prefetch_steps
+        names = [n for n, k in sorted(steps.items(), key=lambda kv: kv[1]) if k <= horizon]
+    else:
+        names = list(dict.fromkeys(upcoming))  # once each, in the order given
+    if not names:
+        return _EMPTY
+    S = ctl.sessions
+    idx = S.resolve(names)
+    S.mark[batch] = True
+    out = idx[~S.mark[idx]]
+    S.mark[batch] = False
+    return out
+
+
+def _names(ctl: Controller, given: Sequence[str] | np.ndarray,
+           batch: np.ndarray) -> tuple[str, ...]:
+    """The batch's session ids; for handles, patched from the last step's tuple (a decode batch
+    changes in a few places a step) instead of looked up 1024 times."""
+    if not isinstance(given, np.ndarray):
+        return tuple(given)
+    S = ctl.sessions
+    handles = S.handle_of[batch]  # a reused session index has a new handle
+    prev_handles, prev_names = ctl.names_cache
+    if len(prev_handles) == len(batch):
+        out = list(prev_names)
+        for i in np.flatnonzero(prev_handles != handles).tolist():
+            out[i] = S.name(int(batch[i]))
+    else:
+        out = [S.name(i) for i in batch.tolist()]
+    result = tuple(out)
+    ctl.names_cache = (handles, result)
+    return result
+
+
+def _pinned_l1_outside(ctl: Controller, batch: np.ndarray) -> int:
+    T, S = ctl.table, ctl.sessions
+    in_batch = set(batch.tolist())
+    held = 0
+    for si in S.pins:
+        if si not in in_batch:
+            r = S.rows(si)
+            held += int(((T.pinned[r] & PIN_EXPLICIT != 0) & (T.tier[r] == HBM)).sum())
+    return held
+
+
+def _demand(ctl: Controller, b: PlanBuilder, batch: np.ndarray,
+            nb_before: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows to bring into L1 (load) and rows to recompute, per the cost model for each session
+    of the step with blocks outside L1. Rows to recompute lose their L2/L3 copy now."""
+    S, T, rates, pol = ctl.sessions, ctl.table, ctl.rates, ctl.config.policy
+    missing = np.flatnonzero(S.counts[1][batch] < nb_before)
+    if len(missing) == 0:
+        return _EMPTY, _EMPTY
+    g = ctl.config.geometry
+    sess = batch[missing]
+    rows, offsets = S.arena.gather(sess)
+    rows = rows.astype(np.int64)
+    tier = T.tier[rows]
+    seg = np.repeat(np.arange(len(sess)), np.diff(offsets))  # [rows] -> index into sess
+    n2 = np.bincount(seg, weights=tier == DRAM, minlength=len(sess)).astype(np.int64)
+    n3 = np.bincount(seg, weights=tier == SSD, minlength=len(sess)).astype(np.int64)
+    load_s, recompute_s, weighted = resume_costs(
+        n2, n3, (n2 + n3) * g.block_tokens, g.block_bytes, rates.h2d_bytes_per_s,
+        rates.ssd_read_bytes_per_s, rates.prefill_tokens_per_s, len(batch) - 1,
+        pol.gpu_share_weight)
+    away = n2 + n3 > 0
+    redo = away & (weighted < load_s)
+    S.choice[sess[away]] = redo[away]
+    S.load_s[sess[away]], S.recompute_s[sess[away]] = load_s[away], recompute_s[away]
+    off_l1 = (tier == DRAM) | (tier == SSD)
+    redo_rows = redo[seg] & off_l1
+    b.drop(rows[redo_rows])
+    for i in np.flatnonzero(redo).tolist():
+        if n3[i]:
+            b.ssd_dropped.append(int(sess[i]))  # its L3 records are of no more use
+        b.events.append({"kind": "recompute", "session": S.name(int(sess[i])),
+                         "blocks": int(n2[i] + n3[i]), "load_s": float(load_s[i]),
+                         "recompute_s": float(recompute_s[i])})
+    return rows[off_l1 & ~redo_rows], rows[(tier == NONE) | redo_rows]
+
+
+def _needs_planning(ctl: Controller, needs: StepNeeds) -> bool:
+    T, S = ctl.table, ctl.sessions
+    if len(needs.want_l1) or T.num_free(HBM) < needs.num_fresh or any(ctl.draining.values()):
+        return True
+    if T.used(HBM) + needs.num_fresh > ctl.marks[HBM][0] * T.slots(HBM):
+        return True
+    if ctl.l3_enabled and T.used(DRAM) > ctl.marks[DRAM][0] * T.slots(DRAM):
+        return True
+    up = needs.upcoming
+    return bool(len(up) and (S.counts[1][up] < S.arena.length[up]).any())
+
+
+def _place_fresh(ctl: Controller, rows: np.ndarray, slots: np.ndarray) -> None:
+    """Rows with no copy (NONE) get L1 slots: the engine recomputes their KV there."""
+    if len(rows) == 0:
+        return
+    ctl.table.set_tier(rows, HBM, slots, free_src=True)
+    sess = ctl.table.session[rows].astype(np.int64)
+    ctl.sessions.dirty[sess] = True
+    S = ctl.sessions
+    add_counts(S.counts, S.count_keys(0, sess), -1)
+    add_counts(S.counts, S.count_keys(1, sess), 1)
+
+
+def _alloc_new(ctl: Controller, sessions: np.ndarray, counts: np.ndarray, first: np.ndarray,
+               slots: np.ndarray) -> np.ndarray:
+    """Rows for the blocks new tokens open, in fresh L1 slots (no move: the engine writes)."""
+    T, S = ctl.table, ctl.sessions
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int32)
+    sess = np.repeat(sessions, counts)
+    ends = np.cumsum(counts)
+    logical = np.repeat(first - (ends - counts), counts) + np.arange(total)
+    rows = T.alloc_rows(sess, logical, ctl.tick, S.runs[sess], slots)
+    S.counts[1][sessions] += counts.astype(np.int32)
+    S.dirty[sessions] = True
+    S.arena.append(sessions, counts, rows)
+    if S.pins:
+        for si, lo, n in zip(sessions.tolist(), first.tolist(), counts.tolist()):
+            for start, stop in S.pins.get(si, ()):
+                a, z = max(start, lo), min(stop, lo + n)
+                if a < z:
+                    T.pinned[S.rows(si)[a:z]] |= PIN_EXPLICIT
+    return rows
+
+
+def _positions(batch: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """A function from session indices to their positions in the batch."""
+    order = np.argsort(batch, kind="stable")
+    ordered = batch[order]
+
+    def pos(sessions: np.ndarray) -> np.ndarray:
+        return order[np.searchsorted(ordered, sessions)].astype(np.int64)
+    return pos
+
+
+def _ranges(pos: np.ndarray, logical: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Runs of consecutive logical blocks per batch position: (position, start, stop)."""
+    if len(pos) == 0:
+        return _EMPTY, _EMPTY, _EMPTY
+    order = np.lexsort((logical, pos))
+    p, lg = pos[order], logical[order]
+    new = np.ones(len(p), dtype=bool)
+    new[1:] = (p[1:] != p[:-1]) | (lg[1:] != lg[:-1] + 1)
+    starts = np.flatnonzero(new)
+    stops = np.concatenate([starts[1:], [len(p)]])
+    return p[starts], lg[starts], lg[stops - 1] + 1

@@ -1,0 +1,243 @@
+"""The global block table: struct-of-arrays metadata per block, free lists per tier, integrity."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tpkv.errors import TierFullError
+from tpkv.types import Tier
+
+NEVER = -1  # a tick that never happened
+# Tier values as plain ints: attribute access on an enum class costs ~1 us in a hot loop.
+NONE, HBM, DRAM, SSD = int(Tier.NONE), int(Tier.HBM), int(Tier.DRAM), int(Tier.SSD)
+PIN_EXPLICIT = np.uint8(1)
+_ID_SHIFT = 32
+_ROW_MASK = (1 << _ID_SHIFT) - 1
+TIER_INDEX = {NONE: 0, HBM: 1, DRAM: 2, SSD: 3}  # column of per-tier counts
+
+
+class SlotStack:
+    """Free slots (or rows) of one pool as a stack; the lowest index is handed out first."""
+
+    def __init__(self, size: int, name: str) -> None:
+        self.name = name
+        self.stack = np.arange(size - 1, -1, -1, dtype=np.int32)
+        self.top = size  # stack[:top] are free
+
+    @property
+    def size(self) -> int:
+        return len(self.stack)
+
+    def pop(self, n: int) -> np.ndarray:
+        if n > self.top:
+            raise TierFullError(f"{self.name} needs {n} slots, {self.top} free of {self.size}")
+        out = self.stack[self.top - n:self.top][::-1].copy()
+        self.top -= n
+        return out
+
+    def push(self, slots: np.ndarray) -> None:
+        n = len(slots)
+        assert self.top + n <= self.size, f"{self.name}: push past capacity"
+        self.stack[self.top:self.top + n] = slots  # any order: which free slot goes first
+        # does not matter, and the same inputs still give the same order
+        self.top += n
+
+    def grow(self, size: int) -> None:
+        extra = np.arange(size - 1, self.size - 1, -1, dtype=np.int32)
+        free = self.stack[:self.top]
+        self.stack = np.concatenate([extra, free, np.zeros(size - len(extra) - self.top,
+                                                            dtype=np.int32)])
+        self.top += len(extra)
+
+
+class BlockTable:
+    """Where every block is (tier, slot) and what the policy knows about it, one row per block.
+
+    A block id is `(generation << 32) | row`: rows are reused after a session closes, ids never.
+    Access statistics (last_tick, hist, count) are folded in lazily from the session's run
+    history (see `Controller.sync_access`): every block of a session is read whenever it runs.
+    """
+
+    # One entry per row; 43 bytes a block with lru_k=2 (plus 4 for the free-row stack).
+    gen: np.ndarray  # int32
+    tier: np.ndarray  # int8, a Tier value
+    slot: np.ndarray  # int32
+    session: np.ndarray  # int32
+    logical: np.ndarray  # int32
+    attn: np.ndarray  # float32
+    last_tick: np.ndarray  # int32
+    hist: np.ndarray  # int32 [rows, lru_k - 1]
+    count: np.ndarray  # int32
+    runs_seen: np.ndarray  # int32
+    pinned: np.ndarray  # uint8
+    in_flight: np.ndarray  # uint8
+    demoted_at: np.ndarray  # float32
+
+    def __init__(self, l1_slots: int, l2_slots: int, l3_capacity: int, lru_k: int,
+                 capacity: int) -> None:
+        self.l3_capacity = l3_capacity
+        self.lru_k = lru_k
+        self.free = {HBM: SlotStack(l1_slots, "L1"), DRAM: SlotStack(l2_slots, "L2")}
+        self.owner = {HBM: np.full(l1_slots, -1, dtype=np.int32),
+                      DRAM: np.full(l2_slots, -1, dtype=np.int32)}
+        self.num_in = np.zeros(4, dtype=np.int64)  # live blocks per TIER_INDEX column
+        self.capacity = 0
+        self.free_rows = SlotStack(0, "block table")
+        self._alloc_arrays(capacity)
+
+    # ---- storage -------------------------------------------------------------------------------
+    def _alloc_arrays(self, capacity: int) -> None:
+        def grow(name: str, dtype: type, fill: float, shape: tuple[int, ...] = ()) -> None:
+            new: np.ndarray = np.full((capacity, *shape), fill, dtype=dtype)
+            old = getattr(self, name, None)
+            if old is not None:
+                new[:len(old)] = old
+            setattr(self, name, new)
+
+        grow("gen", np.int32, 0)  # generation of the row, part of the block id
+        grow("tier", np.int8, NONE)
+        grow("slot", np.int32, -1)  # L1/L2 slot; -1 on L3 (addressed by session, logical)
+        grow("session", np.int32, -1)  # session index; -1 for a free row
+        grow("logical", np.int32, -1)  # block index inside its session
+        grow("attn", np.float32, 0.0)  # cumulative attention mass
+        grow("last_tick", np.int32, NEVER)  # tick of the latest access folded in
+        grow("hist", np.int32, NEVER, (max(self.lru_k - 1, 0),))  # older accesses, newest first
+        grow("count", np.int32, 0)  # accesses folded in
+        grow("runs_seen", np.int32, 0)  # session run count when last folded in
+        grow("pinned", np.uint8, 0)  # PIN_EXPLICIT bit
+        grow("in_flight", np.uint8, 0)  # 1 while a plan that moved the block is unconfirmed
+        grow("demoted_at", np.float32, -np.inf)  # seconds since start of the last demotion
+        if self.capacity:
+            self.free_rows.grow(capacity)
+        else:
+            self.free_rows = SlotStack(capacity, "block table")
+        self.capacity = capacity
+
+    def ensure_rows(self, n: int, limit: int) -> None:
+        """Make room for `n` more rows, growing by 1.5x up to `limit`; TierFullError beyond."""
+        if n <= self.free_rows.top:
+            return
+        need = self.capacity - self.free_rows.top + n
+        if need > limit:
+            raise TierFullError(f"block table needs {need} rows, at most {limit} tracked "
+                                f"(PolicyConfig.max_tracked_blocks)")
+        self._alloc_arrays(min(max(need, self.capacity + self.capacity // 2), limit))
+
+    def nbytes(self) -> int:
+        names = ("gen", "tier", "slot", "session", "logical", "attn", "last_tick", "hist",
+                 "count", "runs_seen", "pinned", "in_flight", "demoted_at")
+        return sum(getattr(self, n).nbytes for n in names) + self.free_rows.stack.nbytes
+
+    # ---- ids -----------------------------------------------------------------------------------
+    def ids(self, rows: np.ndarray) -> np.ndarray:
+        return (self.gen[rows].astype(np.int64) << _ID_SHIFT) | rows.astype(np.int64)
+
+    def rows_of(self, block_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of block ids and a mask of the ids that name a live block."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        rows = ids & _ROW_MASK
+        ok = (ids >= 0) & (rows < self.capacity)
+        rows = np.where(ok, rows, 0)
+        ok &= (self.gen[rows] == (ids >> _ID_SHIFT)) & (self.session[rows] >= 0)
+        return rows, ok
+
+    # ---- counts --------------------------------------------------------------------------------
+    def used(self, tier: int) -> int:
+        return int(self.num_in[TIER_INDEX[tier]])
+
+    def slots(self, tier: int) -> int:
+        return self.l3_capacity if tier == SSD else len(self.owner[tier])
+
+    def num_free(self, tier: int) -> int:
+        if tier == SSD:
+            return self.l3_capacity - self.used(SSD)
+        return self.free[tier].top
+
+    # ---- state changes (callers keep per-session counts via the returned old tiers) -----------
+    def alloc_rows(self, sessions: np.ndarray, logicals: np.ndarray, tick: int,
+                   runs: np.ndarray, l1_slots: np.ndarray) -> np.ndarray:
+        """Rows for blocks created in the current run, in the given L1 slots. Free rows hold
+        the defaults already (fresh, or reset by release_rows): only the rest is written."""
+        rows = self.free_rows.pop(len(sessions))
+        self.session[rows] = sessions
+        self.logical[rows] = logicals
+        self.last_tick[rows] = tick
+        self.count[rows] = 1
+        self.runs_seen[rows] = runs
+        self.tier[rows] = HBM
+        self.slot[rows] = l1_slots
+        self.owner[HBM][l1_slots] = rows
+        self.num_in[HBM + 1] += len(rows)
+        return rows
+
+    def release_rows(self, rows: np.ndarray) -> None:
+        """Forget blocks (their session closed): free their slots and rows, bump generations."""
+        self.set_tier(rows, NONE, np.full(len(rows), -1, dtype=np.int32), free_src=True)
+        self.num_in[0] -= len(rows)
+        self.session[rows] = -1
+        self.logical[rows] = -1
+        self.attn[rows] = 0.0
+        self.last_tick[rows] = NEVER
+        self.hist[rows] = NEVER
+        self.count[rows] = 0
+        self.runs_seen[rows] = 0
+        self.in_flight[rows] = 0
+        self.pinned[rows] = 0
+        self.demoted_at[rows] = -np.inf
+        self.gen[rows] += 1
+        self.free_rows.push(rows)
+
+    def set_tier(self, rows: np.ndarray, dst: int, dst_slots: np.ndarray,
+                 free_src: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Put `rows` at (dst, dst_slots); return their old (tiers, slots). With free_src the old
+        L1/L2 slots go back to the free lists now; otherwise the caller frees them later."""
+        old_tier = self.tier[rows].copy()
+        old_slot = self.slot[rows].copy()
+        for t in (HBM, DRAM):
+            sel = old_tier == t
+            if sel.any():
+                self.owner[t][old_slot[sel]] = -1
+                if free_src:
+                    self.free[t].push(old_slot[sel])
+        self.num_in -= np.bincount(old_tier.astype(np.int64) + 1, minlength=4)
+        self.tier[rows] = dst
+        self.slot[rows] = dst_slots
+        if dst in self.owner:
+            self.owner[dst][dst_slots] = rows
+        self.num_in[TIER_INDEX[dst]] += len(rows)
+        if dst == SSD and self.used(SSD) > self.l3_capacity:
+            raise AssertionError(f"L3 over capacity: {self.used(SSD)} > {self.l3_capacity}")
+        return old_tier, old_slot
+
+    # ---- integrity -----------------------------------------------------------------------------
+    def check_integrity(self, settled: bool = True) -> None:
+        """Every live block in exactly one tier; free lists, owners, counts and capacities agree.
+        `settled`: no slot is held back by a plan under construction, so used + free = capacity.
+        Raises AssertionError naming the first broken invariant (used by tests)."""
+        live = self.session >= 0
+        free_rows = self.free_rows.stack[:self.free_rows.top]
+        assert len(np.unique(free_rows)) == len(free_rows), "free row list has duplicates"
+        assert not live[free_rows].any(), "a free row belongs to a session"
+        assert int(live.sum()) == self.capacity - self.free_rows.top, "live rows != capacity-free"
+        tier = self.tier[live]
+        assert np.isin(tier, [t.value for t in Tier]).all(), "unknown tier value"
+        assert (self.tier[~live] == NONE).all(), "a free row has a tier"
+        for t, col in TIER_INDEX.items():
+            assert int((tier == t).sum()) == self.num_in[col], f"count of {Tier(t).name} is off"
+        slot = self.slot[live]
+        assert (slot[(tier == NONE) | (tier == SSD)] == -1).all(), "slot off-pool"
+        assert self.used(SSD) <= self.l3_capacity, "L3 over capacity"
+        rows = np.flatnonzero(live)
+        for t in (HBM, DRAM):
+            owner, stack, name = self.owner[t], self.free[t], Tier(t).name
+            on = rows[tier == t]
+            assert len(np.unique(self.slot[on])) == len(on), f"{name}: two blocks share a slot"
+            assert ((self.slot[on] >= 0) & (self.slot[on] < len(owner))).all(), "slot range"
+            assert (owner[self.slot[on]] == on).all(), f"{name}: owner map disagrees"
+            assert int((owner >= 0).sum()) == len(on), f"{name}: stale owner entries"
+            free = stack.stack[:stack.top]
+            assert len(np.unique(free)) == len(free), f"{name}: free list has duplicates"
+            assert (owner[free] == -1).all(), f"{name}: a free slot is owned"
+            assert len(on) + stack.top <= len(owner), f"{name}: used + free > capacity"
+            if settled:
+                assert len(on) + stack.top == len(owner), f"{name}: slot neither used nor free"
