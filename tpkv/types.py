@@ -59,18 +59,19 @@ class MovePlan:
         object.__setattr__(self, "session_names", tuple(self.session_names))
         if self.epoch < 0:
             raise WireFormatError(f"plan epoch must be >= 0, got {self.epoch}")
-        valid = {t.value for t in Tier if t != Tier.NONE}
         for name in ("src_tier", "dst_tier"):
-            bad = ~np.isin(getattr(self, name), list(valid))
+            tiers = getattr(self, name)
+            bad = (tiers < Tier.HBM) | (tiers > Tier.SSD)
             if bad.any():
-                bad_tiers = getattr(self, name)[bad][:8]
-                raise WireFormatError(f"plan {name} has invalid tiers {bad_tiers}")
+                raise WireFormatError(f"plan {name} has invalid tiers {tiers[bad][:8]}")
         if n and (self.session_idx.min() < 0 or self.session_idx.max() >= len(self.session_names)):
             raise WireFormatError(
                 f"plan session_idx outside 0..{len(self.session_names) - 1}"
             )
-        if n and len(np.unique(self.block_ids)) != n:
-            raise WireFormatError("plan moves a block more than once")
+        if n > 1:
+            ids = np.sort(self.block_ids)
+            if (ids[1:] == ids[:-1]).any():
+                raise WireFormatError("plan moves a block more than once")
 
     @classmethod
     def empty(cls, epoch: int) -> MovePlan:
