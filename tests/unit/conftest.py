@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from tests.fakes import FakeClock
 from tpkv.config import HbmConfig, HostConfig, KvGeometry, PolicyConfig, SsdConfig, TpkvConfig
 
 
@@ -23,20 +24,6 @@ def _forbid_ray_init() -> Iterator[None]:
     patcher.setattr(ray, "init", refuse)
     yield
     patcher.undo()
-
-
-class FakeClock:
-    """A monotonic clock that moves only when told to."""
-
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        assert seconds >= 0
-        self.now += seconds
 
 
 @pytest.fixture

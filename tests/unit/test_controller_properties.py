@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from tests.fakes import FakeClock
 from tpkv.controller import Controller, SlotMapReplica, StepResult
 from tpkv.errors import TpkvError
 from tpkv.types import MovePlan, Tier, encode
@@ -179,8 +180,6 @@ def test_random_programs_keep_every_invariant(make_config, fake_clock, cfg, seed
                                                                  HealthCheck.function_scoped_fixture])
 @given(configs, st.integers(0, 2**32 - 1))
 def test_identical_inputs_give_identical_plans(make_config, cfg, seed):
-    from conftest import FakeClock
-
     runs = []
     for _ in range(2):
         w = World(cfg, make_config, FakeClock(), record_events=True)

@@ -2,11 +2,16 @@
 
 The only module in tpkv that imports ray. One actor call per step (`schedule`), never one per
 block. Arguments and answers cross as msgpack bytes (tpkv.types.encode/decode, strict limits);
-typed errors come back as the same tpkv.errors class.
+typed errors come back as the same tpkv.errors class. The actor also serves the dashboard
+(tpkv.controller.dashboard) from its own event loop, and hands its metrics to ray.util.metrics.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -17,6 +22,8 @@ import ray
 from tpkv import errors
 from tpkv.config import TpkvConfig
 from tpkv.controller.controller import Controller
+from tpkv.controller.dashboard import DashboardServer, MetricSpec, Recorder
+from tpkv.controller.dashboard.view import dumps
 from tpkv.controller.messages import (
     CommitOutcome,
     StepResult,
@@ -28,6 +35,7 @@ from tpkv.types import MoveResult, decode, encode
 NAME = "tpkv-controller"
 NAMESPACE = "tpkv"
 _KV_PREFIX = b"tpkv-controller-inits:"
+log = logging.getLogger(__name__)
 
 
 def _count_inits() -> int:
@@ -55,8 +63,45 @@ class ControllerActor:
         reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
         self.ctl = Controller(config, time.monotonic, restarts=max(restarts, int(reconstructed)),
                               awaiting_rebuild=reconstructed or restarts > 0)
+        g = config.geometry
+        self.recorder = Recorder(g.block_bytes * g.tp_size, self.ctl.now_s)
+        self.dashboard_server = DashboardServer(
+            self.ctl.snapshot, recorder=self.recorder, blocks_fn=self.ctl.session_blocks,
+            host=config.dashboard_host, port=config.dashboard_port,
+            token=config.dashboard_token, export_fn=RayMetrics().export,
+            info={"geometry": dataclasses.asdict(g), "block_bytes": g.block_bytes,
+                  "tp_size": g.tp_size})
+        self._dashboard_error: str | None = None
+        self._dashboard_task: asyncio.Task[None] | None = None
+        try:  # Ray runs an async actor's __init__ on its event loop: serve from there
+            self._dashboard_task = asyncio.get_running_loop().create_task(self._serve())
+        except RuntimeError:  # no loop yet (older Ray): the first async call starts it
+            pass
+
+    async def _serve(self) -> None:
+        try:
+            await self.dashboard_server.start()
+        except OSError as exc:  # the controller works on without its dashboard
+            s = self.dashboard_server
+            self._dashboard_error = f"cannot listen on {s.host}:{s.port}: {exc}"
+            log.warning("tpkv dashboard not started: %s", self._dashboard_error)
+
+    async def dashboard(self) -> dict[str, Any]:
+        """Where the dashboard listens: url, host, port, token_required, error."""
+        if self._dashboard_task is None:
+            self._dashboard_task = asyncio.get_running_loop().create_task(self._serve())
+        await self._dashboard_task
+        s = self.dashboard_server
+        return {"url": None if self._dashboard_error else s.url, "host": s.host, "port": s.port,
+                "token_required": s.token is not None, "error": self._dashboard_error}
+
+    async def dashboard_payload(self) -> str:
+        """What /api/snapshot serves, less the heat map, as JSON (for `tpkv status`)."""
+        return dumps(self.dashboard_server.payload(heatmap=False))
 
     async def call(self, method: str, payload: bytes) -> bytes:
+        if self._dashboard_task is None:
+            self._dashboard_task = asyncio.get_running_loop().create_task(self._serve())
         try:
             if method not in self._METHODS:
                 raise errors.BadRequestError(f"controller has no method {method!r}")
@@ -76,7 +121,15 @@ class ControllerActor:
         if method == "schedule":
             return c.schedule(a["session_ids"], a["num_new_tokens"], a.get("upcoming")).to_dict()
         if method == "commit":
-            return c.commit([move_result_from_dict(r) for r in a["results"]]).to_dict()
+            results = [move_result_from_dict(r) for r in a["results"]]
+            plan = c.pending[0].plan if c.pending else None  # the plan these reports confirm
+            outcome = c.commit(results)
+            self.recorder.on_commit(plan, results, outcome)
+            return outcome.to_dict()
+        if method == "resync":
+            full = c.resync()
+            self.recorder.on_resync(int(full["epoch"]), len(full["block_ids"]))
+            return full
         if method == "report_attention":
             for session_id, start, mass in a["updates"]:
                 c.report_attention(session_id, mass, start)
@@ -85,6 +138,34 @@ class ControllerActor:
             c.check_integrity()
             return True
         return getattr(c, method)(**a)
+
+
+class RayMetrics:
+    """Hands the dashboard's metrics to ray.util.metrics, so Ray's Prometheus and Grafana show
+    them too (Ray prefixes the names with ray_). Counters get the increase since last time."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, Any] = {}
+        self.last: dict[tuple[str, tuple[str, ...]], float] = {}
+
+    def export(self, specs: list[MetricSpec]) -> None:
+        from ray.util import metrics
+
+        for spec in specs:
+            metric: Any = self.metrics.get(spec.name)
+            if metric is None:
+                cls = metrics.Counter if spec.kind == "counter" else metrics.Gauge
+                metric = self.metrics[spec.name] = cls(spec.name, description=spec.help,
+                                                       tag_keys=spec.labels)
+            for labels, value in spec.samples:
+                tags = dict(zip(spec.labels, labels)) or None
+                if spec.kind == "gauge":
+                    metric.set(value, tags=tags)
+                    continue
+                delta = value - self.last.get((spec.name, labels), 0.0)
+                self.last[(spec.name, labels)] = value
+                if delta > 0:
+                    metric.inc(delta, tags=tags)
 
 
 def get_or_create(config: TpkvConfig, detached: bool = False) -> ray.actor.ActorHandle:
@@ -107,6 +188,25 @@ def get_existing(timeout_s: float = 30.0) -> ray.actor.ActorHandle:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+def attach(address: str | None = None, timeout_s: float = 10.0) -> tuple[ControllerClient, bool]:
+    """Join a running cluster (`address`, default "auto") and find its controller by name.
+    Returns the client and whether this call connected to Ray (then `detach(True)` after)."""
+    joined = not ray.is_initialized()
+    if joined:
+        ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False,
+                 logging_level=logging.WARNING)
+    try:
+        return ControllerClient(get_existing(timeout_s), timeout_s), joined
+    except BaseException:
+        detach(joined)
+        raise
+
+
+def detach(joined: bool) -> None:
+    if joined and ray.is_initialized():
+        ray.shutdown()
 
 
 class ControllerClient:
@@ -143,6 +243,16 @@ class ControllerClient:
 
     def snapshot(self) -> dict[str, Any]:
         return dict(self.call("snapshot"))
+
+    def dashboard(self) -> dict[str, Any]:
+        """URL of the controller's dashboard (None, with `error`, when it could not listen)."""
+        ref: Any = self.handle.dashboard.remote()
+        return dict(ray.get(ref, timeout=self.timeout_s))
+
+    def dashboard_payload(self) -> dict[str, Any]:
+        """The snapshot with the dashboard's series (traffic, TP consistency)."""
+        ref: Any = self.handle.dashboard_payload.remote()
+        return dict(json.loads(ray.get(ref, timeout=self.timeout_s)))
 
     def __getattr__(self, method: str) -> Any:
         if method not in ControllerActor._METHODS:

@@ -1,0 +1,146 @@
+"""The controller actor serves its dashboard: URL through Ray, JSON, metrics, token, CLI."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from tpkv.config import HbmConfig, HostConfig, KvGeometry, SsdConfig, TpkvConfig
+from tpkv.controller import SlotMapReplica
+from tpkv.controller.actor import NAME, NAMESPACE, ControllerClient, RayMetrics, get_or_create
+from tpkv.controller.dashboard import collect
+from tpkv.launch.status_cli import add_status_commands
+
+pytestmark = pytest.mark.timeout(120)
+TOKEN = "ray-test-token"
+DIRS = {0: "L1", 1: "L2", 2: "L3"}
+
+
+def config(tmp_path: Any, port: int = 0) -> TpkvConfig:
+    g = KvGeometry(num_layers=1, num_kv_heads=4, head_dim=8, dtype="float16", block_tokens=4,
+                   tp_size=2)
+    return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=8),
+                      l2=HostConfig(budget_bytes=8 * 2 * g.block_bytes, arena_bytes=1 << 20),
+                      l3=SsdConfig(root=str(tmp_path / "ssd"), budget_bytes=64 * g.block_bytes),
+                      dashboard_port=port, dashboard_token=TOKEN)
+
+
+def fetch(url: str, token: str | None = TOKEN) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"}
+                                 if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def kill(handle: Any) -> None:
+    import ray
+
+    ray.kill(handle, no_restart=True)
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        try:
+            ray.get_actor(NAME, namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.1)
+
+
+def cli(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="tpkv")
+    add_status_commands(ap.add_subparsers(dest="command", required=True))
+    args = ap.parse_args(argv)
+    return int(args.func(args))
+
+
+def test_actor_serves_the_dashboard(ray_cluster: None, tmp_path: Any,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    handle = get_or_create(config(tmp_path))
+    client = ControllerClient(handle)
+    info = client.dashboard()
+    url = info["url"]
+    assert url.startswith("http://127.0.0.1:") and info["token_required"] and not info["error"]
+    g = config(tmp_path).geometry
+    for rank in range(2):
+        client.register_rank(rank=rank, geometry=g.__dict__, host=f"node:{rank}")
+    reps = [SlotMapReplica(r, 8, 8) for r in range(2)]
+    moves: Counter[str] = Counter()
+    for n in "abcde":
+        client.open_session(session_id=n, num_tokens=16)
+    for n in "abcdea":
+        res = client.schedule([n], [1])
+        reports = [r.apply_step(res) for r in reps]
+        for i, plan in enumerate(res.plans):
+            assert client.commit([rep[i] for rep in reports]).committed
+            for s, d in zip(plan.src_tier.tolist(), plan.dst_tier.tolist()):
+                moves[f"{DIRS[s]}->{DIRS[d]}"] += 1
+    assert fetch(url + "api/snapshot", token=None)[0] == 401
+    assert fetch(url + "api/snapshot", token="wrong")[0] == 401
+    status, body = fetch(url + "api/snapshot")
+    assert status == 200
+    data = json.loads(body)
+    derived = data.pop("dashboard")
+    snap = client.snapshot()
+    for d in (data, snap):
+        d.pop("uptime_s")
+    assert data == json.loads(json.dumps(snap))
+    assert derived["traffic"]["totals"]["moves"] == {k: moves[k] for k in
+                                                     derived["traffic"]["directions"]}
+    assert sum(moves.values()) > 0
+    committed = snap["epoch"]["committed"]
+    assert [(r["rank"], r["host"], r["confirmed_epoch"]) for r in
+            derived["consistency"]["ranks"]] == [(0, "node:0", committed), (1, "node:1", committed)]
+    assert derived["heatmap"]["sessions"] == [s["session"] for s in snap["sessions"]]
+    status, text = fetch(url + "metrics")
+    assert status == 200
+    assert f"tpkv_epoch_committed {float(committed)}" in text.decode()
+    for k, n in moves.items():
+        assert f'tpkv_moves_total{{direction="{k}"}} {float(n)}' in text.decode()
+    assert cli(["dashboard"]) == 0
+    assert capsys.readouterr().out.strip() == url
+    assert cli(["status", "--sessions", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"epoch {committed} committed" in out and "node:1" in out and url in out
+    assert cli(["status", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["epoch"]["committed"] == committed
+    kill(handle)
+
+
+def test_taken_port_leaves_the_controller_working(ray_cluster: None, tmp_path: Any) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        handle = get_or_create(dataclasses.replace(config(tmp_path), dashboard_port=port))
+        client = ControllerClient(handle)
+        info = client.dashboard()
+        assert info["url"] is None and f"127.0.0.1:{port}" in info["error"]
+        client.open_session(session_id="x", num_tokens=4)
+        assert client.snapshot()["num_sessions"] == 1  # the controller works on
+        assert client.dashboard_payload()["num_sessions"] == 1
+    kill(handle)
+
+
+def test_ray_metrics_take_the_dashboards_numbers(ray_cluster: None, tmp_path: Any) -> None:
+    payload = {"tiers": {"L1": {"slots": 8, "used": 3, "occupancy": 0.375, "high_watermark": 0.9,
+                                "low_watermark": 0.75, "draining": False}},
+               "epoch": {"committed": 4, "next": 5, "num_pending": 0}, "num_sessions": 2,
+               "dashboard": {"traffic": {"totals": {"moves": {"L1->L2": 3}, "bytes": {
+                   "L1->L2": 300}, "plans": 2, "misses": 0}}}}
+    exporter = RayMetrics()
+    exporter.export(collect(payload))
+    payload["dashboard"]["traffic"]["totals"]["moves"]["L1->L2"] = 5  # type: ignore[index]
+    exporter.export(collect(payload))  # counters grow by the difference
+    assert exporter.last[("tpkv_moves", ("L1->L2",))] == 5
+    assert set(exporter.metrics) >= {"tpkv_tier_used_blocks", "tpkv_moves", "tpkv_sessions"}

@@ -1,0 +1,16 @@
+"""The controller's read-only dashboard: live page, /api/snapshot JSON, /metrics (Prometheus).
+
+`DashboardServer` runs on the controller actor's event loop and reads the controller only
+through callables (`Controller.snapshot`, `Controller.session_blocks`); `Recorder` keeps the
+series the snapshot lacks (moves and bytes per direction, per-rank confirmations), fed by the
+actor on each commit and resync. `docs/dashboard.md` describes the page and the rules.
+"""
+
+from tpkv.controller.dashboard.guard import Guard
+from tpkv.controller.dashboard.metrics import MetricSpec, collect, prometheus_text
+from tpkv.controller.dashboard.recorder import DIRECTIONS, Recorder
+from tpkv.controller.dashboard.server import DashboardServer
+from tpkv.controller.dashboard.thread import ServerThread
+
+__all__ = ["DIRECTIONS", "DashboardServer", "Guard", "MetricSpec", "Recorder", "ServerThread",
+           "collect", "prometheus_text"]

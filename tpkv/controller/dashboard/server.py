@@ -1,0 +1,174 @@
+"""Read-only HTTP server of the dashboard (aiohttp): the page, /api/snapshot, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from tpkv.controller.dashboard import metrics, view
+from tpkv.controller.dashboard.guard import Guard, security_headers
+from tpkv.controller.dashboard.recorder import Recorder
+
+log = logging.getLogger(__name__)
+
+SnapshotFn = Callable[[], Mapping[str, Any]]
+ExportFn = Callable[[list[metrics.MetricSpec]], None]
+# Page assets (no data in them): served without the token. Everything else needs it.
+ASSETS = {"/": ("index.html", "text/html"), "/static/app.js": ("app.js", "text/javascript"),
+          "/static/charts.js": ("charts.js", "text/javascript"),
+          "/static/style.css": ("style.css", "text/css")}
+PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def load_assets() -> dict[str, tuple[bytes, str]]:
+    root = resources.files("tpkv.controller.dashboard") / "static"
+    return {path: ((root / name).read_bytes(), ctype) for path, (name, ctype) in ASSETS.items()}
+
+
+class DashboardServer:
+    """Serves what `snapshot_fn` returns (the controller's `snapshot`), never writing to it.
+
+    Runs on the caller's event loop (the controller actor's): `await start()`, `await stop()`.
+    `recorder` adds traffic and TP-consistency series and is sampled every
+    `sample_interval_s` (None: only when the page asks); `blocks_fn` (the controller's
+    `session_blocks`) gives the heat map positions; `export_fn` receives the metrics every
+    `export_interval_s` (the actor passes them on to ray.util.metrics).
+    """
+
+    def __init__(self, snapshot_fn: SnapshotFn, *, recorder: Recorder | None = None,
+                 blocks_fn: view.BlocksFn | None = None, host: str = "127.0.0.1",
+                 port: int = 8470, token: str | None = None,
+                 info: Mapping[str, Any] | None = None, sample_interval_s: float | None = 1.0,
+                 export_fn: ExportFn | None = None, export_interval_s: float = 5.0,
+                 cache_s: float = 1.0, extra_hosts: Iterable[str] = ()) -> None:
+        self.snapshot_fn = snapshot_fn
+        self.recorder = recorder
+        self.blocks_fn = blocks_fn
+        self.host, self.port, self.token = host, port, token or None
+        self.info = dict(info or {})
+        self.sample_interval_s = sample_interval_s
+        self.export_fn, self.export_interval_s = export_fn, export_interval_s
+        self.cache_s = cache_s
+        self.extra_hosts = tuple(extra_hosts)
+        self.guard: Guard | None = None
+        self.assets = load_assets()
+        self._runner: web.AppRunner | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._cache: tuple[float, dict[str, Any]] | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> str:
+        """Bind and serve; returns the URL. OSError when the address is taken."""
+        runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        server = getattr(site, "_server", None)
+        sockets = getattr(server, "sockets", None) or []
+        if sockets:
+            self.port = int(sockets[0].getsockname()[1])
+        self.guard = Guard.for_bind(self.host, self.port, self.token, self.extra_hosts)
+        if self.sample_interval_s or self.export_fn:
+            self._task = asyncio.get_running_loop().create_task(self._background())
+        log.info("tpkv dashboard at %s", self.url)
+        return self.url
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @property
+    def url(self) -> str:
+        return Guard.url_for(self.host, self.port)
+
+    async def _background(self) -> None:
+        interval = self.sample_interval_s or self.export_interval_s
+        next_export = time.monotonic() + self.export_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if self.recorder is not None and self.sample_interval_s:
+                    self.recorder.sample()
+                if self.export_fn is not None and time.monotonic() >= next_export:
+                    next_export = time.monotonic() + self.export_interval_s
+                    self.export_fn(metrics.collect(self.payload(heatmap=False)))
+            except Exception:  # never let a bad sample end the loop
+                log.exception("tpkv dashboard: sampling failed")
+
+    # ---- data --------------------------------------------------------------------------------
+    def payload(self, heatmap: bool = True) -> dict[str, Any]:
+        """Snapshot plus derived series; the full one is cached for `cache_s`."""
+        now = time.monotonic()
+        if heatmap and self._cache is not None and now - self._cache[0] < self.cache_s:
+            return self._cache[1]
+        if self.recorder is not None:
+            self.recorder.sample()
+        out = view.payload(self.snapshot_fn(), self.recorder, self.blocks_fn, self.info,
+                           with_heatmap=heatmap)
+        if heatmap:
+            self._cache = (now, out)
+        return out
+
+    # ---- HTTP --------------------------------------------------------------------------------
+    def make_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=1024)
+        for path in ASSETS:
+            app.router.add_get(path, self._asset)
+        app.router.add_get("/api/snapshot", self._snapshot)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        guard = self.guard or Guard.for_bind(self.host, self.port, self.token, self.extra_hosts)
+        denied = guard.check(request.method, request.headers, request.path in ASSETS)
+        if denied is not None:
+            response: web.StreamResponse = denied
+        else:
+            try:
+                response = await handler(request)
+            except web.HTTPException as exc:
+                response = web.Response(status=exc.status, text=exc.text or exc.reason,
+                                        headers={"Allow": exc.headers.get("Allow", "")}
+                                        if exc.status == 405 else None)
+        security_headers(response)
+        return response
+
+    async def _asset(self, request: web.Request) -> web.Response:
+        body, ctype = self.assets[request.path]
+        return web.Response(body=body, content_type=ctype, charset="utf-8")
+
+    async def _snapshot(self, request: web.Request) -> web.Response:
+        try:
+            text = view.dumps(self.payload())
+        except Exception as exc:
+            log.exception("tpkv dashboard: snapshot failed")
+            return web.json_response({"error": type(exc).__name__, "message": str(exc)},
+                                     status=503)
+        return web.Response(text=text, content_type="application/json")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        try:
+            body = metrics.prometheus_text(metrics.collect(self.payload(heatmap=False)))
+        except Exception as exc:
+            log.exception("tpkv dashboard: metrics failed")
+            return web.Response(status=503, text=f"{type(exc).__name__}: {exc}\n")
+        return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TYPE})

@@ -1,0 +1,295 @@
+// tpkv dashboard: polls /api/snapshot and renders it. Every string from the controller goes
+// into the page as text (textContent, canvas), never as markup.
+"use strict";
+(() => {
+  const REFRESH_MS = 2000;
+  const TIER_COLORS = { L1: "#1f9e89", L2: "#3b6fd8", L3: "#e0912f", none: "#b9bec8" };
+  const DIR_COLORS = { "L1->L2": "#d1453b", "L2->L1": "#1f9e89", "L2->L3": "#e0912f",
+                       "L3->L2": "#3b6fd8" };
+  const $ = (id) => document.getElementById(id);
+  const state = { data: null, renders: 0, sortKey: null, sortDir: -1, query: "", heat: null };
+  let token = null;
+
+  // ---- small helpers -------------------------------------------------------------------------
+  function el(tag, opts, ...kids) {
+    const node = document.createElement(tag);
+    const o = opts || {};
+    if (o.cls) node.className = o.cls;
+    if (o.text !== undefined && o.text !== null) node.textContent = String(o.text);
+    if (o.title) node.title = String(o.title);
+    for (const [k, v] of Object.entries(o.data || {})) node.dataset[k] = String(v);
+    for (const kid of kids) node.append(kid instanceof Node ? kid : document.createTextNode(String(kid)));
+    return node;
+  }
+  const td = (text, cls, opts) => el("td", Object.assign({ text, cls }, opts || {}));
+  const fill = (tbody, rows) => tbody.replaceChildren(...rows);
+  const isNum = (x) => typeof x === "number" && isFinite(x);
+  const fixed = (x, d) => (isNum(x) ? x.toFixed(d) : "-");
+  const int = (x) => (isNum(x) ? String(Math.round(x)) : "-");
+  const ms = (s) => (isNum(s) ? (s * 1e3).toFixed(2) : "-");
+  function bytes(b) {
+    if (!isNum(b)) return "-";
+    const u = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let i = 0;
+    while (Math.abs(b) >= 1024 && i < u.length - 1) { b /= 1024; i++; }
+    return (i ? b.toFixed(1) : String(b)) + " " + u[i];
+  }
+  function duration(s) {
+    if (!isNum(s)) return "-";
+    if (s < 120) return s.toFixed(0) + " s";
+    if (s < 7200) return (s / 60).toFixed(1) + " min";
+    return (s / 3600).toFixed(1) + " h";
+  }
+  const since = (t, now) => (isNum(t) && isNum(now) ? duration(now - t) + " ago" : "-");
+  const ago = (t, now) => (isNum(t) && isNum(now) ? fixed(t, 1) + " (" + duration(now - t) + " ago)" : "-");
+  function kv(dl, pairs) {
+    dl.replaceChildren(...pairs.flatMap(([k, v, bad]) => [
+      el("dt", { text: k }), el("dd", { text: v, cls: bad ? "bad" : "" })]));
+  }
+
+  // ---- sections ------------------------------------------------------------------------------
+  function renderHeader(d) {
+    $("h-epoch").textContent = String(d.epoch.committed);
+    $("h-sessions").textContent = String(d.num_sessions);
+    $("h-tick").textContent = String(d.tick);
+    $("h-uptime").textContent = duration(d.uptime_s);
+    $("h-updated").textContent = new Date().toLocaleTimeString();
+  }
+
+  function tierCell(t, name) {
+    const cell = el("td", { data: { tier: name } });
+    if (!t || !t.enabled) { cell.append(el("span", { cls: "note", text: "disabled" })); return cell; }
+    const occ = isNum(t.occupancy) ? t.occupancy : 0;
+    const bar = el("div", { cls: "bar", title: name + ": low " + t.low_watermark + ", high " + t.high_watermark });
+    const f = el("div", { cls: "fill " + name + (occ > t.high_watermark ? " over" : "") });
+    f.style.width = Math.min(occ * 100, 100) + "%";
+    const lo = el("div", { cls: "mark low" }), hi = el("div", { cls: "mark high" });
+    lo.style.left = t.low_watermark * 100 + "%";
+    hi.style.left = "calc(" + t.high_watermark * 100 + "% - 2px)";
+    bar.append(f, lo, hi);
+    const label = el("div", { cls: "cell-label" }, el("span", { cls: "num", text: t.used + " / " + t.slots }),
+      " blocks \u00b7 " + fixed(occ * 100, 1) + "%");
+    if (t.draining) label.append(" \u00b7 ", el("span", { cls: "drain", text: "draining" }));
+    cell.append(bar, label);
+    return cell;
+  }
+
+  function renderTiers(d) {
+    const names = ["L1", "L2", "L3"];
+    const ranks = Object.entries(d.ranks || {});
+    const rows = ranks.length ? ranks : [["node", "no rank registered"]];
+    $("tier-table").tHead.replaceChildren(el("tr", {}, el("th", { text: "rank", cls: "n" }),
+      el("th", { text: "host" }), ...names.map((n) => el("th", { text: n }))));
+    fill($("tier-table").tBodies[0], rows.map(([rank, host]) => el("tr", { data: { rank } },
+      td(rank, "n"), td(host), ...names.map((n) => tierCell(d.tiers[n], n)))));
+    const info = (d.dashboard && d.dashboard.info) || {};
+    const per = isNum(info.block_bytes) ? names.filter((n) => d.tiers[n] && d.tiers[n].enabled)
+      .map((n) => n + " " + bytes(d.tiers[n].used * info.block_bytes)).join(", ") : "";
+    $("tier-note").textContent = "One slot mapping serves every rank: each holds its " +
+      (info.tp_size ? "1/" + info.tp_size + " " : "") + "shard of the same blocks" +
+      (per ? " (per rank: " + per + ")" : "") + ". Blocks in no tier: " +
+      ((d.tiers.none || {}).blocks ?? 0) + ".";
+  }
+
+  function renderHealth(d) {
+    const lat = d.plan_latency_us || {}, r = d.rates || {}, t = d.table || {};
+    kv($("health-list"), [
+      ["epoch committed / next", d.epoch.committed + " / " + d.epoch.next],
+      ["plans pending", String(d.epoch.num_pending), d.epoch.num_pending > 8],
+      ["restarts", String(d.restarts), d.restarts > 0],
+      ["awaiting rebuild", d.awaiting_rebuild ? "yes" : "no", d.awaiting_rebuild],
+      ["plan latency p50 / p99 / max", fixed(lat.p50 / 1e3, 2) + " / " + fixed(lat.p99 / 1e3, 2) +
+        " / " + fixed(lat.max / 1e3, 2) + " ms (" + int(lat.count) + " steps)"],
+      ["L2\u2192L1 / L3\u2192L2 per rank", fixed(r.h2d_bytes_per_s / 1e9, 1) + " / " +
+        fixed(r.ssd_read_bytes_per_s / 1e9, 2) + " GB/s"],
+      ["prefill", int(r.prefill_tokens_per_s) + " tokens/s"],
+      ["block table", int(t.live_blocks) + " live of " + int(t.capacity) + " rows, " + bytes(t.metadata_bytes)],
+      ["ranks registered", String(Object.keys(d.ranks || {}).length)],
+      ["uptime", duration(d.uptime_s)],
+    ]);
+  }
+
+  function renderTraffic(d) {
+    const tr = d.dashboard && d.dashboard.traffic;
+    const body = $("traffic-table").tBodies[0];
+    if (!tr) { fill(body, [el("tr", {}, td("not recorded by this server", "note"))]); return; }
+    const now = d.dashboard.now_s;
+    const xs = tr.t_s.map((t) => t - now);
+    $("traffic-window").textContent = "last " + duration(tr.window_s) + ", " + tr.totals.plans + " plans committed";
+    const gbs = Object.fromEntries(Object.entries(tr.bytes_per_s).map(([k, v]) => [k, v.map((b) => b / 1e9)]));
+    window.tpkvCharts.lines($("chart-moves"), xs, tr.moves_per_s, DIR_COLORS,
+      { windowS: tr.window_s, fmt: (v) => (v >= 100 ? v.toFixed(0) : v.toFixed(1)) });
+    window.tpkvCharts.lines($("chart-bytes"), xs, gbs, DIR_COLORS,
+      { windowS: tr.window_s, fmt: (v) => v.toFixed(v >= 10 ? 0 : 2) });
+    fill(body, tr.directions.map((dir) => el("tr", { data: { direction: dir } },
+      el("td", {}, el("span", { cls: "swatch", title: dir }), dir),
+      td(fixed(tr.latest.moves_per_s[dir], 1), "n"), td(fixed(tr.latest.bytes_per_s[dir] / 1e9, 3), "n"),
+      td(String(tr.totals.moves[dir]), "n"), td(fixed(tr.totals.bytes[dir] / 1e9, 2), "n"))));
+    body.querySelectorAll(".swatch").forEach((s) => { s.style.background = DIR_COLORS[s.title] || "#888"; });
+  }
+
+  function sessionRow(s) {
+    const t = s.tiers || {}, cost = s.cost || {};
+    return { s, session: String(s.session), tokens: s.tokens, blocks: s.blocks, l1: t.L1 || 0,
+      l2: t.L2 || 0, l3: t.L3 || 0, none: t.none || 0, tiers: (t.L1 || 0) / Math.max(s.blocks, 1),
+      heat: s.heat, last_run_tick: s.last_run_tick, ticks_idle: s.ticks_idle ?? Infinity,
+      pinned_blocks: (s.pinned_blocks || 0) + (s.auto_pinned_blocks || 0),
+      choice: String(cost.choice), load_ms: cost.load_s, recompute_ms: cost.recompute_s };
+  }
+
+  function stack(r) {
+    const bar = el("div", { cls: "stack", title: "L1 " + r.l1 + ", L2 " + r.l2 + ", L3 " + r.l3 + ", none " + r.none });
+    for (const [k, n] of [["L1", r.l1], ["L2", r.l2], ["L3", r.l3], ["none", r.none]]) {
+      if (!n) continue;
+      const part = el("span", { cls: "sw-" + k });
+      part.style.width = (100 * n) / Math.max(r.blocks, 1) + "%";
+      bar.append(part);
+    }
+    return bar;
+  }
+
+  function renderSessions(d) {
+    const q = state.query.trim().toLowerCase();
+    let rows = (d.sessions || []).map(sessionRow).filter((r) => !q || r.session.toLowerCase().includes(q));
+    if (state.sortKey) {
+      const k = state.sortKey, dir = state.sortDir;
+      rows = rows.slice().sort((a, b) => {
+        const x = a[k], y = b[k];
+        if (typeof x === "string" || typeof y === "string") return dir * String(x).localeCompare(String(y));
+        return dir * ((isNum(x) ? x : -Infinity) - (isNum(y) ? y : -Infinity)) || a.session.localeCompare(b.session);
+      });
+    }
+    const listed = (d.sessions || []).length;
+    $("session-count").textContent = rows.length + " shown of " + d.num_sessions + " open" +
+      (listed < d.num_sessions ? " (snapshot lists the " + listed + " most recent)" : "");
+    fill($("session-table").tBodies[0], rows.map((r) => {
+      const pins = (r.s.pins || []).map((p) => "[" + p[0] + ", " + p[1] + ")").join(" ");
+      return el("tr", { data: { session: r.session } }, td(r.session, "name"), td(r.tokens, "n"),
+        td(r.blocks, "n"), el("td", {}, stack(r)), td(r.l1, "n"), td(r.l2, "n"), td(r.l3, "n"),
+        td(r.none, "n"), td(fixed(r.heat, 3), "n"), td(r.last_run_tick, "n"),
+        td(isNum(r.s.ticks_idle) ? r.s.ticks_idle : "-", "n"),
+        td(String(r.s.pinned_blocks || 0) + (r.s.auto_pinned_blocks ? " +" + r.s.auto_pinned_blocks + " auto" : ""),
+          "n", { title: pins ? "pinned ranges " + pins : "" }),
+        td(r.choice, "choice-" + r.choice), td(ms(r.load_ms), "n"), td(ms(r.recompute_ms), "n"));
+    }));
+  }
+
+  function renderHeatmap(d) {
+    const hm = d.dashboard && d.dashboard.heatmap;
+    if (!hm) return;
+    $("heat-sub").textContent = hm.rows_shown + " most recent sessions, " + hm.blocks_per_cell +
+      " block" + (hm.blocks_per_cell > 1 ? "s" : "") + " per cell; stronger colour = hotter" +
+      (hm.exact.every(Boolean) ? "" : "; grey names: tier counts only, positions unknown");
+    fill($("heat-legend"), ["L1", "L2", "L3", "none"].map((k) => {
+      const sw = el("span", { cls: "swatch sw-" + k });
+      return el("span", { data: { tier: k } }, sw, k + " ", el("b", { cls: "count", text: hm.counts[k] }), " blocks");
+    }));
+    state.heat = { hm, layout: window.tpkvCharts.heatmap($("heat-canvas"), hm, TIER_COLORS) };
+  }
+
+  function heatTip(ev) {
+    const tip = $("heat-tip"), h = state.heat;
+    if (!h) return;
+    const { hm, layout: g } = h, rect = ev.target.getBoundingClientRect();
+    const x = ev.clientX - rect.left, y = ev.clientY - rect.top;
+    const r = Math.floor((y - g.top) / g.rowH), c = Math.floor((x - g.labelW) / g.cellW);
+    const code = r >= 0 && r < g.rows && c >= 0 ? hm.tiers[r][c] : undefined;
+    if (!code || code === ".") { tip.hidden = true; return; }
+    const first = c * g.k, last = Math.min(first + g.k, hm.blocks[r]) - 1;
+    tip.textContent = hm.sessions[r] + " \u00b7 block" + (last > first ? "s " + first + "-" + last : " " + first) +
+      " \u00b7 " + ({ 0: "none", 1: "L1", 2: "L2", 3: "L3" })[code] + " \u00b7 heat " + hm.heat[r][c] + "/9" +
+      (hm.exact[r] ? "" : " (tier counts only)");
+    tip.hidden = false;
+    tip.style.left = Math.min(x + 12, rect.width - tip.offsetWidth) + "px";
+    tip.style.top = y + 14 + "px";
+  }
+
+  function renderConsistency(d) {
+    const c = d.dashboard && d.dashboard.consistency, now = d.dashboard && d.dashboard.now_s;
+    const events = (d.events || []).filter((e) => e.kind === "mismatch" || e.kind === "resync");
+    const incidents = c ? c.incidents : events.slice().reverse();
+    const last = (k) => incidents.find((i) => i.kind === k);
+    const lm = last("mismatch"), lr = last("resync");
+    kv($("consistency-summary"), [
+      ["committed epoch", String(d.epoch.committed)],
+      ["mismatches", (c ? c.mismatches : events.filter((e) => e.kind === "mismatch").length) +
+        (lm ? " (last: epoch " + lm.epoch + " at " + ago(lm.t_s, now) + ")" : ""), !!lm],
+      ["resyncs", (c ? c.resyncs : events.filter((e) => e.kind === "resync").length) +
+        (lr ? " (last: epoch " + lr.epoch + " at " + ago(lr.t_s, now) + ")" : "")],
+    ]);
+    const ranks = c ? c.ranks : Object.entries(d.ranks || {}).map(([rank, host]) => ({ rank, host }));
+    fill($("rank-table").tBodies[0], ranks.map((r) => el("tr", { data: { rank: r.rank } },
+      td(r.rank, "n"), td(r.host), td(r.confirmed_epoch ?? "-", "n"), td(since(r.confirmed_t_s, now), "n"),
+      td(r.mismatches ?? "-", "n" + (r.mismatches ? " drain" : "")),
+      td(isNum(r.last_mismatch_epoch) ? "epoch " + r.last_mismatch_epoch + ", " + since(r.last_mismatch_t_s, now) : "-"))));
+    fill($("incident-table").tBodies[0], incidents.length ? incidents.slice(0, 12).map((i) => el("tr", {},
+      td(fixed(i.t_s, 1), "n"), td(i.kind, "kind-" + i.kind), td("epoch " + i.epoch),
+      td(i.ranks ? "ranks " + i.ranks.join(", ") : i.blocks !== undefined ? i.blocks + " blocks restored" : "", "details")))
+      : [el("tr", {}, td("none", "note"))]);
+  }
+
+  function renderEvents(d) {
+    const evs = (d.events || []).slice().reverse();
+    fill($("event-table").tBodies[0], evs.map((e) => {
+      const rest = Object.entries(e).filter(([k]) => !["t_s", "tick", "kind"].includes(k))
+        .map(([k, v]) => k + "=" + (typeof v === "object" ? JSON.stringify(v)
+          : typeof v === "number" && !Number.isInteger(v) ? v.toPrecision(4) : String(v))).join(" ");
+      return el("tr", {}, td(fixed(e.t_s, 1), "n"), td(e.tick, "n"), td(e.kind, "kind-" + e.kind), td(rest, "details"));
+    }));
+  }
+
+  function render(d) {
+    renderHeader(d); renderTiers(d); renderHealth(d); renderTraffic(d); renderSessions(d);
+    renderHeatmap(d); renderConsistency(d); renderEvents(d);
+    const info = (d.dashboard && d.dashboard.info) || {};
+    $("footer").textContent = "Read-only; refreshes every " + REFRESH_MS / 1000 + " s. JSON: /api/snapshot, " +
+      "Prometheus: /metrics." + (info.geometry ? " Geometry: " + JSON.stringify(info.geometry) : "");
+    state.renders += 1;
+  }
+
+  function setStatus(cls, text) { const s = $("status"); s.className = "pill " + cls; s.textContent = text; }
+
+  async function refresh() {
+    try {
+      const r = await fetch("/api/snapshot", { cache: "no-store", headers: token ? { Authorization: "Bearer " + token } : {} });
+      if (r.status === 401) { $("token-box").hidden = false; setStatus("error", "token needed"); return; }
+      if (!r.ok) throw new Error("HTTP " + r.status);
+      state.data = await r.json();
+      render(state.data);
+      setStatus("live", "live");
+    } catch (e) {
+      setStatus("stale", "offline: " + e.message);
+    }
+  }
+
+  function init() {
+    const m = /(?:^#|&)token=([^&]*)/.exec(location.hash);
+    if (m) {
+      token = decodeURIComponent(m[1]);
+      sessionStorage.setItem("tpkv-token", token);
+      history.replaceState(null, "", location.pathname);  // keep the token out of the address bar
+    } else token = sessionStorage.getItem("tpkv-token");
+    $("token-button").addEventListener("click", () => {
+      token = $("token-input").value; sessionStorage.setItem("tpkv-token", token);
+      $("token-box").hidden = true; refresh();
+    });
+    $("search").addEventListener("input", (e) => { state.query = e.target.value; if (state.data) renderSessions(state.data); });
+    document.querySelectorAll("#session-table th[data-key]").forEach((th) => th.addEventListener("click", () => {
+      const k = th.dataset.key, first = k === "session" || k === "choice" ? 1 : -1;
+      if (state.sortKey !== k) { state.sortKey = k; state.sortDir = first; }
+      else if (state.sortDir === first) state.sortDir = -first;
+      else state.sortKey = null;  // third click: back to the snapshot's order (most recent first)
+      document.querySelectorAll("#session-table th").forEach((h) => h.classList.remove("asc", "desc"));
+      if (state.sortKey) th.classList.add(state.sortDir > 0 ? "asc" : "desc");
+      if (state.data) renderSessions(state.data);
+    }));
+    $("heat-canvas").addEventListener("mousemove", heatTip);
+    $("heat-canvas").addEventListener("mouseleave", () => { $("heat-tip").hidden = true; });
+    window.addEventListener("resize", () => { if (state.data) render(state.data); });
+    refresh();
+    setInterval(refresh, REFRESH_MS);
+  }
+
+  window.tpkvDashboard = { refresh, data: () => state.data, renders: () => state.renders };
+  init();
+})();
