@@ -130,7 +130,8 @@ def bench_copies(total_bytes: int, reps: int) -> list[dict]:
                 rows.append(row)
                 print(f"{name:12s} {direction:4s} {method:6s} ({used:10s}) {gbps:6.1f} GB/s "
                       f"ratio {row['ratio']:.3f}")
-        for label, kw in (("auto", {}), ("dma-unstaged", {"method": "dma", "staging_bytes": 0})):
+        variants = (("auto", {}), ("dma-device-order", {"method": "dma", "host_order": False}))
+        for label, kw in variants:
             engine = CopyEngine(hbm, host, **kw)  # type: ignore[arg-type]
             for direction in ("h2d", "d2h", "both"):
                 gbps, used = run_copy(engine, direction, reps, seed=1, placement="l2-runs")

@@ -35,7 +35,7 @@ def test_host_pool_arenas_are_page_aligned_and_block_contiguous():
     ptrs = pool.slot_ptrs(np.arange(10))
     assert ptrs[1] - ptrs[0] == g.block_bytes
     assert ptrs[5] == pool.arena_ptrs[1] + g.block_bytes
-    ends = {int(p) + pool.slots_per_arena * g.block_bytes for p in pool.arena_ptrs}
+    ends = {int(p) + a.shape[0] * g.block_bytes for p, a in zip(pool.arena_ptrs, pool.arenas)}
     assert not ends & {int(p) for p in pool.arena_ptrs}, "two arenas are adjacent"
     view = pool.block_bytes_view(7)
     view[:] = 0xAB

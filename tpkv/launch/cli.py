@@ -1,8 +1,9 @@
-"""The `tpkv` command: `tpkv demo` (tier round trip on this machine) and `tpkv version`."""
+"""The `tpkv` command: demo (tier round trip), launch (TP ranks on Ray), status, dashboard."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
@@ -15,6 +16,7 @@ from rich.table import Table
 
 import tpkv
 from tpkv.config import GiB, HostConfig, KvGeometry, SsdConfig
+from tpkv.launch.status_cli import add_status_commands
 from tpkv.workers.copy_engine import CopyEngine
 from tpkv.workers.pools import HbmPool, HostPool
 from tpkv.workers.ssd_store import SsdStore
@@ -81,6 +83,22 @@ def demo(args: argparse.Namespace) -> int:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def launch_command(args: argparse.Namespace) -> int:
+    """Run `app` on --tp ranks as Ray actors (a placement group, one bundle per GPU or CPU rank)."""
+    from tpkv.errors import TpkvError
+    from tpkv.launch.ray_launch import launch_ray
+
+    try:
+        results = launch_ray(args.app, args.tp, args=args.args, ray_address=args.ray_address,
+                         num_cpus=args.num_cpus, timeout_s=args.timeout_s)
+    except TpkvError as exc:
+        print(f"tpkv launch: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    for rank, value in enumerate(results):
+        print(f"rank {rank}: {json.dumps(value, default=str)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tpkv", description=tpkv.__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -88,6 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--blocks", type=int, default=256)
     d.add_argument("--layers", type=int, default=16)
     d.set_defaults(func=demo)
+    la = sub.add_parser("launch", help="run an app on N TP ranks as Ray actors (one per GPU, "
+                                       "or per CPU rank)")
+    la.add_argument("--tp", type=int, required=True, help="TP ranks (one bundle each)")
+    la.add_argument("--ray-address", default=None, help="join this cluster (default: local)")
+    la.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local cluster")
+    la.add_argument("--timeout-s", type=float, default=30.0,
+                    help="bound on placement, start-up, and on ending after a rank fails")
+    la.add_argument("app", help="module:function or file.py:function; runs on every rank")
+    la.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the app")
+    la.set_defaults(func=launch_command)
+    add_status_commands(sub)
     v = sub.add_parser("version", help="print the version")
     v.set_defaults(func=lambda a: print(tpkv.__version__) or 0)
     args = ap.parse_args(argv)

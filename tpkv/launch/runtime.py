@@ -1,0 +1,303 @@
+"""tpkv.init: one TP rank's runtime (controller link, worker, step loop with confirm and retry)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+
+from tpkv import errors
+from tpkv.config import TpkvConfig
+from tpkv.controller.messages import (
+    CommitOutcome,
+    StepResult,
+    move_result_from_dict,
+    move_result_to_dict,
+)
+from tpkv.errors import RankMismatchError, TpkvError, WaitTimeoutError
+from tpkv.launch.bootstrap import RankContext, shutdown_ray
+from tpkv.types import MoveResult, decode, encode
+from tpkv.workers.confirm import STATUS_MISSES, mismatch_error
+from tpkv.workers.worker import StepReport, Worker
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class TpkvRuntime:
+    """What `tpkv.init` returns on every rank. Rank 0 talks to the controller; every call that
+    changes the controller runs there and its answer (or typed error) reaches every rank by one
+    broadcast, so all ranks run the same code with the same arguments.
+
+    A step: `begin_step` (rank 0 schedules, the plans reach every rank, each applies them and
+    starts the all-gather), the engine's forward pass (`worker.wait_layer(l)` before attention
+    on layer l), `end_step` (confirmation; rank 0 commits in the background; a mismatch resyncs
+    every rank and raises RankMismatchError). `run_step` wraps the three and retries.
+    """
+
+    def __init__(self, config: TpkvConfig, ctx: RankContext, worker: Worker,
+                 controller: Any, serialized: bool = False, ray_joined: bool | None = None
+                 ) -> None:
+        self.config, self.ctx, self.worker = config, ctx, worker
+        self.rank, self.world_size = ctx.rank, ctx.world_size
+        self.controller = controller if ctx.rank == 0 else None
+        self.timeout_s = config.wait_timeout_s
+        self._lock = None if serialized else threading.Lock()
+        self._ray_joined = ray_joined
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="tpkv-commit")
+        self._commits: list[Future[CommitOutcome]] = []
+        self._applied: Any = None
+        self._refused = False
+        self.num_retries = 0
+        self.num_mismatches = 0
+        self.num_commit_refusals = 0  # rank 0: epochs the controller refused after agreement
+        self.last_mismatch: RankMismatchError | None = None
+        self._restore: dict[str, Any] | None = None
+
+    # ---- session calls (run on rank 0, answered everywhere) -------------------------------
+    def open_session(self, session_id: str, num_tokens: int = 0) -> int:
+        return int(self._on_rank0("open_session", session_id=session_id,
+                                  num_tokens=num_tokens))
+
+    def extend_session(self, session_id: str, num_tokens: int) -> None:
+        self._on_rank0("extend_session", session_id=session_id, num_tokens=num_tokens)
+
+    def close_session(self, session_id: str) -> int:
+        return int(self._on_rank0("close_session", session_id=session_id))
+
+    def pin(self, session_id: str, start: int = 0, stop: int | None = None) -> int:
+        return int(self._on_rank0("pin", session_id=session_id, start=start, stop=stop))
+
+    def controller_slot_map(self) -> dict[str, Any]:
+        """The controller's authoritative map on every rank (for checks and tests). The Ray
+        actor has no read-only call for it: there it is taken by resync(), and every rank
+        restores from it at its next step (a no-op where the maps agree)."""
+
+        def fetch() -> dict[str, Any]:
+            self._check_commits(wait=True)
+            try:
+                return {"map": self._call("slot_map"), "resync": False}
+            except AttributeError:
+                return {"map": self._call("resync"), "resync": True}
+
+        answer = self.from_rank0(fetch, "slot map")
+        if answer["resync"]:
+            self._restore = answer["map"]
+        return dict(answer["map"])
+
+    # ---- the step ----------------------------------------------------------------------------
+    def begin_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
+                   upcoming: Mapping[str, int] | Sequence[str] | None = None) -> StepResult:
+        """Schedule on rank 0, apply the step's plans everywhere, start the confirmation."""
+        if self._applied is not None:
+            self.end_step()
+        if self._restore is not None:
+            self.worker.resync(self._restore)
+            self._restore = None
+
+        def plan() -> dict[str, Any]:
+            resync = self._resync_if_commit_failed()
+            step = self._call("schedule", list(session_ids),
+                              np.asarray(num_new_tokens, dtype=np.int64).reshape(-1), upcoming)
+            return {"step": step.to_dict(), "resync": resync}
+
+        answer = self.from_rank0(plan, "plans of a step")
+        if answer["resync"] is not None:
+            self.worker.resync(answer["resync"])
+        step = StepResult.from_dict(answer["step"])
+        self._applied = self.worker.apply_step(step)
+        return step
+
+    def end_step(self) -> bool:
+        """Wait (bounded) for the confirmation of the step. True: committed. False: an L3 miss
+        hit a block the step needs (the controller recomputes it): run the step again. Raises
+        RankMismatchError after resyncing every rank when the ranks disagree."""
+        applied, self._applied = self._applied, None
+        if applied is None:
+            return True
+        self._check_commits()
+        report = self.worker.finish(applied)
+        exchange = self.world_size > 1 and (report.any_misses or bool(report.mismatches))
+        results = self._all_results(report, exchange)
+        if report.mismatches:
+            self.num_mismatches += 1
+            err = mismatch_error(report.gathered, report.expected, report.mismatches)
+            slot_map = self.from_rank0(lambda: self._commit_and_resync(results, err.epoch),
+                                       f"resync after epoch {err.epoch}")
+            lost = self.worker.resync(slot_map)
+            note = f", {len(lost)} blocks lost on rank {self.rank}" if len(lost) else ""
+            self.last_mismatch = RankMismatchError(
+                f"{err}; every rank resynced to epoch {slot_map['epoch']}{note}", err.epoch,
+                err.ranks)
+            raise self.last_mismatch
+        if self.rank == 0:
+            missed = any(len(r.miss_block_ids) for per_plan in results for r in per_plan)
+            for per_plan in results:
+                self._commits.append(self._committer.submit(self._call, "commit", per_plan))
+            if missed:
+                self._check_commits(wait=True)  # before the retry schedules the recompute
+        return not _misses_hit_batch(report, results)
+
+    def run_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
+                 fn: Callable[[StepResult], T],
+                 upcoming: Mapping[str, int] | Sequence[str] | None = None,
+                 max_retries: int = 2) -> T:
+        """begin_step, fn(step) (the forward pass), end_step; after a mismatch or a miss the
+        step runs again with no new tokens (the first attempt added them) on repaired tiers."""
+        tokens = np.asarray(num_new_tokens, dtype=np.int64).reshape(-1)
+        for attempt in range(max_retries + 1):
+            step = self.begin_step(session_ids, tokens, upcoming)
+            out = fn(step)
+            try:
+                if self.end_step():
+                    return out
+            except RankMismatchError as exc:
+                if attempt == max_retries:
+                    raise
+                log.warning("rank %d: step retried: %s", self.rank, exc)
+            self.num_retries += 1
+            tokens = np.zeros(len(tokens), dtype=np.int64)
+        raise errors.PlanMismatchError(f"step of {len(tokens)} sessions still failed after "
+                                       f"{max_retries} retries (L3 misses)")
+
+    def close(self, error: BaseException | None = None) -> None:
+        """End the step in flight, flush commits, leave Ray and the process groups together.
+        With `error` (the app is failing) tell the others through the heartbeats and leave at
+        once: they fail within their bound, naming this rank."""
+        try:
+            if error is not None:
+                if self.ctx.liveness is not None:
+                    self.ctx.liveness.fail(f"{type(error).__name__}: {error}",
+                                           follower=isinstance(error, errors.RankTimeoutError))
+                if self._ray_joined:
+                    import ray
+
+                    ray.shutdown()
+                return
+            if self._applied is not None:
+                self.end_step()
+            self._check_commits(wait=True)
+            if self._ray_joined is not None:
+                shutdown_ray(self.ctx, self._ray_joined)
+            elif self.world_size > 1:
+                self.ctx.ctl.barrier("close")
+        finally:
+            self._committer.shutdown(wait=False)
+            self.worker.close()
+            self.ctx.close()
+
+    def __enter__(self) -> TpkvRuntime:
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        self.close(exc)
+
+    # ---- internals -------------------------------------------------------------------------
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """A controller call on rank 0 (one at a time for an in-process controller)."""
+        fn = getattr(self.controller, method)
+        if self._lock is None:
+            return fn(*args, **kwargs)
+        if not self._lock.acquire(timeout=self.timeout_s):
+            raise WaitTimeoutError(f"controller busy for {self.timeout_s:g} s ({method})")
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._lock.release()
+
+    def _on_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.from_rank0(lambda: self._call(method, *args, **kwargs), method)
+
+    def from_rank0(self, fn: Callable[[], Any], what: str) -> Any:
+        """Run fn on rank 0; every rank gets its value or raises its typed error."""
+        payload, failure = None, None
+        if self.rank == 0:
+            try:
+                payload = encode({"ok": fn()})
+            except Exception as exc:  # every rank raises it (others as its tpkv type, or base)
+                failure = exc
+                message = str(exc.args[0]) if isinstance(exc, TpkvError) and exc.args else \
+                    f"rank 0: {what}: {type(exc).__name__}: {exc}"
+                payload = encode({"error": type(exc).__name__, "message": message})
+        if self.world_size > 1:
+            payload = self.ctx.ctl.broadcast_bytes(payload, what=what)
+        if failure is not None:
+            raise failure
+        assert payload is not None
+        answer = decode(payload)
+        if "error" in answer:
+            cls = getattr(errors, str(answer["error"]), None)
+            if not (isinstance(cls, type) and issubclass(cls, TpkvError)):
+                cls = TpkvError
+            raise cls(answer["message"])
+        return answer["ok"]
+
+    def _all_results(self, report: StepReport, exchange: bool) -> list[list[MoveResult]]:
+        """[plan][rank] MoveResults: exchanged when some rank has misses or disagrees, else
+        rebuilt from the gathered rows (rank 0's byte counts and timings stand for all)."""
+        if exchange:
+            blobs = self.ctx.ctl.gather_bytes(
+                encode([move_result_to_dict(r) for r in report.results]), "move results")
+            per_rank = [[move_result_from_dict(d) for d in decode(b)] for b in blobs]
+            return [list(col) for col in zip(*per_rank)]
+        row_of = {int(e): j for j, e in enumerate(report.expected[:, 0].tolist())}
+        out = []
+        for own in report.results:
+            j = row_of.get(own.epoch)
+            rows = report.gathered[:, j, :] if j is not None else None
+            out.append([MoveResult(
+                own.epoch, r, own.moves_applied if rows is None else int(rows[r, 1]),
+                own.slot_map_digest if rows is None else int(rows[r, 2]),
+                own.status if rows is None else int(rows[r, 3]) & ~STATUS_MISSES,
+                own.miss_block_ids,
+                own.bytes_h2d, own.bytes_d2h, own.bytes_ssd_read, own.bytes_ssd_write,
+                own.elapsed_ns) for r in range(self.world_size)])
+        return out
+
+    def _commit_and_resync(self, results: list[list[MoveResult]], first: int) -> dict[str, Any]:
+        self._check_commits(wait=True)
+        for per_plan in results:
+            if per_plan[0].epoch > first:
+                break
+            self._call("commit", per_plan)
+        return dict(self._call("resync"))
+
+    def _check_commits(self, wait: bool = False) -> None:
+        """Collect background commits (all of them when `wait`); raise one that failed."""
+        keep = []
+        for fut in self._commits:
+            if wait or fut.done():
+                outcome = fut.result(timeout=self.timeout_s)
+                if not outcome.committed:  # the all-gather agreed, so this is a bug somewhere
+                    log.error("controller refused epoch %d (ranks %s) after the all-gather "
+                              "agreed; resyncing", outcome.epoch, outcome.mismatch_ranks)
+                    self._refused = True
+                    self.num_commit_refusals += 1
+            else:
+                keep.append(fut)
+        self._commits = keep
+
+    def _resync_if_commit_failed(self) -> dict[str, Any] | None:
+        self._check_commits()
+        if not self._refused:
+            return None
+        self._check_commits(wait=True)
+        self._refused = False
+        return dict(self._call("resync"))
+
+
+def _misses_hit_batch(report: StepReport, results: list[list[MoveResult]]) -> bool:
+    """Whether a block missed on any rank belongs to a session of the step's batch."""
+    batch = set(report.step.session_ids)
+    for plan, per_plan in zip(report.step.plans, results):
+        missed = np.concatenate([np.asarray(r.miss_block_ids, dtype=np.int64)
+                                 for r in per_plan] + [np.zeros(0, dtype=np.int64)])
+        if len(missed):
+            hit = np.isin(plan.block_ids, missed)
+            if {plan.session_names[i] for i in plan.session_idx[hit].tolist()} & batch:
+                return True
+    return False

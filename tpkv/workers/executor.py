@@ -1,0 +1,300 @@
+"""PlanExecutor: the data movement of one plan on one rank (copy streams, SSD I/O, layer events)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tpkv.errors import SsdError, TierFullError, WaitTimeoutError
+from tpkv.types import MovePlan, Tier
+from tpkv.workers import cuda_rt
+from tpkv.workers.copy_engine import CopyEngine, CopyHandle
+from tpkv.workers.mirror import Relocation
+from tpkv.workers.ssd_store import SsdStore
+
+log = logging.getLogger(__name__)
+
+HBM, DRAM, SSD, NONE = int(Tier.HBM), int(Tier.DRAM), int(Tier.SSD), int(Tier.NONE)
+_POLL_S = 0.0002
+
+
+@dataclass
+class ExecOutcome:
+    """What one plan did on this rank: moves done (mask over the plan), L3 read misses, bytes."""
+
+    done: np.ndarray
+    misses: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    bytes_ssd_read: int = 0
+    bytes_ssd_write: int = 0
+    error: str = ""  # the first failure, if a group of moves could not be carried out
+    host_ns: int = 0  # host time of the plan (SSD I/O included)
+    timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+
+    def elapsed_ns(self) -> int:
+        """Host time, or the GPU time of its copies if longer (call once they are done)."""
+        gpu_ms = max((a.elapsed_time(b) for a, b in self.timing if b.query()), default=0.0)
+        return max(self.host_ns, int(gpu_ms * 1e6))
+
+
+def wait_handle(handle: CopyHandle | None, deadline: float, what: str) -> None:
+    """Block the host until a copy batch is done, or raise WaitTimeoutError at the deadline."""
+    delay = _POLL_S
+    while handle is not None and not handle.done():
+        if time.monotonic() > deadline:
+            raise WaitTimeoutError(f"{what}: {handle.direction} copy of {handle.num_blocks} "
+                                   f"blocks ({handle.num_bytes} bytes) not done by its deadline")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.005)
+
+
+class PlanExecutor:
+    """Carries out plans through one rank's CopyEngine and SsdStore; never decides a move.
+
+    Ordering across plans (within a plan no slot is both vacated and filled): an L2 -> L1 batch
+    waits on the GPU for the previous L1 -> L2 batch (it may fill the L1 slots that batch empties),
+    an L1 -> L2 batch for the previous L2 -> L1 batch (L2 slots), SSD writes on the host for the
+    previous L1 -> L2 batch (their source) and SSD reads for both (an L2 slot they fill may
+    still be read by an H2D, or written by the D2H of a block dropped since).
+    """
+
+    def __init__(self, engine: CopyEngine, store: SsdStore | None, timeout_s: float,
+                 layer_events: bool = True, layer_chunk_bytes: int = 64 << 10) -> None:
+        self.engine = engine
+        self.hbm, self.host = engine.hbm, engine.host
+        self.store = store
+        self.timeout_s = timeout_s
+        self.layer_events = layer_events
+        g = self.hbm.geometry
+        self.layer_bytes, self.num_layers = g.layer_bytes, g.num_layers
+        self.layers_per_copy = min(g.num_layers, max(1, -(-layer_chunk_bytes // g.layer_bytes)))
+        self.last: dict[str, CopyHandle | None] = {"h2d": None, "d2h": None}
+        self.events: list[torch.cuda.Event | None] = [None] * g.num_layers
+
+    # ---- one plan --------------------------------------------------------------------------
+    def run(self, plan: MovePlan, ok: np.ndarray) -> ExecOutcome:
+        """Issue every move in `ok`; copies L1 <-> L2 may still run on return, SSD I/O is done."""
+        started = time.perf_counter_ns()
+        out = ExecOutcome(done=np.zeros(plan.num_moves, dtype=bool))
+        deadline = time.monotonic() + self.timeout_s
+        pick = {k: np.flatnonzero(ok & plan.mask(Tier(s), Tier(d)))
+                for k, (s, d) in {"d2h": (HBM, DRAM), "h2d": (DRAM, HBM), "spill": (DRAM, SSD),
+                                  "load": (SSD, DRAM)}.items()}
+        prev_d2h, prev_h2d = self.last["d2h"], self.last["h2d"]
+        block_bytes = self.hbm.block_bytes
+        if len(i := pick["d2h"]):
+            start = self._mark("d2h", prev_h2d)
+            self.last["d2h"] = self.engine.d2h(plan.src_slot[i], plan.dst_slot[i])
+            self._span(out, "d2h", start)
+            out.done[i], out.bytes_d2h = True, len(i) * block_bytes
+        jobs: list[tuple[str, np.ndarray, Future[Any]]] = []
+        if len(pick["spill"]) or len(pick["load"]):
+            if self.store is None:
+                out.error = f"epoch {plan.epoch}: moves to or from L3, but L3 is disabled here"
+            else:
+                if len(pick["spill"]):
+                    wait_handle(prev_d2h, deadline, f"epoch {plan.epoch} L2 -> L3")
+                    jobs += self._ssd_jobs(plan, pick["spill"], "write", deadline)
+                if len(pick["load"]):  # into L2 slots earlier batches may still read or fill
+                    wait_handle(prev_h2d, deadline, f"epoch {plan.epoch} L3 -> L2")
+                    wait_handle(prev_d2h, deadline, f"epoch {plan.epoch} L3 -> L2")
+                    jobs += self._ssd_jobs(plan, pick["load"], "read", deadline)
+        if len(i := pick["h2d"]):
+            start = self._mark("h2d", prev_d2h)
+            self._h2d(plan.src_slot[i], plan.dst_slot[i])
+            self._span(out, "h2d", start)
+            out.done[i], out.bytes_h2d = True, len(i) * block_bytes
+        self._collect(plan, jobs, out, deadline)
+        out.host_ns = time.perf_counter_ns() - started
+        return out
+
+    def _mark(self, direction: str, prev: CopyHandle | None) -> torch.cuda.Event | None:
+        """Order `direction`'s stream after compute and after the previous batch the other way;
+        on the GPU return a timing event recorded there (the start of this batch)."""
+        if not self.engine.on_gpu:
+            return None
+        stream = self.engine.streams[direction]
+        stream.wait_stream(torch.cuda.current_stream(self.hbm.device))
+        if prev is not None and prev.event is not None:
+            stream.wait_event(prev.event)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        return start
+
+    def _span(self, out: ExecOutcome, direction: str, start: torch.cuda.Event | None) -> None:
+        if start is not None:
+            stop = torch.cuda.Event(enable_timing=True)
+            stop.record(self.engine.streams[direction])
+            out.timing.append((start, stop))
+
+    def _ssd_jobs(self, plan: MovePlan, idx: np.ndarray, kind: str, deadline: float
+                  ) -> list[tuple[str, np.ndarray, Future[Any]]]:
+        assert self.store is not None
+        by_session: dict[int, list[int]] = defaultdict(list)
+        for i, s in zip(idx.tolist(), plan.session_idx[idx].tolist()):
+            by_session[s].append(i)
+        jobs: list[tuple[str, np.ndarray, Future[Any]]] = []
+        for s, members in by_session.items():
+            part = np.asarray(members, dtype=np.int64)
+            name, logical = plan.session_names[s], plan.logical_idx[part]
+            slots = plan.src_slot[part] if kind == "write" else plan.dst_slot[part]
+            views = [self.host.block_bytes_view(int(x)) for x in slots]
+            if kind == "write":
+                jobs.append((kind, part, self.store.submit_write(name, logical, views)))
+            else:
+                self._await_manifest(name, logical, deadline)
+                jobs.append((kind, part, self.store.submit_read(name, logical, views)))
+        return jobs
+
+    def _collect(self, plan: MovePlan, jobs: list[tuple[str, np.ndarray, Future[Any]]],
+                 out: ExecOutcome, deadline: float) -> None:
+        block_bytes = self.hbm.block_bytes
+        written: set[str] = set()
+        misses: list[np.ndarray] = []
+        for kind, part, fut in jobs:
+            try:
+                result = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                raise WaitTimeoutError(
+                    f"epoch {plan.epoch}: L3 {kind} of {len(part)} blocks not done after "
+                    f"{self.timeout_s:g} s") from None
+            except (SsdError, TierFullError, OSError) as exc:
+                out.error = out.error or f"epoch {plan.epoch}: L3 {kind} failed: {exc}"
+                log.error("%s", out.error)
+                continue
+            out.done[part] = True
+            if kind == "write":
+                out.bytes_ssd_write += len(part) * block_bytes
+                written.add(plan.session_names[int(plan.session_idx[part[0]])])
+            else:
+                hits = np.asarray(result, dtype=bool)
+                misses.append(plan.block_ids[part[~hits]])
+                out.bytes_ssd_read += int(hits.sum()) * block_bytes
+        if misses:
+            out.misses = np.concatenate(misses).astype(np.int64)
+        assert self.store is not None or not written
+        for name in sorted(written):  # complete once the last rank to write has written
+            self.store.commit_manifest(name)  # type: ignore[union-attr]
+
+    def _await_manifest(self, name: str, logical: np.ndarray, deadline: float) -> None:
+        """Records another rank wrote a moment ago are readable once the manifest covers them:
+        complete it here if every rank has written (poll, bounded); else they read as misses."""
+        assert self.store is not None
+        end = min(deadline, time.monotonic() + self.timeout_s / 2)
+        while not np.isin(logical, self.store.session_indices(name)).all():
+            if self.store.commit_manifest(name) or time.monotonic() > end:
+                return
+            time.sleep(0.001)
+
+    # ---- copies ----------------------------------------------------------------------------
+    def _h2d(self, host_slots: np.ndarray, hbm_slots: np.ndarray) -> None:
+        if not self.layer_events:
+            handle = self.engine.h2d(host_slots, hbm_slots)
+            self.last["h2d"] = handle
+            self.events = [handle.event] * self.num_layers
+            return
+        n, step = len(hbm_slots), self.layers_per_copy
+        handle = CopyHandle(n, n * self.hbm.block_bytes, "layers", "h2d")
+        if not self.engine.on_gpu:
+            for start in range(0, self.num_layers, step):
+                self._copy_layers_torch(host_slots, hbm_slots, start, start + step)
+            self.last["h2d"] = handle
+            return
+        stream = self.engine.streams["h2d"]
+        stream.wait_stream(torch.cuda.current_stream(self.hbm.device))
+        use_dma = self.engine.choose_method("h2d") == "dma"
+        src0, dst0 = self.host.slot_ptrs(host_slots), self.hbm.slot_ptrs(hbm_slots)
+        with torch.cuda.stream(stream):
+            for start in range(0, self.num_layers, step):
+                stop = min(self.num_layers, start + step)
+                if use_dma:
+                    off, size = start * self.layer_bytes, (stop - start) * self.layer_bytes
+                    cuda_rt.memcpy_batch((dst0 + off).tolist(), (src0 + off).tolist(),
+                                         [size] * n, stream.cuda_stream)
+                else:
+                    self._copy_layers_torch(host_slots, hbm_slots, start, stop)
+                event = torch.cuda.Event()
+                event.record(stream)
+                self.events[start:stop] = [event] * (stop - start)
+        handle.event = self.events[-1]
+        self.last["h2d"] = handle
+
+    def _copy_layers_torch(self, host_slots: np.ndarray, hbm_slots: np.ndarray, start: int,
+                           stop: int) -> None:
+        """Layers [start, stop) of each block by index ops per L2 arena (CPU, or no batch API)."""
+        device = self.hbm.device
+        for arena, pos, index in self.host.group_by_arena(host_slots):
+            rows = self.host.arenas[arena][torch.from_numpy(index), start:stop]
+            if self.engine.on_gpu:
+                rows = rows.pin_memory().to(device, non_blocking=True)
+            self.hbm.tensor[torch.from_numpy(hbm_slots[pos]).to(device), start:stop] = rows
+
+    # ---- what the engine waits on ----------------------------------------------------------
+    def wait_layer(self, layer: int) -> None:
+        """Make the current stream wait for layer `layer` of every block copied into L1 so far
+        (no host wait). On the CPU copies are done when issued."""
+        event = self.events[layer]
+        if event is not None and self.engine.on_gpu:
+            torch.cuda.current_stream(self.hbm.device).wait_event(event)
+
+    def fence_compute(self) -> None:
+        """Make the current stream wait for the last L1 -> L2 batch: the engine may write new KV
+        into L1 slots that batch empties."""
+        handle = self.last["d2h"]
+        if self.engine.on_gpu and handle is not None and handle.event is not None:
+            torch.cuda.current_stream(self.hbm.device).wait_event(handle.event)
+
+    def synchronize(self) -> None:
+        """Wait on the host for every copy issued (bounded)."""
+        deadline = time.monotonic() + self.timeout_s
+        for direction, handle in self.last.items():
+            wait_handle(handle, deadline, f"synchronize {direction}")
+
+    # ---- resync ----------------------------------------------------------------------------
+    def relocate(self, rel: Relocation) -> np.ndarray:
+        """Move bytes so this rank matches the controller's table after a resync: every source
+        is staged in host memory first, so a chain of moves cannot overwrite its own input.
+        Returns the ids of blocks this rank holds nowhere (lost here; their bytes are zeros)."""
+        self.synchronize()
+        n, block_bytes = rel.num_blocks, self.hbm.block_bytes
+        staging = np.zeros((n, block_bytes), dtype=np.uint8)
+        have = np.zeros(n, dtype=bool)
+        for i in range(n):
+            tier, slot = int(rel.src_tier[i]), int(rel.src_slot[i])
+            if tier == HBM:
+                staging[i] = self.hbm.tensor[slot].reshape(-1).view(torch.uint8).cpu().numpy()
+                have[i] = True
+            elif tier == DRAM:
+                staging[i], have[i] = self.host.block_bytes_view(slot), True
+            elif tier == SSD and self.store is not None:
+                have[i] = bool(self.store.read_blocks(rel.sessions[i], rel.logical_idx[i:i + 1],
+                                                      [staging[i]])[0])
+        for i in range(n):
+            tier, slot = int(rel.dst_tier[i]), int(rel.dst_slot[i])
+            if tier == HBM:
+                dst = self.hbm.tensor[slot].reshape(-1).view(torch.uint8)
+                dst.copy_(torch.from_numpy(staging[i]).to(dst.device))
+            elif tier == DRAM:
+                self.host.block_bytes_view(slot)[:] = staging[i]
+            elif tier == SSD and self.store is not None and have[i]:
+                self.store.write_blocks(rel.sessions[i], rel.logical_idx[i:i + 1], [staging[i]])
+                self.store.commit_manifest(rel.sessions[i])
+        if self.engine.on_gpu:
+            done = CopyHandle(n, n * block_bytes, "relocate", "h2d", torch.cuda.Event())
+            assert done.event is not None
+            done.event.record(torch.cuda.current_stream(self.hbm.device))
+            wait_handle(done, time.monotonic() + self.timeout_s, "resync relocation")
+        lost = rel.block_ids[~have]
+        if len(lost):
+            log.error("resync: %d blocks have no copy on this rank (e.g. %d); their bytes are "
+                      "zeros here", len(lost), int(lost[0]))
+        return lost

@@ -1,0 +1,259 @@
+"""Worker: one TP rank applies the controller's plans in epoch order; the TP group confirms them."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tpkv.config import TpkvConfig
+from tpkv.controller.digest import plan_digest, slot_map_digest
+from tpkv.controller.messages import StepResult
+from tpkv.errors import PlanOrderError
+from tpkv.types import MovePlan, MoveResult, Tier
+from tpkv.workers.confirm import (
+    ROW,
+    STATUS_DIVERGED,
+    STATUS_FAILED,
+    STATUS_MISSES,
+    BoundedGroup,
+    Confirmer,
+    PendingConfirm,
+    disagreements,
+    mismatch_error,
+)
+from tpkv.workers.copy_engine import CopyEngine
+from tpkv.workers.executor import ExecOutcome, PlanExecutor
+from tpkv.workers.mirror import SlotMirror
+from tpkv.workers.pools import HbmPool, HostPool
+from tpkv.workers.ssd_store import SsdStore
+
+log = logging.getLogger(__name__)
+_NO_IDS = np.zeros(0, dtype=np.int64)
+
+
+@dataclass
+class AppliedPlan:
+    """One plan as this rank applied it (the MoveResult is built once its copies are done)."""
+
+    plan: MovePlan
+    outcome: ExecOutcome
+    moves_applied: int
+    after: tuple[np.ndarray, np.ndarray]  # (tier, slot) of the plan's blocks after it, here
+    status: int = 0
+    misses: np.ndarray = field(default_factory=lambda: _NO_IDS)
+
+    def row(self) -> list[int]:
+        """[epoch, moves_applied, digest of the plan's blocks as placed here, status]."""
+        digest = slot_map_digest(self.plan.block_ids, *self.after)
+        return [self.plan.epoch, self.moves_applied, digest, self.status]
+
+
+@dataclass
+class AppliedStep:
+    """A StepResult applied on this rank, its confirmation possibly still in flight."""
+
+    step: StepResult
+    plans: list[AppliedPlan]
+    pending: PendingConfirm | None = None
+
+
+@dataclass
+class StepReport:
+    """A confirmed step: this rank's results, every rank's rows, and where they disagree."""
+
+    step: StepResult
+    results: list[MoveResult]  # this rank's, one per plan of the step
+    gathered: np.ndarray  # [world, k, 4] rows of the k plans with moves (k may be 0)
+    expected: np.ndarray  # [k, 4]
+    mismatches: list[tuple[int, tuple[int, ...]]]  # (epoch, ranks)
+
+    @property
+    def any_misses(self) -> bool:
+        return bool((self.gathered[..., 3] & STATUS_MISSES).any())
+
+    def raise_if_mismatch(self) -> None:
+        if self.mismatches:
+            raise mismatch_error(self.gathered, self.expected, self.mismatches)
+
+
+class Worker:
+    """One rank's tiers (L1 pool, L2 pool, L3 store), its slot map and the plan loop.
+
+    Decides nothing: a move that does not start where this rank's map says is refused and
+    reported (status DIVERGED), which the all-gather turns into a PlanMismatchError.
+    """
+
+    def __init__(self, config: TpkvConfig, rank: int, device: torch.device | str | None = None,
+                 group: BoundedGroup | None = None) -> None:
+        g = config.geometry
+        self.config, self.rank = config, rank
+        self.hbm = HbmPool(g, config.l1.slots(g), device)
+        self.host = HostPool(g, config.l2.slots_per_rank(g), config.l2)
+        self.engine = CopyEngine(self.hbm, self.host)
+        self.store = (SsdStore(config.l3, g, config.model_fingerprint, rank)
+                      if config.l3.enabled else None)
+        self.executor = PlanExecutor(self.engine, self.store, config.wait_timeout_s,
+                                     config.layer_events, config.layer_chunk_bytes)
+        self.mirror = SlotMirror(self.hbm.slots, self.host.slots)
+        self.confirmer = Confirmer(group) if group is not None and group.world_size > 1 else None
+        self.world_size = group.world_size if group is not None else 1
+        self.epoch = 0  # last plan applied
+        self.tick = 0
+        self.fault_skip: dict[int, int] = {}  # tests: epoch -> index of a move to skip silently
+        self.fault_miss_from: int | None = None  # tests: first L3 read from this epoch misses
+
+    # ---- the step loop ---------------------------------------------------------------------
+    def apply_step(self, step: StepResult) -> AppliedStep:
+        """Apply a step in the documented order; start its confirmation; return at once."""
+        self.mirror.release(step.released_block_ids)
+        applied = []
+        for i, plan in enumerate(step.plans):
+            self.mirror.drop(step.drops[i] if i < len(step.drops) else _NO_IDS)
+            applied.append(self.apply_plan(plan))
+        self.mirror.drop(step.drops[-1] if step.drops else _NO_IDS)
+        names = [step.session_ids[i] for i in step.fresh_session_idx.tolist()]
+        lost = self.mirror.add_fresh(step.fresh_block_ids, step.fresh_slots, names,
+                                     step.fresh_logical)
+        self._note_lost(applied, lost)
+        self.mirror.tokens.update(zip(step.session_ids, step.num_tokens.tolist()))
+        for name in step.closed_sessions:
+            self.mirror.tokens.pop(name, None)
+        if self.store is not None:  # their L3 records are of no more use
+            for name in (*step.closed_sessions, *step.ssd_dropped_sessions):
+                self.store.drop_session(name)
+        self.executor.fence_compute()
+        self.tick = step.tick
+        with_moves = [a for a in applied if a.plan.num_moves]
+        pending = None
+        if with_moves:  # digests and the all-gather run on the confirmation thread
+            def rows() -> tuple[np.ndarray, np.ndarray]:
+                return (np.asarray([a.row() for a in with_moves], dtype=np.int64),
+                        np.asarray([[a.plan.epoch, a.plan.num_moves, plan_digest(a.plan), 0]
+                                    for a in with_moves], dtype=np.int64))
+            pending = (self.confirmer.start(rows) if self.confirmer
+                       else PendingConfirm.local(rows))
+        return AppliedStep(step, applied, pending)
+
+    def apply_plan(self, plan: MovePlan) -> AppliedPlan:
+        """Check epoch order, apply the moves this rank's map allows, record them."""
+        if plan.epoch != self.epoch + 1:
+            raise PlanOrderError(f"rank {self.rank}: plan {plan.epoch} arrived after plan "
+                                 f"{self.epoch}; plans apply strictly in epoch order")
+        ok = self.mirror.check(plan)
+        refused = int((~ok).sum())
+        if refused:
+            log.error("rank %d: plan %d: %d of %d moves do not start where this rank's map says",
+                      self.rank, plan.epoch, refused, plan.num_moves)
+        skip = self.fault_skip.pop(plan.epoch, None)
+        if skip is not None and plan.num_moves:
+            ok[skip % plan.num_moves] = False  # an unknown bug: counted as applied below
+        outcome = self.executor.run(plan, ok)
+        if self.fault_miss_from is not None and plan.epoch >= self.fault_miss_from:
+            self._inject_miss(plan, outcome)
+        self.mirror.apply(plan, outcome.done)
+        self.epoch = plan.epoch
+        status = ((STATUS_DIVERGED if refused else 0) | (STATUS_FAILED if outcome.error else 0)
+                  | (STATUS_MISSES if len(outcome.misses) else 0))
+        applied = int(outcome.done.sum()) + (1 if skip is not None and plan.num_moves else 0)
+        return AppliedPlan(plan, outcome, applied, self.mirror.where(plan.block_ids), status,
+                           outcome.misses)
+
+    def finish(self, applied: AppliedStep) -> StepReport:
+        """Wait (bounded) for the step's confirmation; report where ranks disagree."""
+        p = applied.pending
+        gathered: np.ndarray | None = np.zeros((self.world_size, 0, ROW), dtype=np.int64)
+        expected = np.zeros((0, ROW), dtype=np.int64)
+        own: dict[int, int] = {}  # epoch -> this rank's row digest
+        if p is not None:
+            gathered = self.confirmer.wait(p) if self.confirmer else p.gathered
+            expected = p.expected
+            own = {int(e): int(d) for e, d in zip(p.rows[:, 0], p.rows[:, 2])}
+        assert gathered is not None
+        results = [self._result(a, own.get(a.plan.epoch)) for a in applied.plans]
+        return StepReport(applied.step, results, gathered, expected,
+                          disagreements(gathered, expected))
+
+    def confirm(self, applied: AppliedStep) -> list[MoveResult]:
+        """finish(), raising RankMismatchError (a PlanMismatchError) if the ranks disagree."""
+        report = self.finish(applied)
+        report.raise_if_mismatch()
+        return report.results
+
+    # ---- what the engine waits on ----------------------------------------------------------
+    def wait_layer(self, layer: int) -> None:
+        """Attention on `layer` waits for that layer of every block brought into L1 (no host
+        wait on the GPU; nothing to wait for on the CPU)."""
+        self.executor.wait_layer(layer)
+
+    def wait_all(self) -> None:
+        self.executor.wait_layer(self.hbm.geometry.num_layers - 1)
+
+    # ---- the slot map ----------------------------------------------------------------------
+    def slot_map(self) -> dict[str, Any]:
+        """This rank's map in the form Controller.rebuild takes (and slot_map() gives)."""
+        out = self.mirror.export()
+        out.update(rank=self.rank, epoch=self.epoch, tick=self.tick)
+        return out
+
+    def resync(self, slot_map: dict[str, Any]) -> np.ndarray:
+        """Take the controller's map; move bytes this rank holds elsewhere to where it says.
+        Returns the ids of blocks this rank could not restore (their bytes are zeros here)."""
+        relocation = self.mirror.restore(slot_map)
+        self.epoch = int(slot_map["epoch"])
+        self.tick = int(slot_map.get("tick", self.tick))
+        log.warning("rank %d: resync to epoch %d; %d blocks move here", self.rank, self.epoch,
+                    relocation.num_blocks)
+        return self.executor.relocate(relocation)
+
+    def close(self) -> None:
+        if self.confirmer is not None:
+            self.confirmer.close()
+        self.executor.synchronize()
+        if self.store is not None:
+            self.store.close()
+        self.host.close()
+
+    # ---- internals -------------------------------------------------------------------------
+    def _note_lost(self, applied: list[AppliedPlan], lost: np.ndarray) -> None:
+        """Blocks overwritten here are reported as misses of the latest plan of the step that
+        moved them (the controller then drops them); others can only be logged."""
+        for a in reversed(applied):
+            hit = lost[np.isin(lost, a.plan.block_ids)]
+            if len(hit):
+                a.misses = np.union1d(a.misses, hit)
+                lost = lost[~np.isin(lost, hit)]
+        for a in applied:
+            if len(a.misses):
+                a.status |= STATUS_MISSES
+        if len(lost):
+            log.error("rank %d: %d blocks lost here outside this step's plans (e.g. %d)",
+                      self.rank, len(lost), int(lost[0]))
+
+    def _inject_miss(self, plan: MovePlan, outcome: ExecOutcome) -> None:
+        """Tests: the first L3 read done from `fault_miss_from` on reads as a miss here."""
+        loads = np.flatnonzero(outcome.done & plan.mask(Tier.SSD, Tier.DRAM))
+        if len(loads):
+            i = int(loads[0])
+            self.host.block_bytes_view(int(plan.dst_slot[i])).fill(0)
+            outcome.misses = np.union1d(outcome.misses, plan.block_ids[i:i + 1])
+            self.fault_miss_from = None
+
+    def _result(self, a: AppliedPlan, row_digest: int | None) -> MoveResult:
+        """The report for the controller: misses count as (NONE, -1) in its digest."""
+        digest = row_digest
+        if digest is None or len(a.misses):
+            tier, slot = a.after
+            hit = np.isin(a.plan.block_ids, a.misses)
+            tier, slot = np.where(hit, int(Tier.NONE), tier), np.where(hit, -1, slot)
+            digest = slot_map_digest(a.plan.block_ids, tier, slot)
+        o = a.outcome
+        return MoveResult(epoch=a.plan.epoch, rank=self.rank, moves_applied=a.moves_applied,
+                          slot_map_digest=digest,
+                          status=a.status & ~STATUS_MISSES,  # misses travel as ids
+                          miss_block_ids=a.misses, bytes_h2d=o.bytes_h2d,
+                          bytes_d2h=o.bytes_d2h, bytes_ssd_read=o.bytes_ssd_read,
+                          bytes_ssd_write=o.bytes_ssd_write, elapsed_ns=o.elapsed_ns())
