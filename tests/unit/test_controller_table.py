@@ -123,28 +123,3 @@ def test_plan_digest_counts_misses_as_none():
                     [0, 0], [0, 1], ("s",))
     assert plan_digest(plan) == slot_map_digest([7, 8], [1, 0], [4, 1])
     assert plan_digest(plan, [7]) == slot_map_digest([7, 8], [-1, 0], [-1, 1])
-
-
-def test_built_plan_checks_like_move_plan():
-    from tpkv.controller.builder import BuiltPlan
-    from tpkv.errors import WireFormatError
-    from tpkv.types import decode_plan, encode_plan
-
-    args = (4, [3, 9], [0, 1], [5, 6], [1, 2], [7, -1], [0, 1], [2, 3], ("a", "b"))
-    fast, slow = BuiltPlan(*args), MovePlan(*args)
-    for name in ("block_ids", "src_tier", "src_slot", "dst_tier", "dst_slot", "session_idx",
-                 "logical_idx"):
-        a, b = getattr(fast, name), getattr(slow, name)
-        assert a.dtype == b.dtype and a.tolist() == b.tolist() and not a.flags.writeable
-    assert encode_plan(fast) == encode_plan(slow)
-    assert type(decode_plan(encode_plan(fast))) is MovePlan
-    bad = [(4, [3, 3], [0, 0], [5, 6], [1, 1], [7, 8], [0, 0], [2, 3], ("a",)),
-           (4, [3], [0], [5], [3], [7], [0], [2], ("a",)),
-           (4, [3], [0], [5], [1], [7], [1], [2], ("a",)),
-           (-1, [3], [0], [5], [1], [7], [0], [2], ("a",)),
-           (4, [3, 4], [0], [5], [1], [7], [0], [2], ("a",))]
-    for case in bad:
-        with pytest.raises(WireFormatError):
-            MovePlan(*case)
-        with pytest.raises(WireFormatError):
-            BuiltPlan(*case)
