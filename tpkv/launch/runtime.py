@@ -251,7 +251,8 @@ class TpkvRuntime:
             rows = report.gathered[:, j, :] if j is not None else None
             out.append([MoveResult(
                 own.epoch, r, own.moves_applied if rows is None else int(rows[r, 1]),
-                own.slot_map_digest if rows is None else int(rows[r, 2]),
+                # this rank's own digest counts its misses; the gathered row may not
+                own.slot_map_digest if rows is None or r == self.rank else int(rows[r, 2]),
                 own.status if rows is None else int(rows[r, 3]) & ~STATUS_MISSES,
                 own.miss_block_ids,
                 own.bytes_h2d, own.bytes_d2h, own.bytes_ssd_read, own.bytes_ssd_write,

@@ -1,0 +1,148 @@
+"""The engine on tiny tiers (L1 -> L2 -> L3 and back) decodes exactly the greedy tokens of the
+same model with a large L1 where nothing moves: TP 1 in process, TP 2 on CPU (gloo)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.multiproc.harness import run_ranks
+from tpkv.config import PolicyConfig
+from tpkv.models.engine import PagedEngine
+from tpkv.models.llama import Llama, build_model
+from tpkv.models.tp import apply_tp
+
+BT = 4
+SESSIONS, TURNS, GROUP = 6, 3, 2
+L1_BLOCKS, L2_BLOCKS = 32, 16  # the 6 sessions end with about 80 blocks: L3 must hold some
+Turns = dict[str, list[tuple[int, ...]]]
+
+
+def drive(engine: PagedEngine, seed: int = 0) -> Turns:
+    """Turns of two sessions at a time, round robin over the six: between two turns of a session
+    the four others run, so a small L1 has to demote it (and a small L2 spill it)."""
+    rng = np.random.default_rng(seed)
+    out: Turns = {}
+    for turn in range(TURNS):
+        for first in range(0, SESSIONS, GROUP):
+            for i in range(first, first + GROUP):
+                n = int(rng.integers(12, 21)) if turn == 0 else int(rng.integers(3, 9))
+                engine.add_turn(f"s{i}", rng.integers(0, 512, n).tolist(),
+                                int(rng.integers(4, 7)))
+            for f in engine.run():
+                out.setdefault(f.session, []).append(f.token_ids)
+    for i in range(SESSIONS):
+        engine.close_session(f"s{i}")
+    return out
+
+
+def reference(model: Llama) -> Turns:
+    """The same model and workload with an L1 that holds everything (no tiers, no moves)."""
+    g = model.kv_geometry(tp_size=1, block_tokens=BT)
+    heads = model.blocks[0].attn.wk.out_features // model.config.head_dim
+    shape = (g.num_layers, 2, BT, heads, g.head_dim)
+    pool = torch.full((256, *shape), float("nan"))
+    return drive(PagedEngine(model, pool, scheduler_seed=3))
+
+
+def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load") -> dict[str, Any]:
+    """One rank: the reference run, then the tiered run (mode "load": resuming always loads;
+    "recompute": always recomputes; "miss": loads, and the first L3 read on rank 0 misses)."""
+    import tpkv
+    from tpkv.models.tiered import TieredEngine, tiered_config
+
+    torch.set_num_threads(1)
+    model = build_model("tiny", seed=0)
+    rate = 1e12 if mode == "recompute" else 10.0  # prefill tokens/s the cost model assumes
+    policy = PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=rate)
+    cfg = tiered_config(model, world, block_tokens=BT, l1_blocks=L1_BLOCKS,
+                        l2_blocks=L2_BLOCKS, ssd_root=ssd_root, policy=policy)
+    rt = tpkv.init(cfg, controller="local", device="cpu")
+    try:
+        model = apply_tp(model, rank, world)
+        want = reference(model)
+        if mode == "miss" and rank == 0:
+            rt.worker.fault_miss_from = 1
+        tiered = TieredEngine(rt, model, report_prefill=False)
+        got = drive(tiered.engine)
+        events: dict[str, int] = {}
+        if rank == 0:
+            for e in rt.controller.snapshot()["events"]:
+                events[e["kind"]] = events.get(e["kind"], 0) + 1
+        s = tiered.stats
+        out = {"got": got, "want": want, "moves": dict(s.moves), "events": events,
+               "recompute_tokens": s.recompute_tokens, "retries": s.retries,
+               "mismatches": rt.num_mismatches, "steps": s.steps,
+               "commit_refusals": rt.num_commit_refusals}
+    except BaseException as exc:
+        rt.close(exc)
+        raise
+    rt.close()
+    return out
+
+
+def check(out: dict[str, Any], mode: str = "load") -> None:
+    """Same tokens as the reference, and the tiers really were used."""
+    assert out["want"] and sum(len(t) for t in out["want"].values()) == SESSIONS * TURNS
+    assert out["got"] == out["want"]
+    moves = out["moves"]
+    assert moves["l1_l2"] > 0 and moves["l2_l3"] > 0, moves  # demoted, then spilled
+    assert out["mismatches"] == 0
+    assert out["commit_refusals"] == 0
+    if mode == "recompute":
+        assert out["recompute_tokens"] > 0 and moves["l3_l2"] == 0, out
+    else:
+        assert moves["l3_l2"] > 0 and moves["l2_l1"] > 0, moves  # loaded back
+    if mode == "miss":  # the step that needed the missed block ran again and recomputed it
+        assert out["retries"] >= 1 and out["recompute_tokens"] > 0, out
+    else:  # ("load" may still recompute blocks the planner dropped when L2 was full)
+        assert out["retries"] == 0, out
+    if out["events"]:  # rank 0: the controller saw the same
+        assert out["events"].get("demote", 0) > 0 and out["events"].get("spill", 0) > 0
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["load", "miss"])
+def test_tp2_tiered_engine_gives_the_tokens_of_a_large_l1(tmp_path, mode):
+    results = run_ranks(tiered_rank, 2, str(tmp_path / "l3"), mode, timeout_s=80)
+    assert sorted(results) == [0, 1], results
+    for r in (0, 1):
+        assert results[r]["ok"], results[r].get("trace")
+        check(results[r], mode)
+        assert results[r]["commit_refusals"] == 0
+    assert results[0]["got"] == results[1]["got"]
+    assert results[0]["moves"] == results[1]["moves"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["load", "recompute", "miss"])
+def test_tp1_tiered_engine_gives_the_tokens_of_a_large_l1(tmp_path, monkeypatch, mode):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    check(tiered_rank(0, 1, str(tmp_path / "l3"), mode), mode)
+
+
+@pytest.mark.timeout(60)
+def test_tiered_demo_summarizes_a_short_run(tmp_path, monkeypatch):
+    import tpkv
+    from tpkv.models.tiered import run_tiered_demo, tiered_config
+    from tpkv.models.workload import WorkloadConfig
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    model = build_model("tiny", seed=0)
+    cfg = tiered_config(model, 1, block_tokens=BT, l1_blocks=40, l2_blocks=16,
+                        ssd_root=str(tmp_path / "l3"),
+                        policy=PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=10.0))
+    wl = WorkloadConfig(num_sessions=8, num_users=4, turns=(2, 3), system_prompt_tokens=8,
+                        doc_tokens=(8, 16), user_tokens=(4, 8), gen_tokens=(4, 6),
+                        think_s=(0.01, 0.1), ramp_s=0.0, max_session_tokens=64,
+                        vocab_size=512)
+    with tpkv.init(cfg, controller="local", device="cpu") as rt:
+        out = run_tiered_demo(rt, model, wl, seconds=20.0, max_batch=2, report_prefill=False)
+    assert out["turns"] > 8 and out["decode_tokens_per_s"] > 0
+    assert out["moves"]["l1_l2"] > 0 and set(out["resume_latency"]) == {"l1", "l2", "l3"}
+    assert sum(out["tiers"]["blocks"].values()) >= 0

@@ -1,0 +1,224 @@
+"""Glue: PagedEngine on the tiers through TpkvRuntime (schedule, wait, report, release)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tpkv.config import HbmConfig, HostConfig, PolicyConfig, SsdConfig, TpkvConfig
+from tpkv.controller.messages import StepResult
+from tpkv.errors import PlanMismatchError, RankMismatchError
+from tpkv.launch.runtime import TpkvRuntime
+from tpkv.models.engine import PagedEngine, StepReport
+from tpkv.models.llama import Llama
+from tpkv.models.scheduler import StepTables
+from tpkv.types import Tier
+
+# (src, dst) of each move direction, by the names used in stats and summaries.
+DIRECTIONS = {"l1_l2": (Tier.HBM, Tier.DRAM), "l2_l1": (Tier.DRAM, Tier.HBM),
+              "l2_l3": (Tier.DRAM, Tier.SSD), "l3_l2": (Tier.SSD, Tier.DRAM)}
+_TIER_NAME = {int(Tier.HBM): "l1", int(Tier.DRAM): "l2", int(Tier.SSD): "l3"}
+
+
+def tiered_config(model: Llama, tp_size: int, *, block_tokens: int, l1_blocks: int,
+                  l2_blocks: int, ssd_root: str | None = None, l3_blocks: int = 4096,
+                  policy: PolicyConfig | None = None, wait_timeout_s: float = 30.0,
+                  **extra: Any) -> TpkvConfig:
+    """A config whose KV geometry (and dtype) is the model's; tier sizes in blocks per rank."""
+    g = model.kv_geometry(tp_size=tp_size, block_tokens=block_tokens)
+    l3 = (SsdConfig(root=ssd_root, budget_bytes=l3_blocks * g.block_bytes, o_direct=False,
+                    io_threads=2) if ssd_root else SsdConfig())
+    return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=l1_blocks),
+                      l2=HostConfig(budget_bytes=l2_blocks * tp_size * g.block_bytes,
+                                    arena_bytes=max(l2_blocks, 1) * g.block_bytes),
+                      l3=l3, policy=policy or PolicyConfig(cooldown_s=0.0),
+                      wait_timeout_s=wait_timeout_s, **extra)
+
+
+@dataclass
+class TierStats:
+    """What the tiers did for the engine (the same on every rank; bytes are this rank's)."""
+
+    steps: int = 0
+    retries: int = 0
+    moves: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
+    recompute_blocks: int = 0  # blocks the controller asked to recompute
+    recompute_tokens: int = 0  # tokens fed again because of them
+    resume_s: dict[str, list[float]] = field(
+        default_factory=lambda: {"l1": [], "l2": [], "l3": []})  # by farthest source tier
+
+
+class TieredEngine:
+    """A PagedEngine whose L1 pool is the worker's HbmPool tensor and whose block tables come
+    from the controller. Every rank builds one and makes the same calls (add_turn, step,
+    close_session) in the same order; rank 0 talks to the controller, the runtime broadcasts.
+
+    schedule: open unknown sessions, then `begin_step` (plans applied on every rank) and
+    `end_step` at once, before the forward pass, so that a step whose blocks missed on L3 is
+    simply scheduled again (with no new tokens) before any KV is read; the step's recompute
+    ranges become `engine.invalidate(session, first_lost_block * block_tokens)`: the engine
+    feeds every token from the first lost block on again (later blocks of the session are
+    rewritten with the same KV, which keeps this to one call per session and always correct).
+    wait: the worker's copies into L1 are complete. report: attention mass and prefill speed to
+    the controller (rank 0). release: close the session at the controller.
+    """
+
+    def __init__(self, rt: TpkvRuntime, model: Llama, *, report_prefill: bool = True,
+                 max_retries: int = 2, **engine_kwargs: Any) -> None:
+        self.rt = rt
+        self.report_prefill = report_prefill
+        self.max_retries = max_retries
+        self.opened: set[str] = set()
+        self.stats = TierStats()
+        self._resume: tuple[float, str] | None = None
+        self.engine = PagedEngine(model, rt.worker.hbm.tensor, schedule=self.schedule,
+                                  wait=self.wait, report=self.report, release=self.release,
+                                  **engine_kwargs)
+        self.block_tokens = self.engine.block_tokens
+
+    # ---- the engine's four hooks ------------------------------------------------------------
+    def schedule(self, session_ids: Sequence[str], num_new_tokens: Sequence[int]) -> StepResult:
+        started = time.perf_counter()
+        for s in session_ids:
+            if s not in self.opened:
+                self.rt.open_session(s)
+                self.opened.add(s)
+        tokens = np.asarray(num_new_tokens, dtype=np.int64)
+        farthest = int(Tier.HBM)
+        for attempt in range(self.max_retries + 1):
+            step = self.rt.begin_step(session_ids, tokens)
+            farthest = max(farthest, self._count(step))
+            self._invalidate(step)
+            try:
+                if self.rt.end_step():
+                    break
+            except RankMismatchError:  # every rank resynced; schedule the step again
+                if attempt == self.max_retries:
+                    raise
+            self.stats.retries += 1
+            tokens = np.zeros(len(tokens), dtype=np.int64)  # the first attempt added them
+        else:
+            raise PlanMismatchError(f"step of {len(session_ids)} sessions still missed L3 "
+                                    f"blocks after {self.max_retries} retries")
+        self.stats.steps += 1
+        self._resume = (started, _TIER_NAME[farthest]) if farthest != Tier.HBM else None
+        return step
+
+    def wait(self, tables: StepTables) -> None:
+        self.rt.worker.wait_all()
+        if self._resume is not None:
+            started, tier = self._resume
+            self.stats.resume_s[tier].append(time.perf_counter() - started)
+
+    def report(self, r: StepReport) -> None:
+        if self.rt.rank != 0:
+            return
+        for session, mass in zip(r.output.session_ids, r.output.block_mass):
+            if len(mass):
+                self.rt._call("report_attention", session, mass)
+        if self.report_prefill and r.kind == "prefill":
+            self.rt._call("report_prefill", int(sum(r.num_new_tokens)), r.forward_s)
+
+    def release(self, session: str) -> object:
+        if session not in self.opened:
+            return 0
+        self.opened.discard(session)
+        return self.rt.close_session(session)
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _invalidate(self, step: StepResult) -> None:
+        first: dict[str, int] = {}
+        for i, start, stop in zip(step.recompute_session_idx.tolist(),
+                                  step.recompute_start.tolist(), step.recompute_stop.tolist()):
+            s = step.session_ids[i]
+            first[s] = min(first.get(s, start), start)
+            self.stats.recompute_blocks += stop - start
+        for s, block in first.items():
+            seq = self.engine.seqs[s]
+            before = seq.num_uncached
+            self.stats.recompute_tokens += self.engine.invalidate(s, block * self.block_tokens) \
+                - before
+
+    def _count(self, step: StepResult) -> int:
+        """Add the step's moves to the stats; the farthest tier a batch session loads from."""
+        farthest = int(Tier.HBM)
+        batch = set(step.session_ids)
+        bb = self.rt.worker.hbm.block_bytes
+        for plan in step.plans:
+            for name, (src, dst) in DIRECTIONS.items():
+                n = int(plan.mask(src, dst).sum())
+                self.stats.moves[name] += n
+                self.stats.bytes[name] += n * bb
+            if plan.num_moves:
+                mine = np.isin(np.asarray(plan.session_names, dtype=object)[plan.session_idx],
+                               list(batch)) & (plan.src_tier > plan.dst_tier) \
+                    if plan.session_names else np.zeros(plan.num_moves, dtype=bool)
+                if mine.any():
+                    farthest = max(farthest, int(plan.src_tier[mine].max()))
+        return farthest
+
+
+def tier_summary(rt: TpkvRuntime) -> dict[str, Any]:
+    """Blocks per tier, and sessions by the farthest tier holding one of their blocks (every
+    rank calls it: a collective)."""
+    m = rt.controller_slot_map()
+    tiers, sess = np.asarray(m["tiers"]), np.asarray(m["session_idx"])
+    sessions = dict.fromkeys(_TIER_NAME.values(), 0)
+    for s in np.unique(sess).tolist():
+        sessions[_TIER_NAME.get(int(tiers[sess == s].max()), "l1")] += 1
+    return {"blocks": {name: int((tiers == t).sum()) for t, name in _TIER_NAME.items()},
+            "sessions": sessions}
+
+
+def run_tiered_demo(rt: TpkvRuntime, model: Llama, workload_cfg: Any, seconds: float,
+                    **engine_kwargs: Any) -> dict[str, Any]:
+    """Run the multi-turn workload (tpkv.models.workload, virtual clock: think times cost
+    nothing) through a TieredEngine for about `seconds` of wall time; every rank calls this with
+    the same arguments (rank 0 decides when to stop). Returns a summary dict."""
+    from tpkv.models.workload import Workload
+
+    tiered = TieredEngine(rt, model, **engine_kwargs)
+    engine, workload = tiered.engine, Workload(workload_cfg)
+    last: set[str] = set()
+    now, started, decode_s, decode_tokens, turns = 0.0, time.perf_counter(), 0.0, 0, 0
+    while not workload.done:
+        if rt.from_rank0(lambda: time.perf_counter() - started > seconds, "demo clock"):
+            break
+        for ev in workload.pop_ready(now):
+            engine.add_turn(ev.session, ev.prompt_token_ids.tolist(), ev.max_new_tokens)
+            if ev.last_turn:
+                last.add(ev.session)
+        if not engine.has_work:
+            next_s = workload.next_time_s()
+            if next_s is None:
+                break
+            now = max(now, next_s)
+            continue
+        decoding = not engine.waiting
+        t0 = time.perf_counter()
+        batch = len(engine.running) if decoding else 0
+        finished = engine.step()
+        took = time.perf_counter() - t0
+        now += took
+        if decoding:
+            decode_s, decode_tokens = decode_s + took, decode_tokens + min(batch,
+                                                                           engine.max_batch)
+        for f in finished:
+            turns += 1
+            workload.complete(f.session, now)
+            if f.session in last:
+                engine.close_session(f.session)
+    s = tiered.stats
+    resume = {tier: {"count": len(v), "mean_ms": 1e3 * float(np.mean(v)) if v else None,
+                     "p99_ms": 1e3 * float(np.percentile(v, 99)) if v else None}
+              for tier, v in s.resume_s.items()}
+    return {"wall_s": time.perf_counter() - started, "steps": s.steps, "turns": turns,
+            "tiers": tier_summary(rt), "moves": dict(s.moves), "bytes": dict(s.bytes),
+            "resume_latency": resume, "recompute_tokens": s.recompute_tokens,
+            "retries": s.retries, "decode_tokens": decode_tokens,
+            "decode_tokens_per_s": decode_tokens / decode_s if decode_s else 0.0}
