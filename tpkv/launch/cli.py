@@ -83,6 +83,13 @@ def demo(args: argparse.Namespace) -> int:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def tiered_demo(args: argparse.Namespace) -> int:
+    from tpkv.launch.demo import demo as run_demo
+
+    tp = args.tp or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    return run_demo(tp, args.seconds, args.model, args.sessions)
+
+
 def launch_command(args: argparse.Namespace) -> int:
     """Run `app` on --tp ranks as Ray actors (a placement group, one bundle per GPU or CPU rank)."""
     from tpkv.errors import TpkvError
@@ -102,10 +109,17 @@ def launch_command(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tpkv", description=tpkv.__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="round-trip random KV blocks through the three tiers")
-    d.add_argument("--blocks", type=int, default=256)
-    d.add_argument("--layers", type=int, default=16)
-    d.set_defaults(func=demo)
+    d = sub.add_parser("demo", help="multi-turn sessions through tpkv's engine on TP ranks, "
+                                    "tiered L1/L2/L3, on a local Ray cluster")
+    d.add_argument("--tp", type=int, default=None, help="TP ranks (default: GPUs, or 2 on CPU)")
+    d.add_argument("--seconds", type=float, default=60.0)
+    d.add_argument("--model", default="small", choices=["tiny", "small", "1b"])
+    d.add_argument("--sessions", type=int, default=64)
+    d.set_defaults(func=tiered_demo)
+    r = sub.add_parser("demo-tiers", help="round-trip random KV blocks through the three tiers")
+    r.add_argument("--blocks", type=int, default=256)
+    r.add_argument("--layers", type=int, default=16)
+    r.set_defaults(func=demo)
     la = sub.add_parser("launch", help="run an app on N TP ranks as Ray actors (one per GPU, "
                                        "or per CPU rank)")
     la.add_argument("--tp", type=int, required=True, help="TP ranks (one bundle each)")

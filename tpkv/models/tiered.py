@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from tpkv.config import HbmConfig, HostConfig, PolicyConfig, SsdConfig, TpkvConfig
+from tpkv.controller.controller import Controller
 from tpkv.controller.messages import StepResult
 from tpkv.errors import PlanMismatchError, RankMismatchError
 from tpkv.launch.runtime import TpkvRuntime
@@ -118,11 +120,16 @@ class TieredEngine:
     def report(self, r: StepReport) -> None:
         if self.rt.rank != 0:
             return
-        for session, mass in zip(r.output.session_ids, r.output.block_mass):
-            if len(mass):
-                self.rt._call("report_attention", session, mass)
+        updates = [(session, 0, mass) for session, mass in
+                   zip(r.output.session_ids, r.output.block_mass) if len(mass)]
+        if updates and isinstance(self.rt.controller, Controller):
+            for session, start, mass in updates:
+                self.rt._call("report_attention", session, mass, start)
+        elif updates:  # the Ray client takes the whole batch in one round trip
+            self.rt._call("report_attention", updates)
         if self.report_prefill and r.kind == "prefill":
-            self.rt._call("report_prefill", int(sum(r.num_new_tokens)), r.forward_s)
+            self.rt._call("report_prefill", num_tokens=int(sum(r.num_new_tokens)),
+                          seconds=r.forward_s)
 
     def release(self, session: str) -> object:
         if session not in self.opened:
@@ -204,7 +211,9 @@ def run_tiered_demo(rt: TpkvRuntime, model: Llama, workload_cfg: Any, seconds: f
         batch = len(engine.running) if decoding else 0
         finished = engine.step()
         took = time.perf_counter() - t0
-        now += took
+        # The workload's virtual clock must be the same on every rank, or ranks pop different
+        # turns: every rank advances it by rank 0's step time.
+        now += float(rt.from_rank0(functools.partial(float, took), "demo step time"))
         if decoding:
             decode_s, decode_tokens = decode_s + took, decode_tokens + min(batch,
                                                                            engine.max_batch)
