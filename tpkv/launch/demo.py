@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from tpkv.config import PolicyConfig
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def rank_main(model_name: str, seconds: float, ssd_root: str, sessions: int) -> dict[str, Any]:
@@ -24,7 +24,8 @@ def rank_main(model_name: str, seconds: float, ssd_root: str, sessions: int) -> 
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+              else torch.device("cpu"))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     model = build_model(model_name, seed=0, device=device)
     # Sessions reach 12 blocks; L1 fits a full batch plus a little, L2 about a quarter of all
@@ -47,11 +48,13 @@ def rank_main(model_name: str, seconds: float, ssd_root: str, sessions: int) -> 
             url = ctl.dashboard().get("url")
             print(f"tpkv demo: dashboard at {url} while it runs", flush=True)
         out = run_tiered_demo(rt, model, wl, seconds=seconds, max_batch=max_batch)
-    out["rank"], out["world"], out["device"], out["dashboard"] = rank, world, device, url
+    out["rank"], out["world"], out["device"], out["dashboard"] = rank, world, str(device), url
     return out
 
 
 def print_summary(out: dict[str, Any], console: Console) -> None:
+    from rich.table import Table
+
     t = Table(title=f"tpkv demo: TP {out['world']} on {out['device']}, "
                     f"{out['wall_s']:.0f} s, {out['turns']} turns")
     t.add_column("what")
@@ -73,6 +76,8 @@ def print_summary(out: dict[str, Any], console: Console) -> None:
 
 
 def demo(tp: int, seconds: float, model: str, sessions: int) -> int:
+    from rich.console import Console
+
     from tpkv.launch.ray_launch import launch_ray
 
     console = Console()
