@@ -109,40 +109,32 @@ def run_copy(engine: CopyEngine, direction: str, reps: int, seed: int,
 def bench_copies(total_bytes: int, reps: int) -> list[dict]:
     ceil = ceilings(total_bytes, reps)
     print(f"ceilings (GB/s): H2D {ceil['h2d']:.1f}  D2H {ceil['d2h']:.1f}  both {ceil['both']:.1f}")
+    # (placement, label, CopyEngine keyword arguments): every method on random placement; auto
+    # and device-ordered descriptors with the L2 side in ascending slots.
+    variants: list[tuple[str, str, dict]] = [
+        ("random", m, {"method": m}) for m in (*METHODS, "auto")]
+    variants += [("l2-runs", "auto", {}),
+                 ("l2-runs", "dma-device-order", {"method": "dma", "host_order": False})]
     rows = []
     for name, g in GEOMETRIES.items():
         n = total_bytes // g.block_bytes
         l2 = HostConfig(budget_bytes=n * g.block_bytes, arena_bytes=GiB)
         host = HostPool(g, n, l2)
         hbm = HbmPool(g, n, "cuda")
-        for method in (*METHODS, "auto"):
-            engine = CopyEngine(hbm, host, method=method)  # type: ignore[arg-type]
+        for placement, label, kw in variants:
+            engine = CopyEngine(hbm, host, **kw)
             for direction in ("h2d", "d2h", "both"):
-                if method == "torch" and direction == "both":
+                if label == "torch" and direction == "both":
                     continue  # the torch fallback stages on the host; not a both-ways path
-                gbps, used = run_copy(engine, direction, reps, seed=1)
-                row = {"geometry": name, "placement": "random", "direction": direction,
-                       "method": method,
-                       "method_used": used, "gbps": round(gbps, 2),
-                       "ceiling_gbps": round(ceil[direction], 2),
-                       "ratio": round(gbps / ceil[direction], 3),
-                       "block_bytes": g.block_bytes, "num_blocks": n}
-                rows.append(row)
-                print(f"{name:12s} {direction:4s} {method:6s} ({used:10s}) {gbps:6.1f} GB/s "
-                      f"ratio {row['ratio']:.3f}")
-        variants = (("auto", {}), ("dma-device-order", {"method": "dma", "host_order": False}))
-        for label, kw in variants:
-            engine = CopyEngine(hbm, host, **kw)  # type: ignore[arg-type]
-            for direction in ("h2d", "d2h", "both"):
-                gbps, used = run_copy(engine, direction, reps, seed=1, placement="l2-runs")
-                row = {"geometry": name, "placement": "l2-runs", "direction": direction,
+                gbps, used = run_copy(engine, direction, reps, seed=1, placement=placement)
+                row = {"geometry": name, "placement": placement, "direction": direction,
                        "method": label, "method_used": used, "gbps": round(gbps, 2),
                        "ceiling_gbps": round(ceil[direction], 2),
                        "ratio": round(gbps / ceil[direction], 3),
                        "block_bytes": g.block_bytes, "num_blocks": n}
                 rows.append(row)
-                print(f"{name:12s} {direction:4s} {label:12s} l2-runs {gbps:6.1f} GB/s "
-                      f"ratio {row['ratio']:.3f}")
+                print(f"{name:12s} {direction:4s} {label:16s} {placement:7s} ({used:10s}) "
+                      f"{gbps:6.1f} GB/s ratio {row['ratio']:.3f}")
         host.close()
         del hbm, host
         torch.cuda.empty_cache()
