@@ -59,10 +59,11 @@ def print_summary(out: dict[str, Any], console: Console) -> None:
                     f"{out['wall_s']:.0f} s, {out['turns']} turns")
     t.add_column("what")
     t.add_column("value", justify="right")
-    for tier, n in out["tiers"]["sessions"].items():
-        t.add_row(f"sessions reaching {tier.upper()}", str(n))
-    for tier, n in out["tiers"]["blocks"].items():
-        t.add_row(f"blocks in {tier.upper()}", str(n))
+    if any(out["tiers"]["blocks"].values()):  # sessions still open when the run stopped
+        for tier, n in out["tiers"]["sessions"].items():
+            t.add_row(f"open sessions reaching {tier.upper()} at the end", str(n))
+        for tier, n in out["tiers"]["blocks"].items():
+            t.add_row(f"blocks in {tier.upper()} at the end", str(n))
     for d, n in out["moves"].items():
         t.add_row(f"moves {d.replace('_', ' -> ').upper()}",
                   f"{n} ({out['bytes'][d] / 2**20:.1f} MiB per rank)")
