@@ -113,6 +113,13 @@ class SegmentIdentity:
         return ALIGN_BYTES + num_records * self.record_bytes
 
 
+def _expect(what: str, checks: tuple[tuple[str, object, object], ...]) -> None:
+    """Raise on the first (name, got, want) whose values differ."""
+    for name, got, want in checks:
+        if got != want:
+            raise _fail(what, f"{name} is {_show(got)}, expected {_show(want)}")
+
+
 def _fail(what: str, detail: str) -> SsdFormatError:
     return SsdFormatError(f"{what}: {detail}")
 
@@ -185,9 +192,7 @@ def check_record_header(
               ("payload bytes", payload_bytes, ident.block_bytes), ("rank", rank, ident.rank),
               ("record number", number, record_no), ("segment id", segment_id, ident.segment_id),
               ("session hash", session_hash, ident.session_hash))
-    for name, got, want in checks:
-        if got != want:
-            raise _fail(what, f"{name} is {_show(got)}, expected {_show(want)}")
+    _expect(what, checks)
     return int(payload_crc)
 
 
@@ -227,9 +232,7 @@ def parse_commit(data: bytes, ident: SegmentIdentity) -> CommitRecord:
               ("session hash", session_hash, ident.session_hash),
               ("geometry fingerprint", geometry_digest, ident.geometry_digest),
               ("model fingerprint", model_digest, ident.model_digest))
-    for name, got, want in checks:
-        if got != want:
-            raise _fail(what, f"{name} is {_show(got)}, expected {_show(want)}")
+    _expect(what, checks)
     indices = np.frombuffer(data, dtype="<i8", count=num_records, offset=_COMMIT.size)
     return CommitRecord(int(num_records), int(committed_bytes), indices.astype(np.int64),
                         int(segment_id))
@@ -277,9 +280,7 @@ def parse_manifest(data: bytes, ident: SegmentIdentity) -> Manifest:
               ("session hash", session_hash, ident.session_hash),
               ("geometry fingerprint", geometry_digest, ident.geometry_digest),
               ("model fingerprint", model_digest, ident.model_digest))
-    for name, got, want in checks:
-        if got != want:
-            raise _fail(what, f"{name} is {_show(got)}, expected {_show(want)}")
+    _expect(what, checks)
     offset = _MANIFEST.size
     committed: list[int] = []
     counts: list[int] = []
