@@ -1,6 +1,6 @@
 """Controller benchmark: schedule() latency for a 1024-session step at 1M and 10M tracked blocks.
 
-    python bench/controller.py [--sizes 1000000 10000000] [--steps 1000] [--no-actor]
+    python bench/controller.py [--sizes 1000000 10000000] [--steps 1000] [--no-actor] [--digest]
 
 CPU only. Builds a population through schedule() itself (prefill steps, demotions and spills
 happen on the way), runs until no tier drains any more (the bulk load leaves L1 and L2 above
@@ -8,7 +8,9 @@ their high marks; this warm-up lifts max_moves_per_step), 200 more steps, then t
 1024 sessions add a token each and 4 of them are swapped each step for idle sessions that come
 back from L2 or L3, announced a step ahead (a session answers ~300 tokens per turn: 1024 / 300
 ~ 3.4 turns end per step); then the same without swaps (decode only).
-Every plan is confirmed as two ranks would. Writes bench/results/controller.json.
+Every plan is confirmed as two ranks would. Writes bench/results/controller.json. With
+--digest, each run also records a sha256 over every StepResult (outside the timed region), to
+check that a faster controller returns exactly what the slower one did.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import collections
 import dataclasses
 import datetime
 import gc
+import hashlib
 import json
 import os
 import sys
@@ -39,7 +42,7 @@ from tpkv.config import (  # noqa: E402
 )
 from tpkv.controller import Controller, plan_digest  # noqa: E402
 from tpkv.controller.messages import StepResult  # noqa: E402
-from tpkv.types import MoveResult  # noqa: E402
+from tpkv.types import MoveResult, encode  # noqa: E402
 
 BATCH = 1024
 SWAP = 4  # sessions replaced per step
@@ -100,6 +103,7 @@ class Workload:
         self.idle = [n for n in names if n not in running]
         self.rng = np.random.default_rng(1)
         self.nxt: list[str] = []
+        self.hasher: hashlib._Hash | None = None  # set: every StepResult is digested
 
     def run(self, steps: int, use_handles: bool = True, swap: int = SWAP) -> np.ndarray:
         """schedule() latencies in us (Python's GC stays on, as it would in the actor)."""
@@ -116,8 +120,21 @@ class Workload:
             start = time.perf_counter_ns()
             res = c.schedule(ids, ones, {n: 1 for n in self.nxt})
             lat[t] = (time.perf_counter_ns() - start) / 1e3
+            if self.hasher is not None:
+                self.hasher.update(encode(canonical(res.to_dict())))
             confirm(c, res)
         return lat
+
+
+def canonical(obj: object) -> object:
+    """Arrays as int64 / float64 values, so that a dtype change of equal values still matches."""
+    if isinstance(obj, np.ndarray):
+        return obj.astype(np.float64 if obj.dtype.kind == "f" else np.int64).reshape(-1)
+    if isinstance(obj, dict):
+        return {k: canonical(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [canonical(v) for v in obj]
+    return obj
 
 
 def actor_bench(steps: int) -> dict[str, float]:
@@ -156,6 +173,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--actor-steps", type=int, default=300)
     ap.add_argument("--no-actor", action="store_true")
+    ap.add_argument("--digest", action="store_true",
+                    help="record a sha256 over every StepResult of each run")
     ap.add_argument("--max-moves", type=int, default=PolicyConfig().max_moves_per_step,
                     help="PolicyConfig.max_moves_per_step")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "controller.json"))
@@ -172,6 +191,8 @@ def main() -> None:
             c, names = populate(n, d)
             build_s = time.perf_counter() - t0
             w = Workload(c, names)
+            if args.digest:
+                w.hasher = hashlib.sha256()
             # The bulk load leaves L1 and L2 above their high marks. Drain them as a bulk load
             # would (a large move budget), then time steps with the default budget.
             config = c.config
@@ -206,6 +227,8 @@ def main() -> None:
                 "tiers": {k: snap["tiers"][k]["used"] for k in ("L1", "L2", "L3")},
                 "events": dict(collections.Counter(e["kind"] for e in c.events)),
                 "build_s": round(build_s, 1), "warmup_steps": warm, "steps": args.steps}
+            if w.hasher is not None:
+                run["results_sha256"] = w.hasher.hexdigest()
             out["runs"][str(n)] = run  # type: ignore[index]
             print(json.dumps({str(n): run}), flush=True)
             del c, names, w
