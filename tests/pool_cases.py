@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -18,11 +20,12 @@ def random_fill(t: torch.Tensor, seed: int) -> None:
 
 
 def make_engine(geometry: KvGeometry, l1_slots: int, l2_slots: int, device: str,
-                method: str = "auto", arena_blocks: int | None = None) -> CopyEngine:
+                method: Any = "auto", arena_blocks: int | None = None,
+                kernel_args: dict[str, int] | None = None) -> CopyEngine:
     arena = (arena_blocks or l2_slots) * geometry.block_bytes
     l2 = HostConfig(budget_bytes=max(arena, l2_slots * geometry.block_bytes), arena_bytes=arena)
     return CopyEngine(HbmPool(geometry, l1_slots, device), HostPool(geometry, l2_slots, l2),
-                      method=method)  # type: ignore[arg-type]
+                      method=method, kernel_args=kernel_args)
 
 
 def check_round_trip(engine: CopyEngine, seed: int) -> None:

@@ -27,9 +27,13 @@ def test_round_trip_cuda(geometry, method):
     engine.host.close()
 
 
-def test_both_directions_at_once_are_exact():
+@pytest.mark.parametrize("method,kernel_args", [
+    ("dma", None), ({"h2d": "dma", "d2h": "kernel"}, {"max_ctas": 16}),
+    ("kernel", {"max_ctas": 3})], ids=["dma", "dma-up-kernel-down", "kernel-3-ctas"])
+def test_both_directions_at_once_are_exact(method, kernel_args):
     g = GEOMS[1]
-    engine = make_engine(g, l1_slots=128, l2_slots=128, device="cuda", arena_blocks=48)
+    engine = make_engine(g, l1_slots=128, l2_slots=128, device="cuda", arena_blocks=48,
+                         method=method, kernel_args=kernel_args)
     random_fill(engine.hbm.tensor, 1)
     host_seed = engine.host.arenas
     for i, arena in enumerate(host_seed):
@@ -38,7 +42,8 @@ def test_both_directions_at_once_are_exact():
     want_hbm = engine.hbm.tensor[:64].cpu().clone()
     down = engine.d2h(np.arange(64), np.arange(64))       # L1 0..63 -> L2 0..63
     up = engine.h2d(np.arange(64, 128), np.arange(64, 128))  # L2 64..127 -> L1 64..127
-    assert up.method == down.method == "dma"
+    want = method if isinstance(method, dict) else {"h2d": method, "d2h": method}
+    assert (up.method, down.method) == (want["h2d"], want["d2h"])
     down.wait()
     up.wait()
     for s in range(64):

@@ -48,7 +48,7 @@ class CopyHandle:
 class CopyEngine:
     """Executes L1 <-> L2 block copies for one rank. Never decides what to move."""
 
-    def __init__(self, hbm: HbmPool, host: HostPool, method: Method = "auto",
+    def __init__(self, hbm: HbmPool, host: HostPool, method: Method | dict[str, Method] = "auto",
                  dma_streams: int | None = None, kernel_args: dict[str, int] | None = None,
                  dma_chunk: int | None = None, host_order: bool = True) -> None:
         if hbm.geometry != host.geometry:
@@ -57,7 +57,10 @@ class CopyEngine:
         self.host = host
         self.block_bytes = hbm.block_bytes
         self.on_gpu = hbm.device.type == "cuda"
-        self.method: Method = method
+        # One method for both directions, or {"h2d": ..., "d2h": ...}.
+        self.methods: dict[str, Method] = (dict(method) if isinstance(method, dict)
+                                           else {"h2d": method, "d2h": method})
+        self.dma_attr: object | None = None  # cudaMemcpyAttributes override (benchmarks)
         self.kernel_args = kernel_args or {}
         small = self.block_bytes < SMALL_BLOCK_BYTES
         self.dma_chunk = dma_chunk or (DMA_SMALL_BLOCK_CHUNK if small else
@@ -93,8 +96,8 @@ class CopyEngine:
     def choose_method(self, direction: str) -> str:
         if not self.on_gpu:
             return "torch"
-        if self.method != "auto":
-            return self.method
+        if self.methods[direction] != "auto":
+            return self.methods[direction]
         if cuda_rt.has_memcpy_batch():
             return "dma"
         if copy_kernel.available() and self.block_bytes % 16 == 0:
@@ -153,12 +156,12 @@ class CopyEngine:
         subs = self.dma_substreams[direction] if self.dma_substreams else None
         if subs is None or len(src) < 2 * len(subs):
             cuda_rt.memcpy_batch(dst.tolist(), src.tolist(), sizes.tolist(), stream.cuda_stream,
-                                 self.dma_chunk)
+                                 self.dma_chunk, self.dma_attr)
             return
         for part, sub in zip(np.array_split(np.arange(len(src)), len(subs)), subs):
             sub.wait_stream(stream)
             cuda_rt.memcpy_batch(dst[part].tolist(), src[part].tolist(), sizes[part].tolist(),
-                                 sub.cuda_stream, self.dma_chunk)
+                                 sub.cuda_stream, self.dma_chunk, self.dma_attr)
             stream.wait_stream(sub)
 
     def _copy_kernel(self, direction: str, hbm_slots: np.ndarray, host_slots: np.ndarray,

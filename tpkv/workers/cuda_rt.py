@@ -74,11 +74,12 @@ def _stream_order_attr() -> Any:
 
 
 def memcpy_batch(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int],
-                 stream: int, chunk: int = MAX_BATCH_DESCRIPTORS) -> None:
+                 stream: int, chunk: int = MAX_BATCH_DESCRIPTORS, attr: Any = None) -> None:
     """Issue copies dst[i] <- src[i] of sizes[i] bytes on `stream`, in chunks of <= 8192 (one
-    cudaMemcpyBatchAsync each). `stream` must be a created stream, not the legacy stream 0."""
+    cudaMemcpyBatchAsync each). `stream` must be a created stream, not the legacy stream 0.
+    `attr`: a cudaMemcpyAttributes for every copy (default: source read in stream order)."""
     rt = runtime()
-    attr = _stream_order_attr()
+    attr = attr if attr is not None else _stream_order_attr()
     n = len(dsts)
     chunk = max(1, min(chunk, MAX_BATCH_DESCRIPTORS))
     for start in range(0, n, chunk):
