@@ -1,0 +1,151 @@
+"""SIGKILL the L3 spill writer at random points, hundreds of times: nothing acked is lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.faults.crashcheck import (
+    GEOMETRY,
+    MODEL,
+    Model,
+    Op,
+    Tally,
+    close_stores,
+    files_outside,
+    leftovers,
+    open_stores,
+    recover,
+    run_op,
+    verify,
+)
+from tpkv.config import KvGeometry
+from tpkv.workers import ssd_format
+
+NUM_KILLS = int(os.environ.get("TPKV_CRASH_KILLS", "200"))
+MAX_DELAY_S = 0.05  # kills land anywhere from before the store opens to a few ops in
+
+
+def _send(fd: int, message: list) -> None:
+    data = (json.dumps(message) + "\n").encode()
+    assert len(data) < 4096  # one write below PIPE_BUF is atomic: no torn message
+    os.write(fd, data)
+
+
+def _writer(root: Path, model: Model, seed: int, fd: int) -> None:
+    """The child: open the stores, then spill forever; report each op before and after it."""
+    stores = open_stores(root)
+    rng = np.random.default_rng(seed)
+    while True:
+        op = model.pick(rng)
+        _send(fd, ["begin", op.to_list(), model.next_version])
+        run_op(stores, op)
+        _send(fd, ["ack"])  # only after the store returned: durable
+
+
+def _spawn_and_kill(root: Path, model: Model, seed: int, delay_s: float) -> tuple[list, int]:
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        code = 0
+        try:
+            os.close(read_fd)
+            _writer(root, model, seed, write_fd)
+        except BaseException:
+            code = 3
+            try:
+                _send(write_fd, ["error", traceback.format_exc()[-3000:]])
+            finally:
+                os._exit(code)
+        os._exit(code)
+    os.close(write_fd)
+    time.sleep(delay_s)
+    os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    chunks = []
+    while chunk := os.read(read_fd, 1 << 16):
+        chunks.append(chunk)
+    os.close(read_fd)
+    lines = b"".join(chunks).decode().splitlines()
+    return [json.loads(line) for line in lines], status
+
+
+def _replay(messages: list, model: Model) -> int:
+    """Apply the child's acknowledgements to the model; return how many ops it acknowledged."""
+    acked = 0
+    for message in messages:
+        if message[0] == "error":
+            raise AssertionError(f"the writer failed on its own:\n{message[1]}")
+        if message[0] == "begin":
+            model.inflight = Op.from_list(message[1])
+            model.next_version = message[2]
+        else:
+            assert model.inflight is not None
+            model.ack(model.inflight)
+            acked += 1
+    return acked
+
+
+def test_sigkilled_spill_writer_never_loses_acked_data_or_serves_wrong_blocks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "l3"
+    rng = np.random.default_rng(20261129)
+    model, tally = Model(), Tally()
+    acked_ops = mid_op_kills = 0
+    for kill in range(NUM_KILLS):
+        delay_s = float(rng.uniform(0.0, MAX_DELAY_S))
+        messages, status = _spawn_and_kill(root, model, seed=kill, delay_s=delay_s)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+        acked_ops += _replay(messages, model)
+        mid_op_kills += model.inflight is not None
+        stores = open_stores(root)  # the restarted node
+        assert leftovers(root) == [], f"kill {kill}: temp files survive a restart"
+        verify(stores, model, tally, f"kill {kill}")
+        recover(stores, model, tally, f"kill {kill}")
+        verify(stores, model, tally, f"kill {kill} after recovery")
+        close_stores(stores)
+        assert tally.problems == [], tally.problems
+    assert files_outside(root, tmp_path) == []
+    # Stale data: the same directory under any other fingerprint, dtype, TP size or block size
+    # loads zero blocks, and the stores of the original geometry still read every acked block.
+    stale = _stale_geometries()
+    for geo, model_name, version in stale:
+        with monkeypatch.context() as patch:
+            patch.setattr(ssd_format, "FORMAT_VERSION", version)
+            for store in open_stores(root, geo, model_name):
+                assert store.list_sessions() == []
+                for sid in model.acked:
+                    out = [np.empty(geo.block_bytes, np.uint8) for _ in range(8)]
+                    assert not store.read_blocks(sid, np.arange(8), out).any()
+                store.close()
+    stores = open_stores(root)
+    verify(stores, model, tally, "after the stale stores")
+    close_stores(stores)
+    assert tally.problems == [] and tally.wrong == 0 and tally.lost == 0
+    assert acked_ops >= NUM_KILLS // 2 and mid_op_kills >= NUM_KILLS // 10  # the kills bit
+    print(f"\nSIGKILL: kills={NUM_KILLS} mid_op={mid_op_kills} acked_ops={acked_ops} "
+          f"blocks_checked={tally.checked} hits={tally.hits} wrong={tally.wrong} "
+          f"lost={tally.lost} sessions_at_end={len(model.acked)} stale_stores={len(stale)}")
+
+
+def _stale_geometries() -> list[tuple[KvGeometry, str, int]]:
+    """One change each: model fingerprint, dtype (same block bytes), TP size, block size, format
+    version."""
+    g, v = GEOMETRY, ssd_format.FORMAT_VERSION
+    return [
+        (g, MODEL + "-v2", v),
+        (KvGeometry(g.num_layers, g.num_kv_heads, g.head_dim, "bfloat16", g.block_tokens,
+                    g.tp_size), MODEL, v),
+        (KvGeometry(g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, g.block_tokens, 1),
+         MODEL, v),
+        (KvGeometry(g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, 2 * g.block_tokens,
+                    g.tp_size), MODEL, v),
+        (g, MODEL, v + 1),
+    ]
