@@ -10,12 +10,18 @@ import torch
 import torch.nn.functional as F
 
 from tpkv.errors import BadRequestError, SlotError
-from tpkv.models.paged import PagedAttention, build_meta, paged_attention_ref, write_kv
+from tpkv.models.paged import (
+    PagedAttention,
+    build_meta,
+    paged_attention_ref,
+    paged_attention_sdpa,
+    write_kv,
+)
 
 BT, LAYERS, HQ, HKV, D, SLOTS = 4, 2, 6, 2, 8, 64
 
 
-def _case(seq_lens, q_lens, seed=0, max_score_bytes=256 << 20):
+def _case(seq_lens, q_lens, seed=0, max_score_bytes=256 << 20, impl=None):
     """Random K/V for every token of every session in scattered slots; run one paged step on
     layer 1 and return (out, mass) with the dense reference (out, probabilities per session)."""
     g = torch.Generator().manual_seed(seed)
@@ -35,8 +41,8 @@ def _case(seq_lens, q_lens, seed=0, max_score_bytes=256 << 20):
     q = torch.randn(sum(q_lens), HQ, D, generator=g)
     new_k = torch.cat([k[c:] for k, c in zip(keys, cached)])
     new_v = torch.cat([v[c:] for v, c in zip(vals, cached)])
-    attn = PagedAttention(pool, meta, functools.partial(paged_attention_ref,
-                                                        max_score_bytes=max_score_bytes))
+    attn = PagedAttention(pool, meta, impl or functools.partial(
+        paged_attention_ref, max_score_bytes=max_score_bytes))
     out = attn(1, q, new_k, new_v)
     ref_out, ref_probs = [], []
     for i, (s, c) in enumerate(zip(seq_lens, cached)):
@@ -67,6 +73,14 @@ def test_paged_matches_dense(seq_lens, q_lens):
         torch.testing.assert_close(mass[i, :nb], per_block, atol=1e-5, rtol=1e-5)
         assert mass[i, :nb].sum().item() == pytest.approx(HQ * q_lens[i], rel=1e-5)
         assert (mass[i, nb:] == 0).all()  # padding blocks get nothing
+
+
+@pytest.mark.parametrize("seq_lens,q_lens", [([23], [23]), ([30], [11]), ([9, 2, 40], [9, 1, 5]),
+                                             ([5, 17], [1, 1])])
+def test_sdpa_prefill_matches_dense(seq_lens, q_lens):
+    out, mass, ref, _, _ = _case(seq_lens, q_lens, impl=paged_attention_sdpa)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert (mass is None) == (max(q_lens) > 1)  # decode steps still report block mass
 
 
 def test_query_chunks_give_the_same_result():

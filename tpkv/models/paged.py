@@ -168,3 +168,30 @@ class PagedAttention:
         if mass is not None:
             self.block_mass = mass if self.block_mass is None else self.block_mass + mass
         return out
+
+
+def paged_attention_sdpa(pool: Tensor, layer: int, q: Tensor, meta: PagedMeta, scale: float
+                         ) -> tuple[Tensor, Tensor | None]:
+    """Prefill through torch's fused scaled_dot_product_attention, one session at a time (no
+    block mass: the heat policy learns from decode steps); decode through the exact reference,
+    which also gives the block mass. Deterministic, so a tiered run and an all-L1 run with this
+    implementation still give identical tokens; it is not bit-equal to the reference."""
+    if meta.max_q_len == 1:
+        return paged_attention_ref(pool, layer, q, meta, scale)
+    kv = pool[:, layer]  # [slots, 2, bt, Hkv, D]
+    out = torch.empty_like(q)
+    starts = meta.query_start.tolist()
+    for b, (nb, seq, qn) in enumerate(zip(meta.num_blocks.tolist(), meta.seq_lens.tolist(),
+                                          meta.q_lens.tolist())):
+        blocks = kv[meta.block_table[b, :nb]]  # [nb, 2, bt, Hkv, D]
+        k = blocks[:, 0].flatten(0, 1)[:seq].transpose(0, 1)[None]  # [1, Hkv, L, D]
+        v = blocks[:, 1].flatten(0, 1)[:seq].transpose(0, 1)[None]
+        qb = q[starts[b]:starts[b + 1]].transpose(0, 1)[None].to(k.dtype)  # [1, Hq, Q, D]
+        mask = None
+        if qn != seq:  # queries sit at the end: query i sees keys 0 .. seq - qn + i
+            mask = (torch.arange(seq, device=q.device)[None, :]
+                    <= torch.arange(seq - qn, seq, device=q.device)[:, None])
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qb, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+        out[starts[b]:starts[b + 1]] = o[0].transpose(0, 1).to(q.dtype)
+    return out, None
