@@ -27,6 +27,8 @@ _PLAN_DTYPES = {
     "block_ids": np.int64, "src_tier": np.int8, "src_slot": np.int64, "dst_tier": np.int8,
     "dst_slot": np.int64, "session_idx": np.int32, "logical_idx": np.int64,
 }
+_PLAN_FIELDS = tuple((name, np.dtype(_PLAN_DTYPES[name])) for name in _PLAN_ARRAYS)
+_MAX_TIER = int(Tier.SSD)  # plan tiers are HBM (0) .. SSD
 
 
 @dataclass(frozen=True)
@@ -50,29 +52,30 @@ class MovePlan:
 
     def __post_init__(self) -> None:
         # Tens of microseconds for hundreds of moves: no copy of arrays that already have the
-        # wire dtype, range checks rather than np.isin, a sort rather than np.unique.
+        # wire dtype, one unsigned max per range check rather than np.isin or min and max, a
+        # sort rather than np.unique.
         n = len(self.block_ids)
-        for name in _PLAN_ARRAYS:
+        put = object.__setattr__
+        for name, dtype in _PLAN_FIELDS:
             arr = getattr(self, name)
-            dtype = _PLAN_DTYPES[name]
             if not (isinstance(arr, np.ndarray) and arr.dtype == dtype
                     and arr.flags.c_contiguous):
                 arr = np.ascontiguousarray(arr, dtype=dtype)
             if arr.ndim != 1 or len(arr) != n:
                 raise WireFormatError(f"plan array {name} has shape {arr.shape}, expected ({n},)")
             arr.setflags(write=False)
-            object.__setattr__(self, name, arr)
-        object.__setattr__(self, "session_names", tuple(self.session_names))
+            put(self, name, arr)
+        put(self, "session_names", tuple(self.session_names))
         if self.epoch < 0:
             raise WireFormatError(f"plan epoch must be >= 0, got {self.epoch}")
         if n == 0:
             return
         for name in ("src_tier", "dst_tier"):
             tiers = getattr(self, name)
-            if tiers.min() < Tier.HBM or tiers.max() > Tier.SSD:
-                bad = tiers[(tiers < Tier.HBM) | (tiers > Tier.SSD)][:8]
+            if tiers.view(np.uint8).max() > _MAX_TIER:  # a negative tier wraps to 128..255
+                bad = tiers[(tiers < 0) | (tiers > _MAX_TIER)][:8]
                 raise WireFormatError(f"plan {name} has invalid tiers {bad}")
-        if self.session_idx.min() < 0 or self.session_idx.max() >= len(self.session_names):
+        if self.session_idx.view(np.uint32).max() >= len(self.session_names):
             raise WireFormatError(
                 f"plan session_idx outside 0..{len(self.session_names) - 1}"
             )

@@ -64,7 +64,7 @@ def run_busy(name: str, seed: int, make_config: Any, steps: int = 160) -> str:
     prompts, closes, attention, pins, misses on L3 reads, late commits, the clock moving."""
     rng = np.random.default_rng(seed)
     clock = FakeClock()
-    c = Controller(make_config(**BUSY[name]), clock)
+    c = Controller(make_config(**BUSY[name]), clock, check_invariants=True)
     h = hashlib.sha256()
     names = [f"u{i}" for i in range(240)]
     for n in names:

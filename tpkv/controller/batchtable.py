@@ -8,45 +8,76 @@ from tpkv.controller.arena import extent_index
 from tpkv.controller.sessions import SessionTable
 from tpkv.controller.table import BlockTable
 
+_MAX_RUNS = 256  # above this many copied runs, one vectorized copy beats a loop of slices
+
 
 class BatchTable:
-    """Keeps the last step's table; a step copies the segments of sessions that ran last step
-    and changed nothing since (S.dirty unset), and looks up only the others in the block table.
+    """Keeps the last step's table. A session that ran last step keeps the entries it had
+    there unless a block of it changed slot since (S.dirty); blocks appended since (new tokens)
+    do not count as a change. Only the entries past what is kept are looked up in the block
+    table; the kept ones are copied from the last table in runs (one slice per run of sessions
+    that sit in the same order and did not grow).
 
     Decode batches change little from step to step, and the last table is small and hot in
-    cache, while the block table is large: this turns ~64K scattered reads into a copy.
+    cache, while the block table is large: this turns ~64K scattered reads into a few hundred
+    reads and about one memcpy of the table.
     """
 
     def __init__(self) -> None:
         self.batch = np.zeros(0, dtype=np.int64)
         self.offsets = np.zeros(1, dtype=np.int64)
+        self.lens = np.zeros(0, dtype=np.int64)
         self.slots = np.zeros(0, dtype=np.int32)
-        self._index = np.zeros(0, dtype=np.int64)
 
     def build(self, S: SessionTable, T: BlockTable,
               batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(offsets [B + 1], slots) for `batch`; every block must be in L1 by now."""
+        n = len(batch)
         lens = S.arena.length[batch]
-        offsets = np.zeros(len(batch) + 1, dtype=np.int64)
+        offsets = np.empty(n + 1, dtype=np.int64)
+        offsets[0] = 0
         np.cumsum(lens, out=offsets[1:])
-        total = int(offsets[-1])
+        out = np.empty(int(offsets[-1]), dtype=np.int32)
         prev = S.table_pos[batch]
         reuse = (prev >= 0) & ~S.dirty[batch]
-        fresh = np.flatnonzero(~reuse)
-        rows, fresh_offsets = S.arena.gather(batch[fresh], reuse=True)
-        source = np.concatenate([self.slots, np.take(T.slot, rows)])
-        starts = np.empty(len(batch), dtype=np.int64)
-        starts[reuse] = self.offsets[prev[reuse]]
-        starts[fresh] = len(self.slots) + fresh_offsets[:-1]
-        if len(self._index) < total:
-            self._index = np.empty(total + total // 2, dtype=np.int64)
-        out = np.take(source, extent_index(starts, lens, self._index))
+        keep = np.zeros(n, dtype=np.int64)  # leading entries copied from the last table
+        keep[reuse] = self.lens[prev[reuse]]
+        if reuse.any():
+            self._copy_kept(out, offsets, prev, reuse, keep, lens)
+        grow = np.flatnonzero(lens > keep)
+        if len(grow):
+            more = lens[grow] - keep[grow]
+            rows = S.arena.arena[extent_index(S.arena.start[batch[grow]] + keep[grow], more)]
+            out[extent_index(offsets[grow] + keep[grow], more)] = T.slot[rows]
         S.table_pos[self.batch] = -1
-        S.table_pos[batch] = np.arange(len(batch))
+        S.table_pos[batch] = np.arange(n)
         S.dirty[batch] = False
-        self.batch, self.offsets, self.slots = batch.copy(), offsets, out
+        self.batch, self.offsets, self.lens, self.slots = batch.copy(), offsets, lens, out
         return offsets, out
 
+    def _copy_kept(self, out: np.ndarray, offsets: np.ndarray, prev: np.ndarray,
+                   reuse: np.ndarray, keep: np.ndarray, lens: np.ndarray) -> None:
+        """out[offsets[i] : offsets[i] + keep[i]] = the first keep[i] entries of position
+        prev[i] of the last table, for every i in `reuse`."""
+        # Position i continues the run of i - 1 when both sit next to each other in both
+        # tables: i - 1 kept all its entries (did not grow) and prev[i] == prev[i - 1] + 1.
+        cont = np.zeros(len(reuse) + 1, dtype=bool)
+        cont[1:-1] = (reuse[1:] & reuse[:-1] & (keep[:-1] == lens[:-1])
+                      & (prev[1:] == prev[:-1] + 1))
+        starts = np.flatnonzero(reuse & ~cont[:-1])
+        if len(starts) > _MAX_RUNS:
+            r = np.flatnonzero(keep)
+            out[extent_index(offsets[r], keep[r])] = self.slots[
+                extent_index(self.offsets[prev[r]], keep[r])]
+            return
+        ends = np.flatnonzero(reuse & ~cont[1:])  # the last position of each run
+        dst_a = offsets[starts].tolist()
+        dst_b = (offsets[ends] + keep[ends]).tolist()
+        src_a = self.offsets[prev[starts]].tolist()
+        old = self.slots
+        for a, b, c in zip(dst_a, dst_b, src_a):
+            out[a:b] = old[c:c + b - a]
+
     def nbytes(self) -> int:
-        return int(self.batch.nbytes + self.offsets.nbytes + self.slots.nbytes
-                   + self._index.nbytes)
+        return int(self.batch.nbytes + self.offsets.nbytes + self.lens.nbytes
+                   + self.slots.nbytes)

@@ -8,6 +8,8 @@ from tpkv.controller.sessions import SessionTable, add_counts
 from tpkv.controller.table import DRAM, HBM, NONE, SSD, BlockTable
 from tpkv.types import MovePlan
 
+_ONE = np.int32(1)
+
 
 def group_sorted(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sorted unique values, index of each value in them), without np.unique's hashing cost."""
@@ -61,7 +63,7 @@ class PlanBuilder:
             return
         t = self.t
         assert (t.tier[rows] == src).all(), "move: a row is not on its source tier"
-        sess = t.session[rows].astype(np.int64)
+        sess = t.session[rows]
         slots = t.free[dst].pop(n) if dst != SSD else np.full(n, -1, dtype=np.int32)
         old_slot = t.slot[rows]
         if src != SSD:
@@ -74,16 +76,15 @@ class PlanBuilder:
         t.num_in[src + 1] -= n
         t.num_in[dst + 1] += n
         assert t.used(SSD) <= t.l3_capacity, "L3 over capacity"
-        first, lengths = _runs(sess)
-        flat = self.s.counts.reshape(-1)
-        np.add.at(flat, self.s.count_keys(src + 1, first), -lengths)
-        np.add.at(flat, self.s.count_keys(dst + 1, first), lengths)
-        self._touch(first)
+        counts = self.s.counts  # [4, S] int32: an int32 one keeps ufunc.at on its fast path
+        np.subtract.at(counts[src + 1], sess, _ONE)
+        np.add.at(counts[dst + 1], sess, _ONE)
+        self._touch(sess)
         t.in_flight[rows] = 1
         if dst > src:
             t.demoted_at[rows] = self.now_s
         if dst == HBM:
-            self.s.clean[first] = False
+            self.s.clean[sess] = False
         self._parts.append((rows, sess, old_slot, slots, src, dst))
 
     def drop(self, rows: np.ndarray) -> None:
@@ -98,15 +99,20 @@ class PlanBuilder:
     def end_phase(self) -> None:
         for tier, held in self._held.items():
             if held:
-                self.t.free[tier].push(np.concatenate(held))
+                self.t.free[tier].push(held[0] if len(held) == 1 else np.concatenate(held))
                 held.clear()
         if not self._parts:
             return
         parts, self._parts = self._parts, []
-        rows, sess, src_slot, dst_slot = (np.concatenate([p[k] for p in parts]) for k in range(4))
-        sizes = [len(p[0]) for p in parts]
-        src_tier = np.repeat(np.array([p[4] for p in parts], dtype=np.int8), sizes)
-        dst_tier = np.repeat(np.array([p[5] for p in parts], dtype=np.int8), sizes)
+        rows, sess, src_slot, dst_slot = (parts[0][k] if len(parts) == 1 else
+                                          np.concatenate([p[k] for p in parts]) for k in range(4))
+        src_tier = np.empty(len(rows), dtype=np.int8)
+        dst_tier = np.empty(len(rows), dtype=np.int8)
+        at = 0
+        for p in parts:
+            src_tier[at:at + len(p[0])] = p[4]
+            dst_tier[at:at + len(p[0])] = p[5]
+            at += len(p[0])
         first, lengths = _runs(sess)
         local: dict[int, int] = {}  # session -> index into the plan's names, in order of use
         inverse = [local.setdefault(x, len(local)) for x in first.tolist()]
@@ -114,9 +120,9 @@ class PlanBuilder:
         plan = MovePlan(
             epoch=self.epoch, block_ids=self.t.ids(rows), src_tier=src_tier,
             src_slot=src_slot, dst_tier=dst_tier, dst_slot=dst_slot,
-            session_idx=np.repeat(np.asarray(inverse, dtype=np.int32), lengths),
+            session_idx=np.repeat(np.array(inverse, dtype=np.int32), lengths),
             logical_idx=self.t.logical[rows],
-            session_names=tuple(names[i] for i in local))  # type: ignore[misc]
+            session_names=tuple([names[i] for i in local]))  # type: ignore[misc]
         self.plans.append(plan)
         self.plan_rows.append(rows)
         self.drops.append([])
@@ -139,7 +145,13 @@ class PlanBuilder:
 
 
 def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(first value, length) of each run of equal consecutive values."""
-    starts = np.flatnonzero(values[1:] != values[:-1]) + 1
-    bounds = np.concatenate([[0], starts, [len(values)]])
-    return values[bounds[:-1]], np.diff(bounds)
+    """(first value, length) of each run of equal consecutive values (values not empty)."""
+    n = len(values)
+    change = np.empty(n, dtype=bool)
+    change[0] = True
+    np.not_equal(values[1:], values[:-1], out=change[1:])
+    starts = np.flatnonzero(change)
+    lengths = np.empty(len(starts), dtype=np.int64)
+    np.subtract(starts[1:], starts[:-1], out=lengths[:-1])
+    lengths[-1] = n - starts[-1]
+    return values[starts], lengths

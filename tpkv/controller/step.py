@@ -225,8 +225,7 @@ def _alloc_new(ctl: Controller, sessions: np.ndarray, counts: np.ndarray, first:
     ends = np.cumsum(counts)
     logical = np.repeat(first - (ends - counts), counts) + np.arange(total)
     rows = T.alloc_rows(sess, logical, ctl.tick, S.runs[sess], slots)
-    S.counts[1][sessions] += counts.astype(np.int32)
-    S.dirty[sessions] = True
+    S.counts[1][sessions] += counts.astype(np.int32)  # appended: the batch table stays clean
     S.arena.append(sessions, counts, rows)
     if S.pins:
         for si, lo, n in zip(sessions.tolist(), first.tolist(), counts.tolist()):
