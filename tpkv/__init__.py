@@ -15,13 +15,13 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError", "HbmConfig", "HostConfig", "InvalidSessionIdError", "KvGeometry", "MovePlan",
     "MoveResult", "PlanMismatchError", "PolicyConfig", "SsdConfig", "Tier", "TierFullError",
-    "TpkvConfig", "TpkvError", "TpkvRuntime", "__version__", "init", "launch_ray",
+    "TpkvConfig", "TpkvError", "TpkvRuntime", "__version__", "attach", "init", "launch_ray",
 ]
 
 # Imported on first use: `import tpkv` (and the controller, which must not pull in torch or
 # Ray) stays light; tpkv.init / tpkv.launch_ray bring the worker and launcher modules in.
 _LAZY = {"init": "tpkv.launch.join", "TpkvRuntime": "tpkv.launch.runtime",
-         "launch_ray": "tpkv.launch.ray_launch"}
+         "launch_ray": "tpkv.launch.ray_launch", "attach": "tpkv.models.hf_attach"}
 
 
 def __getattr__(name: str) -> object:

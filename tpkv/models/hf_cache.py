@@ -1,0 +1,277 @@
+"""TpkvCache: a transformers Cache whose K/V live in tpkv's tiers (one session per cache)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from tpkv.controller.messages import StepResult
+from tpkv.errors import ConfigError, PlanMismatchError, RankMismatchError, TpkvError
+from tpkv.types import Tier
+
+if TYPE_CHECKING:
+    from tpkv.launch.runtime import TpkvRuntime
+
+# (src, dst) of each move direction, by the names used in the stats.
+DIRECTIONS = {"l1_l2": (Tier.HBM, Tier.DRAM), "l2_l1": (Tier.DRAM, Tier.HBM),
+              "l2_l3": (Tier.DRAM, Tier.SSD), "l3_l2": (Tier.SSD, Tier.DRAM)}
+_TIER_NAME = {int(Tier.HBM): "l1", int(Tier.DRAM): "l2", int(Tier.SSD): "l3"}
+
+
+class KvLostError(TpkvError):
+    """Some of a session's past K/V is gone (an L3 read failed its checks, or the controller
+    chose to recompute): `generate` must feed the tokens from `first_lost_token` on again.
+    The cache already reports that length; `HfTiers.generate` does the re-prefill."""
+
+    def __init__(self, message: str, session_id: str, first_lost_token: int) -> None:
+        super().__init__(message)
+        self.session_id = session_id
+        self.first_lost_token = first_lost_token
+
+
+@dataclass
+class HfTierStats:
+    """What the tiers did for the caches of one attachment (bytes are this rank's)."""
+
+    steps: int = 0
+    retries: int = 0  # steps scheduled again (an L3 miss hit the batch, or ranks disagreed)
+    moves: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
+    resumes: list[tuple[str, str]] = field(default_factory=list)  # (session, farthest tier)
+    lost_tokens: int = 0  # tokens whose K/V had to be fed again
+    losses: list[tuple[str, int]] = field(default_factory=list)  # (session, first lost token)
+
+
+class _TierLayer(CacheLayerMixin):
+    """One layer's view of a TpkvCache: lengths for the masks; update goes to the cache."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, cache: TpkvCache, layer_idx: int) -> None:
+        super().__init__()
+        self.cache, self.layer_idx = cache, layer_idx
+        self.length = 0  # tokens of this layer written in the current forward pass
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.layer_update(self.layer_idx, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.length if self.cache.in_forward else self.cache.num_tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self) -> None:  # the tiers move the blocks; nothing to do per layer
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise NotImplementedError("TpkvCache cannot crop (assisted decoding is not "
+                                      "supported)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("TpkvCache holds one sequence: beam search is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise NotImplementedError("TpkvCache holds one sequence: num_return_sequences and "
+                                      "beams > 1 are not supported")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if torch.as_tensor(indices).reshape(-1).tolist() != [0]:
+            raise NotImplementedError("TpkvCache holds one sequence (batch size 1)")
+
+
+class TpkvCache(Cache):
+    """The K/V of one session (batch size 1) in tpkv's blocks. The first `update` of a forward
+    pass (layer 0) schedules one step of the session with the controller: its blocks are
+    brought back into L1 from L2/L3 (waited for layer by layer) and new blocks get L1 slots.
+    Each `update` writes the new tokens' K/V of its layer into the L1 pool through the session's
+    block table and returns the layer's whole past, gathered from the blocks: bit for bit the
+    tensors DynamicCache returns (same values, shape and layout). Between forward passes (and
+    turns) the controller may demote the blocks to L2 and spill them to L3.
+
+    If blocks were lost (an L3 read failed its checks, or the cost model chose recompute), the
+    first update of a forward pass raises KvLostError and the cache's length drops to the first
+    lost token: calling `generate` again with the whole conversation feeds the rest again
+    (`HfTiers.generate` does so). Every TP rank makes the same calls in the same order.
+    """
+
+    def __init__(self, rt: TpkvRuntime, session_id: str, stats: HfTierStats | None = None,
+                 max_retries: int = 2) -> None:
+        g = rt.config.geometry
+        self.tier_layers = [_TierLayer(self, i) for i in range(g.num_layers)]
+        super().__init__(layers=list(self.tier_layers))
+        self.rt, self.session_id, self.geometry = rt, session_id, g
+        self.stats = stats if stats is not None else HfTierStats()
+        self.max_retries = max_retries
+        self.pool = rt.worker.hbm.tensor  # [slots, layers, 2, block_tokens, heads, head_dim]
+        self.num_tokens = 0  # tokens whose K/V the blocks hold (the cache's length)
+        self.ctl_tokens = 0  # tokens the controller counts for the session (>= num_tokens)
+        self.in_forward = False
+        self.opened = False
+        self.resumed_from: list[str] = []  # farthest tier of each forward that loaded blocks
+        self._slots: torch.Tensor | None = None  # the session's L1 slots in this forward
+        self._new = 0
+
+    # ---- what transformers calls -----------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layer_update(layer_idx, key_states, value_states)
+
+    def reset(self) -> None:
+        """Forget the session's K/V (its blocks are freed on every tier)."""
+        self.close()
+
+    def layer_update(self, layer: int, key_states: torch.Tensor,
+                     value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new K/V `[1, heads, new, head_dim]` of `layer` into its blocks; return
+        the layer's K/V of every token so far, `[1, heads, tokens, head_dim]`, contiguous."""
+        g = self.geometry
+        if key_states.dim() != 4 or key_states.shape[0] != 1:
+            raise TpkvError(f"TpkvCache holds one sequence: K/V of shape "
+                            f"{tuple(key_states.shape)}, want [1, heads, tokens, head_dim]")
+        _, heads, new, dim = key_states.shape
+        if (heads, dim) != (g.heads_per_rank, g.head_dim) or key_states.dtype != self.pool.dtype:
+            raise ConfigError(f"K/V of {heads} heads x {dim} dims ({key_states.dtype}) on this "
+                              f"rank; the tiers hold {g.heads_per_rank} x {g.head_dim} "
+                              f"({self.pool.dtype})")
+        if layer == 0:
+            self._begin_forward(new)
+        elif not self.in_forward or new != self._new:
+            raise TpkvError(f"layer {layer} updated with {new} tokens outside a forward pass "
+                            f"that layer 0 started ({self._new} tokens)")
+        assert self._slots is not None
+        self.rt.worker.wait_layer(layer)  # blocks brought into L1 for this step
+        lay = self.tier_layers[layer]
+        start, stop = lay.length, lay.length + new
+        pos = torch.arange(start, stop, device=self.pool.device)
+        slots, offsets = self._slots[pos // g.block_tokens], pos % g.block_tokens
+        self.pool[slots, layer, 0, offsets] = key_states[0].transpose(0, 1).to(self.pool.device)
+        self.pool[slots, layer, 1, offsets] = value_states[0].transpose(0, 1).to(
+            self.pool.device)
+        keys, values = self._gather(layer, stop)
+        lay.length = stop
+        if layer == g.num_layers - 1:
+            self.num_tokens, self.in_forward, self._slots = stop, False, None
+        return keys.to(key_states.device), values.to(value_states.device)
+
+    # ---- session ---------------------------------------------------------------------------
+    def read_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's K/V `[1, heads, tokens, head_dim]` of the session (one step with no
+        new tokens brings its blocks into L1). For checks; a collective under TP."""
+        self._begin_forward(0)
+        assert self._slots is not None
+        try:
+            out = []
+            for layer in range(self.geometry.num_layers):
+                self.rt.worker.wait_layer(layer)
+                out.append(self._gather(layer, self.num_tokens))
+            return out
+        finally:
+            self.in_forward, self._slots = False, None
+
+    def close(self) -> None:
+        """Free the session's blocks on every tier; the cache starts empty if used again."""
+        if self.opened:
+            self.rt.close_session(self.session_id)
+        self.opened, self.in_forward, self._slots = False, False, None
+        self.num_tokens = self.ctl_tokens = 0
+        for lay in self.tier_layers:
+            lay.length = 0
+
+    # ---- internals -------------------------------------------------------------------------
+    def _gather(self, layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._slots is not None
+        g = self.geometry
+        nb = -(-num_tokens // g.block_tokens)
+        blocks = self.pool[self._slots[:nb], layer]  # [nb, 2, block_tokens, heads, head_dim]
+        flat = blocks.reshape(nb, 2, g.block_tokens, g.heads_per_rank, g.head_dim)
+        kv = flat.transpose(0, 1).reshape(2, nb * g.block_tokens, g.heads_per_rank, g.head_dim)
+        kv = kv[:, :num_tokens].permute(0, 2, 1, 3).unsqueeze(1)  # [2, 1, heads, tokens, dim]
+        return kv[0].contiguous(), kv[1].contiguous()
+
+    def _begin_forward(self, new: int) -> None:
+        """Schedule the session's step for `new` tokens after `num_tokens`: every block in
+        L1, slots for the new ones. Raises KvLostError if K/V before `num_tokens` is gone."""
+        base = self.num_tokens
+        add = max(0, base + new - self.ctl_tokens)
+        step, first_lost = self._schedule(add)
+        self.ctl_tokens += add
+        if first_lost is not None and first_lost < base:
+            self.num_tokens = first_lost
+            self.stats.lost_tokens += base - first_lost
+            self.stats.losses.append((self.session_id, first_lost))
+            self.in_forward, self._slots = False, None
+            raise KvLostError(f"session {self.session_id!r}: K/V of tokens {first_lost}..{base} "
+                              f"is lost (L3 miss or recompute); feed them again",
+                              self.session_id, first_lost)
+        self._slots = torch.as_tensor(step.session_slots(0).astype(np.int64),
+                                      device=self.pool.device)
+        self._new, self.in_forward = new, True
+        for lay in self.tier_layers:
+            lay.length = base
+
+    def _schedule(self, add: int) -> tuple[StepResult, int | None]:
+        """begin_step and end_step at once (before any K/V is read), again after an L3 miss
+        that hit the session or a rank mismatch; the first token of any lost block."""
+        if not self.opened:
+            self.rt.open_session(self.session_id)
+            self.opened = True
+        tokens = np.array([add], dtype=np.int64)
+        first_lost: int | None = None
+        farthest = int(Tier.HBM)
+        for attempt in range(self.max_retries + 1):
+            step = self.rt.begin_step([self.session_id], tokens)
+            farthest = max(farthest, self._count(step))
+            if len(step.recompute_start):
+                lost = int(step.recompute_start.min()) * self.geometry.block_tokens
+                first_lost = lost if first_lost is None else min(first_lost, lost)
+            try:
+                if self.rt.end_step():
+                    break
+            except RankMismatchError:  # every rank resynced; schedule the step again
+                if attempt == self.max_retries:
+                    raise
+            self.stats.retries += 1
+            tokens = np.zeros(1, dtype=np.int64)  # the first attempt added them
+        else:
+            raise PlanMismatchError(f"session {self.session_id!r}: step still missed L3 blocks "
+                                    f"after {self.max_retries} retries")
+        self.stats.steps += 1
+        if farthest != Tier.HBM:
+            self.resumed_from.append(_TIER_NAME[farthest])
+            self.stats.resumes.append((self.session_id, _TIER_NAME[farthest]))
+        return step, first_lost
+
+    def _count(self, step: StepResult) -> int:
+        """Add the step's moves to the stats; the farthest tier this session loads from."""
+        farthest = int(Tier.HBM)
+        for plan in step.plans:
+            for name, (src, dst) in DIRECTIONS.items():
+                self.stats.moves[name] += int(plan.mask(src, dst).sum())
+            if plan.num_moves and plan.session_names:
+                names = np.asarray(plan.session_names, dtype=object)[plan.session_idx]
+                mine = (names == self.session_id) & (plan.src_tier > plan.dst_tier)
+                if mine.any():
+                    farthest = max(farthest, int(plan.src_tier[mine].max()))
+        return farthest
