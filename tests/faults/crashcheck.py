@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import struct
@@ -23,14 +24,17 @@ MAX_INDEX = 8  # logical indices 0..7
 _MAGIC = 0x7C0FFEE5
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def block_bytes_of(sid: str, rank: int, idx: int, version: int,
                    geo: KvGeometry = GEOMETRY) -> np.ndarray:
-    """The one image a (session, rank, index, version) ever has: a tagged header, then noise."""
+    """The one image a (session, rank, index, version) ever has: a tagged header, then noise.
+    Read-only (cached)."""
     seed = int.from_bytes(hashlib.sha256(f"{sid}/{rank}/{idx}/{version}".encode()).digest()[:8],
                           "little")
     out = np.random.default_rng(seed).integers(0, 256, geo.block_bytes, dtype=np.uint8)
     tag = struct.pack("<IIqq", _MAGIC, rank, idx, version) + sid.encode()[:16].ljust(16, b"\0")
     out[:len(tag)] = np.frombuffer(tag, dtype=np.uint8)
+    out.setflags(write=False)
     return out
 
 
@@ -130,11 +134,12 @@ class Tally:
             self.problems.append(text)
 
 
-def verify(stores: Sequence[SsdStore], model: Model, tally: Tally, label: str) -> None:
+def verify(stores: Sequence[SsdStore], model: Model, tally: Tally, label: str,
+           sessions: Sequence[str] = SESSIONS) -> None:
     """Every acknowledged block reads back bit-exact; every other one is a miss or (for the
     session in flight) one of the versions that op or the last acknowledged one wrote."""
     geo = stores[0].geometry
-    for sid in SESSIONS:
+    for sid in sessions:
         for store in stores:
             out = [np.full(geo.block_bytes, 0xAB, dtype=np.uint8) for _ in range(MAX_INDEX)]
             hits = store.read_blocks(sid, np.arange(MAX_INDEX), out)
