@@ -44,23 +44,24 @@ def reference(model: Llama) -> Turns:
     g = model.kv_geometry(tp_size=1, block_tokens=BT)
     heads = model.blocks[0].attn.wk.out_features // model.config.head_dim
     shape = (g.num_layers, 2, BT, heads, g.head_dim)
-    pool = torch.full((256, *shape), float("nan"))
+    pool = torch.full((256, *shape), float("nan"), device=model.device)
     return drive(PagedEngine(model, pool, scheduler_seed=3))
 
 
-def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load") -> dict[str, Any]:
+def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
+                device: str = "cpu") -> dict[str, Any]:
     """One rank: the reference run, then the tiered run (mode "load": resuming always loads;
     "recompute": always recomputes; "miss": loads, and the first L3 read on rank 0 misses)."""
     import tpkv
     from tpkv.models.tiered import TieredEngine, tiered_config
 
     torch.set_num_threads(1)
-    model = build_model("tiny", seed=0)
+    model = build_model("tiny", seed=0, device=device)
     rate = 1e12 if mode == "recompute" else 10.0  # prefill tokens/s the cost model assumes
     policy = PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=rate)
     cfg = tiered_config(model, world, block_tokens=BT, l1_blocks=L1_BLOCKS,
                         l2_blocks=L2_BLOCKS, ssd_root=ssd_root, policy=policy)
-    rt = tpkv.init(cfg, controller="local", device="cpu")
+    rt = tpkv.init(cfg, controller="local", device=device)
     try:
         model = apply_tp(model, rank, world)
         want = reference(model)

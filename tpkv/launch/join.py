@@ -30,6 +30,8 @@ def init(config: TpkvConfig, *, controller: Any = "ray",
         device = torch.device("cuda", local % torch.cuda.device_count()) \
             if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda": the current device
+        device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":
         torch.cuda.set_device(device)
     ctx = init_groups(config, device)

@@ -61,6 +61,10 @@ class CopyEngine:
         self.methods: dict[str, Method] = (dict(method) if isinstance(method, dict)
                                            else {"h2d": method, "d2h": method})
         self.dma_attr: object | None = None  # cudaMemcpyAttributes override (benchmarks)
+        # Blocks copied and DMA descriptors issued for them (after merging runs), per direction:
+        # their ratio is the mean run length that the slot placement gave the copies.
+        self.num_blocks = {"h2d": 0, "d2h": 0}
+        self.num_descriptors = {"h2d": 0, "d2h": 0}
         self.kernel_args = kernel_args or {}
         small = self.block_bytes < SMALL_BLOCK_BYTES
         self.dma_chunk = dma_chunk or (DMA_SMALL_BLOCK_CHUNK if small else
@@ -153,6 +157,8 @@ class CopyEngine:
             dst, src, sizes = coalesce(dst, src, self.block_bytes)
         else:
             src, dst, sizes = coalesce(src, dst, self.block_bytes)
+        self.num_blocks[direction] += len(hbm_slots)
+        self.num_descriptors[direction] += len(src)
         subs = self.dma_substreams[direction] if self.dma_substreams else None
         if subs is None or len(src) < 2 * len(subs):
             cuda_rt.memcpy_batch(dst.tolist(), src.tolist(), sizes.tolist(), stream.cuda_stream,

@@ -1,0 +1,168 @@
+"""End to end on one GPU: tpkv's engine GPU only vs L1+L2 vs L1+L2+L3, beside transformers'
+offloaded cache and the transfer ceiling of the resumed bytes, all on the same seeded sessions.
+
+    python bench/e2e.py            # quick look: a few minutes on an H200
+    python bench/e2e.py --full     # the published numbers (one device call, < 10 minutes)
+    python bench/e2e.py --device cpu --model tiny --sessions 8 ...   # a smoke run anywhere
+
+The workload: every session first reads a long context (its prefill is the "fill" round), then
+comes back for more turns (a user message, a generated answer) in seeded random order; the
+others' turns are its think time. Every session returns only after all others had a turn, so a
+node that cannot hold them all must recompute (a) or load them back from L2 / L3 (b, c).
+Writes bench/results/e2e.json (+ .png with bench/plot_e2e.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.e2e_run import Setting, ceilings, run_tiered  # noqa: E402
+from tpkv.config import GiB  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Sizes:
+    model: str = "1b"
+    block_tokens: int = 16
+    l1_gib: float = 1.0  # KV budget in GPU memory, the same for every configuration
+    l2_gib: float = 3.0
+    l3_gib: float = 8.0
+    sessions: int = 96
+    context: tuple[int, int] = (4096, 8192)  # tokens of each session's first turn
+    rounds: int = 3  # the fill round, then rounds - 1 turns per session
+    user_tokens: int = 64
+    gen_tokens: int = 32
+    hf_seconds: float = 60.0  # wall-time cap of the transformers run
+    seed: int = 0
+
+
+# (a) holds about 5 sessions in 1 GiB of L1; 96 sessions need L2 + L3 for the rest.
+QUICK = Sizes(sessions=96, l2_gib=6.0, l3_gib=16.0)
+FULL = Sizes(l1_gib=2.0, l2_gib=16.0, l3_gib=28.0, sessions=96, context=(8192, 16384),
+             hf_seconds=90.0)
+
+
+def parse() -> tuple[argparse.Namespace, Sizes]:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--full", action="store_true", help="the published sizes")
+    ap.add_argument("--configs", default="a,b,c,d", help="subset of a,b,c,d to run")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--ssd-dir", default=None, help="L3 directory (default: a temp dir)")
+    ap.add_argument("--out", default="bench/results/e2e.json")
+    for f in dataclasses.fields(Sizes):
+        kind = type(f.default)
+        if kind is tuple:
+            ap.add_argument(f"--{f.name.replace('_', '-')}", type=int, nargs=2, default=None)
+        else:
+            ap.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None)
+    args = ap.parse_args()
+    sizes = FULL if args.full else QUICK
+    changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(Sizes)
+               if getattr(args, f.name) is not None}
+    changes = {k: tuple(v) if isinstance(v, list) else v for k, v in changes.items()}
+    return args, dataclasses.replace(sizes, **changes)
+
+
+def settings(sizes: Sizes, ssd_root: str) -> dict[str, Setting]:
+    l1 = int(sizes.l1_gib * GiB)
+    return {
+        # GPU only: no L3, and the smallest L2 the config allows (one block): a session that
+        # does not fit in L1 loses its blocks and is recomputed when it returns.
+        "a": Setting("a", "GPU only (evict + recompute)", l1, 0, None),
+        "b": Setting("b", "L1+L2", l1, int(sizes.l2_gib * GiB), None),
+        "c": Setting("c", "L1+L2+L3", l1, int(sizes.l2_gib * GiB), ssd_root,
+                     int(sizes.l3_gib * GiB)),
+    }
+
+
+def main() -> None:
+    args, sizes = parse()
+    wanted = args.configs.split(",")
+    device = torch.device(args.device)
+    rng = np.random.default_rng(sizes.seed)
+    contexts = rng.integers(sizes.context[0], sizes.context[1] + 1, sizes.sessions).tolist()
+    started = time.time()
+    ssd_root = args.ssd_dir or tempfile.mkdtemp(prefix="tpkv-e2e-")
+    ceil = ceilings(device, ssd_root)
+    print("ceilings (GB/s):", {k: round(v, 2) for k, v in ceil.items()}, flush=True)
+    results: dict[str, Any] = {}
+    for key, setting in settings(sizes, ssd_root).items():
+        if key in wanted:
+            print(f"== ({key}) {setting.label}", flush=True)
+            results[key] = run_tiered(setting, sizes, contexts, device, ceil)
+            print(json.dumps(summary_line(results[key])), flush=True)
+    if "d" in wanted:
+        from bench.e2e_hf import run_hf
+
+        print("== (d) transformers, DynamicCache(offloading=True)", flush=True)
+        results["d"] = run_hf(sizes, contexts, device)
+        print(json.dumps(summary_line(results["d"])), flush=True)
+    if "c" in results:  # (e): the transfer time of the bytes (c) resumed, at measured speeds
+        c = results["c"]
+        results["e"] = {"label": "ceiling: resumed bytes at measured PCIe / disk speed",
+                        **{k: v for k, v in c.items() if k.startswith("ceiling_ms_p50_")}}
+    out = {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "sizes": dataclasses.asdict(sizes), "ceilings_gbps": ceil,
+           "configs": results, "ratios": ratios(results),
+           "wall_s": round(time.time() - started, 1)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out["ratios"], indent=1))
+    if not args.ssd_dir:
+        import shutil
+
+        shutil.rmtree(ssd_root, ignore_errors=True)
+
+
+def summary_line(r: dict[str, Any]) -> dict[str, Any]:
+    keys = ("sessions_held", "oom_or_failures", "decode_tokens_per_s", "step_ms_p50",
+            "step_ms_p99", "resume_ms_p50", "wall_s")
+    return {k: r.get(k) for k in keys}
+
+
+def ratios(results: dict[str, Any]) -> dict[str, Any]:
+    """Against (a) and against the ceiling (e), with the goals of the benchmark's issue."""
+    out: dict[str, Any] = {}
+    a = results.get("a")
+    for key, r in results.items():
+        if key == "e":
+            continue
+        row: dict[str, Any] = {}
+        if a and key != "a":
+            if a["sessions_held"]:
+                row["sessions_held_vs_a"] = round(r["sessions_held"] / a["sessions_held"], 2)
+            if a["decode_tokens_per_s"]:
+                row["decode_tokens_per_s_vs_a"] = round(
+                    r["decode_tokens_per_s"] / a["decode_tokens_per_s"], 2)
+        for tier, e in r.get("resume_vs_ceiling", {}).items():
+            row[f"resume_{tier}_vs_ceiling_p50"] = e
+        if r.get("step_ms_traffic_vs_quiet") is not None:
+            row["step_traffic_vs_quiet_p50"] = r["step_ms_traffic_vs_quiet"]
+        out[key] = row
+    out["goals"] = {"sessions_held_vs_a": ">= 16 (c), 0 failures",
+                    "decode_tokens_per_s_vs_a": ">= 2.5", "resume_vs_ceiling": "<= 1.15",
+                    "step_traffic_vs_quiet": "<= 1.05"}
+    return out
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    main()

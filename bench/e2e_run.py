@@ -1,0 +1,228 @@
+"""bench/e2e.py's tpkv part: one configuration of tiers driving the engine through the rounds."""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tpkv.config import GiB, HbmConfig, HostConfig, PolicyConfig, SsdConfig, TpkvConfig
+from tpkv.errors import TpkvError
+from tpkv.models.llama import Llama, build_model
+from tpkv.models.paged import paged_attention_ref, paged_attention_sdpa
+from tpkv.models.tiered import TieredEngine
+from tpkv.types import Tier
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str
+    label: str
+    l1_bytes: int
+    l2_bytes: int  # 0: the smallest L2 the config allows (one block)
+    ssd_root: str | None
+    l3_bytes: int = 0
+
+
+_MODELS: dict[tuple[str, str], Llama] = {}
+
+
+def model_for(name: str, device: torch.device) -> Llama:
+    key = (name, str(device))
+    if key not in _MODELS:
+        _MODELS[key] = build_model(name, seed=0, device=device)
+    return _MODELS[key]
+
+
+def ceilings(device: torch.device, ssd_root: str) -> dict[str, float]:
+    """GB/s of one contiguous 1 GiB pinned copy each way and of raw O_DIRECT on the L3 disk."""
+    from bench.transfer import raw_odirect
+
+    out: dict[str, float] = {}
+    if device.type == "cuda":
+        from bench.transfer import ceilings as pcie
+
+        c = pcie(GiB, 5)
+        out["h2d"], out["d2h"] = c["h2d"], c["d2h"]
+    disk = raw_odirect(Path(ssd_root) / "raw-ceiling.bin", GiB // 4 if device.type == "cpu"
+                       else 2 * GiB)
+    out["disk_write"], out["disk_read"] = disk["write"], disk["read"]
+    return out
+
+
+def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool) -> TpkvConfig:
+    g = model.kv_geometry(tp_size=1, block_tokens=block_tokens)
+    bb = g.block_bytes
+    l2 = max(s.l2_bytes, bb)
+    l3 = (SsdConfig(root=str(Path(s.ssd_root) / f"l3-{s.key}"), budget_bytes=s.l3_bytes,
+                    o_direct=cuda, io_threads=8 if cuda else 2)
+          if s.ssd_root else SsdConfig())
+    # Automatic pins off: at these sizes 10% of all blocks is about the whole L1 budget.
+    policy = PolicyConfig(cooldown_s=0.0, auto_pin_fraction=0.0)
+    return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=s.l1_bytes // bb),
+                      l2=HostConfig(budget_bytes=l2, arena_bytes=min(l2, GiB) // bb * bb),
+                      l3=l3, policy=policy, wait_timeout_s=300.0)
+
+
+def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device,
+               ceil: dict[str, float]) -> dict[str, Any]:
+    import tpkv
+
+    cuda = device.type == "cuda"
+    model = model_for(sizes.model, device)
+    cfg = config_for(s, model, sizes.block_tokens, cuda)
+    bt, bb = sizes.block_tokens, cfg.geometry.block_bytes
+    l1_blocks = cfg.l1.slots(cfg.geometry)
+    longest = max(contexts) + (sizes.rounds - 1) * (sizes.user_tokens + sizes.gen_tokens) + 1
+    max_batch = (l1_blocks - 8) // -(-longest // bt)
+    if max_batch < 1:
+        raise SystemExit(f"({s.key}): L1 of {l1_blocks} blocks cannot hold one session of "
+                         f"{longest} tokens plus 8 blocks of room; raise --l1-gib")
+    t_start = time.perf_counter()
+    rt = tpkv.init(cfg, controller="local", device=device)
+    try:
+        attention = paged_attention_sdpa if cuda else paged_attention_ref
+        tiered = TieredEngine(rt, model, max_batch=max_batch, max_prefill_tokens=1,
+                              attention=attention)
+        r = Rounds(tiered, sizes, contexts, bb, ceil).run()
+        eng = rt.worker.engine  # how well the slot placement let copies merge into runs
+        r["copy_blocks"], r["copy_descriptors"] = dict(eng.num_blocks), dict(eng.num_descriptors)
+    finally:
+        rt.close()
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    r.update({"label": s.label, "l1_gib": s.l1_bytes / GiB, "l2_gib": s.l2_bytes / GiB,
+              "l3_gib": s.l3_bytes / GiB if s.ssd_root else 0.0, "max_batch": max_batch,
+              "block_bytes": bb, "wall_s": round(time.perf_counter() - t_start, 1)})
+    return r
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 3) if values else None
+
+
+class Rounds:
+    """The fill round then the turn rounds; per-step and per-resume records."""
+
+    def __init__(self, tiered: TieredEngine, sizes: Any, contexts: list[int], block_bytes: int,
+                 ceil: dict[str, float]) -> None:
+        self.tiered, self.engine, self.sizes = tiered, tiered.engine, sizes
+        self.contexts, self.bb, self.ceil = contexts, block_bytes, ceil
+        self.vocab = tiered.engine.model.config.vocab_size
+        self.steps: list[tuple[float, bool, int]] = []  # decode: (ms, moved, batch)
+        self.resumes: list[dict[str, Any]] = []
+        self.failures: list[str] = []
+        self.held_after_fill = 0
+
+    def run(self) -> dict[str, Any]:
+        sizes, names = self.sizes, [f"s{i}" for i in range(len(self.contexts))]
+        rng = np.random.default_rng(sizes.seed + 1)
+        gen_tokens, t_turns = 0, 0.0
+        for rnd in range(sizes.rounds):
+            t0 = time.perf_counter()
+            order = rng.permutation(len(names))
+            for first in range(0, len(order), self.engine.max_batch):
+                for i in order[first:first + self.engine.max_batch].tolist():
+                    n = self.contexts[i] if rnd == 0 else sizes.user_tokens
+                    self.engine.add_turn(names[i], rng.integers(0, self.vocab, n).tolist(),
+                                         sizes.gen_tokens)
+                try:
+                    made = self._drain(rnd)
+                except (TpkvError, torch.OutOfMemoryError) as exc:
+                    self.failures.append(f"round {rnd}: {type(exc).__name__}: {exc}"[:300])
+                    return self._report(gen_tokens, t_turns)
+                gen_tokens += made if rnd else 0
+            print(f"  round {rnd}: {time.perf_counter() - t0:.1f} s", flush=True)
+            if rnd == 0:
+                self.held_after_fill = self._held(names)
+            else:
+                t_turns += time.perf_counter() - t0
+        return self._report(gen_tokens, t_turns)
+
+    def _drain(self, rnd: int) -> int:
+        """Step until the queued turns are done; returns tokens generated."""
+        e, st, tokens = self.engine, self.tiered.stats, 0
+        while e.has_work:
+            kind = "prefill" if e.waiting else "decode"
+            session = e.waiting[0].session if e.waiting else None
+            batch = 1 if e.waiting else min(len(e.running), e.max_batch)
+            moves0, recompute0 = dict(st.moves), st.recompute_tokens
+            loads0 = {t: len(v) for t, v in st.resume_s.items()}
+            t0 = time.perf_counter()
+            e.step()
+            ms = (time.perf_counter() - t0) * 1e3
+            moved = {k: st.moves[k] - moves0[k] for k in st.moves}
+            tokens += batch
+            if kind == "decode":
+                self.steps.append((ms, any(moved.values()), batch))
+            elif rnd:
+                self._resume(session, ms, moved, st.recompute_tokens > recompute0,
+                             {t: len(v) > loads0[t] for t, v in st.resume_s.items()})
+        return tokens
+
+    def _resume(self, session: str | None, ms: float, moved: dict[str, int], recomputed: bool,
+                loaded: dict[str, bool]) -> None:
+        st = self.tiered.stats
+        src = ("recompute" if recomputed else "l3" if loaded["l3"] else "l2" if loaded["l2"]
+               else "l1")
+        resume_ms = ms if src in ("recompute", "l1") else 1e3 * st.resume_s[src][-1]
+        b2, b3 = moved["l2_l1"] * self.bb, moved["l3_l2"] * self.bb
+        ceiling_ms = None
+        if src in ("l2", "l3") and "h2d" in self.ceil:
+            ceiling_ms = 1e3 * (b2 / (self.ceil["h2d"] * 1e9) + b3 / (self.ceil["disk_read"] * 1e9))
+        self.resumes.append({"session": session, "source": src, "resume_ms": round(resume_ms, 3),
+                             "ttft_ms": round(ms, 3), "bytes_l2_l1": b2, "bytes_l3_l2": b3,
+                             "ceiling_ms": None if ceiling_ms is None else round(ceiling_ms, 3)})
+
+    def _held(self, names: list[str]) -> int:
+        """Sessions whose every block is still in some tier (resumable without recompute)."""
+        m = self.tiered.rt.controller_slot_map()
+        kept = np.asarray(m["tiers"]) != int(Tier.NONE)  # dropped blocks keep a row, tier NONE
+        counts = np.bincount(np.asarray(m["session_idx"])[kept],
+                             minlength=len(m["session_names"]))
+        have = dict(zip(m["session_names"], counts.tolist()))
+        bt = self.engine.block_tokens
+        return sum(1 for s in names if s in self.engine.seqs
+                   and have.get(s, 0) >= -(-self.engine.seqs[s].num_cached // bt))
+
+    def _report(self, gen_tokens: int, t_turns: float) -> dict[str, Any]:
+        st, steps = self.tiered.stats, self.steps
+        ms = [s[0] for s in steps]
+        quiet = [s[0] for s in steps if not s[1]]
+        busy = [s[0] for s in steps if s[1]]
+        out: dict[str, Any] = {
+            "sessions": len(self.contexts), "sessions_held": self.held_after_fill,
+            "oom_or_failures": len(self.failures), "failures": self.failures,
+            "decode_tokens_per_s": round(gen_tokens / t_turns, 1) if t_turns else None,
+            "decode_step_tokens_per_s": round(sum(s[2] for s in steps) / (sum(ms) / 1e3), 1)
+            if ms else None,
+            "step_ms_p50": _pct(ms, 50), "step_ms_p99": _pct(ms, 99),
+            "step_ms_p50_quiet": _pct(quiet, 50), "step_ms_p50_traffic": _pct(busy, 50),
+            "decode_steps": len(ms), "decode_steps_with_traffic": len(busy),
+            "step_ms_traffic_vs_quiet": round(float(np.median(busy) / np.median(quiet)), 3)
+            if busy and quiet else None,
+            "moves": dict(st.moves), "bytes": dict(st.bytes),
+            "recompute_tokens": st.recompute_tokens, "retries": st.retries,
+            "resumes_by_source": {}, "resume_vs_ceiling": {}, "resume_records": self.resumes}
+        for src in ("l1", "l2", "l3", "recompute"):
+            rs = [r for r in self.resumes if r["source"] == src]
+            if not rs:
+                continue
+            vals = [r["resume_ms"] for r in rs]
+            out["resumes_by_source"][src] = len(rs)
+            out[f"resume_ms_p50_{src}"] = _pct(vals, 50)
+            out[f"resume_ms_p99_{src}"] = _pct(vals, 99)
+            out[f"ttft_ms_p50_{src}"] = _pct([r["ttft_ms"] for r in rs], 50)
+            ratio = [r["resume_ms"] / r["ceiling_ms"] for r in rs if r["ceiling_ms"]]
+            if ratio:
+                out["resume_vs_ceiling"][src] = _pct(ratio, 50)
+                out[f"ceiling_ms_p50_{src}"] = _pct([r["ceiling_ms"] for r in rs], 50)
+        resumed = [r["resume_ms"] for r in self.resumes]
+        out["resume_ms_p50"], out["resume_ms_p99"] = _pct(resumed, 50), _pct(resumed, 99)
+        return out
