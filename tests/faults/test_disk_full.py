@@ -1,0 +1,145 @@
+"""A full disk (a small tmpfs mounted by the test) and the L3 budget: refused, intact, serving."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.faults.crashcheck import GEOMETRY, MODEL, block_bytes_of, leftovers
+from tpkv.config import SsdConfig
+from tpkv.errors import SsdIoError, TierFullError
+from tpkv.workers.ssd_store import SsdStore
+
+FS_BYTES = 8 << 20
+BLOCKS_PER_WRITE = 16
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs of our own; skipped where mounting is not allowed (not root, container)."""
+    mnt = tmp_path / "small-fs"
+    mnt.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FS_BYTES}", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def stores_on(root: Path, budget_bytes: int) -> list[SsdStore]:
+    config = SsdConfig(root=str(root), backend="posix", io_threads=1, o_direct=False,
+                       budget_bytes=budget_bytes)
+    return [SsdStore(config, GEOMETRY, MODEL, rank) for rank in range(GEOMETRY.tp_size)]
+
+
+def disk_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+class Spiller:
+    """Spills sessions of 16-block writes until the store refuses; remembers what it acked."""
+
+    def __init__(self, stores: list[SsdStore]) -> None:
+        self.stores = stores
+        self.acked: dict[str, dict[int, int]] = {}  # sid -> {index: version}
+        self.version = 0
+        self.refusals: list[BaseException] = []
+
+    def put(self, sid: str) -> bool:
+        """Append 16 blocks to `sid` on every rank and commit; False if any step was refused."""
+        start = max(self.acked.get(sid, {}), default=-1) + 1
+        indices = np.arange(start, start + BLOCKS_PER_WRITE)
+        self.version += 1
+        try:
+            for store in self.stores:
+                store.write_blocks(sid, indices, [block_bytes_of(sid, store.rank, int(i),
+                                                                 self.version) for i in indices])
+            if not self.stores[0].commit_manifest(sid):
+                raise AssertionError(f"manifest of {sid} refused after both ranks wrote")
+        except (SsdIoError, TierFullError) as exc:
+            self.refusals.append(exc)
+            return False
+        self.acked[sid] = {**self.acked.get(sid, {}), **dict.fromkeys(map(int, indices),
+                                                                        self.version)}
+        return True
+
+    def check(self) -> int:
+        """Every acked block reads back bit-exact on every rank; return how many were read."""
+        count = 0
+        for sid, versions in self.acked.items():
+            indices = np.array(sorted(versions))
+            for store in self.stores:
+                out = [np.empty(GEOMETRY.block_bytes, np.uint8) for _ in indices]
+                hits = store.read_blocks(sid, indices, out)
+                assert hits.all(), f"{sid} rank {store.rank}: {int((~hits).sum())} acked misses"
+                for i, buf in zip(indices, out):
+                    np.testing.assert_array_equal(buf, block_bytes_of(sid, store.rank, int(i),
+                                                                      versions[int(i)]))
+                count += len(indices)
+        return count
+
+
+def test_a_full_disk_refuses_writes_keeps_every_acked_block_and_recovers(small_fs: Path) -> None:
+    root = small_fs / "l3"
+    stores = stores_on(root, budget_bytes=1 << 30)  # the budget is far above the disk
+    spiller = Spiller(stores)
+    sids = [f"s{k}" for k in range(40)]
+    for round_no in range(40):
+        for sid in sids[round_no % 5::5][:4]:
+            spiller.put(sid)
+        assert leftovers(root) == []
+    enospc = [e for e in spiller.refusals if isinstance(e, SsdIoError) and e.errno == errno.ENOSPC]
+    assert enospc, f"the disk never filled: {spiller.refusals[:3]}"
+    assert spiller.check() > 0
+    for store in stores:
+        assert store.list_sessions() == sorted(spiller.acked)
+        # No partial data is left behind: the accounting is the bytes of the segments on disk.
+        on_disk = sum(p.stat().st_size for p in root.rglob(f"*.r{store.rank}.seg"))
+        assert store.usage_bytes() == on_disk <= FS_BYTES
+    # Freeing space lets spills go on: drop half the sessions, then write new ones.
+    for sid in sorted(spiller.acked)[::2]:
+        for store in stores:
+            store.drop_session(sid)
+        del spiller.acked[sid]
+    refused_before = len(spiller.refusals)
+    assert spiller.put("after-1") and spiller.put("after-2")
+    assert len(spiller.refusals) == refused_before
+    spiller.check()
+    # A restarted node sees exactly the acked sessions and agrees on the bytes on disk.
+    again = stores_on(root, budget_bytes=1 << 30)
+    for store, old in zip(again, stores):
+        assert store.list_sessions() == sorted(spiller.acked)
+        assert store.usage_bytes() == old.usage_bytes()
+    spiller.stores = again
+    spiller.check()
+    print(f"\ndisk full: writes refused={len(spiller.refusals)} (ENOSPC {len(enospc)}), "
+          f"sessions kept={len(spiller.acked)}, wrong=0, lost=0")
+
+
+def test_the_budget_caps_disk_use_below_a_larger_disk(small_fs: Path) -> None:
+    root = small_fs / "l3"
+    cap = 4 << 20
+    stores = stores_on(root, budget_bytes=cap)
+    spiller = Spiller(stores)
+    for k in range(60):
+        spiller.put(f"s{k % 12}")
+        per_rank_cap = cap // GEOMETRY.tp_size
+        for store in stores:
+            assert store.usage_bytes() <= per_rank_cap
+        segments = sum(p.stat().st_size for p in root.rglob("*.seg"))
+        assert segments <= cap, f"{segments} bytes of segments under a {cap}-byte budget"
+    assert any(isinstance(e, TierFullError) for e in spiller.refusals)
+    assert not any(isinstance(e, SsdIoError) for e in spiller.refusals)  # never reached ENOSPC
+    assert leftovers(root) == [] and spiller.check() > 0
+    assert disk_bytes(root) < FS_BYTES
