@@ -99,6 +99,7 @@ def test_sigkilled_spill_writer_never_loses_acked_data_or_serves_wrong_blocks(
     rng = np.random.default_rng(20261129)
     model, tally = Model(), Tally()
     acked_ops = mid_op_kills = 0
+    fds = len(os.listdir("/proc/self/fd"))
     for kill in range(NUM_KILLS):
         delay_s = float(rng.uniform(0.0, MAX_DELAY_S))
         messages, status = _spawn_and_kill(root, model, seed=kill, delay_s=delay_s)
@@ -113,6 +114,7 @@ def test_sigkilled_spill_writer_never_loses_acked_data_or_serves_wrong_blocks(
         close_stores(stores)
         assert tally.problems == [], tally.problems
     assert files_outside(root, tmp_path) == []
+    assert len(os.listdir("/proc/self/fd")) == fds  # pipes and restarted stores all closed
     # Stale data: the same directory under any other fingerprint, dtype, TP size or block size
     # loads zero blocks, and the stores of the original geometry still read every acked block.
     stale = _stale_geometries()

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import itertools
-import os
 import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -45,17 +42,9 @@ MODES = [m for m in itertools.product(("durable", "current"), ("drop", "keep", "
 
 
 @pytest.fixture
-def tmp_path(tmp_path: Path) -> Iterator[Path]:
-    """In memory where the machine has /dev/shm: the fault layer, not the disk, is under test,
-    and hundreds of small trees are written and removed."""
-    if not os.access("/dev/shm", os.W_OK):
-        yield tmp_path
-        return
-    path = Path(tempfile.mkdtemp(prefix="tpkv-faults-", dir="/dev/shm"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+def tmp_path(mem_path: Path) -> Path:
+    """The fault layer, not the disk, is under test: hundreds of small trees go to memory."""
+    return mem_path
 
 
 @pytest.fixture
