@@ -120,3 +120,35 @@ def test_a_config_whose_geometry_is_not_the_models_is_refused():
                                            dtype="float32"), l1=HbmConfig(num_blocks=8))
     with pytest.raises(ConfigError, match="num_kv_heads: model 2, config 4"):
         tpkv.attach(model, wrong, controller="local")
+
+
+@pytest.mark.timeout(60)
+def test_a_forward_that_fails_half_way_leaves_the_cache_as_it_was():
+    from transformers import DynamicCache
+
+    import tpkv
+    from tpkv.errors import TpkvError
+    from tpkv.models.hf_attach import cache_kwarg
+
+    model = tiny_llama()
+    kw = cache_kwarg(model)
+    first, second = torch.arange(3, 13).reshape(1, -1), torch.tensor([[40, 41, 42]])
+    with torch.no_grad(), tpkv.attach(model, tiers_config(model, 64, 16, None),
+                                      block_tokens=BT, controller="local", device="cpu") as t:
+        ref, cache = DynamicCache(), t.cache("chat")
+        want = model.generate(first, **{kw: ref}, max_new_tokens=4, do_sample=False)
+        got = model.generate(first, **{kw: cache}, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, want) and cache.get_seq_length() == ref.get_seq_length() == 13
+        k = torch.zeros(1, 1, 5, 16)  # layer 0 takes 5 tokens, then layer 1 gets bad heads
+        cache.update(torch.zeros(1, 2, 5, 16), torch.zeros(1, 2, 5, 16), 0)
+        with pytest.raises(ConfigError, match="1 heads x 16 dims"):
+            cache.update(k, k, 1)
+        with pytest.raises(TpkvError, match="one sequence"):
+            cache.update(torch.zeros(2, 2, 1, 16), torch.zeros(2, 2, 1, 16), 0)
+        assert cache.get_seq_length() == 13  # the failed pass wrote nothing that counts
+        ids = torch.cat([got, second], dim=1)
+        want = model.generate(ids, **{kw: ref}, max_new_tokens=4, do_sample=False)
+        got = model.generate(ids, **{kw: cache}, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, want)
+        for (keys, values), layer in zip(cache.read_kv(), ref.layers, strict=True):
+            assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values)

@@ -55,7 +55,7 @@ class _TierLayer(CacheLayerMixin):
     def __init__(self, cache: TpkvCache, layer_idx: int) -> None:
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
-        self.length = 0  # tokens of this layer written in the current forward pass
+        self.length = 0  # tokens of this layer once the current forward pass wrote it
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -66,7 +66,9 @@ class _TierLayer(CacheLayerMixin):
         return self.cache.layer_update(self.layer_idx, key_states, value_states)
 
     def get_seq_length(self) -> int:
-        return self.length if self.cache.in_forward else self.cache.num_tokens
+        """Tokens before the forward pass in flight: what masks and positions are made from
+        (a forward pass that failed half way leaves it as it was)."""
+        return self.cache.num_tokens
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
