@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import time
 import traceback
@@ -30,7 +31,7 @@ from tpkv.config import KvGeometry
 from tpkv.workers import ssd_format
 
 NUM_KILLS = int(os.environ.get("TPKV_CRASH_KILLS", "200"))
-MAX_DELAY_S = 0.05  # kills land anywhere from before the store opens to a few ops in
+MAX_DELAY_S = 0.004  # after the awaited reports: lands before, inside or after the next op
 
 
 def _send(fd: int, message: list) -> None:
@@ -50,7 +51,10 @@ def _writer(root: Path, model: Model, seed: int, fd: int) -> None:
         _send(fd, ["ack"])  # only after the store returned: durable
 
 
-def _spawn_and_kill(root: Path, model: Model, seed: int, delay_s: float) -> tuple[list, int]:
+def _spawn_and_kill(root: Path, model: Model, seed: int, wait_messages: int,
+                    delay_s: float) -> tuple[list, int]:
+    """Fork a writer; once it has sent `wait_messages` reports, wait `delay_s` more and SIGKILL
+    it (progress-based, so the kill points do not depend on how loaded the machine is)."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: never returns into pytest
@@ -66,15 +70,20 @@ def _spawn_and_kill(root: Path, model: Model, seed: int, delay_s: float) -> tupl
                 os._exit(code)
         os._exit(code)
     os.close(write_fd)
+    data = b""
+    while data.count(b"\n") < wait_messages:
+        ready, _, _ = select.select([read_fd], [], [], 30.0)
+        chunk = os.read(read_fd, 1 << 16) if ready else b""
+        if not chunk:
+            break  # the writer died or stalled: the replay below reports why
+        data += chunk
     time.sleep(delay_s)
     os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
-    chunks = []
     while chunk := os.read(read_fd, 1 << 16):
-        chunks.append(chunk)
+        data += chunk
     os.close(read_fd)
-    lines = b"".join(chunks).decode().splitlines()
-    return [json.loads(line) for line in lines], status
+    return [json.loads(line) for line in data.decode().splitlines()], status
 
 
 def _replay(messages: list, model: Model) -> int:
@@ -98,13 +107,15 @@ def test_sigkilled_spill_writer_never_loses_acked_data_or_serves_wrong_blocks(
     root = tmp_path / "l3"
     rng = np.random.default_rng(20261129)
     model, tally = Model(), Tally()
-    acked_ops = mid_op_kills = 0
+    acked_ops = mid_op_kills = early_kills = 0
     fds = len(os.listdir("/proc/self/fd"))
     for kill in range(NUM_KILLS):
-        delay_s = float(rng.uniform(0.0, MAX_DELAY_S))
-        messages, status = _spawn_and_kill(root, model, seed=kill, delay_s=delay_s)
+        messages, status = _spawn_and_kill(root, model, seed=kill,
+                                           wait_messages=int(rng.integers(0, 7)),
+                                           delay_s=float(rng.uniform(0.0, MAX_DELAY_S)))
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
         acked_ops += _replay(messages, model)
+        early_kills += not messages  # before its first op (in fork or while opening)
         mid_op_kills += model.inflight is not None
         stores = open_stores(root)  # the restarted node
         assert leftovers(root) == [], f"kill {kill}: temp files survive a restart"
@@ -132,7 +143,8 @@ def test_sigkilled_spill_writer_never_loses_acked_data_or_serves_wrong_blocks(
     close_stores(stores)
     assert tally.problems == [] and tally.wrong == 0 and tally.lost == 0
     assert acked_ops >= NUM_KILLS // 2 and mid_op_kills >= NUM_KILLS // 10  # the kills bit
-    print(f"\nSIGKILL: kills={NUM_KILLS} mid_op={mid_op_kills} acked_ops={acked_ops} "
+    print(f"\nSIGKILL: kills={NUM_KILLS} mid_op={mid_op_kills} before_first_op={early_kills} "
+          f"acked_ops={acked_ops} "
           f"blocks_checked={tally.checked} hits={tally.hits} wrong={tally.wrong} "
           f"lost={tally.lost} sessions_at_end={len(model.acked)} stale_stores={len(stale)}")
 
