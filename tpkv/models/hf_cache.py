@@ -207,8 +207,8 @@ class TpkvCache(Cache):
         g = self.geometry
         nb = -(-num_tokens // g.block_tokens)
         blocks = self.pool[self._slots[:nb], layer]  # [nb, 2, block_tokens, heads, head_dim]
-        flat = blocks.reshape(nb, 2, g.block_tokens, g.heads_per_rank, g.head_dim)
-        kv = flat.transpose(0, 1).reshape(2, nb * g.block_tokens, g.heads_per_rank, g.head_dim)
+        kv = blocks.transpose(0, 1).reshape(2, nb * g.block_tokens, g.heads_per_rank,
+                                            g.head_dim)
         kv = kv[:, :num_tokens].permute(0, 2, 1, 3).unsqueeze(1)  # [2, 1, heads, tokens, dim]
         return kv[0].contiguous(), kv[1].contiguous()
 
