@@ -24,7 +24,7 @@ MAX_INDEX = 8  # logical indices 0..7
 _MAGIC = 0x7C0FFEE5
 
 
-@functools.lru_cache(maxsize=1 << 14)
+@functools.lru_cache(maxsize=1024)  # 4 MiB at most
 def block_bytes_of(sid: str, rank: int, idx: int, version: int,
                    geo: KvGeometry = GEOMETRY) -> np.ndarray:
     """The one image a (session, rank, index, version) ever has: a tagged header, then noise.
