@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import dataclasses
 import datetime
 import gc
 import hashlib
 import json
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -104,6 +106,7 @@ class Workload:
         self.rng = np.random.default_rng(1)
         self.nxt: list[str] = []
         self.hasher: hashlib._Hash | None = None  # set: every StepResult is digested
+        self.cpu_us: list[float] = []  # thread CPU time of each schedule() call
 
     def run(self, steps: int, use_handles: bool = True, swap: int = SWAP) -> np.ndarray:
         """schedule() latencies in us (Python's GC stays on, as it would in the actor)."""
@@ -117,13 +120,42 @@ class Workload:
             self.nxt = [self.idle.pop(int(i)) for i in pick[::-1]]  # not just swapped out
             ids = (np.array([self.handles[n] for n in self.batch], dtype=np.int64)
                    if use_handles else self.batch)
+            upcoming = {n: 1 for n in self.nxt}
+            cpu = time.thread_time_ns()
             start = time.perf_counter_ns()
-            res = c.schedule(ids, ones, {n: 1 for n in self.nxt})
+            res = c.schedule(ids, ones, upcoming)
             lat[t] = (time.perf_counter_ns() - start) / 1e3
+            self.cpu_us.append((time.thread_time_ns() - cpu) / 1e3)
             if self.hasher is not None:
                 self.hasher.update(encode(canonical(res.to_dict())))
             confirm(c, res)
         return lat
+
+
+def count_calls(w: Workload, steps: int) -> dict[str, float]:
+    """Load-independent work per step, under cProfile: Python function calls plus calls into
+    C, and of those the numpy ones (functions, methods, ufunc methods; operators and indexing
+    are not calls and do not count)."""
+    prof = cProfile.Profile()
+    schedule = w.c.schedule
+
+    def profiled(*args: object, **kwargs: object) -> object:
+        prof.enable()
+        try:
+            return schedule(*args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            prof.disable()
+
+    w.c.schedule = profiled  # type: ignore[method-assign]
+    try:
+        w.run(steps)
+    finally:
+        del w.c.schedule
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    numpy = sum(v[0] for (path, _, name), v in stats.items()
+                if "numpy" in path or (path == "~" and "numpy" in name))
+    return {"calls_per_step": sum(v[0] for v in stats.values()) / steps,
+            "numpy_calls_per_step": numpy / steps}
 
 
 def canonical(obj: object) -> object:
@@ -204,9 +236,13 @@ def main() -> None:
                 warm += 50
             c.config = config
             w.run(200)
+            w.cpu_us = []
             lat = w.run(args.steps)
+            cpu = np.array(w.cpu_us)
             lat_names = w.run(max(args.steps // 4, 50), use_handles=False)
             lat_decode = w.run(max(args.steps // 4, 50), swap=0)
+            digest = w.hasher.hexdigest() if w.hasher is not None else None
+            w.hasher = None
             snap = c.snapshot(max_sessions=0)
             live = snap["table"]["live_blocks"]
             run = {
@@ -214,6 +250,8 @@ def main() -> None:
                 "schedule_p50_us": float(np.percentile(lat, 50)),
                 "schedule_p99_us": float(np.percentile(lat, 99)),
                 "schedule_max_us": float(lat.max()),
+                "schedule_cpu_p50_us": float(np.percentile(cpu, 50)),
+                "schedule_cpu_p99_us": float(np.percentile(cpu, 99)),
                 "schedule_p50_us_by_name": float(np.percentile(lat_names, 50)),
                 "decode_only_p50_us": float(np.percentile(lat_decode, 50)),
                 "decode_only_p99_us": float(np.percentile(lat_decode, 99)),
@@ -227,8 +265,9 @@ def main() -> None:
                 "tiers": {k: snap["tiers"][k]["used"] for k in ("L1", "L2", "L3")},
                 "events": dict(collections.Counter(e["kind"] for e in c.events)),
                 "build_s": round(build_s, 1), "warmup_steps": warm, "steps": args.steps}
-            if w.hasher is not None:
-                run["results_sha256"] = w.hasher.hexdigest()
+            if digest is not None:
+                run["results_sha256"] = digest
+            run.update(count_calls(w, 100))  # after the timed runs (not in digest or events)
             out["runs"][str(n)] = run  # type: ignore[index]
             print(json.dumps({str(n): run}), flush=True)
             del c, names, w

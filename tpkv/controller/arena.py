@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 _MIN_EXTENT = 8
+_SLICE_GATHER = 32  # gather() copies this many sessions or fewer slice by slice
 
 
 class RowArena:
@@ -50,6 +51,10 @@ class RowArena:
         total = int(offsets[-1])
         if total == 0:
             return np.zeros(0, dtype=np.int32), offsets
+        if len(sessions) <= _SLICE_GATHER:  # a few sessions: slices beat an index of every row
+            arena = self.arena
+            return np.concatenate([arena[a:a + n] for a, n in zip(self.start[sessions].tolist(),
+                                                                  lens.tolist())]), offsets
         if reuse:
             if len(self._index) < total:
                 self._index = np.empty(total + total // 2, dtype=np.int64)
@@ -64,17 +69,21 @@ class RowArena:
 
     def append(self, sessions: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> None:
         """Append counts[i] rows (taken in order from `rows`) to sessions[i]; sessions unique."""
-        need = self.length[sessions] + counts
+        length = self.length[sessions]
+        need = length + counts
         move = need > self.cap[sessions]
         if move.any():
             self._relocate(sessions[move], need[move])
         total = int(counts.sum())
         if total == 0:
             return
-        ends = np.cumsum(counts)
-        base = np.repeat(self.start[sessions] + self.length[sessions] - (ends - counts), counts)
-        self.arena[base + np.arange(total)] = rows
-        self.length[sessions] += counts
+        if total == len(sessions) and counts.min() == 1:  # one row each
+            self.arena[self.start[sessions] + length] = rows
+        else:
+            ends = np.cumsum(counts)
+            base = np.repeat(self.start[sessions] + length - (ends - counts), counts)
+            self.arena[base + np.arange(total)] = rows
+        self.length[sessions] = need
 
     def release(self, s: int) -> None:
         self.live_cap -= int(self.cap[s])

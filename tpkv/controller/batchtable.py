@@ -46,9 +46,15 @@ class BatchTable:
             self._copy_kept(out, offsets, prev, reuse, keep, lens)
         grow = np.flatnonzero(lens > keep)
         if len(grow):
-            more = lens[grow] - keep[grow]
-            rows = S.arena.arena[extent_index(S.arena.start[batch[grow]] + keep[grow], more)]
-            out[extent_index(offsets[grow] + keep[grow], more)] = T.slot[rows]
+            first = keep[grow]
+            more = lens[grow] - first
+            num_more = int(more.sum())
+            if num_more == len(grow):  # one block each (a decode step)
+                src, dst = S.arena.start[batch[grow]] + first, offsets[grow] + first
+            else:
+                src = extent_index(S.arena.start[batch[grow]] + first, more)
+                dst = extent_index(offsets[grow] + first, more)
+            out[dst] = T.slot[S.arena.arena[src]]
         S.table_pos[self.batch] = -1
         S.table_pos[batch] = np.arange(n)
         S.dirty[batch] = False

@@ -195,13 +195,14 @@ def _coldest(ctx: PlanContext, b: PlanBuilder, tier: int, need: int, mask: MaskF
     return picked, units[:stop][keep], per_unit[:stop][keep]
 
 
-def _masked(*flags: np.ndarray) -> MaskFn:
-    """A MaskFn that allows sessions where every flag array is True."""
+def _allowed(*forbid: np.ndarray) -> MaskFn:
+    """A MaskFn that allows sessions where no `forbid` array is set. Evaluated when called, on
+    the sessions asked about only (O(sessions) only when asked about all of them)."""
     def mask(units: np.ndarray | None) -> np.ndarray:
-        out = flags[0] if units is None else flags[0][units]
-        for f in flags[1:]:
-            out = out & (f if units is None else f[units])
-        return out
+        out = forbid[0] if units is None else forbid[0][units]
+        for f in forbid[1:]:
+            out = out | (f if units is None else f[units])
+        return ~out
     return mask
 
 
@@ -212,11 +213,14 @@ def _pick_l1(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, protect: np.n
     s = b.s
     if room + extra <= 0:
         return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64), np.zeros(0, np.int64)
-    untouched = ~b.touched
-    rows, units, sizes = _coldest(ctx, b, HBM, room + extra, _masked(untouched, ~shield, ~s.clean),
+    rows, units, sizes = _coldest(ctx, b, HBM, room + extra, _allowed(b.touched, shield, s.clean),
                                   keep_auto=True, cache=True)
     if len(rows) < room:
-        more = _coldest(ctx, b, HBM, room - len(rows), _masked(untouched, ~protect), skip=rows)
+        # Both passes pick among sessions untouched before the first: it picked only such
+        # sessions, so untouching them again restores that state for the second.
+        b.touched[units] = False
+        more = _coldest(ctx, b, HBM, room - len(rows), _allowed(b.touched, protect), skip=rows)
+        b.touched[units] = True
         rows, units, sizes = (np.concatenate([a, m]) for a, m in zip((rows, units, sizes), more))
     return rows, units, sizes
 
@@ -231,7 +235,7 @@ def _make_l2_room(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, short: i
         return
     # Sessions whose L1 blocks go down in this phase may still spill their older L2 blocks:
     # those are other rows, and nothing has moved yet in this phase.
-    rows, units, _ = _coldest(ctx, b, DRAM, want if ctx.l3_enabled else short, _masked(~shield),
+    rows, units, _ = _coldest(ctx, b, DRAM, want if ctx.l3_enabled else short, _allowed(shield),
                               cache=True)
     if not ctx.l3_enabled:
         b.drop(rows)
@@ -253,12 +257,12 @@ def _drop_l3(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, need: int) ->
     t, s = b.t, b.s
     if need <= 0:
         return
-    allowed = ~shield & ~b.touched
+    forbid = shield | b.touched
     for si in s.pins:
         r = s.rows(si)
         if ((t.tier[r] == SSD) & (t.pinned[r] != 0)).any():
-            allowed[si] = False
-    rows, units, _ = _coldest(ctx, b, SSD, need, _masked(allowed), cache=True)
+            forbid[si] = True
+    rows, units, _ = _coldest(ctx, b, SSD, need, _allowed(forbid), cache=True)
     b.drop(rows)
     b.ssd_dropped.extend(units.tolist())
     if len(rows):

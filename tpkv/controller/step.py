@@ -165,21 +165,22 @@ def _demand(ctl: Controller, b: PlanBuilder, batch: np.ndarray,
     g = ctl.config.geometry
     sess = batch[missing]
     rows, offsets = S.arena.gather(sess)
-    rows = rows.astype(np.int64)
     tier = T.tier[rows]
-    seg = np.repeat(np.arange(len(sess)), np.diff(offsets))  # [rows] -> index into sess
-    n2 = np.bincount(seg, weights=tier == DRAM, minlength=len(sess)).astype(np.int64)
-    n3 = np.bincount(seg, weights=tier == SSD, minlength=len(sess)).astype(np.int64)
+    n2 = S.counts[2][sess].astype(np.int64)  # blocks on L2 and L3, kept per session
+    n3 = S.counts[3][sess].astype(np.int64)
     load_s, recompute_s, weighted = resume_costs(
         n2, n3, (n2 + n3) * g.block_tokens, g.block_bytes, rates.h2d_bytes_per_s,
         rates.ssd_read_bytes_per_s, rates.prefill_tokens_per_s, len(batch) - 1,
         pol.gpu_share_weight)
     away = n2 + n3 > 0
     redo = away & (weighted < load_s)
-    S.choice[sess[away]] = redo[away]
-    S.load_s[sess[away]], S.recompute_s[sess[away]] = load_s[away], recompute_s[away]
+    aw = sess[away]
+    S.choice[aw] = redo[away]
+    S.load_s[aw], S.recompute_s[aw] = load_s[away], recompute_s[away]
     off_l1 = (tier == DRAM) | (tier == SSD)
-    redo_rows = redo[seg] & off_l1
+    if not redo.any():
+        return rows[off_l1].astype(np.int64), rows[tier == NONE].astype(np.int64)
+    redo_rows = np.repeat(redo, np.diff(offsets)) & off_l1
     b.drop(rows[redo_rows])
     for i in np.flatnonzero(redo).tolist():
         if n3[i]:
@@ -187,6 +188,7 @@ def _demand(ctl: Controller, b: PlanBuilder, batch: np.ndarray,
         b.events.append({"kind": "recompute", "session": S.name(int(sess[i])),
                          "blocks": int(n2[i] + n3[i]), "load_s": float(load_s[i]),
                          "recompute_s": float(recompute_s[i])})
+    rows = rows.astype(np.int64)
     return rows[off_l1 & ~redo_rows], rows[(tier == NONE) | redo_rows]
 
 
@@ -221,9 +223,12 @@ def _alloc_new(ctl: Controller, sessions: np.ndarray, counts: np.ndarray, first:
     total = int(counts.sum())
     if total == 0:
         return np.zeros(0, dtype=np.int32)
-    sess = np.repeat(sessions, counts)
-    ends = np.cumsum(counts)
-    logical = np.repeat(first - (ends - counts), counts) + np.arange(total)
+    if total == len(sessions):  # counts >= 1: one block each, the usual decode step
+        sess, logical = sessions, first
+    else:
+        sess = np.repeat(sessions, counts)
+        ends = np.cumsum(counts)
+        logical = np.repeat(first - (ends - counts), counts) + np.arange(total)
     rows = T.alloc_rows(sess, logical, ctl.tick, S.runs[sess], slots)
     S.counts[1][sessions] += counts.astype(np.int32)  # appended: the batch table stays clean
     S.arena.append(sessions, counts, rows)
