@@ -172,3 +172,5 @@ def test_a_cut_write_may_be_torn_and_every_tear_is_a_miss(seed_root: Path,
                 torn += 1
         shutil.rmtree(work)
     assert torn > 10 and tally.problems == [] and tally.wrong == tally.lost == 0
+    print(f"\ntorn writes: tears={torn} blocks_checked={tally.checked} wrong={tally.wrong} "
+          f"lost={tally.lost}")
