@@ -18,7 +18,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.transfer import GEOMETRIES, ceilings, run_copy  # noqa: E402
+from bench.transfer import (  # noqa: E402
+    GEOMETRIES,
+    ceilings,
+    cuda_time_ms,
+    placed_slots,
+    run_copy,
+)
 from tpkv.config import GiB, HostConfig  # noqa: E402
 from tpkv.workers import cuda_rt  # noqa: E402
 from tpkv.workers.copy_engine import CopyEngine  # noqa: E402
@@ -41,15 +47,41 @@ def dma_attr(order: str, overlap: bool, hints: bool) -> Any:
     return attr
 
 
+def mixed_ms(hbm: HbmPool, host: HostPool, num_streams: int, reps: int, seed: int) -> float:
+    """Both directions' descriptors interleaved in the same batches, over num_streams streams."""
+    import numpy as np
+
+    n = hbm.num_slots
+    h, l2 = placed_slots(n, seed, "random")
+    half = n // 2
+    bb = hbm.block_bytes
+    d_src, d_dst = hbm.slot_ptrs(h[:half]), host.slot_ptrs(l2[:half])
+    u_src, u_dst = host.slot_ptrs(l2[half:]), hbm.slot_ptrs(h[half:])
+    src = np.stack([d_src, u_src], 1).reshape(-1)
+    dst = np.stack([d_dst, u_dst], 1).reshape(-1)
+    streams = [torch.cuda.Stream() for _ in range(num_streams)]
+
+    def once() -> None:
+        cur = torch.cuda.current_stream()
+        for part, s in zip(np.array_split(np.arange(len(src)), num_streams), streams):
+            s.wait_stream(cur)
+            cuda_rt.memcpy_batch(dst[part].tolist(), src[part].tolist(), [bb] * len(part),
+                                 s.cuda_stream, 256)
+            cur.wait_stream(s)
+
+    return cuda_time_ms(once, reps)
+
+
 def variants(num_sms: int) -> list[tuple[str, dict[str, Any], Any, tuple[str, ...]]]:
     """(label, CopyEngine kwargs, dma attr or None, directions)."""
     out: list[tuple[str, dict[str, Any], Any, tuple[str, ...]]] = [
         ("dma-default", {"method": "dma"}, None, ("h2d", "d2h", "both"))]
+    out += [(f"dma-s{k}", {"method": "dma", "dma_streams": k}, None, ("both",)) for k in (2, 4, 16)]
     for order, overlap, hints in (("Any", False, False), ("Stream", True, False),
                                   ("Any", True, False), ("Stream", False, True)):
         label = f"dma-{order.lower()}{'-overlap' if overlap else ''}{'-hints' if hints else ''}"
         out.append((label, {"method": "dma"}, (order, overlap, hints), ("both",)))
-    for ctas in (8, 16, 32, 64, num_sms):
+    for ctas in (16, 64):
         kargs = {"max_ctas": ctas}
         out.append((f"kernel-c{ctas}", {"method": "kernel", "kernel_args": kargs}, None,
                     ("h2d", "d2h") + (("both",) if ctas <= num_sms // 2 else ())))
@@ -122,7 +154,7 @@ def main() -> None:
             if attr is not None:
                 engine.dma_attr = dma_attr(*attr)
             for direction in directions:
-                for placement in ("random", "l2-runs"):
+                for placement in ("random", "l2-runs", "runs16"):
                     try:
                         gbps, used = run_copy(engine, direction, args.reps, seed=5,
                                               placement=placement)
@@ -135,6 +167,14 @@ def main() -> None:
                                  "gbps": round(gbps, 2), "ratio": round(ratio, 3)})
                     print(f"r{rnd} {label:28s} {direction:4s} {placement:7s} {gbps:6.1f} "
                           f"{ratio:.3f}", flush=True)
+    for rnd in range(args.rounds):
+        for k in (2, 8, 16):
+            gbps = n * g.block_bytes / mixed_ms(hbm, host, k, args.reps, 5) / 1e6
+            rows.append({"round": rnd, "variant": f"mixed-s{k}", "direction": "both",
+                         "placement": "random", "method": "dma", "gbps": round(gbps, 2),
+                         "ratio": round(gbps / ceil["both"], 3)})
+            print(f"r{rnd} mixed-s{k} both random {gbps:6.1f} {gbps / ceil['both']:.3f}",
+                  flush=True)
     inter = interference(hbm, host, num_sms, args.reps)
     host.close()
     out = {"command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name(0),

@@ -76,15 +76,25 @@ def ceilings(num_bytes: int, reps: int) -> dict[str, float]:
     return out
 
 
+def placed_slots(n: int, seed: int, placement: str) -> tuple[np.ndarray, np.ndarray]:
+    """(L1 slots, L2 slots) of n blocks. "random": both sides permuted; "l2-runs": L2 in
+    ascending slots; "runsK": both sides in runs of K consecutive slots, runs in random order
+    (what an allocator that hands out extents gives a session)."""
+    rng = np.random.default_rng(seed)
+    if placement.startswith("runs"):
+        k = int(placement[4:])
+        def runs() -> np.ndarray:
+            return (rng.permutation(n // k)[:, None] * k + np.arange(k)).reshape(-1)
+        return runs(), runs()
+    return rng.permutation(n), (rng.permutation(n) if placement == "random" else np.arange(n))
+
+
 def run_copy(engine: CopyEngine, direction: str, reps: int, seed: int,
              placement: str = "random") -> tuple[float, str]:
     """GB/s moving every block of the pool; returns (gbps, method used). Placement "random":
-    both sides in random order; "l2-runs": L1 side random, L2 side in ascending slots (as an
-    allocator hands out fresh L2 slots to one batch of demotions)."""
+    both sides in random order; others as in placed_slots."""
     n = engine.hbm.num_slots
-    rng = np.random.default_rng(seed)
-    hbm_slots = rng.permutation(n)
-    host_slots = rng.permutation(n) if placement == "random" else np.arange(n)
+    hbm_slots, host_slots = placed_slots(n, seed, placement)
     half = n // 2
     used: list[str] = []
     cur = torch.cuda.current_stream()
