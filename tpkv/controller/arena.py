@@ -105,16 +105,20 @@ class RowArena:
                    + self._index.nbytes + self._rows.nbytes)
 
     def _relocate(self, sessions: np.ndarray, need: np.ndarray) -> None:
+        """Move the extents of `sessions` (unique) to the end, one after the other, with room
+        for need[i] rows and some more."""
         new_cap = np.maximum(need + np.maximum(need // 8, 4), _MIN_EXTENT)
         want = int(new_cap.sum())
         if self.top + want > len(self.arena):
             self._compact_or_grow(want)
-        for s, cap in zip(sessions.tolist(), new_cap.tolist()):
-            old = self.rows(s).copy()
-            self.live_cap += cap - int(self.cap[s])
-            self.start[s], self.cap[s] = self.top, cap
-            self.arena[self.top:self.top + len(old)] = old
-            self.top += cap
+        new_start = self.top + np.cumsum(new_cap) - new_cap
+        lens = self.length[sessions]
+        if lens.any():
+            self.arena[extent_index(new_start, lens)] = self.arena[
+                extent_index(self.start[sessions], lens)]
+        self.live_cap += want - int(self.cap[sessions].sum())
+        self.start[sessions], self.cap[sessions] = new_start, new_cap
+        self.top += want
 
     def _compact_or_grow(self, want: int) -> None:
         """Move live extents to the front, in place order (one vectorized copy); resize the

@@ -31,8 +31,9 @@ class PlanBuilder:
     """
 
     def __init__(self, table: BlockTable, sessions: SessionTable, first_epoch: int,
-                 now_s: float) -> None:
+                 now_s: float, check: bool = False) -> None:
         self.t = table
+        self.check = check  # assert each move's source tier (Controller.check_invariants)
         self.s = sessions
         self.epoch = first_epoch
         self.now_s = now_s
@@ -62,7 +63,7 @@ class PlanBuilder:
         if n == 0:
             return
         t = self.t
-        assert (t.tier[rows] == src).all(), "move: a row is not on its source tier"
+        assert not self.check or (t.tier[rows] == src).all(), "move: a row is not on its source"
         sess = t.session[rows]
         slots = t.free[dst].pop(n) if dst != SSD else np.full(n, -1, dtype=np.int32)
         old_slot = t.slot[rows]
@@ -80,7 +81,6 @@ class PlanBuilder:
         np.subtract.at(counts[src + 1], sess, _ONE)
         np.add.at(counts[dst + 1], sess, _ONE)
         self._touch(sess)
-        t.in_flight[rows] = 1
         if dst > src:
             t.demoted_at[rows] = self.now_s
         if dst == HBM:
@@ -113,6 +113,7 @@ class PlanBuilder:
             src_tier[at:at + len(p[0])] = p[4]
             dst_tier[at:at + len(p[0])] = p[5]
             at += len(p[0])
+        self.t.in_flight[rows] = 1  # until its plan is confirmed (nothing reads it before)
         first, lengths = _runs(sess)
         local: dict[int, int] = {}  # session -> index into the plan's names, in order of use
         inverse = [local.setdefault(x, len(local)) for x in first.tolist()]

@@ -10,7 +10,7 @@ import numpy as np
 
 from tpkv.config import PolicyConfig
 from tpkv.controller.builder import PlanBuilder
-from tpkv.controller.policy import cooling, eviction_keys, select_victims, watermark_excess
+from tpkv.controller.policy import cooling, eviction_keys_of, select_victims, watermark_excess
 from tpkv.controller.table import DRAM, HBM, SSD
 
 MAX_PHASES = 3  # L3 -> L2, then L2 -> L1 into slots a demotion freed; a third phase for slack
@@ -53,8 +53,11 @@ def plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray:
     pending = needs.want_l1
     for phase in range(MAX_PHASES):
         b.begin_phase()
-        tier = t.tier[pending]
-        in2, in3 = pending[tier == DRAM], pending[tier == SSD]
+        if len(pending):
+            tier = t.tier[pending]
+            in2, in3 = pending[tier == DRAM], pending[tier == SSD]
+        else:
+            in2 = in3 = pending
         free1 = t.num_free(HBM)
         need1 = len(in2) + len(in3) + needs.num_fresh
         room1 = max(0, need1 - free1)
@@ -76,7 +79,7 @@ def plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray:
         b.move(stage, SSD, DRAM)
         demoted = victims[:free2 - len(stage)]
         b.move(demoted, HBM, DRAM)
-        done = units[np.cumsum(sizes) <= len(demoted)]
+        done = units[np.cumsum(sizes) <= len(demoted)] if len(units) else units
         s.clean[done] = True
         b.move(in2[:free1], DRAM, HBM)
         if demoted.size:
@@ -84,7 +87,8 @@ def plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray:
         if phase == 0:
             _prefetch(ctx, b, needs, len(pending) - min(len(in2), free1))
         b.end_phase()
-        pending = pending[t.tier[pending] != HBM]
+        if len(pending):
+            pending = pending[t.tier[pending] != HBM]
         if len(pending) == 0 and t.num_free(HBM) >= needs.num_fresh:
             _settle(ctx, b, needs.num_fresh)
             return pending
@@ -117,15 +121,17 @@ def _watermark(ctx: PlanContext, tier: int, used: int, slots: int) -> int:
 
 
 def _keys(ctx: PlanContext, b: PlanBuilder, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    s = b.s
-    mean_attn = s.attn_sum[cand] / np.maximum(s.arena.length[cand], 1)
-    p = ctx.policy
-    return eviction_keys(p.kind, mean_attn, s.run_hist[:, cand].T, ctx.tick, p.w_attn,
-                         p.w_recency)
+    s, p = b.s, ctx.policy
+    mean_attn = (s.attn_sum[cand] / np.maximum(s.arena.length[cand], 1) if p.kind == "heat"
+                 else None)
+    return eviction_keys_of(p.kind, mean_attn, s.run_hist[0][cand], s.run_hist[-1][cand],
+                            ctx.tick, p.w_attn, p.w_recency)
 
 
 _Picked = tuple[np.ndarray, np.ndarray, np.ndarray]  # rows, their sessions, rows per session
 MaskFn = Callable[[np.ndarray | None], np.ndarray]  # sessions -> may they give blocks up?
+_NOTHING: _Picked = (np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64),
+                     np.zeros(0, dtype=np.int64))  # read only
 ORDER_TTL = 16  # steps an eviction order is reused (minus sessions that ran since) for a tier
 
 
@@ -160,7 +166,7 @@ def _coldest(ctx: PlanContext, b: PlanBuilder, tier: int, need: int, mask: MaskF
     Pinned blocks stay; with keep_auto, so do blocks at or above the auto-pin threshold.
     Vectorized: the cost is one pass over the rows of the sessions it looks at."""
     t, s = b.t, b.s
-    empty = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64), np.zeros(0, np.int64)
+    empty = _NOTHING
     if need <= 0:
         return empty
     order = _order(ctx, b, tier, need, mask, cache)
@@ -191,8 +197,9 @@ def _coldest(ctx: PlanContext, b: PlanBuilder, tier: int, need: int, mask: MaskF
         s.clean[units[:stop][per_unit[:stop] == 0]] = True  # only pinned blocks left in L1
     keep = per_unit[:stop] > 0
     picked = rows[:offsets[stop]][sel[:offsets[stop]]]
-    b.touch(units[:stop][keep])
-    return picked, units[:stop][keep], per_unit[:stop][keep]
+    gave = units[:stop][keep]
+    b.touch(gave)
+    return picked, gave, per_unit[:stop][keep]
 
 
 def _allowed(*forbid: np.ndarray) -> MaskFn:
@@ -212,7 +219,7 @@ def _pick_l1(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, protect: np.n
     if the room this step must have is still short, expected sessions and auto pins too."""
     s = b.s
     if room + extra <= 0:
-        return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64), np.zeros(0, np.int64)
+        return _NOTHING
     rows, units, sizes = _coldest(ctx, b, HBM, room + extra, _allowed(b.touched, shield, s.clean),
                                   keep_auto=True, cache=True)
     if len(rows) < room:

@@ -28,9 +28,19 @@ def eviction_keys(kind: PolicyKind, mean_attn: np.ndarray, run_hist: np.ndarray,
     heat: primary is the heat, the K-th latest access (LRU-K) breaks ties.
     lru: the latest access, then the K-th latest. lruk: the K-th latest access, then the latest.
     """
-    last = run_hist[:, 0].astype(np.float64)
-    kth = run_hist[:, -1].astype(np.float64)
+    return eviction_keys_of(kind, mean_attn, run_hist[:, 0], run_hist[:, -1], tick, w_attn,
+                            w_recency)
+
+
+def eviction_keys_of(kind: PolicyKind, mean_attn: np.ndarray | None, last_tick: np.ndarray,
+                     kth_tick: np.ndarray, tick: int, w_attn: float,
+                     w_recency: float) -> tuple[np.ndarray, np.ndarray]:
+    """eviction_keys from the latest and the K-th latest access tick of each unit (mean_attn
+    is read by "heat" only)."""
+    last = last_tick.astype(np.float64)
+    kth = kth_tick.astype(np.float64)
     if kind == "heat":
+        assert mean_attn is not None, "heat needs the mean attention mass"
         return heat(mean_attn, tick - last, w_attn, w_recency), kth
     if kind == "lru":
         return last, kth

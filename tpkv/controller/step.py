@@ -69,7 +69,7 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     S.pending[batch] = 0
     S.record_runs(batch, tick)
     S.clean[batch] = False
-    b = PlanBuilder(T, S, ctl.next_epoch, ctl.now_s())
+    b = PlanBuilder(T, S, ctl.next_epoch, ctl.now_s(), ctl.check_invariants)
     want, recompute = _demand(ctl, b, batch, nb_before)
     needs = StepNeeds(batch, want, len(recompute) + new_total, up)
     lost = _EMPTY
