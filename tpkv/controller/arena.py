@@ -113,9 +113,12 @@ class RowArena:
             self._compact_or_grow(want)
         new_start = self.top + np.cumsum(new_cap) - new_cap
         lens = self.length[sessions]
-        if lens.any():
-            self.arena[extent_index(new_start, lens)] = self.arena[
-                extent_index(self.start[sessions], lens)]
+        arena = self.arena
+        if len(sessions) <= _SLICE_GATHER:
+            for a, b, n in zip(self.start[sessions].tolist(), new_start.tolist(), lens.tolist()):
+                arena[b:b + n] = arena[a:a + n]  # a new extent never overlaps a live one
+        elif lens.any():
+            arena[extent_index(new_start, lens)] = arena[extent_index(self.start[sessions], lens)]
         self.live_cap += want - int(self.cap[sessions].sum())
         self.start[sessions], self.cap[sessions] = new_start, new_cap
         self.top += want

@@ -295,8 +295,8 @@ def _prefetch(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds, still_needed: 
     rows, _ = s.arena.gather(ups)
     tier = t.tier[rows]
     ok = ~cooling(t.demoted_at[rows], ctx.now_s, p.cooldown_s)
-    up = rows[(tier == DRAM) & ok][:max(room1, 0)]  # soonest sessions first
-    stage = rows[(tier == SSD) & ok][:max(room2, 0)]
+    up = rows[(tier == DRAM) & ok][:room1] if room1 > 0 else rows[:0]  # soonest sessions first
+    stage = rows[(tier == SSD) & ok][:room2] if room2 > 0 else rows[:0]
     b.move(up, DRAM, HBM)
     b.move(stage, SSD, DRAM)
     if len(up) or len(stage):

@@ -46,8 +46,9 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     up = _upcoming(ctl, upcoming, batch)
     tokens = S.tokens[batch] + S.pending[batch] + add
     nb_before = S.arena.length[batch]
-    n_new = -(-tokens // bt) - nb_before
-    total = int(nb_before.sum() + n_new.sum())
+    n_new = (tokens + (bt - 1)) // bt - nb_before  # blocks the new tokens open (tokens >= 0)
+    new_total = int(n_new.sum())
+    total = int(nb_before.sum()) + new_total
     l1 = T.slots(HBM)
     if total > l1:
         raise TierFullError(f"a step of {len(batch)} sessions needs {total} L1 slots; L1 holds "
@@ -56,7 +57,6 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     if total + held > l1:
         raise TierFullError(f"a step of {len(batch)} sessions needs {total} L1 slots; {held} of "
                             f"L1's {l1} hold pinned blocks of other sessions")
-    new_total = int(n_new.sum())
     T.ensure_rows(new_total, pol.max_tracked_blocks)
     if len(ctl.pending) + MAX_PHASES > pol.max_pending_plans:
         raise PlanOrderError(f"{len(ctl.pending)} plans await confirmation (limit "
@@ -78,25 +78,32 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         ctx = PlanContext(pol, ctl.marks, ctl.l3_enabled, tick, ctl.now_s(), ctl.pin_threshold,
                           ctl.draining, ctl.eviction_orders)
         lost = plan_step(ctx, b, needs).astype(np.int64)
-    fresh_old = np.concatenate([recompute, lost]).astype(np.int64)
+    fresh_old = (np.concatenate([recompute, lost]).astype(np.int64) if len(recompute) or len(lost)
+                 else _EMPTY)
     has_new = np.flatnonzero(n_new > 0)
+    n_grown = n_new[has_new]
     slots = T.free[HBM].pop(len(fresh_old) + new_total)
     _place_fresh(ctl, fresh_old, slots[:len(fresh_old)])
-    new_rows = _alloc_new(ctl, batch[has_new], n_new[has_new], nb_before[has_new],
+    new_rows = _alloc_new(ctl, batch[has_new], n_grown, nb_before[has_new],
                           slots[len(fresh_old):])
     offsets, table = ctl.batch_table.build(S, T, batch)
     if ctl.check_invariants:
         rows, _ = S.arena.gather(batch)
         assert (T.tier[rows] == HBM).all(), "a block of the batch is not in L1"
         assert (table == T.slot[rows]).all(), "the patched batch table is stale"
-    fresh_rows = np.concatenate([fresh_old, new_rows.astype(np.int64)])
-    old_pos = _positions(batch)(T.session[fresh_old]) if len(fresh_old) else _EMPTY
-    fresh_pos = np.concatenate([old_pos, np.repeat(has_new, n_new[has_new])])
-    rc_pos, rc_start, rc_stop = _ranges(old_pos, T.logical[fresh_old].astype(np.int64))
-    return StepResult(
+    new_pos = has_new if len(has_new) == new_total else np.repeat(has_new, n_grown)
+    if len(fresh_old):
+        fresh_rows = np.concatenate([fresh_old, new_rows.astype(np.int64)])
+        old_pos = _positions(batch)(T.session[fresh_old])
+        fresh_pos = np.concatenate([old_pos, new_pos])
+        rc_pos, rc_start, rc_stop = _ranges(old_pos, T.logical[fresh_old].astype(np.int64))
+    else:
+        fresh_rows, fresh_pos = new_rows.astype(np.int64), new_pos
+        rc_pos = rc_start = rc_stop = _EMPTY
+    return StepResult(  # fresh_rows sit in `slots`, in order (placed and allocated above)
         tick=tick, session_ids=_names(ctl, session_ids, batch), num_tokens=tokens,
         block_offsets=offsets, block_table=table, fresh_block_ids=T.ids(fresh_rows),
-        fresh_slots=T.slot[fresh_rows].astype(np.int64), fresh_session_idx=fresh_pos,
+        fresh_slots=slots.astype(np.int64), fresh_session_idx=fresh_pos,
         fresh_logical=T.logical[fresh_rows].astype(np.int64), recompute_session_idx=rc_pos,
         recompute_start=rc_start, recompute_stop=rc_stop, **ctl.finish_step(b))
 
