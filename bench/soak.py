@@ -39,7 +39,7 @@ from tests.faults.crashcheck import (  # the same model and checks as the CI cra
     run_op,
     verify,
 )
-from tests.faults.test_sigkill_writer import _replay, _spawn_and_kill
+from tests.faults.writer import KILLED, replay, spawn_and_kill, start_server
 
 
 def rss_bytes() -> int:
@@ -77,6 +77,7 @@ def soak(root: Path, seconds: float, kill_every_s: float, sample_every_s: float,
          seed: int) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     model, tally = Model(), Tally()
+    start_server()  # before the first sample: its descriptors are not a leak
     stores = open_stores(root)
     l2 = [np.empty(stores[0].block_bytes, np.uint8) for _ in range(MAX_INDEX)]
     counts = {"spills": 0, "loads": 0, "drops": 0, "blocks_loaded": 0, "kills": 0,
@@ -94,11 +95,11 @@ def soak(root: Path, seconds: float, kill_every_s: float, sample_every_s: float,
             next_sample = now + sample_every_s
         if now >= next_kill:  # the spill writer dies mid-work; the node restarts its stores
             close_stores(stores)
-            messages, status = _spawn_and_kill(root, model, seed=int(rng.integers(2**31)),
-                                               wait_messages=int(rng.integers(0, 20)),
-                                               delay_s=float(rng.uniform(0, 0.004)))
-            assert os.WIFSIGNALED(status), f"the writer exited by itself: {status}"
-            counts["writer_acked_ops"] += _replay(messages, model)
+            messages, exitcode = spawn_and_kill(root, model, seed=int(rng.integers(2**31)),
+                                                wait_messages=int(rng.integers(0, 20)),
+                                                delay_s=float(rng.uniform(0, 0.004)))
+            counts["writer_acked_ops"] += replay(messages, model)
+            assert exitcode == KILLED, f"the writer exited by itself: {exitcode}"
             counts["kills"] += 1
             counts["kills_mid_op"] += model.inflight is not None
             stores = open_stores(root)

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import select
-import signal
-import time
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -17,89 +12,20 @@ from tests.faults.crashcheck import (
     GEOMETRY,
     MODEL,
     Model,
-    Op,
     Tally,
     close_stores,
     files_outside,
     leftovers,
     open_stores,
     recover,
-    run_op,
     verify,
 )
+from tests.faults.writer import KILLED, replay, spawn_and_kill, start_server
 from tpkv.config import KvGeometry
 from tpkv.workers import ssd_format
 
 NUM_KILLS = int(os.environ.get("TPKV_CRASH_KILLS", "200"))
 MAX_DELAY_S = 0.004  # after the awaited reports: lands before, inside or after the next op
-
-
-def _send(fd: int, message: list) -> None:
-    data = (json.dumps(message) + "\n").encode()
-    assert len(data) < 4096  # one write below PIPE_BUF is atomic: no torn message
-    os.write(fd, data)
-
-
-def _writer(root: Path, model: Model, seed: int, fd: int) -> None:
-    """The child: open the stores, then spill forever; report each op before and after it."""
-    stores = open_stores(root)
-    rng = np.random.default_rng(seed)
-    while True:
-        op = model.pick(rng)
-        _send(fd, ["begin", op.to_list(), model.next_version])
-        run_op(stores, op)
-        _send(fd, ["ack"])  # only after the store returned: durable
-
-
-def _spawn_and_kill(root: Path, model: Model, seed: int, wait_messages: int,
-                    delay_s: float) -> tuple[list, int]:
-    """Fork a writer; once it has sent `wait_messages` reports, wait `delay_s` more and SIGKILL
-    it (progress-based, so the kill points do not depend on how loaded the machine is)."""
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never returns into pytest
-        code = 0
-        try:
-            os.close(read_fd)
-            _writer(root, model, seed, write_fd)
-        except BaseException:
-            code = 3
-            try:
-                _send(write_fd, ["error", traceback.format_exc()[-3000:]])
-            finally:
-                os._exit(code)
-        os._exit(code)
-    os.close(write_fd)
-    data = b""
-    while data.count(b"\n") < wait_messages:
-        ready, _, _ = select.select([read_fd], [], [], 30.0)
-        chunk = os.read(read_fd, 1 << 16) if ready else b""
-        if not chunk:
-            break  # the writer died or stalled: the replay below reports why
-        data += chunk
-    time.sleep(delay_s)
-    os.kill(pid, signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
-    while chunk := os.read(read_fd, 1 << 16):
-        data += chunk
-    os.close(read_fd)
-    return [json.loads(line) for line in data.decode().splitlines()], status
-
-
-def _replay(messages: list, model: Model) -> int:
-    """Apply the child's acknowledgements to the model; return how many ops it acknowledged."""
-    acked = 0
-    for message in messages:
-        if message[0] == "error":
-            raise AssertionError(f"the writer failed on its own:\n{message[1]}")
-        if message[0] == "begin":
-            model.inflight = Op.from_list(message[1])
-            model.next_version = message[2]
-        else:
-            assert model.inflight is not None
-            model.ack(model.inflight)
-            acked += 1
-    return acked
 
 
 def test_sigkilled_spill_writer_never_loses_acked_data_or_serves_wrong_blocks(
@@ -108,13 +34,14 @@ def test_sigkilled_spill_writer_never_loses_acked_data_or_serves_wrong_blocks(
     rng = np.random.default_rng(20261129)
     model, tally = Model(), Tally()
     acked_ops = mid_op_kills = early_kills = 0
+    start_server()
     fds = len(os.listdir("/proc/self/fd"))
     for kill in range(NUM_KILLS):
-        messages, status = _spawn_and_kill(root, model, seed=kill,
-                                           wait_messages=int(rng.integers(0, 7)),
-                                           delay_s=float(rng.uniform(0.0, MAX_DELAY_S)))
-        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
-        acked_ops += _replay(messages, model)
+        messages, exitcode = spawn_and_kill(root, model, seed=kill,
+                                            wait_messages=int(rng.integers(0, 7)),
+                                            delay_s=float(rng.uniform(0.0, MAX_DELAY_S)))
+        acked_ops += replay(messages, model)
+        assert exitcode == KILLED, f"kill {kill}: the writer exited with {exitcode}"
         early_kills += not messages  # before its first op (in fork or while opening)
         mid_op_kills += model.inflight is not None
         stores = open_stores(root)  # the restarted node
