@@ -123,6 +123,8 @@ def test_a_full_disk_refuses_writes_keeps_every_acked_block_and_recovers(small_f
         assert store.usage_bytes() == old.usage_bytes()
     spiller.stores = again
     spiller.check()
+    for store in (*stores, *again):
+        store.close()
     print(f"\ndisk full: writes refused={len(spiller.refusals)} (ENOSPC {len(enospc)}), "
           f"sessions kept={len(spiller.acked)}, wrong=0, lost=0")
 
@@ -143,3 +145,5 @@ def test_the_budget_caps_disk_use_below_a_larger_disk(small_fs: Path) -> None:
     assert not any(isinstance(e, SsdIoError) for e in spiller.refusals)  # never reached ENOSPC
     assert leftovers(root) == [] and spiller.check() > 0
     assert disk_bytes(root) < FS_BYTES
+    for store in stores:
+        store.close()
