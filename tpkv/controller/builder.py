@@ -104,8 +104,11 @@ class PlanBuilder:
         if not self._parts:
             return
         parts, self._parts = self._parts, []
-        rows, sess, src_slot, dst_slot = (parts[0][k] if len(parts) == 1 else
-                                          np.concatenate([p[k] for p in parts]) for k in range(4))
+        if len(parts) == 1:
+            rows, sess, src_slot, dst_slot = parts[0][:4]
+        else:
+            rows, sess, src_slot, dst_slot = (np.concatenate([p[k] for p in parts])
+                                              for k in range(4))
         src_tier = np.empty(len(rows), dtype=np.int8)
         dst_tier = np.empty(len(rows), dtype=np.int8)
         at = 0

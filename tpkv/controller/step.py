@@ -140,9 +140,10 @@ def _names(ctl: Controller, given: Sequence[str] | np.ndarray,
     handles = S.handle_of[batch]  # a reused session index has a new handle
     prev_handles, prev_names = ctl.names_cache
     if len(prev_handles) == len(batch):
-        out = list(prev_names)
-        for i in np.flatnonzero(prev_handles != handles).tolist():
-            out[i] = S.name(int(batch[i]))
+        changed = np.flatnonzero(prev_handles != handles).tolist()
+        out = list(prev_names) if changed else prev_names
+        for i in changed:
+            out[i] = S.name(int(batch[i]))  # type: ignore[index]
     else:
         out = [S.name(i) for i in batch.tolist()]
     result = tuple(out)
