@@ -51,6 +51,9 @@ def test_a_hung_l3_call_fails_the_plan_at_its_bound(mem_path: Path, kind: str) -
         with pytest.raises(WaitTimeoutError,
                            match=rf"epoch 1: L3 {kind} of 2 blocks not done after 0.5 s"):
             executor.run(plan, np.ones(2, dtype=bool))
+            # A spill runs in the background: the plan returns, and whatever must wait for it
+            # (here a synchronize; also a refill of its L2 slots or a read) fails at the bound.
+            executor.synchronize()
     finally:
         release.set()
         store.close()  # the stuck call finishes once the disk answers; nothing waits forever

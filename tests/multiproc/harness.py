@@ -99,6 +99,7 @@ def check_against_controller(rt: Any) -> dict[str, int]:
     assert table(ctl) == table(mine), f"rank {rt.rank}: slot map differs from the controller's"
     assert ctl["digest"] == mine["digest"]
     w, g = rt.worker, rt.worker.hbm.geometry
+    w.executor.synchronize()  # background spills: their records are on disk from here on
     counts = {"l1": 0, "l2": 0, "l3": 0}
     buf = np.zeros(g.block_bytes, dtype=np.uint8)
     for bid, tier, slot, session, logical in table(mine):

@@ -93,6 +93,7 @@ def test_a_mismatch_in_a_step_is_reported_with_its_epoch(worker):
 def test_a_bad_l3_record_is_a_miss_never_wrong_bytes(worker):
     worker.apply_plan(plan(1, [(0, H, 0, D, 0)]))
     worker.apply_plan(plan(2, [(0, D, 0, S, -1)]))
+    worker.executor.synchronize()  # the spill ran in the background
     seg = next(Path(worker.store.root).rglob("*.seg"))
     data = bytearray(seg.read_bytes())
     at = data.find(pattern(0, 0, worker.hbm.block_bytes).tobytes())

@@ -27,6 +27,16 @@ _POLL_S = 0.0002
 
 
 @dataclass
+class _Spill:
+    """An L2 -> L3 write still running: its L2 source slots must not be refilled before it ends."""
+
+    name: str
+    epoch: int
+    slots: np.ndarray  # L2 slots it reads
+    future: Future[Any]
+
+
+@dataclass
 class ExecOutcome:
     """What one plan did on this rank: moves done (mask over the plan), L3 read misses, bytes."""
 
@@ -65,6 +75,11 @@ class PlanExecutor:
     an L1 -> L2 batch for the previous L2 -> L1 batch (L2 slots), SSD writes on the host for the
     previous L1 -> L2 batch (their source) and SSD reads for both (an L2 slot they fill may
     still be read by an H2D, or written by the D2H of a block dropped since).
+
+    Spills (L2 -> L3) run in the background: a plan returns once they are queued, and reports
+    them done. Whatever would overwrite their L2 source slots (an L1 -> L2 batch, an L3 read)
+    or needs their records (an L3 read or a drop of the session) first waits for them, bounded.
+    A spill that fails leaves records that later read as misses (recomputed), never wrong KV.
     """
 
     def __init__(self, engine: CopyEngine, store: SsdStore | None, timeout_s: float,
@@ -79,6 +94,8 @@ class PlanExecutor:
         self.layers_per_copy = min(g.num_layers, max(1, -(-layer_chunk_bytes // g.layer_bytes)))
         self.last: dict[str, CopyHandle | None] = {"h2d": None, "d2h": None}
         self.events: list[torch.cuda.Event | None] = [None] * g.num_layers
+        self.spills: list[_Spill] = []
+        self.num_failed_spills = 0
 
     # ---- one plan --------------------------------------------------------------------------
     def run(self, plan: MovePlan, ok: np.ndarray) -> ExecOutcome:
@@ -91,7 +108,9 @@ class PlanExecutor:
                                   "load": (SSD, DRAM)}.items()}
         prev_d2h, prev_h2d = self.last["d2h"], self.last["h2d"]
         block_bytes = self.hbm.block_bytes
+        self.wait_spills(deadline)  # only those already done: their manifests are committed
         if len(i := pick["d2h"]):
+            self.wait_spills(deadline, slots=plan.dst_slot[i])
             start = self._mark("d2h", prev_h2d)
             self.last["d2h"] = self.engine.d2h(plan.src_slot[i], plan.dst_slot[i])
             self._span(out, "d2h", start)
@@ -101,13 +120,18 @@ class PlanExecutor:
             if self.store is None:
                 out.error = f"epoch {plan.epoch}: moves to or from L3, but L3 is disabled here"
             else:
-                if len(pick["spill"]):
+                if len(i := pick["spill"]):
                     wait_handle(prev_d2h, deadline, f"epoch {plan.epoch} L2 -> L3")
-                    jobs += self._ssd_jobs(plan, pick["spill"], "write", deadline)
-                if len(pick["load"]):  # into L2 slots earlier batches may still read or fill
+                    for _, part, fut in self._ssd_jobs(plan, i, "write", deadline):
+                        name = plan.session_names[int(plan.session_idx[part[0]])]
+                        self.spills.append(_Spill(name, plan.epoch, plan.src_slot[part], fut))
+                    out.done[i], out.bytes_ssd_write = True, len(i) * block_bytes
+                if len(i := pick["load"]):  # into L2 slots earlier batches may still read or fill
                     wait_handle(prev_h2d, deadline, f"epoch {plan.epoch} L3 -> L2")
                     wait_handle(prev_d2h, deadline, f"epoch {plan.epoch} L3 -> L2")
-                    jobs += self._ssd_jobs(plan, pick["load"], "read", deadline)
+                    names = {plan.session_names[s] for s in set(plan.session_idx[i].tolist())}
+                    self.wait_spills(deadline, slots=plan.dst_slot[i], names=names)
+                    jobs += self._ssd_jobs(plan, i, "read", deadline)
         if len(i := pick["h2d"]):
             start = self._mark("h2d", prev_d2h)
             self._h2d(plan.src_slot[i], plan.dst_slot[i])
@@ -158,7 +182,6 @@ class PlanExecutor:
     def _collect(self, plan: MovePlan, jobs: list[tuple[str, np.ndarray, Future[Any]]],
                  out: ExecOutcome, deadline: float) -> None:
         block_bytes = self.hbm.block_bytes
-        written: set[str] = set()
         misses: list[np.ndarray] = []
         for kind, part, fut in jobs:
             try:
@@ -172,18 +195,41 @@ class PlanExecutor:
                 log.error("%s", out.error)
                 continue
             out.done[part] = True
-            if kind == "write":
-                out.bytes_ssd_write += len(part) * block_bytes
-                written.add(plan.session_names[int(plan.session_idx[part[0]])])
-            else:
-                hits = np.asarray(result, dtype=bool)
-                misses.append(plan.block_ids[part[~hits]])
-                out.bytes_ssd_read += int(hits.sum()) * block_bytes
+            hits = np.asarray(result, dtype=bool)
+            misses.append(plan.block_ids[part[~hits]])
+            out.bytes_ssd_read += int(hits.sum()) * block_bytes
         if misses:
             out.misses = np.concatenate(misses).astype(np.int64)
-        assert self.store is not None or not written
-        for name in sorted(written):  # complete once the last rank to write has written
-            self.store.commit_manifest(name)  # type: ignore[union-attr]
+
+    def wait_spills(self, deadline: float, slots: np.ndarray | None = None,
+                    names: set[str] | frozenset[str] = frozenset(), every: bool = False) -> None:
+        """Finish the background spills that read any of `slots` or write a session in `names`
+        (all of them with `every`), waiting for them up to `deadline`; spills already done are
+        finished too. Finishing: commit the session's manifest (complete once the last rank to
+        write has written), or log the failure (its records then read as misses)."""
+        keep: list[_Spill] = []
+        written: set[str] = set()
+        for sp in self.spills:
+            must = every or sp.name in names or (slots is not None and len(slots) > 0
+                                                 and bool(np.isin(sp.slots, slots).any()))
+            if not must and not sp.future.done():
+                keep.append(sp)
+                continue
+            try:
+                sp.future.result(timeout=max(0.0, deadline - time.monotonic()))
+                written.add(sp.name)
+            except FutureTimeout:
+                raise WaitTimeoutError(
+                    f"epoch {sp.epoch}: L3 write of {len(sp.slots)} blocks not done after "
+                    f"{self.timeout_s:g} s") from None
+            except (SsdError, TierFullError, OSError) as exc:
+                self.num_failed_spills += 1
+                log.error("epoch %d: L3 write of session %r failed (its blocks will miss): %s",
+                          sp.epoch, sp.name, exc)
+        self.spills = keep
+        for name in sorted(written):
+            assert self.store is not None
+            self.store.commit_manifest(name)
 
     def _await_manifest(self, name: str, logical: np.ndarray, deadline: float) -> None:
         """Records another rank wrote a moment ago are readable once the manifest covers them:
@@ -254,10 +300,11 @@ class PlanExecutor:
             torch.cuda.current_stream(self.hbm.device).wait_event(handle.event)
 
     def synchronize(self) -> None:
-        """Wait on the host for every copy issued (bounded)."""
+        """Wait on the host for every copy and background spill issued (bounded)."""
         deadline = time.monotonic() + self.timeout_s
         for direction, handle in self.last.items():
             wait_handle(handle, deadline, f"synchronize {direction}")
+        self.wait_spills(deadline, every=True)
 
     # ---- resync ----------------------------------------------------------------------------
     def relocate(self, rel: Relocation) -> np.ndarray:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,7 +124,11 @@ class Worker:
         for name in step.closed_sessions:
             self.mirror.tokens.pop(name, None)
         if self.store is not None:  # their L3 records are of no more use
-            for name in (*step.closed_sessions, *step.ssd_dropped_sessions):
+            gone = (*step.closed_sessions, *step.ssd_dropped_sessions)
+            if gone:
+                self.executor.wait_spills(time.monotonic() + self.config.wait_timeout_s,
+                                          names=set(gone))
+            for name in gone:
                 self.store.drop_session(name)
         self.executor.fence_compute()
         self.tick = step.tick

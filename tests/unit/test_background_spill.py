@@ -1,0 +1,77 @@
+"""Spills run in the background; a refill of their L2 source slots waits for them (bounded)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.pool_cases import make_engine
+from tpkv.config import KvGeometry, SsdConfig
+from tpkv.types import MovePlan, Tier
+from tpkv.workers.executor import PlanExecutor
+from tpkv.workers.ssd_store import SsdStore
+
+pytestmark = pytest.mark.timeout(60)
+GEO = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
+H, D, S = int(Tier.HBM), int(Tier.DRAM), int(Tier.SSD)
+
+
+def _plan(epoch: int, block: int, src: int, src_slot: int, dst: int, dst_slot: int) -> MovePlan:
+    return MovePlan(epoch, np.array([block]), np.array([src]), np.array([src_slot]),
+                    np.array([dst]), np.array([dst_slot]), np.zeros(1), np.array([block]),
+                    ("sess",))
+
+
+def _setup(tmp_path: Path) -> tuple[PlanExecutor, SsdStore, threading.Event]:
+    store = SsdStore(SsdConfig(root=str(tmp_path / "l3"), backend="posix", o_direct=False,
+                               io_threads=2), GEO, "m", 0)
+    gate = threading.Event()
+    real = store.write_blocks
+
+    def slow(*args: Any) -> Any:
+        gate.wait(10)  # a disk that answers late
+        return real(*args)
+
+    store.write_blocks = slow  # type: ignore[method-assign]
+    engine = make_engine(GEO, 4, 4, "cpu")
+    return PlanExecutor(engine, store, timeout_s=5.0), store, gate
+
+
+def test_a_spill_returns_at_once_and_a_refill_of_its_slot_waits_for_it(tmp_path: Path) -> None:
+    ex, store, gate = _setup(tmp_path)
+    hbm, host = ex.hbm, ex.host
+    hbm.tensor[0].fill_(1.0)
+    hbm.tensor[1].fill_(2.0)
+    want = hbm.tensor[0].reshape(-1).view(torch.uint8).numpy().copy()  # block 0's bytes
+    ex.run(_plan(1, 0, H, 0, D, 0), np.ones(1, dtype=bool))  # block 0: L1 slot 0 -> L2 slot 0
+    t0 = time.monotonic()
+    out = ex.run(_plan(2, 0, D, 0, S, -1), np.ones(1, dtype=bool))  # L2 slot 0 -> L3
+    assert out.done.all() and time.monotonic() - t0 < 1.0 and len(ex.spills) == 1
+    threading.Timer(0.3, gate.set).start()
+    ex.run(_plan(3, 1, H, 1, D, 0), np.ones(1, dtype=bool))  # refills L2 slot 0: must wait
+    assert not ex.spills and gate.is_set()
+    assert (host.block(0) == 2.0).all()  # the refill landed
+    buf = np.zeros(GEO.block_bytes, dtype=np.uint8)
+    assert store.read_blocks("sess", np.array([0]), [buf])[0]  # manifest committed on reap
+    assert np.array_equal(buf, want)  # L3 holds block 0, not the refill's bytes
+    store.close()
+
+
+def test_an_unrelated_d2h_does_not_wait_and_synchronize_finishes_every_spill(tmp_path: Path
+                                                                          ) -> None:
+    ex, store, gate = _setup(tmp_path)
+    ex.run(_plan(1, 0, H, 0, D, 0), np.ones(1, dtype=bool))
+    ex.run(_plan(2, 0, D, 0, S, -1), np.ones(1, dtype=bool))
+    ex.run(_plan(3, 1, H, 1, D, 2), np.ones(1, dtype=bool))  # another L2 slot: no wait
+    assert len(ex.spills) == 1 and not gate.is_set()
+    gate.set()
+    ex.synchronize()
+    assert not ex.spills and ex.num_failed_spills == 0
+    assert store.session_indices("sess").tolist() == [0]
+    store.close()
