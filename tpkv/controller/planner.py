@@ -122,8 +122,11 @@ def _watermark(ctx: PlanContext, tier: int, used: int, slots: int) -> int:
 
 def _keys(ctx: PlanContext, b: PlanBuilder, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     s, p = b.s, ctx.policy
-    mean_attn = (s.attn_sum[cand] / np.maximum(s.arena.length[cand], 1) if p.kind == "heat"
-                 else None)
+    mean_attn = None
+    if p.kind == "heat":
+        blocks = np.maximum(s.arena.length[cand], 1)
+        mean_attn = s.attn_sum[cand]
+        mean_attn /= blocks
     return eviction_keys_of(p.kind, mean_attn, s.run_hist[0][cand], s.run_hist[-1][cand],
                             ctx.tick, p.w_attn, p.w_recency)
 

@@ -16,8 +16,12 @@ PolicyKind = str  # "heat" | "lru" | "lruk"
 def heat(attn: np.ndarray, ticks_since_access: np.ndarray, w_attn: float,
          w_recency: float) -> np.ndarray:
     """heat = w_attn * attention_mass + w_recency / (1 + ticks_since_access); hotter is higher."""
-    since = np.maximum(np.asarray(ticks_since_access, dtype=np.float64), 0.0)
-    return w_attn * np.asarray(attn, dtype=np.float64) + w_recency / (1.0 + since)
+    recency = np.maximum(np.asarray(ticks_since_access, dtype=np.float64), 0.0)
+    recency += 1.0  # in place: no temporaries over every candidate (same values, same order)
+    np.divide(w_recency, recency, out=recency)
+    out = w_attn * np.asarray(attn, dtype=np.float64)
+    out += recency
+    return out
 
 
 def eviction_keys(kind: PolicyKind, mean_attn: np.ndarray, run_hist: np.ndarray, tick: int,
@@ -41,7 +45,7 @@ def eviction_keys_of(kind: PolicyKind, mean_attn: np.ndarray | None, last_tick: 
     kth = kth_tick.astype(np.float64)
     if kind == "heat":
         assert mean_attn is not None, "heat needs the mean attention mass"
-        return heat(mean_attn, tick - last, w_attn, w_recency), kth
+        return heat(mean_attn, np.subtract(tick, last, out=last), w_attn, w_recency), kth
     if kind == "lru":
         return last, kth
     if kind == "lruk":
