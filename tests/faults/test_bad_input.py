@@ -107,7 +107,7 @@ _DECODERS = {"plan": decode_plan,
              "commit": lambda data: CommitOutcome.from_dict(decode(data)),
              "result": lambda data: move_result_from_dict(decode(data))}
 # One input each that gets an untyped error out today (see RELIABILITY.md).
-_KNOWN_BUG = {
+_KNOWN_BUG: dict[str, dict[str, Any]] = {
     "plan": {"epoch": math.inf}, "step": {"num_tokens": [2**63]},
     "commit": {"epoch": math.inf}, "result": {"rank": math.inf},
 }
