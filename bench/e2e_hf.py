@@ -70,7 +70,7 @@ def run_hf(sizes: Any, contexts: list[int], device: torch.device) -> dict[str, A
                 tok = forward(s, prev + prompt)
                 sync()
                 ttft.append((time.perf_counter() - t1) * 1e3)
-                for _ in range(sizes.gen_tokens - 1):
+                for _ in range((sizes.gen_tokens if rnd else 1) - 1):
                     t1 = time.perf_counter()
                     tok = forward(s, [tok])
                     sync()

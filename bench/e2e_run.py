@@ -131,7 +131,7 @@ class Rounds:
                 for i in order[first:first + self.engine.max_batch].tolist():
                     n = self.contexts[i] if rnd == 0 else sizes.user_tokens
                     self.engine.add_turn(names[i], rng.integers(0, self.vocab, n).tolist(),
-                                         sizes.gen_tokens)
+                                         sizes.gen_tokens if rnd else 1)
                 try:
                     made = self._drain(rnd)
                 except (TpkvError, torch.OutOfMemoryError) as exc:
