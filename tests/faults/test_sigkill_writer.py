@@ -12,12 +12,14 @@ from tests.faults.crashcheck import (
     GEOMETRY,
     MODEL,
     Model,
+    Op,
     Tally,
     close_stores,
     files_outside,
     leftovers,
     open_stores,
     recover,
+    run_op,
     verify,
 )
 from tests.faults.writer import KILLED, replay, spawn_and_kill, start_server
@@ -55,8 +57,13 @@ def test_sigkilled_spill_writer_never_loses_acked_data_or_serves_wrong_blocks(
         assert tally.problems == [], tally.problems
     assert files_outside(root, tmp_path) == []
     assert len(os.listdir("/proc/self/fd")) == fds  # pipes and restarted stores all closed
-    # Stale data: the same directory under any other fingerprint, dtype, TP size or block size
-    # loads zero blocks, and the stores of the original geometry still read every acked block.
+    # Stale data: the same directory under any other fingerprint, dtype, TP size, block size or
+    # format version loads zero blocks; the original stores still read every acked block.
+    stores = open_stores(root)
+    extra = Op("put", "sess-00", ((7, model.next_version),))  # at least one session to find
+    run_op(stores, extra)
+    model.ack(extra)
+    close_stores(stores)
     stale = _stale_geometries()
     for geo, model_name, version in stale:
         with monkeypatch.context() as patch:
