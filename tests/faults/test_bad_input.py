@@ -165,11 +165,12 @@ def test_any_msgpack_value_decodes_or_gives_a_typed_error(value: Any) -> None:
     assert msgpack.packb(back, use_bin_type=True) == data  # every legal value, exactly
 
 
-def test_atheris_fuzz_of_the_wire_decoders() -> None:
+def test_atheris_fuzz_of_the_wire_decoders(tmp_path: Path) -> None:
     """Coverage-guided, where atheris installs (it is not a project dependency)."""
     pytest.importorskip("atheris")
     done = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("fuzz_wire.py")), "-runs=100000",
-         "-seed=1"], capture_output=True, text=True, timeout=240,
+         "-seed=1", f"-artifact_prefix={tmp_path}/"], capture_output=True, text=True,
+        timeout=240,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
     assert done.returncode == 0 and "Done 100000 runs" in done.stderr, done.stderr[-3000:]
