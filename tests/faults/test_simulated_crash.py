@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests.faults.crashcheck import (
+    SESSIONS,
     Model,
     Op,
     Tally,
@@ -65,8 +66,8 @@ def initial_model() -> Model:
     return model
 
 
-def run_until_crash(work: Path, crash_at: int | None, self_check: bool = False
-                    ) -> tuple[Model, FaultOs]:
+def run_until_crash(work: Path, crash_at: int | None, self_check: bool = False,
+                    workload: tuple[Op, ...] = WORKLOAD) -> tuple[Model, FaultOs]:
     """The workload under the fault layer; the model holds what was acknowledged before the
     crash and the op it cut."""
     model = initial_model()
@@ -74,7 +75,7 @@ def run_until_crash(work: Path, crash_at: int | None, self_check: bool = False
     try:
         with installed(fault_os):
             stores = open_stores(work)
-            for op in WORKLOAD:
+            for op in workload:
                 model.inflight = op
                 run_op(stores, op)
                 model.ack(op)
@@ -83,33 +84,34 @@ def run_until_crash(work: Path, crash_at: int | None, self_check: bool = False
     return model, fault_os
 
 
-def count_calls(seed_root: Path, tmp_path: Path) -> int:
+def count_calls(seed_root: Path, tmp_path: Path, workload: tuple[Op, ...] = WORKLOAD) -> int:
     work = tmp_path / "dry"
     shutil.copytree(seed_root, work)
-    model, fault_os = run_until_crash(work, None, self_check=True)
+    model, fault_os = run_until_crash(work, None, self_check=True, workload=workload)
     assert not fault_os.crashed and model.inflight is None
     shutil.rmtree(work)
     return fault_os.calls
 
 
 def crash_and_check(seed_root: Path, tmp_path: Path, crash_at: int, names: str, data: str,
-                    tally: Tally) -> None:
+                    tally: Tally, workload: tuple[Op, ...] = WORKLOAD,
+                    sessions: tuple[str, ...] = USED) -> None:
     work, after = tmp_path / "work", tmp_path / "after"
     shutil.copytree(seed_root, work)
-    model, fault_os = run_until_crash(work, crash_at)
+    model, fault_os = run_until_crash(work, crash_at, workload=workload)
     assert fault_os.crashed, crash_at
     fault_os.crash_tree(after, names, data, np.random.default_rng(crash_at))
     label = f"crash at call {crash_at} ({names} names, {data} data)"
     with installed(FaultOs(after)):  # no crash: only to skip real fsyncs
         stores = open_stores(after)
         assert leftovers(after) == [], label
-        verify(stores, model, tally, label, USED)
+        verify(stores, model, tally, label, sessions)
         recover(stores, model, tally, label)
         # The node keeps serving: a session is written again, all reads agree.
         redo = Op("put", "sess-03", ((5, 99),))
         run_op(stores, redo)
         model.ack(redo)
-        verify(stores, model, tally, label + ", after a new write", USED)
+        verify(stores, model, tally, label + ", after a new write", sessions)
         close_stores(stores)
     shutil.rmtree(work)
     shutil.rmtree(after)
@@ -129,6 +131,30 @@ def test_every_crash_point_in_every_mode_loses_nothing_acked(seed_root: Path,
     print(f"\nsimulated crashes: points={num_calls} modes={len(MODES)} "
           f"crashes={num_calls * len(MODES)} blocks_checked={tally.checked} hits={tally.hits} "
           f"wrong={tally.wrong} lost={tally.lost}")
+
+
+def test_random_workloads_crashed_at_random_points(seed_root: Path, tmp_path: Path) -> None:
+    """Other op sequences: 12 random 8-op workloads over all sessions, 10 crashes each at
+    random calls, in random modes."""
+    rng = np.random.default_rng(7)
+    tally, crashes = Tally(), 0
+    for _ in range(12):
+        planner = initial_model()
+        planner.next_version = 100
+        workload = []
+        for _ in range(8):
+            workload.append(op := planner.pick(rng))
+            planner.ack(op)
+        num_calls = count_calls(seed_root, tmp_path, tuple(workload))
+        for crash_at in rng.choice(np.arange(1, num_calls + 1), size=10, replace=False):
+            names, data = MODES[int(rng.integers(len(MODES)))]
+            crash_and_check(seed_root, tmp_path, int(crash_at), names, data, tally,
+                            tuple(workload), SESSIONS)
+            crashes += 1
+        assert tally.problems == [], tally.problems
+    assert crashes == 120 and tally.wrong == tally.lost == tally.dirty_misses == 0
+    print(f"\nrandom workloads: crashes={crashes} blocks_checked={tally.checked} "
+          f"hits={tally.hits} wrong={tally.wrong} lost={tally.lost}")
 
 
 @pytest.mark.parametrize("skip", ["segment fsync", "directory fsync"])
