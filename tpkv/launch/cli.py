@@ -87,7 +87,7 @@ def tiered_demo(args: argparse.Namespace) -> int:
     from tpkv.launch.demo import demo as run_demo
 
     tp = args.tp or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    return run_demo(tp, args.seconds, args.model, args.sessions)
+    return run_demo(tp, args.seconds, args.model, args.sessions, keep_serving=args.keep_serving)
 
 
 def launch_command(args: argparse.Namespace) -> int:
@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--seconds", type=float, default=60.0)
     d.add_argument("--model", default="small", choices=["tiny", "small", "1b"])
     d.add_argument("--sessions", type=int, default=64)
+    d.add_argument("--keep-serving", action="store_true",
+                   help="leave the controller and its dashboard up after the run (Ctrl-C ends)")
     d.set_defaults(func=tiered_demo)
     r = sub.add_parser("demo-tiers", help="round-trip random KV blocks through the three tiers")
     r.add_argument("--blocks", type=int, default=256)

@@ -6,10 +6,25 @@ import os
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-from tpkv.config import PolicyConfig
+from tpkv.config import PolicyConfig, TpkvConfig
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+
+MAX_BATCH = 4
+
+
+def demo_config(model_name: str, world: int, ssd_root: str, sessions: int) -> TpkvConfig:
+    """The demo's tiers: sessions reach 12 blocks; L1 fits a full batch plus a little, L2 about
+    a quarter of all sessions: the rest must spill to L3 between turns."""
+    from tpkv.models.llama import ModelConfig
+    from tpkv.models.tiered import tiered_config
+
+    return tiered_config(ModelConfig.preset(model_name), world, block_tokens=16,
+                         l1_blocks=12 * MAX_BATCH + 8, l2_blocks=2 * sessions,
+                         ssd_root=os.path.join(ssd_root, "l3"), l3_blocks=64 * sessions,
+                         wait_timeout_s=60.0, policy=PolicyConfig(cooldown_s=0.0))
 
 
 def rank_main(model_name: str, seconds: float, ssd_root: str, sessions: int) -> dict[str, Any]:
@@ -18,7 +33,7 @@ def rank_main(model_name: str, seconds: float, ssd_root: str, sessions: int) -> 
 
     from tpkv.launch.join import init
     from tpkv.models.llama import build_model
-    from tpkv.models.tiered import run_tiered_demo, tiered_config
+    from tpkv.models.tiered import run_tiered_demo
     from tpkv.models.tp import apply_tp
     from tpkv.models.workload import WorkloadConfig
 
@@ -28,13 +43,7 @@ def rank_main(model_name: str, seconds: float, ssd_root: str, sessions: int) -> 
               else torch.device("cpu"))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     model = build_model(model_name, seed=0, device=device)
-    # Sessions reach 12 blocks; L1 fits a full batch plus a little, L2 about a quarter of all
-    # sessions: the rest must spill to L3 between turns.
-    max_batch = 4
-    cfg = tiered_config(model, world, block_tokens=16, l1_blocks=12 * max_batch + 8,
-                        l2_blocks=2 * sessions, ssd_root=os.path.join(ssd_root, "l3"),
-                        l3_blocks=64 * sessions, wait_timeout_s=60.0,
-                        policy=PolicyConfig(cooldown_s=0.0))
+    cfg = demo_config(model_name, world, ssd_root, sessions)
     wl = WorkloadConfig(num_sessions=sessions, num_users=max(2, sessions // 2), turns=(3, 6),
                         system_prompt_tokens=32, doc_tokens=(32, 96), user_tokens=(8, 24),
                         gen_tokens=(8, 16), think_s=(0.05, 0.5), ramp_s=0.0,
@@ -42,13 +51,8 @@ def rank_main(model_name: str, seconds: float, ssd_root: str, sessions: int) -> 
     with init(cfg, device=device) as rt:
         if world > 1:
             apply_tp(model, rank, world)
-        url = None
-        ctl = rt.controller
-        if rank == 0 and ctl is not None and hasattr(ctl, "dashboard"):
-            url = ctl.dashboard().get("url")
-            print(f"tpkv demo: dashboard at {url} while it runs", flush=True)
-        out = run_tiered_demo(rt, model, wl, seconds=seconds, max_batch=max_batch)
-    out["rank"], out["world"], out["device"], out["dashboard"] = rank, world, str(device), url
+        out = run_tiered_demo(rt, model, wl, seconds=seconds, max_batch=MAX_BATCH)
+    out["rank"], out["world"], out["device"] = rank, world, str(device)
     return out
 
 
@@ -76,21 +80,105 @@ def print_summary(out: dict[str, Any], console: Console) -> None:
     console.print(t)
 
 
-def demo(tp: int, seconds: float, model: str, sessions: int) -> int:
+def demo(tp: int, seconds: float, model: str, sessions: int, keep_serving: bool = False,
+         serve_s: float | None = None) -> int:
+    """Start Ray (unless running) and the controller here, so that its dashboard is up from the
+    start (and, with keep_serving, after the run); run the ranks with a progress bar."""
+    import ray
     from rich.console import Console
 
-    from tpkv.launch.ray_launch import launch_ray
+    from tpkv.controller import actor
 
     console = Console()
     console.print(f"starting a local Ray cluster, the controller and {tp} TP ranks; "
                   f"model '{model}', {sessions} sessions, about {seconds:.0f} s ...")
-    with tempfile.TemporaryDirectory(prefix="tpkv-demo-") as root:
-        results = launch_ray(rank_main, tp, args=(model, seconds, root, sessions),
-                             timeout_s=120.0)
-    out = results[0]
-    print_summary(out, console)
-    same = all(r["turns"] == out["turns"] and r["moves"] == out["moves"] for r in results)
-    console.print(f"all {tp} ranks agree on every turn and move: {same}")
-    if out.get("dashboard"):
-        console.print(f"the dashboard was at {out['dashboard']} (it stops with the controller)")
-    return 0 if same else 1
+    started = not ray.is_initialized()
+    if started:
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(address="local", namespace=actor.NAMESPACE, include_dashboard=False,
+                 log_to_driver=False, num_cpus=max(tp, os.cpu_count() or 1))
+    handle = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="tpkv-demo-") as root:
+            handle = actor.get_or_create(demo_config(model, tp, root, sessions))
+            client = actor.ControllerClient(handle, timeout_s=60.0)
+            url = client.dashboard().get("url")
+            if url:
+                console.print(f"dashboard: {url} (while the demo runs"
+                              f"{' and after it' if keep_serving else ''})")
+            results = _run_with_progress(console, client, tp, seconds, model, root, sessions)
+        out = results[0]
+        out["dashboard"] = url
+        print_summary(out, console)
+        same = all(r["turns"] == out["turns"] and r["moves"] == out["moves"] for r in results)
+        console.print(f"all {tp} ranks agree on every turn and move: {same}")
+        if keep_serving and url:
+            _serve(console, url, serve_s)
+        return 0 if same else 1
+    finally:
+        if handle is not None:
+            ray.kill(handle)
+        if started:
+            ray.shutdown()
+
+
+def _run_with_progress(console: Console, client: Any, tp: int, seconds: float, model: str,
+                       root: str, sessions: int) -> list[Any]:
+    """launch_ray on a thread; here, a bar over the demo's time with the controller's figures."""
+    import threading
+    import time
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tpkv.launch.ray_launch import launch_ray
+
+    box: dict[str, Any] = {}
+
+    def ranks() -> None:
+        try:
+            box["results"] = launch_ray(rank_main, tp, args=(model, seconds, root, sessions),
+                                        timeout_s=120.0)
+        except BaseException as exc:  # re-raised on the main thread
+            box["error"] = exc
+
+    worker = threading.Thread(target=ranks, name="tpkv-demo-ranks", daemon=True)
+    worker.start()
+    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[figures]}"))
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("demo", total=seconds, figures="starting ranks")
+        t0 = time.monotonic()
+        while worker.is_alive():
+            worker.join(1.0)
+            bar.update(task, completed=min(seconds, time.monotonic() - t0),
+                       figures=_figures(client))
+        bar.update(task, completed=seconds)
+    if "error" in box:
+        raise box["error"]
+    results: list[Any] = box["results"]
+    return results
+
+
+def _figures(client: Any) -> str:
+    """One line from the controller's snapshot; empty while it is busy or not ready."""
+    try:
+        snap = client.snapshot()
+    except Exception:  # noqa: BLE001 - the bar goes on without figures
+        return ""
+    tiers = snap.get("tiers", {})
+    occ = " ".join(f"{name} {100 * (tiers[name].get('occupancy') or 0):.0f}%"
+                   for name in ("L1", "L2", "L3") if name in tiers)
+    return f"step {snap.get('tick', 0)}  sessions {snap.get('num_sessions', 0)}  {occ}"
+
+
+def _serve(console: Console, url: str, serve_s: float | None) -> None:
+    """Keep the controller and its dashboard up until Ctrl-C (or serve_s seconds, for tests)."""
+    import time
+
+    console.print(f"--keep-serving: the dashboard stays at {url}; Ctrl-C to stop")
+    deadline = None if serve_s is None else time.monotonic() + serve_s
+    try:
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        console.print("stopping")

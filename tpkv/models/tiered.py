@@ -16,7 +16,7 @@ from tpkv.controller.messages import StepResult
 from tpkv.errors import PlanMismatchError, RankMismatchError
 from tpkv.launch.runtime import TpkvRuntime
 from tpkv.models.engine import PagedEngine, StepReport
-from tpkv.models.llama import Llama
+from tpkv.models.llama import Llama, ModelConfig
 from tpkv.models.scheduler import StepTables
 from tpkv.types import Tier
 
@@ -26,7 +26,7 @@ DIRECTIONS = {"l1_l2": (Tier.HBM, Tier.DRAM), "l2_l1": (Tier.DRAM, Tier.HBM),
 _TIER_NAME = {int(Tier.HBM): "l1", int(Tier.DRAM): "l2", int(Tier.SSD): "l3"}
 
 
-def tiered_config(model: Llama, tp_size: int, *, block_tokens: int, l1_blocks: int,
+def tiered_config(model: Llama | ModelConfig, tp_size: int, *, block_tokens: int, l1_blocks: int,
                   l2_blocks: int, ssd_root: str | None = None, l3_blocks: int = 4096,
                   policy: PolicyConfig | None = None, wait_timeout_s: float = 30.0,
                   **extra: Any) -> TpkvConfig:
