@@ -1,0 +1,96 @@
+"""Plot bench/results/e2e.json as a PNG and print its BENCHMARKS.md table.
+
+    python bench/plot_e2e.py [bench/results/e2e.json] [bench/results/e2e.png]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ORDER = ("a", "b", "c", "d")
+SOURCES = ("l2", "l3", "recompute")
+
+
+def plot(result: dict, out: Path) -> None:
+    cfgs = {k: v for k, v in result["configs"].items() if k in ORDER}
+    keys = [k for k in ORDER if k in cfgs]
+    names = [f"({k}) {cfgs[k]['label']}" for k in keys]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    ax = axes[0]
+    ax.bar(names, [cfgs[k]["sessions_held"] for k in keys], color="tab:blue")
+    ax.set_title(f"sessions held (of {cfgs[keys[0]]['sessions']}), same L1")
+    ax = axes[1]
+    ax.bar(names, [cfgs[k]["decode_tokens_per_s"] or 0 for k in keys], color="tab:green")
+    ax.set_title("generated tokens/s over the turn rounds")
+    ax = axes[2]
+    width = 0.25
+    for i, src in enumerate(SOURCES):
+        vals = [cfgs[k].get(f"resume_ms_p50_{src}") or 0 for k in keys if k != "d"]
+        ax.bar([j + i * width for j in range(len(vals))], vals, width, label=f"from {src}")
+    ceil = result["configs"].get("e", {})
+    for i, src in enumerate(("l2", "l3")):
+        if ceil.get(f"ceiling_ms_p50_{src}"):
+            ax.axhline(ceil[f"ceiling_ms_p50_{src}"], ls="--", lw=1, color=f"C{i}",
+                       label=f"ceiling {src} (c)")
+    ax.set_xticks([j + width for j in range(len([k for k in keys if k != "d"]))],
+                  [n for k, n in zip(keys, names) if k != "d"])
+    ax.set_ylabel("ms")
+    ax.set_title("resume p50 by source tier")
+    ax.legend(fontsize=8)
+    for a in axes:
+        a.tick_params(axis="x", labelsize=7, rotation=12)
+    fig.suptitle(f"tpkv end to end on {result['device']} ({result['date']}): "
+                 f"{result['command']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def _f(x: object, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def markdown(result: dict) -> str:
+    cfgs, ratios = result["configs"], result["ratios"]
+    lines = ["| config | sessions held | failures | gen tok/s | step p50 / p99 ms | "
+             "resume p50 / p99 ms by source | resume / ceiling (p50) |",
+             "|---|---|---|---|---|---|---|"]
+    for k in ORDER:
+        if k not in cfgs:
+            continue
+        c = cfgs[k]
+        res = ", ".join(f"{s}: {_f(c.get(f'resume_ms_p50_{s}'))} / "
+                        f"{_f(c.get(f'resume_ms_p99_{s}'))}"
+                        for s in SOURCES if c.get(f"resume_ms_p50_{s}") is not None)
+        if k == "d":
+            res = f"turn TTFT: {_f(c.get('resume_ms_p50'))} / {_f(c.get('resume_ms_p99'))}"
+        vs = ", ".join(f"{s}: {v:.2f}" for s, v in c.get("resume_vs_ceiling", {}).items())
+        lines.append(f"| ({k}) {c['label']} | {c['sessions_held']} of {c['sessions']} | "
+                     f"{c['oom_or_failures']} | {_f(c['decode_tokens_per_s'])} | "
+                     f"{_f(c['step_ms_p50'])} / {_f(c['step_ms_p99'])} | {res} | {vs or '-'} |")
+    lines.append("")
+    lines.append("| ratio | " + " | ".join(f"({k})" for k in ORDER if k in ratios) + " | goal |")
+    lines.append("|---|" + "---|" * (len([k for k in ORDER if k in ratios]) + 1))
+    for name, goal in (("sessions_held_vs_a", ">= 16"), ("decode_tokens_per_s_vs_a", ">= 2.5"),
+                       ("step_traffic_vs_quiet_p50", "<= 1.05")):
+        vals = [_f(ratios[k].get(name), 2) for k in ORDER if k in ratios]
+        lines.append(f"| {name} | " + " | ".join(vals) + f" | {goal} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    src = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results/e2e.json")
+    out = Path(sys.argv[2] if len(sys.argv) > 2 else src.with_suffix(".png"))
+    result = json.loads(src.read_text())
+    plot(result, out)
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
