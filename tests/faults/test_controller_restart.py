@@ -6,22 +6,49 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-import tpkv
-from tests.multiproc.test_engine_tiered import BT, drive, reference
 from tpkv.config import PolicyConfig
 from tpkv.controller.controller import Controller
-from tpkv.models.llama import build_model
+from tpkv.launch.join import init as tpkv_init
+from tpkv.models.engine import PagedEngine
+from tpkv.models.llama import Llama, build_model
 from tpkv.models.tiered import TieredEngine, tiered_config
 
 pytestmark = pytest.mark.timeout(180)
+BT, SESSIONS, TURNS, GROUP = 4, 6, 3, 2
+Turns = dict[str, list[tuple[int, ...]]]
 _STALE_L3_BUG = pytest.mark.xfail(
     strict=True, raises=AssertionError,
     reason="bug: rebuild puts blocks the rank's slot map holds as NONE back in L3 from the "
            "manifests (records of those indices left on disk); plans then disagree with the "
            "rank, and after the resync it computes with zeros for blocks it has no copy of")
+
+
+def drive(engine: PagedEngine, seed: int = 0) -> Turns:
+    """Turns of two sessions at a time, round robin over six: between two turns of a session
+    the four others run, so a small L1 demotes it and a small L2 spills it to L3."""
+    rng = np.random.default_rng(seed)
+    out: Turns = {}
+    for turn in range(TURNS):
+        for first in range(0, SESSIONS, GROUP):
+            for i in range(first, first + GROUP):
+                n = int(rng.integers(12, 21)) if turn == 0 else int(rng.integers(3, 9))
+                engine.add_turn(f"s{i}", rng.integers(0, 512, n).tolist(),
+                                int(rng.integers(4, 7)))
+            for f in engine.run():
+                out.setdefault(f.session, []).append(f.token_ids)
+    return out
+
+
+def reference(model: Llama) -> Turns:
+    """The same workload with an L1 that holds everything: nothing moves, nothing fails."""
+    g = model.kv_geometry(tp_size=1, block_tokens=BT)
+    heads = model.blocks[0].attn.wk.out_features // model.config.head_dim
+    pool = torch.full((256, g.num_layers, 2, BT, heads, g.head_dim), float("nan"))
+    return drive(PagedEngine(model, pool, scheduler_seed=3))
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +72,7 @@ def test_tokens_after_controller_restarts_equal_a_run_without_fault(
     cfg = tiered_config(model, 1, block_tokens=BT, l1_blocks=32, l2_blocks=16,
                         ssd_root=str(tmp_path / "l3"),
                         policy=PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=10.0))
-    rt = tpkv.init(cfg, controller="local", device="cpu")
+    rt = tpkv_init(cfg, controller="local", device="cpu")
     summaries: list[dict[str, Any]] = []
     try:
         tiered = TieredEngine(rt, model, report_prefill=False)
