@@ -115,8 +115,9 @@ class RowArena:
         lens = self.length[sessions]
         arena = self.arena
         if len(sessions) <= _SLICE_GATHER:
+            view = arena.data  # memoryview slices: a plain memmove each
             for a, b, n in zip(self.start[sessions].tolist(), new_start.tolist(), lens.tolist()):
-                arena[b:b + n] = arena[a:a + n]  # a new extent never overlaps a live one
+                view[b:b + n] = view[a:a + n]  # a new extent never overlaps a live one
         elif lens.any():
             arena[extent_index(new_start, lens)] = arena[extent_index(self.start[sessions], lens)]
         self.live_cap += want - int(self.cap[sessions].sum())

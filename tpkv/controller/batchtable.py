@@ -77,12 +77,14 @@ class BatchTable:
                 extent_index(self.offsets[prev[r]], keep[r])]
             return
         ends = np.flatnonzero(reuse & ~cont[1:])  # the last position of each run
-        dst_a = offsets[starts].tolist()
-        dst_b = (offsets[ends] + keep[ends]).tolist()
-        src_a = self.offsets[prev[starts]].tolist()
-        old = self.slots
-        for a, b, c in zip(dst_a, dst_b, src_a):
-            out[a:b] = old[c:c + b - a]
+        dst_a = offsets[starts]
+        dst_b = offsets[ends] + keep[ends]
+        src_a = self.offsets[prev[starts]]
+        src_b = src_a + (dst_b - dst_a)
+        # memoryview slices: a plain memmove each, about half the cost of numpy slice copies
+        to, old = out.data, self.slots.data
+        for a, b, c, d in zip(dst_a.tolist(), dst_b.tolist(), src_a.tolist(), src_b.tolist()):
+            to[a:b] = old[c:d]
 
     def nbytes(self) -> int:
         return int(self.batch.nbytes + self.offsets.nbytes + self.lens.nbytes
