@@ -130,7 +130,9 @@ class BlockTable:
 
     # ---- ids -----------------------------------------------------------------------------------
     def ids(self, rows: np.ndarray) -> np.ndarray:
-        return (self.gen[rows].astype(np.int64) << _ID_SHIFT) | rows.astype(np.int64)
+        ids = np.left_shift(self.gen[rows], _ID_SHIFT, dtype=np.int64)
+        ids |= rows
+        return ids
 
     def rows_of(self, block_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows of block ids and a mask of the ids that name a live block."""
