@@ -113,8 +113,9 @@ class TieredEngine:
 
     def wait(self, tables: StepTables) -> None:
         self.rt.worker.wait_all()
-        if self._resume is not None:
+        if self._resume is not None:  # the resume ends when its copies are done on the device
             started, tier = self._resume
+            self.rt.worker.executor.synchronize_h2d()
             self.stats.resume_s[tier].append(time.perf_counter() - started)
 
     def report(self, r: StepReport) -> None:

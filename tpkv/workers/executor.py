@@ -299,6 +299,10 @@ class PlanExecutor:
         if self.engine.on_gpu and handle is not None and handle.event is not None:
             torch.cuda.current_stream(self.hbm.device).wait_event(handle.event)
 
+    def synchronize_h2d(self) -> None:
+        """Wait on the host for the copies into L1 issued so far (bounded)."""
+        wait_handle(self.last["h2d"], time.monotonic() + self.timeout_s, "synchronize h2d")
+
     def synchronize(self) -> None:
         """Wait on the host for every copy and background spill issued (bounded)."""
         deadline = time.monotonic() + self.timeout_s

@@ -1,0 +1,98 @@
+"""Where a step of the e2e engine goes: forward of a turn's prompt after a long context, and of a
+decode step, per attention implementation, timed with CUDA events (no tiers involved).
+
+    python bench/step_profile.py [--model 1b] [--context 12288] [--batch 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from tpkv.models.engine import PagedEngine  # noqa: E402
+from tpkv.models.llama import build_model  # noqa: E402
+from tpkv.models.paged import paged_attention_ref, paged_attention_sdpa  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, reps: int = 5) -> float:
+    fn()
+    sync()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="1b")
+    ap.add_argument("--context", type=int, default=12288)
+    ap.add_argument("--batch", type=int, default=3)
+    ap.add_argument("--turn", type=int, default=64)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    model = build_model(args.model, seed=0, device=args.device)
+    bt = 16
+    per = -(-(args.context + args.turn + 64) // bt)
+    g = model.kv_geometry(block_tokens=bt)
+    pool = torch.zeros((per * args.batch + 8, g.num_layers, 2, bt, g.num_kv_heads, g.head_dim),
+                       dtype=model.config.torch_dtype, device=args.device)
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    rows = {}
+    for name, impl in (("sdpa", paged_attention_sdpa), ("ref", paged_attention_ref)):
+        eng = PagedEngine(model, pool, attention=impl)
+        tables = [np.arange(i * per, (i + 1) * per) for i in range(args.batch)]
+        for i in range(args.batch):
+            eng.seqs.pop(f"s{i}", None)
+            eng.prefill(f"s{i}", rng.integers(0, vocab, args.context).tolist(), tables[i])
+            eng.seqs[f"s{i}"].num_cached = args.context
+        sync()
+        seq = eng.seqs["s0"]
+
+        def turn(eng: PagedEngine = eng, seq=seq, tables=tables) -> None:
+            """The turn's new tokens after the context, then forget them."""
+            del seq.token_ids[args.context:]
+            seq.num_cached = args.context
+            eng.prefill("s0", rng.integers(0, vocab, args.turn).tolist(), tables[0])
+
+        def decode(eng: PagedEngine = eng, tables=tables) -> None:
+            for i in range(args.batch):
+                s = eng.seqs[f"s{i}"]
+                del s.token_ids[args.context + 1:]
+                s.num_cached = args.context
+                if len(s.token_ids) == args.context:
+                    s.token_ids.append(1)
+            eng.decode_step([(f"s{i}", tables[i]) for i in range(args.batch)])
+
+        rows[name] = {"turn_prefill_ms": round(timed(turn), 2),
+                      "decode_step_ms": round(timed(decode), 2)}
+        print(name, rows[name], flush=True)
+    if torch.cuda.is_available():
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            decode()
+            sync()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
