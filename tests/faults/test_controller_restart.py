@@ -6,20 +6,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-import torch
 
-from tpkv.config import PolicyConfig
+from tests.faults.engine_run import drive, tiny_model_and_reference, tiny_tiers
 from tpkv.controller.controller import Controller
 from tpkv.launch.join import init as tpkv_init
-from tpkv.models.engine import PagedEngine
-from tpkv.models.llama import Llama, build_model
-from tpkv.models.tiered import TieredEngine, tiered_config
+from tpkv.models.tiered import TieredEngine
 
 pytestmark = pytest.mark.timeout(180)
-BT, SESSIONS, TURNS, GROUP = 4, 6, 3, 2
-Turns = dict[str, list[tuple[int, ...]]]
 _STALE_L3_BUG = pytest.mark.xfail(
     strict=True, raises=AssertionError,
     reason="bug: rebuild puts blocks the rank's slot map holds as NONE back in L3 from the "
@@ -27,35 +21,9 @@ _STALE_L3_BUG = pytest.mark.xfail(
            "rank, and after the resync it computes with zeros for blocks it has no copy of")
 
 
-def drive(engine: PagedEngine, seed: int = 0) -> Turns:
-    """Turns of two sessions at a time, round robin over six: between two turns of a session
-    the four others run, so a small L1 demotes it and a small L2 spills it to L3."""
-    rng = np.random.default_rng(seed)
-    out: Turns = {}
-    for turn in range(TURNS):
-        for first in range(0, SESSIONS, GROUP):
-            for i in range(first, first + GROUP):
-                n = int(rng.integers(12, 21)) if turn == 0 else int(rng.integers(3, 9))
-                engine.add_turn(f"s{i}", rng.integers(0, 512, n).tolist(),
-                                int(rng.integers(4, 7)))
-            for f in engine.run():
-                out.setdefault(f.session, []).append(f.token_ids)
-    return out
-
-
-def reference(model: Llama) -> Turns:
-    """The same workload with an L1 that holds everything: nothing moves, nothing fails."""
-    g = model.kv_geometry(tp_size=1, block_tokens=BT)
-    heads = model.blocks[0].attn.wk.out_features // model.config.head_dim
-    pool = torch.full((256, g.num_layers, 2, BT, heads, g.head_dim), float("nan"))
-    return drive(PagedEngine(model, pool, scheduler_seed=3))
-
-
 @pytest.fixture(scope="module")
 def model_and_want() -> tuple[Any, Any]:
-    torch.set_num_threads(1)
-    model = build_model("tiny", seed=0, device="cpu")
-    return model, reference(model)
+    return tiny_model_and_reference()
 
 
 @pytest.mark.parametrize("kill_at_steps", [
@@ -69,9 +37,7 @@ def test_tokens_after_controller_restarts_equal_a_run_without_fault(
     sessions L3 lists (their manifests), and the run goes on. Ray's kill and restart of the
     actor itself is tests/ray/test_controller_actor.py."""
     model, want = model_and_want
-    cfg = tiered_config(model, 1, block_tokens=BT, l1_blocks=32, l2_blocks=16,
-                        ssd_root=str(tmp_path / "l3"),
-                        policy=PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=10.0))
+    cfg = tiny_tiers(model, str(tmp_path / "l3"))
     rt = tpkv_init(cfg, controller="local", device="cpu")
     summaries: list[dict[str, Any]] = []
     try:
