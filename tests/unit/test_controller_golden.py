@@ -61,10 +61,11 @@ def run_small(name: str, seed: int, make_config: Any) -> str:
 
 def run_busy(name: str, seed: int, make_config: Any, steps: int = 160) -> str:
     """Many sessions, a batch that changes a few sessions a step (some announced a step ahead),
-    prompts, closes, attention, pins, misses on L3 reads, late commits, the clock moving."""
+    prompts, closes, attention, pins, misses on L3 reads, late commits, the clock moving. Seed
+    0 also checks every invariant each step (the patched batch table against the block table)."""
     rng = np.random.default_rng(seed)
     clock = FakeClock()
-    c = Controller(make_config(**BUSY[name]), clock, check_invariants=True)
+    c = Controller(make_config(**BUSY[name]), clock, check_invariants=seed == 0)
     h = hashlib.sha256()
     names = [f"u{i}" for i in range(240)]
     for n in names:
