@@ -29,17 +29,28 @@ class BatchTable:
         self.lens = np.zeros(0, dtype=np.int64)
         self.slots = np.zeros(0, dtype=np.int32)
 
-    def build(self, S: SessionTable, T: BlockTable,
-              batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(offsets [B + 1], slots) for `batch`; every block must be in L1 by now."""
+    def build(self, S: SessionTable, T: BlockTable, batch: np.ndarray,
+              lens: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets [B + 1], slots) for `batch`; every block must be in L1 by now. `lens`: the
+        sessions' block counts, when the caller has them. Per-session arrays are read and
+        written at the positions whose session changed only (the batch's sessions are spread
+        over arrays too large to stay in cache)."""
         n = len(batch)
-        lens = S.arena.length[batch]
+        if lens is None:
+            lens = S.arena.length[batch]
         offsets = np.empty(n + 1, dtype=np.int64)
         offsets[0] = 0
         np.cumsum(lens, out=offsets[1:])
         out = np.empty(int(offsets[-1]), dtype=np.int32)
-        prev = S.table_pos[batch]
-        reuse = (prev >= 0) & ~S.dirty[batch]
+        moved = None  # positions that hold another session than last step (None: all)
+        if n == len(self.batch):
+            moved = np.flatnonzero(self.batch != batch)
+            prev = np.arange(n)  # S.table_pos of a session that kept its position
+            prev[moved] = S.table_pos[batch[moved]]
+        else:
+            prev = S.table_pos[batch]
+        dirty = S.dirty[batch]
+        reuse = (prev >= 0) & ~dirty
         keep = np.zeros(n, dtype=np.int64)  # leading entries copied from the last table
         keep[reuse] = self.lens[prev[reuse]]
         if reuse.any():
@@ -55,9 +66,13 @@ class BatchTable:
                 src = extent_index(S.arena.start[batch[grow]] + first, more)
                 dst = extent_index(offsets[grow] + first, more)
             out[dst] = T.slot[S.arena.arena[src]]
-        S.table_pos[self.batch] = -1
-        S.table_pos[batch] = np.arange(n)
-        S.dirty[batch] = False
+        if moved is None:
+            S.table_pos[self.batch] = -1
+            S.table_pos[batch] = np.arange(n)
+        elif len(moved):
+            S.table_pos[self.batch[moved]] = -1
+            S.table_pos[batch[moved]] = moved
+        S.dirty[batch[dirty]] = False
         self.batch, self.offsets, self.lens, self.slots = batch.copy(), offsets, lens, out
         return offsets, out
 

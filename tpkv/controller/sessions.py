@@ -64,7 +64,6 @@ class SessionTable:
     load_s: np.ndarray
     recompute_s: np.ndarray
     opened_tick: np.ndarray
-    mark: np.ndarray
     table_pos: np.ndarray
     dirty: np.ndarray
 
@@ -103,7 +102,6 @@ class SessionTable:
         grow("load_s", np.float32, 0.0)
         grow("recompute_s", np.float32, 0.0)
         grow("opened_tick", np.int64, 0)
-        grow("mark", np.bool_, False)  # scratch; all False between calls
         grow("table_pos", np.int64, -1)  # position in the last step's batch table, or -1
         grow("dirty", np.bool_, True)  # an L1 slot of a block changed since that table
         self.arena.grow_sessions(capacity)

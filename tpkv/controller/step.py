@@ -43,8 +43,9 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         dup = int(ordered[1:][ordered[1:] == ordered[:-1]][0])
         raise DuplicateSessionError(f"session {S.name(dup)!r} appears twice in a step of "
                                     f"{len(batch)} sessions")
-    up = _upcoming(ctl, upcoming, batch)
-    tokens = S.tokens[batch] + S.pending[batch] + add
+    up = _upcoming(ctl, upcoming, ordered)
+    pending = S.pending[batch]
+    tokens = S.tokens[batch] + pending + add
     nb_before = S.arena.length[batch]
     n_new = (tokens + (bt - 1)) // bt - nb_before  # blocks the new tokens open (tokens >= 0)
     new_total = int(n_new.sum())
@@ -66,7 +67,8 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     ctl.tick += 1
     tick = ctl.tick
     S.tokens[batch] = tokens
-    S.pending[batch] = 0
+    if pending.any():
+        S.pending[batch] = 0
     S.record_runs(batch, tick)
     S.clean[batch] = False
     b = PlanBuilder(T, S, ctl.next_epoch, ctl.now_s(), ctl.check_invariants)
@@ -86,7 +88,7 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     _place_fresh(ctl, fresh_old, slots[:len(fresh_old)])
     new_rows = _alloc_new(ctl, batch[has_new], n_grown, nb_before[has_new],
                           slots[len(fresh_old):])
-    offsets, table = ctl.batch_table.build(S, T, batch)
+    offsets, table = ctl.batch_table.build(S, T, batch, nb_before + np.maximum(n_new, 0))
     if ctl.check_invariants:
         rows, _ = S.arena.gather(batch)
         assert (T.tier[rows] == HBM).all(), "a block of the batch is not in L1"
@@ -108,8 +110,9 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         recompute_start=rc_start, recompute_stop=rc_stop, **ctl.finish_step(b))
 
 
-def _upcoming(ctl: Controller, upcoming: Upcoming, batch: np.ndarray) -> np.ndarray:
-    """Sessions expected within prefetch_steps steps, soonest first, without the batch."""
+def _upcoming(ctl: Controller, upcoming: Upcoming, ordered: np.ndarray) -> np.ndarray:
+    """Sessions expected within prefetch_steps steps, soonest first, without the batch (given
+    sorted: a binary search per expected session, no pass over the batch's sessions)."""
     if not upcoming:
         return _EMPTY
     if isinstance(upcoming, Mapping):
@@ -122,12 +125,11 @@ def _upcoming(ctl: Controller, upcoming: Upcoming, batch: np.ndarray) -> np.ndar
         names = list(dict.fromkeys(upcoming))  # once each, in the order given
     if not names:
         return _EMPTY
-    S = ctl.sessions
-    idx = S.resolve(names)
-    S.mark[batch] = True
-    out = idx[~S.mark[idx]]
-    S.mark[batch] = False
-    return out
+    idx = ctl.sessions.resolve(names)
+    if len(ordered) == 0:
+        return idx
+    at = np.minimum(np.searchsorted(ordered, idx), len(ordered) - 1)
+    return idx[ordered[at] != idx]
 
 
 def _names(ctl: Controller, given: Sequence[str] | np.ndarray,
@@ -137,7 +139,8 @@ def _names(ctl: Controller, given: Sequence[str] | np.ndarray,
     if not isinstance(given, np.ndarray):
         return tuple(given)
     S = ctl.sessions
-    handles = S.handle_of[batch]  # a reused session index has a new handle
+    # Handles were checked by resolve() (they are S.handle_of[batch]); a copy, kept below.
+    handles = given.astype(np.int64) if given.dtype.kind in "iu" else S.handle_of[batch]
     prev_handles, prev_names = ctl.names_cache
     if len(prev_handles) == len(batch):
         changed = np.flatnonzero(prev_handles != handles).tolist()
