@@ -164,7 +164,6 @@ _ENGINE_BUG = pytest.mark.xfail(
            "executor (_await_manifest, wait_spills) and ends the run instead of leaving misses")
 
 
-@_ENGINE_BUG
 def test_the_engine_keeps_serving_when_l3_fills_up(tmp_path: Path) -> None:
     """TP 1, the tiny model: L3 on a 256 KiB tmpfs that fills up mid-run (budget far above it).
     Spills that fail leave misses; those blocks are recomputed; the tokens stay exact."""

@@ -71,14 +71,16 @@ def test_a_long_run_with_failures_leaks_no_files_threads_or_memory(
 
     for k in range(20):  # warm-up: the I/O threads and per-thread buffers come into being
         cycle(k)
-    fds, threads, rss = open_fds(), threading.active_count(), rss_bytes()
+    # Threads and files of earlier tests in this process may still be ending: count only what
+    # this run adds (a leak grows them; others' closing can only shrink them).
+    fds, threads, rss = open_fds(), set(threading.enumerate()), rss_bytes()
     for k in range(20, CYCLES):
         cycle(k)
-        assert open_fds() == fds, f"cycle {k}: {open_fds()} open files, {fds} before"
-    assert threading.active_count() == threads
+        assert open_fds() <= fds, f"cycle {k}: {open_fds()} open files, {fds} before"
+    assert set(threading.enumerate()) <= threads, "threads started and not ended"
     grown = rss_bytes() - rss
     assert grown < 16 << 20, f"RSS grew {grown} bytes over {CYCLES - 20} cycles"
     assert counts["enospc"] >= 25 and counts["eio_misses"] >= 35 and counts["ok"] >= 200
     for store in stores:
         store.close()
-    assert open_fds() == fds
+    assert open_fds() <= fds

@@ -209,6 +209,7 @@ class PlanExecutor:
         write has written), or log the failure (its records then read as misses)."""
         keep: list[_Spill] = []
         written: set[str] = set()
+        failed: set[str] = set()
         for sp in self.spills:
             must = every or sp.name in names or (slots is not None and len(slots) > 0
                                                  and bool(np.isin(sp.slots, slots).any()))
@@ -224,12 +225,38 @@ class PlanExecutor:
                     f"{self.timeout_s:g} s") from None
             except (SsdError, TierFullError, OSError) as exc:
                 self.num_failed_spills += 1
-                log.error("epoch %d: L3 write of session %r failed (its blocks will miss): %s",
-                          sp.epoch, sp.name, exc)
+                failed.add(sp.name)
+                log.error("epoch %d: L3 write of session %r failed: %s", sp.epoch, sp.name, exc)
         self.spills = keep
-        for name in sorted(written):
-            assert self.store is not None
-            self.store.commit_manifest(name)
+        for name in sorted(written - failed):
+            self._commit(name, deadline)
+        for name in sorted(failed):
+            self._forget(name, deadline)
+
+    def _commit(self, name: str, deadline: float) -> bool:
+        """Commit a session's manifest; if that fails (e.g. a full disk), forget the session."""
+        assert self.store is not None
+        try:
+            return self.store.commit_manifest(name)
+        except SsdError as exc:
+            self.num_failed_spills += 1
+            log.error("manifest of session %r not written: %s", name, exc)
+            self._forget(name, deadline)
+            return False
+
+    def _forget(self, name: str, deadline: float) -> None:
+        """A spill of the session failed after its plan was confirmed: the controller counts
+        its blocks as in L3, and older records of the same blocks (a last block written again
+        with more tokens since) may still be on disk, where a read would take them as hits.
+        Delete every L3 record of the session: its blocks there miss and are recomputed."""
+        assert self.store is not None
+        self.wait_spills(deadline, names={name})  # none of its writes may land after the drop
+        try:
+            self.store.drop_session(name)
+        except (SsdError, OSError) as exc:
+            log.error("L3 records of session %r not deleted after a failed spill: %s", name, exc)
+        log.error("L3 records of session %r deleted after a failed spill: its blocks in L3 will "
+                  "miss and be recomputed", name)
 
     def _await_manifest(self, name: str, logical: np.ndarray, deadline: float) -> None:
         """Records another rank wrote a moment ago are readable once the manifest covers them:
@@ -237,7 +264,9 @@ class PlanExecutor:
         assert self.store is not None
         end = min(deadline, time.monotonic() + self.timeout_s / 2)
         while not np.isin(logical, self.store.session_indices(name)).all():
-            if self.store.commit_manifest(name) or time.monotonic() > end:
+            failed = self.num_failed_spills
+            if (self._commit(name, deadline) or self.num_failed_spills > failed
+                    or time.monotonic() > end):
                 return
             time.sleep(0.001)
 
@@ -338,7 +367,7 @@ class PlanExecutor:
                 self.host.block_bytes_view(slot)[:] = staging[i]
             elif tier == SSD and self.store is not None and have[i]:
                 self.store.write_blocks(rel.sessions[i], rel.logical_idx[i:i + 1], [staging[i]])
-                self.store.commit_manifest(rel.sessions[i])
+                self._commit(rel.sessions[i], time.monotonic() + self.timeout_s)
         if self.engine.on_gpu:
             done = CopyHandle(n, n * block_bytes, "relocate", "h2d", torch.cuda.Event())
             assert done.event is not None
