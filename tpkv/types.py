@@ -107,7 +107,7 @@ class MovePlan:
         try:
             return cls(epoch=int(d["epoch"]), session_names=tuple(d["session_names"]),
                        **{name: d[name] for name in _PLAN_ARRAYS})
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise WireFormatError(f"plan message is missing or mistypes a field: {exc}") from exc
 
 

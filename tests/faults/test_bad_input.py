@@ -106,16 +106,15 @@ _DECODERS = {"plan": decode_plan,
              "step": lambda data: StepResult.from_dict(decode(data)),
              "commit": lambda data: CommitOutcome.from_dict(decode(data)),
              "result": lambda data: move_result_from_dict(decode(data))}
-# One input each that gets an untyped error out today (see RELIABILITY.md).
+# One input each that once got an untyped error out (int(inf), numpy and 2**63).
 _KNOWN_BUG: dict[str, dict[str, Any]] = {
     "plan": {"epoch": math.inf}, "step": {"num_tokens": [2**63]},
     "commit": {"epoch": math.inf}, "result": {"rank": math.inf},
 }
 
 
-# Untyped errors the decoders let out today (pinned by test_known_untyped_errors_reproduce).
-# Anything else escaping the fuzz below fails it; once fixed, narrow this to ().
-_KNOWN_UNTYPED: tuple[type[BaseException], ...] = (ValueError, OverflowError)
+# Untyped errors the fuzz below tolerates: none (anything but a TpkvError fails it).
+_KNOWN_UNTYPED: tuple[type[BaseException], ...] = ()
 
 
 def _decode_typed(kind: str, message: Any, tolerate: tuple[type[BaseException], ...]) -> None:
@@ -142,12 +141,9 @@ def test_a_message_with_any_field_replaced_gives_only_typed_errors(kind: str,
     _decode_typed(kind, message, _KNOWN_UNTYPED)
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.xfail(
-    strict=True, raises=(ValueError, OverflowError),
-    reason="bug: from_dict lets int()/numpy ValueError and OverflowError out untyped "
-           "(tpkv/types.py MovePlan.from_dict, tpkv/controller/messages.py)"))
-    for k in sorted(_DECODERS)])
-def test_known_untyped_errors_reproduce(kind: str) -> None:
+@pytest.mark.parametrize("kind", sorted(_DECODERS))
+def test_values_that_once_escaped_untyped_give_typed_errors(kind: str) -> None:
+    """An epoch of inf, a count of 2**63: int() and numpy raised ValueError / OverflowError."""
     _decode_typed(kind, {**_valid_messages()[kind], **_KNOWN_BUG[kind]}, ())
 
 

@@ -83,7 +83,7 @@ class StepResult:
                 closed_sessions=tuple(str(x) for x in d["closed_sessions"]),
                 ssd_dropped_sessions=tuple(str(x) for x in d["ssd_dropped_sessions"]),
                 **arrays)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise WireFormatError(f"step result is missing or mistypes a field: {exc}") from exc
 
 
@@ -109,7 +109,7 @@ class CommitOutcome:
             return cls(int(d["epoch"]), bool(d["committed"]),
                        tuple(int(r) for r in d["mismatch_ranks"]), int(d["num_misses"]),
                        int(d["expected_digest"]), bool(d["resync_needed"]))
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise WireFormatError(f"commit outcome is malformed: {exc}") from exc
 
 
@@ -125,5 +125,5 @@ def move_result_from_dict(d: dict[str, Any]) -> MoveResult:
                 if f.name != "miss_block_ids" and f.name in d}
         return MoveResult(miss_block_ids=_arr(d, "miss_block_ids") if "miss_block_ids" in d
                           else _EMPTY, **ints)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise WireFormatError(f"move result is malformed: {exc}") from exc
