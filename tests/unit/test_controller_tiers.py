@@ -249,3 +249,35 @@ def test_rebuild_drops_what_ranks_disagree_on(make_config, fake_clock):
     fresh = Controller(cfg, fake_clock, restarts=1, awaiting_rebuild=True, check_invariants=True)
     summary = fresh.rebuild(maps, {})
     assert summary["recompute"] == 1 and summary["l1"] == 7
+
+
+def test_rebuild_keeps_a_block_the_maps_hold_nowhere_out_of_l3(make_config, fake_clock):
+    """A manifest may list an older record of a block whose map entry is NONE (dropped since):
+    the map wins, and the block is recomputed rather than read back stale."""
+    cfg = make_config(l1=8, l2=8, l3=64)
+    rig = Rig(cfg, fake_clock, l1=8, l2=8)
+    rig.open("a", "b")
+    rig.step(["a", "b"])
+    maps = [r.export() for r in rig.reps]
+    for m in maps:
+        m["tiers"] = np.where(np.arange(len(m["tiers"])) == 0, int(Tier.NONE), m["tiers"])
+        m["slots"] = np.where(np.arange(len(m["slots"])) == 0, -1, m["slots"])
+    name = maps[0]["session_names"][int(maps[0]["session_idx"][0])]
+    logical = int(maps[0]["logical_idx"][0])
+    fresh = Controller(cfg, fake_clock, restarts=1, awaiting_rebuild=True, check_invariants=True)
+    summary = fresh.rebuild(maps, {name: [logical], "gone": [0, 1]})
+    assert summary["recompute"] == 1 and summary["l3"] == 2  # only the unknown session's blocks
+    S, T = fresh.sessions, fresh.table
+    assert T.tier[S.rows(S.lookup(name))[logical]] == Tier.NONE
+
+
+def test_mark_lost_makes_blocks_none_and_the_next_step_recomputes_them(rig):
+    rig.open("a", "b")
+    rig.step(["a", "b"])
+    ids = rig.c.slot_map()["block_ids"][:2]
+    assert rig.c.mark_lost(np.append(ids, 10**12)) == 2  # an unknown id is ignored
+    assert rig.c.mark_lost(ids) == 0  # already lost
+    assert any(e["kind"] == "lost_in_resync" for e in rig.c.snapshot()["events"])
+    rig.c.check_integrity()
+    res = rig.step(["a", "b"])
+    assert len(res.recompute_start) > 0

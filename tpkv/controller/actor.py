@@ -56,7 +56,8 @@ class ControllerActor:
 
     _METHODS = ("register_rank", "open_session", "extend_session", "close_session", "pin",
                 "unpin", "schedule", "report_attention", "report_prefill", "commit", "resync",
-                "rebuild", "snapshot", "session_blocks", "slot_map", "check_integrity")
+                "rebuild", "snapshot", "session_blocks", "slot_map", "check_integrity",
+                "mark_lost")
 
     def __init__(self, config: TpkvConfig) -> None:
         restarts = _count_inits() - 1

@@ -285,6 +285,16 @@ class Controller:
         """After a mismatch: the full map for workers to restore; pending plans are superseded."""
         return confirm.resync(self)
 
+    def mark_lost(self, block_ids: Sequence[int] | np.ndarray) -> int:
+        """Blocks some rank could not restore in a resync (it holds no copy): Tier.NONE on
+        every rank (sent with the next step), recomputed when their session next runs, never
+        served as the zeros that rank has. Unknown or already lost ids are ignored."""
+        self.require_ready()
+        n = confirm.lose(self, np.asarray(block_ids, dtype=np.int64).reshape(-1))
+        if n:
+            self.event("lost_in_resync", blocks=n)
+        return n
+
     # ---- recovery and observability --------------------------------------------------------
     def rebuild(self, slot_maps: Sequence[Mapping[str, Any]],
                 ssd_manifests: Mapping[str, Sequence[int] | np.ndarray]) -> dict[str, Any]:

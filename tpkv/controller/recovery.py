@@ -70,8 +70,9 @@ def _agreed(maps: list[dict[str, Any]]) -> dict[tuple[str, int], tuple[int, int,
 def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
             ssd_manifests: Mapping[str, Sequence[int] | np.ndarray]) -> dict[str, Any]:
     """Replace the table with what every rank agrees on; L3 blocks come from the manifests
-    (a session's records count only if its manifest lists them). Anything else is Tier.NONE:
-    recomputed when its session next runs. Atomic: on bad input nothing changes."""
+    (a session's records count only if its manifest lists them, and only for blocks the ranks'
+    maps hold in L3 or do not know at all). Anything else is Tier.NONE: recomputed when its
+    session next runs. Atomic: on bad input nothing changes."""
     g, pol = ctl.config.geometry, ctl.config.policy
     maps = [_parse(m, g.tp_size) for m in slot_maps]
     if len({m["rank"] for m in maps}) != len(maps):
@@ -79,6 +80,11 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
     manifests = {check_session_id(k): {int(x) for x in np.asarray(v).reshape(-1).tolist()}
                  for k, v in ssd_manifests.items()}
     agreed = _agreed(maps)
+    # Blocks some rank's map knows: their tier is the maps' word. A manifest may still list an
+    # older record of a block the maps hold nowhere (its last block written again since, then
+    # dropped): taken from L3, that record would be wrong KV.
+    known = {(str(m["names"][si]), int(j)) for m in maps
+             for si, j in zip(m["session_idx"].tolist(), m["logical_idx"].tolist())}
     names: dict[str, int] = {}  # session -> number of blocks
     for (name, logical) in agreed:
         names[name] = max(names.get(name, 0), logical + 1)
@@ -117,7 +123,7 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
                     tier, slot = int(Tier.NONE), -1
                 else:
                     pool[slot] = True
-            elif tier == Tier.SSD or j in on_ssd:
+            elif tier == Tier.SSD or (j in on_ssd and (name, j) not in known):
                 tier, slot = (int(Tier.SSD), -1) if j in on_ssd and l3_left > 0 else (-1, -1)
                 l3_left -= tier == Tier.SSD
             counts[Tier(tier)] += 1

@@ -96,7 +96,7 @@ class TpkvRuntime:
         if self._applied is not None:
             self.end_step()
         if self._restore is not None:
-            self.worker.resync(self._restore)
+            self._resync(self._restore)
             self._restore = None
 
         def plan() -> dict[str, Any]:
@@ -107,7 +107,7 @@ class TpkvRuntime:
 
         answer = self.from_rank0(plan, "plans of a step")
         if answer["resync"] is not None:
-            self.worker.resync(answer["resync"])
+            self._resync(answer["resync"])
         step = StepResult.from_dict(answer["step"])
         self._applied = self.worker.apply_step(step)
         return step
@@ -128,7 +128,7 @@ class TpkvRuntime:
             err = mismatch_error(report.gathered, report.expected, report.mismatches)
             slot_map = self.from_rank0(lambda: self._commit_and_resync(results, err.epoch),
                                        f"resync after epoch {err.epoch}")
-            lost = self.worker.resync(slot_map)
+            lost = self._resync(slot_map)
             note = f", {len(lost)} blocks lost on rank {self.rank}" if len(lost) else ""
             self.last_mismatch = RankMismatchError(
                 f"{err}; every rank resynced to epoch {slot_map['epoch']}{note}", err.epoch,
@@ -258,6 +258,21 @@ class TpkvRuntime:
                 own.bytes_h2d, own.bytes_d2h, own.bytes_ssd_read, own.bytes_ssd_write,
                 own.elapsed_ns) for r in range(self.world_size)])
         return out
+
+    def _resync(self, slot_map: dict[str, Any]) -> np.ndarray:
+        """Every rank restores the controller's map; blocks any rank holds no copy of are
+        marked lost at the controller (recomputed, never read as that rank's zeros). Returns
+        the ids this rank lost. A collective: every rank calls it at the same point."""
+        lost = np.asarray(self.worker.resync(slot_map), dtype=np.int64)
+        every = lost
+        if self.world_size > 1:
+            blobs = self.ctx.ctl.gather_bytes(encode(lost), "blocks lost in a resync")
+            every = np.unique(np.concatenate(
+                [np.asarray(decode(b), dtype=np.int64).reshape(-1) for b in blobs]))
+        if len(every):
+            self.from_rank0(lambda: self._call("mark_lost", block_ids=every),
+                            "mark blocks lost in a resync")
+        return lost
 
     def _commit_and_resync(self, results: list[list[MoveResult]], first: int) -> dict[str, Any]:
         self._check_commits(wait=True)
