@@ -281,3 +281,25 @@ def test_mark_lost_makes_blocks_none_and_the_next_step_recomputes_them(rig):
     rig.c.check_integrity()
     res = rig.step(["a", "b"])
     assert len(res.recompute_start) > 0
+
+
+def test_sessions_that_move_as_a_whole_get_slots_in_runs(make_config, fake_clock):
+    """Freed slots come back in ascending order: through churn, the blocks of a session that
+    moves L1 <-> L2 keep running side by side on both tiers, so its copy merges into few DMAs
+    (mean run of 1.9 blocks before, with freed slots handed back in reverse)."""
+    rig = Rig(make_config(l1=64, l2=128), fake_clock, l1=64, l2=128)
+    names = [f"s{i}" for i in range(12)]
+    rig.open(*names, tokens=8 * 16)  # 8 blocks each: L1 holds about 6 sessions
+    rng = np.random.default_rng(0)
+    blocks = runs = 0
+    for _ in range(4):
+        for i in rng.permutation(12).tolist():
+            res = rig.step([names[i]], [1])
+            for p in res.plans:
+                for src, dst in ((Tier.DRAM, Tier.HBM), (Tier.HBM, Tier.DRAM)):
+                    m = p.mask(src, dst)
+                    order = np.argsort(p.src_slot[m], kind="stable")
+                    s, d = p.src_slot[m][order], p.dst_slot[m][order]
+                    blocks += len(s)
+                    runs += int(len(s) > 0) + int(((np.diff(s) != 1) | (np.diff(d) != 1)).sum())
+    assert blocks > 200 and blocks / runs >= 6, (blocks, runs)
