@@ -90,7 +90,9 @@ def check(out: dict[str, Any], mode: str = "load") -> None:
     assert out["want"] and sum(len(t) for t in out["want"].values()) == SESSIONS * TURNS
     assert out["got"] == out["want"]
     moves = out["moves"]
-    assert moves["l1_l2"] > 0 and moves["l2_l3"] > 0, moves  # demoted, then spilled
+    assert moves["l1_l2"] > 0, moves  # demoted
+    # then spilled; when recompute is cheaper than a load from L3, dropped from L2 instead
+    assert (moves["l2_l3"] == 0) == (mode == "recompute"), moves
     assert out["mismatches"] == 0
     assert out["commit_refusals"] == 0
     if mode == "recompute":
@@ -102,7 +104,8 @@ def check(out: dict[str, Any], mode: str = "load") -> None:
     else:  # ("load" may still recompute blocks the planner dropped when L2 was full)
         assert out["retries"] == 0, out
     if out["events"]:  # rank 0: the controller saw the same
-        assert out["events"].get("demote", 0) > 0 and out["events"].get("spill", 0) > 0
+        assert out["events"].get("demote", 0) > 0
+        assert out["events"].get("spill" if mode != "recompute" else "drop_l2", 0) > 0
 
 
 @pytest.mark.timeout(90)

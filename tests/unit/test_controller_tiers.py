@@ -129,12 +129,13 @@ def test_spill_to_l3_is_whole_session_and_comes_back_in_two_epochs(make_config, 
 
 
 def test_cost_model_chooses_recompute_when_disk_is_slow(make_config, fake_clock):
-    rig = small_l2_rig(make_config, fake_clock, ssd_read_bytes_per_s=1.0,
-                       prefill_tokens_per_s=1e9)
+    rig = small_l2_rig(make_config, fake_clock)
     rig.open("a", "b", "c", "d", "e")
     for n in "abcde":
         rig.step([n])
     assert rig.where("a") == ["SSD"] * 4
+    # Measured since the spill: a slow disk and a fast prefill.
+    rig.c.rates.ssd_read_bytes_per_s, rig.c.rates.prefill_tokens_per_s = 1.0, 1e9
     res = rig.step(["a"])
     assert moves(res, Tier.SSD, Tier.DRAM) == 0 and "a" in res.ssd_dropped_sessions
     assert all("a" not in p.session_names for p in res.plans)
@@ -143,6 +144,21 @@ def test_cost_model_chooses_recompute_when_disk_is_slow(make_config, fake_clock)
     snap = {s["session"]: s for s in rig.c.snapshot()["sessions"]}
     assert snap["a"]["cost"]["choice"] == "recompute"
     assert snap["a"]["cost"]["load_s"] > snap["a"]["cost"]["recompute_s"]
+
+
+def test_a_session_that_would_be_recomputed_is_dropped_not_spilled(make_config, fake_clock):
+    """Loading it back from this disk takes longer than a prefill that delays nobody: writing
+    it to L3 would cost disk bandwidth for a load the cost model will never choose."""
+    rig = small_l2_rig(make_config, fake_clock, ssd_read_bytes_per_s=1.0,
+                       prefill_tokens_per_s=1e9)
+    rig.open("a", "b", "c", "d", "e")
+    for n in "abcde":
+        rig.step([n])
+    assert rig.where("a") == ["NONE"] * 4 and rig.c.table.used(Tier.SSD) == 0
+    drops = [e for e in rig.c.snapshot()["events"] if e["kind"] == "drop_l2"]
+    assert drops and drops[0]["why"] == "recompute beats a load from L3"
+    res = rig.step(["a"])
+    assert (res.recompute_start.tolist(), res.recompute_stop.tolist()) == ([0], [4])
 
 
 def test_ssd_miss_becomes_recompute(make_config, fake_clock):

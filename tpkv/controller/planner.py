@@ -39,6 +39,10 @@ class PlanContext:
     pin_threshold: float  # attention mass at or above which a block is auto-pinned
     draining: dict[int, bool] = field(default_factory=dict)
     orders: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # see _order
+    # Seconds per block to load back from L3 (disk + PCIe), and to recompute it alone (a
+    # prefill that delays no other session); 0: spill whatever must leave L2.
+    l3_load_s_per_block: float = 0.0
+    recompute_s_per_block: float = 0.0
 
 
 def plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray:
@@ -251,6 +255,13 @@ def _make_l2_room(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, short: i
         b.drop(rows)
         if len(rows):
             b.events.append({"kind": "drop_l2", "blocks": len(rows), "sessions": len(units)})
+        return
+    if ctx.l3_load_s_per_block > ctx.recompute_s_per_block > 0 and len(rows):
+        # Loading these blocks back from L3 would take longer than even a prefill that delays
+        # nobody: the cost model would recompute them, so writing them costs disk for nothing.
+        b.drop(rows)
+        b.events.append({"kind": "drop_l2", "blocks": len(rows), "sessions": len(units),
+                         "why": "recompute beats a load from L3"})
         return
     cap3 = t.slots(SSD)
     room3 = max(0, len(rows) - t.num_free(SSD))
