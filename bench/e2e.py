@@ -61,7 +61,7 @@ def parse() -> tuple[argparse.Namespace, Sizes]:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="the published sizes")
-    ap.add_argument("--configs", default="a,b,c,d", help="subset of a,b,c,d to run")
+    ap.add_argument("--configs", default="a,b,c,c2,d", help="subset of a,b,c,c2,d to run")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--ssd-dir", default=None, help="L3 directory (default: a temp dir)")
     ap.add_argument("--out", default="bench/results/e2e.json")
@@ -88,6 +88,9 @@ def settings(sizes: Sizes, ssd_root: str) -> dict[str, Setting]:
         "b": Setting("b", "L1+L2", l1, int(sizes.l2_gib * GiB), None),
         "c": Setting("c", "L1+L2+L3", l1, int(sizes.l2_gib * GiB), ssd_root,
                      int(sizes.l3_gib * GiB)),
+        # tpkv's default policy: no spill of what the cost model would recompute anyway.
+        "c2": Setting("c2", "L1+L2+L3, cost-aware spills", l1, int(sizes.l2_gib * GiB), ssd_root,
+                      int(sizes.l3_gib * GiB), spill="cost"),
     }
 
 

@@ -27,6 +27,7 @@ class Setting:
     l2_bytes: int  # 0: the smallest L2 the config allows (one block)
     ssd_root: str | None
     l3_bytes: int = 0
+    spill: str = "always"  # PolicyConfig.spill: "always" keeps the most sessions
 
 
 _MODELS: dict[tuple[str, str], Llama] = {}
@@ -63,7 +64,8 @@ def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool) -> TpkvC
                     o_direct=cuda, io_threads=8 if cuda else 2)
           if s.ssd_root else SsdConfig())
     # Automatic pins off: at these sizes 10% of all blocks is about the whole L1 budget.
-    policy = PolicyConfig(cooldown_s=0.0, auto_pin_fraction=0.0)
+    policy = PolicyConfig(cooldown_s=0.0, auto_pin_fraction=0.0,
+                          spill=s.spill)  # type: ignore[arg-type]
     return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=s.l1_bytes // bb),
                       l2=HostConfig(budget_bytes=l2, arena_bytes=min(l2, GiB) // bb * bb),
                       l3=l3, policy=policy, wait_timeout_s=300.0)

@@ -223,6 +223,9 @@ class PolicyConfig:
     auto_pin_fraction: float = 0.10
     max_auto_pin_blocks: int = 4096
     prefetch_steps: int = 2
+    # "cost": no spill to L3 of blocks the cost model would recompute rather than load back
+    # (they are dropped from L2); "always": spill whatever must leave L2 (keeps the most).
+    spill: Literal["cost", "always"] = "cost"
     # Controller knobs (checked by tpkv.controller when it starts):
     max_moves_per_step: int = 512  # watermark moves per step (bounds copy time); demand uncapped
     prefetch_max_blocks: int = 1024  # speculative promotions per step
@@ -237,6 +240,8 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if self.kind not in ("heat", "lru", "lruk"):
             raise ConfigError(f"policy kind must be heat, lru or lruk, got {self.kind!r}")
+        if self.spill not in ("cost", "always"):
+            raise ConfigError(f"policy spill must be cost or always, got {self.spill!r}")
         if self.w_attn < 0 or self.w_recency < 0 or self.w_attn + self.w_recency <= 0:
             raise ConfigError(
                 f"heat weights must be >= 0 with a positive sum, got "

@@ -159,6 +159,12 @@ def test_a_session_that_would_be_recomputed_is_dropped_not_spilled(make_config, 
     assert drops and drops[0]["why"] == "recompute beats a load from L3"
     res = rig.step(["a"])
     assert (res.recompute_start.tolist(), res.recompute_stop.tolist()) == ([0], [4])
+    keep = small_l2_rig(make_config, fake_clock, ssd_read_bytes_per_s=1.0,
+                        prefill_tokens_per_s=1e9, spill="always")  # keeps the most sessions
+    keep.open("a", "b", "c", "d", "e")
+    for n in "abcde":
+        keep.step([n])
+    assert keep.where("a") == ["SSD"] * 4
 
 
 def test_ssd_miss_becomes_recompute(make_config, fake_clock):

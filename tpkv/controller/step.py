@@ -80,9 +80,9 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         g, rates = ctl.config.geometry, ctl.rates
         ctx = PlanContext(pol, ctl.marks, ctl.l3_enabled, tick, ctl.now_s(), ctl.pin_threshold,
                           ctl.draining, ctl.eviction_orders,
-                          g.block_bytes / rates.ssd_read_bytes_per_s
-                          + g.block_bytes / rates.h2d_bytes_per_s,
-                          g.block_tokens / rates.prefill_tokens_per_s)
+                          (g.block_bytes / rates.ssd_read_bytes_per_s
+                           + g.block_bytes / rates.h2d_bytes_per_s) if pol.spill == "cost"
+                          else 0.0, g.block_tokens / rates.prefill_tokens_per_s)
         lost = plan_step(ctx, b, needs).astype(np.int64)
     fresh_old = (np.concatenate([recompute, lost]).astype(np.int64) if len(recompute) or len(lost)
                  else _EMPTY)
