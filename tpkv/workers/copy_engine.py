@@ -160,7 +160,8 @@ class CopyEngine:
         self.num_blocks[direction] += len(hbm_slots)
         self.num_descriptors[direction] += len(src)
         subs = self.dma_substreams[direction] if self.dma_substreams else None
-        if subs is None or len(src) < 2 * len(subs):
+        # Runs merged into large copies do best on one stream, as large blocks do.
+        if subs is None or len(src) < 2 * len(subs) or sizes.mean() >= SMALL_BLOCK_BYTES:
             cuda_rt.memcpy_batch(dst.tolist(), src.tolist(), sizes.tolist(), stream.cuda_stream,
                                  self.dma_chunk, self.dma_attr)
             return
