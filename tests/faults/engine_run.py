@@ -4,40 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
+from tests.multiproc.test_engine_tiered import BT, Turns, drive, reference
 from tpkv.config import PolicyConfig, TpkvConfig
-from tpkv.models.engine import PagedEngine
 from tpkv.models.llama import Llama, build_model
 from tpkv.models.tiered import tiered_config
 
-BT, SESSIONS, TURNS, GROUP = 4, 6, 3, 2
-Turns = dict[str, list[tuple[int, ...]]]
-
-
-def drive(engine: PagedEngine, seed: int = 0) -> Turns:
-    """Turns of two sessions at a time, round robin over six: between two turns of a session
-    the four others run, so a small L1 demotes it and a small L2 spills it to L3."""
-    rng = np.random.default_rng(seed)
-    out: Turns = {}
-    for turn in range(TURNS):
-        for first in range(0, SESSIONS, GROUP):
-            for i in range(first, first + GROUP):
-                n = int(rng.integers(12, 21)) if turn == 0 else int(rng.integers(3, 9))
-                engine.add_turn(f"s{i}", rng.integers(0, 512, n).tolist(),
-                                int(rng.integers(4, 7)))
-            for f in engine.run():
-                out.setdefault(f.session, []).append(f.token_ids)
-    return out
-
-
-def reference(model: Llama) -> Turns:
-    """The same workload with an L1 that holds everything: nothing moves, nothing fails."""
-    g = model.kv_geometry(tp_size=1, block_tokens=BT)
-    heads = model.blocks[0].attn.wk.out_features // model.config.head_dim
-    pool = torch.full((256, g.num_layers, 2, BT, heads, g.head_dim), float("nan"))
-    return drive(PagedEngine(model, pool, scheduler_seed=3))
+# The workload and its reference are those of the engine-on-tiers test.
+__all__ = ["BT", "drive", "reference", "tiny_model_and_reference", "tiny_tiers"]
 
 
 def tiny_model_and_reference() -> tuple[Any, Turns]:
