@@ -218,8 +218,20 @@ class ControllerClient:
         self.timeout_s = timeout_s
 
     def call(self, method: str, **args: Any) -> Any:
-        ref: Any = self.handle.call.remote(method, encode(args))
-        answer = decode(ray.get(ref, timeout=self.timeout_s))
+        """One controller call. While its actor restarts (it was killed; max_restarts=-1) the
+        call is sent again until `timeout_s`: the restarted controller then answers, if only
+        with ControllerRecoveringError (the runtime rebuilds it from the ranks)."""
+        payload = encode(args)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            ref: Any = self.handle.call.remote(method, payload)
+            try:
+                answer = decode(ray.get(ref, timeout=self.timeout_s))
+                break
+            except ray.exceptions.RayActorError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         if "error" in answer:
             cls = getattr(errors, str(answer["error"]), None)
             if not (isinstance(cls, type) and issubclass(cls, errors.TpkvError)):

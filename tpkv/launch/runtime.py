@@ -18,7 +18,7 @@ from tpkv.controller.messages import (
     move_result_from_dict,
     move_result_to_dict,
 )
-from tpkv.errors import RankMismatchError, TpkvError, WaitTimeoutError
+from tpkv.errors import ControllerRecoveringError, RankMismatchError, TpkvError, WaitTimeoutError
 from tpkv.launch.bootstrap import RankContext, shutdown_ray
 from tpkv.types import MoveResult, decode, encode
 from tpkv.workers.confirm import STATUS_MISSES, mismatch_error
@@ -57,6 +57,7 @@ class TpkvRuntime:
         self.num_commit_refusals = 0  # rank 0: epochs the controller refused after agreement
         self.last_mismatch: RankMismatchError | None = None
         self._restore: dict[str, Any] | None = None
+        self.num_rebuilds = 0  # times a restarted controller was rebuilt from the ranks
 
     # ---- session calls (run on rank 0, answered everywhere) -------------------------------
     def open_session(self, session_id: str, num_tokens: int = 0) -> int:
@@ -92,7 +93,12 @@ class TpkvRuntime:
     # ---- the step ----------------------------------------------------------------------------
     def begin_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
                    upcoming: Mapping[str, int] | Sequence[str] | None = None) -> StepResult:
-        """Schedule on rank 0, apply the step's plans everywhere, start the confirmation."""
+        """Schedule on rank 0, apply the step's plans everywhere, start the confirmation. A
+        controller that restarted (and lost its table) is rebuilt from the ranks first."""
+        return self._recovering(lambda: self._begin_step(session_ids, num_new_tokens, upcoming))
+
+    def _begin_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
+                    upcoming: Mapping[str, int] | Sequence[str] | None) -> StepResult:
         if self._applied is not None:
             self.end_step()
         if self._restore is not None:
@@ -210,7 +216,35 @@ class TpkvRuntime:
             self._lock.release()
 
     def _on_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self.from_rank0(lambda: self._call(method, *args, **kwargs), method)
+        return self._recovering(
+            lambda: self.from_rank0(lambda: self._call(method, *args, **kwargs), method))
+
+    def _recovering(self, fn: Callable[[], T]) -> T:
+        """fn() on every rank; if the controller answers that it restarted, rebuild it from the
+        ranks (a collective: the answer reached every rank) and run fn() once more."""
+        try:
+            return fn()
+        except ControllerRecoveringError:
+            from tpkv.launch.recover import rebuild_controller
+
+            rebuild_controller(self)
+            return fn()
+
+    def advise(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """A rank-0-only call whose loss costs nothing but accuracy (attention mass, prefill
+        speed): while the controller is restarting it is dropped, not raised on one rank."""
+        if self.rank != 0:
+            return
+        try:
+            self._call(method, *args, **kwargs)
+        except ControllerRecoveringError:
+            log.warning("controller restarting: %s report dropped", method)
+
+    def forget_commits(self) -> None:
+        """After a rebuild: commits still in flight were for the lost controller."""
+        for fut in self._commits:
+            fut.cancel()
+        self._commits, self._refused = [], False
 
     def from_rank0(self, fn: Callable[[], Any], what: str) -> Any:
         """Run fn on rank 0; every rank gets its value or raises its typed error."""
@@ -287,7 +321,11 @@ class TpkvRuntime:
         keep = []
         for fut in self._commits:
             if wait or fut.done():
-                outcome = fut.result(timeout=self.timeout_s)
+                try:
+                    outcome = fut.result(timeout=self.timeout_s)
+                except ControllerRecoveringError:  # the next scheduling call rebuilds it
+                    log.warning("controller restarted before a commit reached it")
+                    continue
                 if not outcome.committed:  # the all-gather agreed, so this is a bug somewhere
                     log.error("controller refused epoch %d (ranks %s) after the all-gather "
                               "agreed; resyncing", outcome.epoch, outcome.mismatch_ranks)

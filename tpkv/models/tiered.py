@@ -125,12 +125,12 @@ class TieredEngine:
                    zip(r.output.session_ids, r.output.block_mass) if len(mass)]
         if updates and isinstance(self.rt.controller, Controller):
             for session, start, mass in updates:
-                self.rt._call("report_attention", session, mass, start)
+                self.rt.advise("report_attention", session, mass, start)
         elif updates:  # the Ray client takes the whole batch in one round trip
-            self.rt._call("report_attention", updates)
+            self.rt.advise("report_attention", updates)
         if self.report_prefill and r.kind == "prefill":
-            self.rt._call("report_prefill", num_tokens=int(sum(r.num_new_tokens)),
-                          seconds=r.forward_s)
+            self.rt.advise("report_prefill", num_tokens=int(sum(r.num_new_tokens)),
+                           seconds=r.forward_s)
 
     def release(self, session: str) -> object:
         if session not in self.opened:
