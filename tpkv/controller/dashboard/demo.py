@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tpkv.config import HbmConfig, HostConfig, KvGeometry, SsdConfig, TpkvConfig
+from tpkv.config import HbmConfig, HostConfig, KvGeometry, PolicyConfig, SsdConfig, TpkvConfig
 from tpkv.controller.controller import Controller
 from tpkv.controller.dashboard.recorder import Recorder
 from tpkv.controller.replica import SlotMapReplica
@@ -43,7 +43,9 @@ def demo_config(ssd_root: str, tp: int = 2) -> TpkvConfig:
                    block_tokens=16, tp_size=tp)
     return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=512),
                       l2=HostConfig(budget_bytes=640 * tp * g.block_bytes, arena_bytes=1 << 20),
-                      l3=SsdConfig(root=ssd_root, budget_bytes=3600 * g.block_bytes))
+                      l3=SsdConfig(root=ssd_root, budget_bytes=3600 * g.block_bytes),
+                      # every tier in use, and both cost-model choices, on the page
+                      policy=PolicyConfig(spill="always"))
 
 
 def commit_all(state: DemoState, results: list[MoveResult]) -> None:
