@@ -66,3 +66,38 @@ def test_tokens_after_controller_restarts_equal_a_run_without_fault(
     assert got == want
     print(f"\ncontroller restarts: {len(summaries)} at steps {kill_at_steps} of {num_calls[0]}, "
           f"rebuilt L3 blocks {[s['l3'] for s in summaries]}, tokens equal")
+
+
+def test_a_session_closed_just_before_a_restart_does_not_come_back(tmp_path: Path,
+                                                                   model_and_want: Any) -> None:
+    """Closed at the controller, its blocks still in the rank's map (they go with the next
+    step), then the controller restarts: the rebuild must not revive it, or a new session of
+    the same name would find the old one's blocks."""
+    import numpy as np
+    import torch
+
+    from tpkv.models.engine import PagedEngine
+
+    model, _ = model_and_want
+    cfg = tiny_tiers(model, str(tmp_path / "l3"))
+    g = cfg.geometry
+    ref = PagedEngine(model, torch.full((64, g.num_layers, 2, g.block_tokens, g.num_kv_heads,
+                                         g.head_dim), float("nan")), scheduler_seed=3)
+    rt = tpkv_init(cfg, controller="local", device="cpu")
+    rng = np.random.default_rng(1)
+    try:
+        engine = TieredEngine(rt, model, report_prefill=False).engine
+        for turn in range(3):
+            prompt = rng.integers(0, 512, 12 if turn == 0 else 5).tolist()
+            for e in (engine, ref):
+                e.add_turn("s0", prompt, 5)
+                e.add_turn("s1", prompt[::-1], 5)
+            got, want = engine.run(), ref.run()
+            assert [f.token_ids for f in got] == [f.token_ids for f in want]
+            if turn == 1:  # s0 ends; the controller dies before the next step
+                engine.close_session("s0")
+                ref.close_session("s0")
+                rt.controller = Controller(cfg, restarts=1, awaiting_rebuild=True)
+        assert rt.num_rebuilds == 1
+    finally:
+        rt.close()

@@ -6,6 +6,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from tpkv.errors import UnknownSessionError
 from tpkv.types import decode, encode
 
 if TYPE_CHECKING:
@@ -30,7 +31,17 @@ def rebuild_controller(rt: TpkvRuntime) -> dict[str, Any]:
         store = rt.worker.store
         manifests = ({sid: store.session_indices(sid) for sid in store.list_sessions()}
                      if store is not None else {})
-        return rt._call("rebuild", slot_maps=[decode(m) for m in maps], ssd_manifests=manifests)
+        summary = rt._call("rebuild", slot_maps=[decode(m) for m in maps],
+                           ssd_manifests=manifests)
+        # Sessions closed just before the restart are still in the ranks' maps (their blocks
+        # go with the next step): close them again, or a new session of the same name would
+        # find their blocks.
+        for name in sorted(rt.closing):
+            try:
+                rt._call("close_session", session_id=name)
+            except UnknownSessionError:
+                pass
+        return summary
 
     summary = dict(rt.from_rank0(rebuild, "controller rebuild"))
     rt.forget_commits()

@@ -58,6 +58,7 @@ class TpkvRuntime:
         self.last_mismatch: RankMismatchError | None = None
         self._restore: dict[str, Any] | None = None
         self.num_rebuilds = 0  # times a restarted controller was rebuilt from the ranks
+        self.closing: set[str] = set()  # closed at the controller, blocks not yet released here
 
     # ---- session calls (run on rank 0, answered everywhere) -------------------------------
     def open_session(self, session_id: str, num_tokens: int = 0) -> int:
@@ -68,7 +69,9 @@ class TpkvRuntime:
         self._on_rank0("extend_session", session_id=session_id, num_tokens=num_tokens)
 
     def close_session(self, session_id: str) -> int:
-        return int(self._on_rank0("close_session", session_id=session_id))
+        freed = int(self._on_rank0("close_session", session_id=session_id))
+        self.closing.add(session_id)  # the ranks release its blocks with the next step
+        return freed
 
     def pin(self, session_id: str, start: int = 0, stop: int | None = None) -> int:
         return int(self._on_rank0("pin", session_id=session_id, start=start, stop=stop))
@@ -116,6 +119,7 @@ class TpkvRuntime:
             self._resync(answer["resync"])
         step = StepResult.from_dict(answer["step"])
         self._applied = self.worker.apply_step(step)
+        self.closing.difference_update(step.closed_sessions)
         return step
 
     def end_step(self) -> bool:
