@@ -10,7 +10,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from tpkv.controller.messages import StepResult
-from tpkv.errors import ConfigError, PlanMismatchError, RankMismatchError, TpkvError
+from tpkv.errors import ConfigError, TpkvError
 from tpkv.types import Tier
 
 if TYPE_CHECKING:
@@ -239,26 +239,20 @@ class TpkvCache(Cache):
         if not self.opened:
             self.rt.open_session(self.session_id)
             self.opened = True
-        tokens = np.array([add], dtype=np.int64)
         first_lost: int | None = None
         farthest = int(Tier.HBM)
-        for attempt in range(self.max_retries + 1):
-            step = self.rt.begin_step([self.session_id], tokens)
+
+        def attempt(step: StepResult) -> StepResult:  # before the forward: nothing read yet
+            nonlocal first_lost, farthest
             farthest = max(farthest, self._count(step))
             if len(step.recompute_start):
                 lost = int(step.recompute_start.min()) * self.geometry.block_tokens
                 first_lost = lost if first_lost is None else min(first_lost, lost)
-            try:
-                if self.rt.end_step():
-                    break
-            except RankMismatchError:  # every rank resynced; schedule the step again
-                if attempt == self.max_retries:
-                    raise
-            self.stats.retries += 1
-            tokens = np.zeros(1, dtype=np.int64)  # the first attempt added them
-        else:
-            raise PlanMismatchError(f"session {self.session_id!r}: step still missed L3 blocks "
-                                    f"after {self.max_retries} retries")
+            return step
+
+        retries = self.rt.num_retries
+        step = self.rt.run_step([self.session_id], [add], attempt, max_retries=self.max_retries)
+        self.stats.retries += self.rt.num_retries - retries
         self.stats.steps += 1
         if farthest != Tier.HBM:
             self.resumed_from.append(_TIER_NAME[farthest])

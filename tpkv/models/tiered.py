@@ -13,7 +13,6 @@ import numpy as np
 from tpkv.config import HbmConfig, HostConfig, PolicyConfig, SsdConfig, TpkvConfig
 from tpkv.controller.controller import Controller
 from tpkv.controller.messages import StepResult
-from tpkv.errors import PlanMismatchError, RankMismatchError
 from tpkv.launch.runtime import TpkvRuntime
 from tpkv.models.engine import PagedEngine, StepReport
 from tpkv.models.llama import Llama, ModelConfig
@@ -90,23 +89,17 @@ class TieredEngine:
             if s not in self.opened:
                 self.rt.open_session(s)
                 self.opened.add(s)
-        tokens = np.asarray(num_new_tokens, dtype=np.int64)
         farthest = int(Tier.HBM)
-        for attempt in range(self.max_retries + 1):
-            step = self.rt.begin_step(session_ids, tokens)
+
+        def attempt(step: StepResult) -> StepResult:  # before the forward: nothing read yet
+            nonlocal farthest
             farthest = max(farthest, self._count(step))
             self._invalidate(step)
-            try:
-                if self.rt.end_step():
-                    break
-            except RankMismatchError:  # every rank resynced; schedule the step again
-                if attempt == self.max_retries:
-                    raise
-            self.stats.retries += 1
-            tokens = np.zeros(len(tokens), dtype=np.int64)  # the first attempt added them
-        else:
-            raise PlanMismatchError(f"step of {len(session_ids)} sessions still missed L3 "
-                                    f"blocks after {self.max_retries} retries")
+            return step
+
+        retries = self.rt.num_retries
+        step = self.rt.run_step(session_ids, num_new_tokens, attempt, max_retries=self.max_retries)
+        self.stats.retries += self.rt.num_retries - retries
         self.stats.steps += 1
         self._resume = (started, _TIER_NAME[farthest]) if farthest != Tier.HBM else None
         return step
