@@ -45,6 +45,7 @@ from tpkv.config import (  # noqa: E402
     TpkvConfig,
 )
 from tpkv.controller import Controller, plan_digest  # noqa: E402
+from tpkv.controller.digest import canonical  # noqa: E402
 from tpkv.controller.messages import StepResult  # noqa: E402
 from tpkv.types import MoveResult, encode  # noqa: E402
 
@@ -158,17 +159,6 @@ def count_calls(w: Workload, steps: int) -> dict[str, float]:
                 if "numpy" in path or (path == "~" and "numpy" in name))
     return {"calls_per_step": sum(v[0] for v in stats.values()) / steps,
             "numpy_calls_per_step": numpy / steps}
-
-
-def canonical(obj: object) -> object:
-    """Arrays as int64 / float64 values, so that a dtype change of equal values still matches."""
-    if isinstance(obj, np.ndarray):
-        return obj.astype(np.float64 if obj.dtype.kind == "f" else np.int64).reshape(-1)
-    if isinstance(obj, dict):
-        return {k: canonical(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [canonical(v) for v in obj]
-    return obj
 
 
 def actor_bench(steps: int) -> dict[str, float]:

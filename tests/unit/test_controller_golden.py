@@ -21,6 +21,7 @@ import pytest
 from tests.fakes import FakeClock
 from tests.unit.test_controller_properties import World, program
 from tpkv.controller import Controller, StepResult, plan_digest
+from tpkv.controller.digest import canonical
 from tpkv.errors import TpkvError
 from tpkv.types import MoveResult, Tier, encode
 
@@ -32,17 +33,6 @@ SMALL = {"a": dict(l1=12, l2=10, l3=24), "b": dict(l1=8, l2=6, l3=0),
 BUSY = {"heat": dict(l1=1536, l2=1200, l3=6000, max_moves_per_step=96, prefetch_max_blocks=64),
         "lru": dict(l1=1024, l2=900, l3=0, kind="lru", max_moves_per_step=512),
         "lruk": dict(l1=1280, l2=1600, l3=3000, kind="lruk", max_moves_per_step=40)}
-
-
-def canonical(obj: Any) -> Any:
-    """Arrays as int64 / float64 values (dtype changes of equal values do not count)."""
-    if isinstance(obj, np.ndarray):
-        return obj.astype(np.float64 if obj.dtype.kind == "f" else np.int64).reshape(-1)
-    if isinstance(obj, dict):
-        return {k: canonical(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [canonical(v) for v in obj]
-    return obj
 
 
 def digest_step(h: Any, res: StepResult) -> None:

@@ -45,3 +45,15 @@ def plan_digest(plan: MovePlan, miss_block_ids: Iterable[int] | np.ndarray = ())
         tiers = np.where(hit, int(Tier.NONE), tiers)
         slots = np.where(hit, -1, slots)
     return slot_map_digest(plan.block_ids, tiers, slots)
+
+
+def canonical(obj: object) -> object:
+    """A message with its arrays as int64 / float64 values, for hashing whole step results: a
+    dtype change of equal values gives the same bytes (golden tests, bench/controller.py)."""
+    if isinstance(obj, np.ndarray):
+        return obj.astype(np.float64 if obj.dtype.kind == "f" else np.int64).reshape(-1)
+    if isinstance(obj, dict):
+        return {k: canonical(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [canonical(v) for v in obj]
+    return obj
