@@ -56,7 +56,9 @@ def test_sigkilled_spill_writer_never_loses_acked_data_or_serves_wrong_blocks(
         close_stores(stores)
         assert tally.problems == [], tally.problems
     assert files_outside(root, tmp_path) == []
-    assert len(os.listdir("/proc/self/fd")) == fds  # pipes and restarted stores all closed
+    # Pipes and restarted stores all closed (files of earlier tests may still be closing: a
+    # leak can only make the count grow).
+    assert len(os.listdir("/proc/self/fd")) <= fds
     # Stale data: the same directory under any other fingerprint, dtype, TP size, block size or
     # format version loads zero blocks; the original stores still read every acked block.
     stores = open_stores(root)
