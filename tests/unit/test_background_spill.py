@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +49,9 @@ def test_a_spill_returns_at_once_and_a_refill_of_its_slot_waits_for_it(tmp_path:
     hbm.tensor[1].fill_(2.0)
     want = hbm.tensor[0].reshape(-1).view(torch.uint8).numpy().copy()  # block 0's bytes
     ex.run(_plan(1, 0, H, 0, D, 0), np.ones(1, dtype=bool))  # block 0: L1 slot 0 -> L2 slot 0
-    t0 = time.monotonic()
     out = ex.run(_plan(2, 0, D, 0, S, -1), np.ones(1, dtype=bool))  # L2 slot 0 -> L3
-    assert out.done.all() and time.monotonic() - t0 < 1.0 and len(ex.spills) == 1
+    # returned (and reported done) while the write still waits for the disk
+    assert out.done.all() and len(ex.spills) == 1 and not gate.is_set()
     threading.Timer(0.3, gate.set).start()
     ex.run(_plan(3, 1, H, 1, D, 0), np.ones(1, dtype=bool))  # refills L2 slot 0: must wait
     assert not ex.spills and gate.is_set()
