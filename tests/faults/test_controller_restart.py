@@ -101,3 +101,29 @@ def test_a_session_closed_just_before_a_restart_does_not_come_back(tmp_path: Pat
         assert rt.num_rebuilds == 1
     finally:
         rt.close()
+
+
+def test_explicit_pins_survive_a_controller_restart(tmp_path: Path, model_and_want: Any) -> None:
+    """Pins live only in the controller's table; the runtime sets them again after a rebuild."""
+    import numpy as np
+
+    from tpkv.controller.table import PIN_EXPLICIT
+
+    model, _ = model_and_want
+    rt = tpkv_init(tiny_tiers(model, str(tmp_path / "l3")), controller="local", device="cpu")
+    try:
+        engine = TieredEngine(rt, model, report_prefill=False).engine
+        engine.add_turn("sys", list(range(40)), 4)
+        engine.run()
+        assert rt.pin("sys", 0, 5) == 5
+        cfg = rt.config
+        rt.controller = Controller(cfg, restarts=1, awaiting_rebuild=True)
+        engine.add_turn("sys", [7, 8, 9], 4)
+        engine.run()
+        assert rt.num_rebuilds == 1
+        S, T = rt.controller.sessions, rt.controller.table
+        rows = S.rows(S.lookup("sys"))
+        pinned = (T.pinned[rows] & PIN_EXPLICIT) != 0
+        assert pinned[:5].all() and not pinned[5:].any(), np.flatnonzero(pinned)
+    finally:
+        rt.close()

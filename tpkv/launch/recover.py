@@ -20,7 +20,9 @@ def rebuild_controller(rt: TpkvRuntime) -> dict[str, Any]:
     (its actor restarted with an empty table). Each rank finishes its background spills (so the
     manifests are complete) and sends its slot map; rank 0 adds the sessions its L3 lists and
     has the controller rebuild; every rank then restores the controller's map (blocks some rank
-    holds no copy of are marked lost and recomputed). Returns the rebuild summary."""
+    holds no copy of are marked lost and recomputed). Sessions closed since the last step are
+    closed again and explicit pins set again; attention mass and access history start afresh.
+    Returns the rebuild summary."""
     started = time.perf_counter()
     rt.worker.executor.synchronize()
     mine = encode(rt.worker.slot_map())
@@ -41,6 +43,12 @@ def rebuild_controller(rt: TpkvRuntime) -> dict[str, Any]:
                 rt._call("close_session", session_id=name)
             except UnknownSessionError:
                 pass
+        for name, ranges in sorted(rt.pins.items()):  # explicit pins live only in the table
+            for start, stop in ranges:
+                try:
+                    rt._call("pin", session_id=name, start=start, stop=stop)
+                except UnknownSessionError:
+                    pass
         return summary
 
     summary = dict(rt.from_rank0(rebuild, "controller rebuild"))

@@ -59,6 +59,7 @@ class TpkvRuntime:
         self._restore: dict[str, Any] | None = None
         self.num_rebuilds = 0  # times a restarted controller was rebuilt from the ranks
         self.closing: set[str] = set()  # closed at the controller, blocks not yet released here
+        self.pins: dict[str, list[tuple[int, int]]] = {}  # explicit pins, block ranges
 
     # ---- session calls (run on rank 0, answered everywhere) -------------------------------
     def open_session(self, session_id: str, num_tokens: int = 0) -> int:
@@ -71,10 +72,14 @@ class TpkvRuntime:
     def close_session(self, session_id: str) -> int:
         freed = int(self._on_rank0("close_session", session_id=session_id))
         self.closing.add(session_id)  # the ranks release its blocks with the next step
+        self.pins.pop(session_id, None)
         return freed
 
     def pin(self, session_id: str, start: int = 0, stop: int | None = None) -> int:
-        return int(self._on_rank0("pin", session_id=session_id, start=start, stop=stop))
+        n = int(self._on_rank0("pin", session_id=session_id, start=start, stop=stop))
+        # kept here too: a rebuilt controller gets its pins back from the ranks
+        self.pins.setdefault(session_id, []).append((start, start + n if stop is None else stop))
+        return n
 
     def controller_slot_map(self) -> dict[str, Any]:
         """The controller's authoritative map on every rank (for checks and tests). The Ray
