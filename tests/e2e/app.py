@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import tpkv
-from tests.multiproc.harness import Workload, check_against_controller, make_config, write_fresh
+from tests.multiproc.harness import Workload, check_against_controller, make_config, workload_step
 
 
 def main(num_steps: int = 40) -> dict[str, Any]:
@@ -24,12 +24,7 @@ def main(num_steps: int = 40) -> dict[str, Any]:
     with tpkv.init(make_config(world, root, wait_timeout_s=60.0)) as rt:
         workload = Workload(5)
         for _ in range(int(num_steps)):
-            closed, opened, batch, add = workload.next()
-            for name in closed:
-                rt.close_session(name)
-            for name in opened:
-                rt.open_session(name)
-            rt.run_step(batch, add, lambda step: write_fresh(rt.worker, step, rank))
+            workload_step(rt, workload, rank)
         counts = check_against_controller(rt)
         out = {"rank": rank, "world": world, "plans": rt.worker.epoch, **counts,
                "seconds": round(time.monotonic() - started, 2)}

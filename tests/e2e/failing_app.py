@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import tpkv
-from tests.multiproc.harness import Workload, make_config, write_fresh
+from tests.multiproc.harness import Workload, make_config, workload_step
 
 
 def main(fail_rank: int = 1, at_step: int = 5, wait_timeout_s: float = 6.0) -> None:
@@ -16,9 +16,4 @@ def main(fail_rank: int = 1, at_step: int = 5, wait_timeout_s: float = 6.0) -> N
         for step in range(100):
             if rank == fail_rank and step == at_step:
                 raise RuntimeError(f"boom on rank {rank} at step {step}")
-            closed, opened, batch, add = workload.next()
-            for name in closed:
-                rt.close_session(name)
-            for name in opened:
-                rt.open_session(name)
-            rt.run_step(batch, add, lambda s: write_fresh(rt.worker, s, rank))
+            workload_step(rt, workload, rank)

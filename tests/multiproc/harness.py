@@ -85,6 +85,18 @@ def write_fresh(worker: Any, step: Any, rank: int) -> None:
         dst.copy_(torch.from_numpy(pattern(bid, rank, g.block_bytes)))
 
 
+def workload_step(rt: Any, workload: Workload, rank: int,
+                  forward: Callable[[Any], Any] | None = None) -> None:
+    """One step of the random workload: close and open its sessions, run its batch; the
+    forward pass writes the fresh blocks' pattern (or is `forward`, which should)."""
+    closed, opened, batch, add = workload.next()
+    for name in closed:
+        rt.close_session(name)
+    for name in opened:
+        rt.open_session(name)
+    rt.run_step(batch, add, forward or (lambda step: write_fresh(rt.worker, step, rank)))
+
+
 def check_against_controller(rt: Any) -> dict[str, int]:
     """Every rank: its slot map equals the controller's, and every block's bytes are its own."""
     ctl, mine = rt.controller_slot_map(), rt.worker.slot_map()

@@ -6,7 +6,13 @@ import signal
 import time
 from typing import Any
 
-from tests.multiproc.harness import Workload, check_against_controller, make_config, write_fresh
+from tests.multiproc.harness import (
+    Workload,
+    check_against_controller,
+    make_config,
+    workload_step,
+    write_fresh,
+)
 from tpkv.types import Tier
 
 KINDS = {"d2h": (Tier.HBM, Tier.DRAM), "h2d": (Tier.DRAM, Tier.HBM),
@@ -36,12 +42,7 @@ def consistency_rank(rank: int, world: int, num_plans: int, seed: int, ssd_root:
                 moves[kind] += int(plan.mask(src, dst).sum())
 
     while rt.worker.epoch < num_plans:
-        closed, opened, batch, add = workload.next()
-        for name in closed:
-            rt.close_session(name)
-        for name in opened:
-            rt.open_session(name)
-        rt.run_step(batch, add, forward)
+        workload_step(rt, workload, rank, forward)
         steps += 1
     counts = check_against_controller(rt)
     out = {"steps": steps, "plans": rt.worker.epoch, "seconds": time.monotonic() - started,
@@ -73,12 +74,7 @@ def liveness_rank(rank: int, world: int, victim: int, mode: str, at_step: int, s
                 if mode == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(3600)
-            closed, opened, batch, add = workload.next()
-            for name in closed:
-                rt.close_session(name)
-            for name in opened:
-                rt.open_session(name)
-            rt.run_step(batch, add, lambda s: write_fresh(rt.worker, s, rank))
+            workload_step(rt, workload, rank)
             last_ok = time.monotonic()
     except RankTimeoutError as exc:
         return {"error": type(exc).__name__, "message": str(exc), "ranks": list(exc.ranks),
