@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+T = TypeVar("T")
 
 _TIERS = ("L1", "L2", "L3")
 
@@ -42,18 +44,26 @@ def _connect(args: argparse.Namespace, what: str) -> tuple[Any, bool] | None:
         return None
 
 
-def dashboard_command(args: argparse.Namespace) -> int:
-    """Print the dashboard URL of the controller found through Ray by name."""
+def _ask(args: argparse.Namespace, what: str, fn: Callable[[Any], T]) -> T | None:
+    """fn(client) with the controller found through Ray (None, said on stderr, if there is
+    none); leaves Ray again if this call joined it."""
     from tpkv.controller import actor
 
-    found = _connect(args, "dashboard")
+    found = _connect(args, what)
     if found is None:
-        return 1
+        return None
     client, joined = found
     try:
-        info = client.dashboard()
+        return fn(client)
     finally:
         actor.detach(joined)
+
+
+def dashboard_command(args: argparse.Namespace) -> int:
+    """Print the dashboard URL of the controller found through Ray by name."""
+    info = _ask(args, "dashboard", lambda client: client.dashboard())
+    if info is None:
+        return 1
     if args.json:
         print(json.dumps(info))
         return 0 if info.get("url") else 1
@@ -70,20 +80,18 @@ def dashboard_command(args: argparse.Namespace) -> int:
 
 def status_command(args: argparse.Namespace) -> int:
     """Print the controller's snapshot (with the dashboard's series) as tables."""
-    from tpkv.controller import actor
 
-    found = _connect(args, "status")
-    if found is None:
-        return 1
-    client, joined = found
-    try:
+    def ask(client: Any) -> tuple[dict[str, Any], str | None]:
         payload = client.dashboard_payload()
         try:
-            url = client.dashboard().get("url")
+            return payload, client.dashboard().get("url")
         except Exception:
-            url = None
-    finally:
-        actor.detach(joined)
+            return payload, None
+
+    answer = _ask(args, "status", ask)
+    if answer is None:
+        return 1
+    payload, url = answer
     if args.json:
         print(json.dumps(payload, indent=1))
         return 0
