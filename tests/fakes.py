@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
+from tpkv.controller.dashboard.demo import ManualClock
 
-class FakeClock:
-    """A monotonic clock that moves only when told to."""
+
+class FakeClock(ManualClock):
+    """A monotonic clock that moves only when told to, starting at 1000 s."""
 
     def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        assert seconds >= 0
-        self.now += seconds
+        super().__init__(start)

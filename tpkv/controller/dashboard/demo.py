@@ -15,7 +15,7 @@ from tpkv.types import MoveResult, Tier
 
 
 class ManualClock:
-    """Seconds that move only when told to."""
+    """A monotonic clock that moves only when told to (the demo's, and the tests')."""
 
     def __init__(self, start: float = 5000.0) -> None:
         self.now = start
@@ -24,6 +24,7 @@ class ManualClock:
         return self.now
 
     def advance(self, seconds: float) -> None:
+        assert seconds >= 0, f"a monotonic clock cannot go back {-seconds} s"
         self.now += seconds
 
 
