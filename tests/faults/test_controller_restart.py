@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +42,7 @@ def test_tokens_after_controller_restarts_equal_a_run_without_fault(
             num_calls[0] += 1
             if num_calls[0] in kill_at_steps:
                 rt._check_commits(wait=True)  # the last step's commit has reached the old one
-                executor = rt.worker.executor
-                if hasattr(executor, "wait_spills"):  # background spills: their manifests too
-                    executor.wait_spills(time.monotonic() + 60, every=True)
+                rt.worker.executor.synchronize()  # background spills: their manifests too
                 fresh = Controller(cfg, restarts=len(summaries) + 1, awaiting_rebuild=True)
                 store = rt.worker.store
                 assert store is not None

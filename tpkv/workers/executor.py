@@ -79,7 +79,8 @@ class PlanExecutor:
     Spills (L2 -> L3) run in the background: a plan returns once they are queued, and reports
     them done. Whatever would overwrite their L2 source slots (an L1 -> L2 batch, an L3 read)
     or needs their records (an L3 read or a drop of the session) first waits for them, bounded.
-    A spill that fails leaves records that later read as misses (recomputed), never wrong KV.
+    A spill that fails deletes the session's L3 records: its blocks there miss (recomputed),
+    never read back stale.
     """
 
     def __init__(self, engine: CopyEngine, store: SsdStore | None, timeout_s: float,
@@ -233,8 +234,9 @@ class PlanExecutor:
         for name in sorted(failed):
             self._forget(name, deadline)
 
-    def _commit(self, name: str, deadline: float) -> bool:
-        """Commit a session's manifest; if that fails (e.g. a full disk), forget the session."""
+    def _commit(self, name: str, deadline: float) -> bool | None:
+        """Commit a session's manifest: whether it is complete (every rank wrote), or None when
+        writing it failed (e.g. a full disk) and the session was forgotten."""
         assert self.store is not None
         try:
             return self.store.commit_manifest(name)
@@ -242,7 +244,7 @@ class PlanExecutor:
             self.num_failed_spills += 1
             log.error("manifest of session %r not written: %s", name, exc)
             self._forget(name, deadline)
-            return False
+            return None
 
     def _forget(self, name: str, deadline: float) -> None:
         """A spill of the session failed after its plan was confirmed: the controller counts
@@ -255,8 +257,9 @@ class PlanExecutor:
             self.store.drop_session(name)
         except (SsdError, OSError) as exc:
             log.error("L3 records of session %r not deleted after a failed spill: %s", name, exc)
-        log.error("L3 records of session %r deleted after a failed spill: its blocks in L3 will "
-                  "miss and be recomputed", name)
+        else:
+            log.error("L3 records of session %r deleted after a failed spill: its blocks in L3 "
+                      "will miss and be recomputed", name)
 
     def _await_manifest(self, name: str, logical: np.ndarray, deadline: float) -> None:
         """Records another rank wrote a moment ago are readable once the manifest covers them:
@@ -264,9 +267,8 @@ class PlanExecutor:
         assert self.store is not None
         end = min(deadline, time.monotonic() + self.timeout_s / 2)
         while not np.isin(logical, self.store.session_indices(name)).all():
-            failed = self.num_failed_spills
-            if (self._commit(name, deadline) or self.num_failed_spills > failed
-                    or time.monotonic() > end):
+            complete = self._commit(name, deadline)
+            if complete is None or complete or time.monotonic() > end:
                 return
             time.sleep(0.001)
 
