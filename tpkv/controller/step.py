@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tpkv.controller.builder import PlanBuilder
-from tpkv.controller.cost import resume_costs
+from tpkv.controller.cost import block_costs, resume_costs
 from tpkv.controller.messages import StepResult
 from tpkv.controller.planner import MAX_PHASES, PlanContext, StepNeeds, plan_step
 from tpkv.controller.sessions import add_counts
@@ -78,11 +78,11 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     if _needs_planning(ctl, needs):
         ctl.refresh_pin_threshold()
         g, rates = ctl.config.geometry, ctl.rates
+        load_s, recompute_s = block_costs(g.block_bytes, g.block_tokens, rates.h2d_bytes_per_s,
+                                          rates.ssd_read_bytes_per_s, rates.prefill_tokens_per_s)
         ctx = PlanContext(pol, ctl.marks, ctl.l3_enabled, tick, ctl.now_s(), ctl.pin_threshold,
                           ctl.draining, ctl.eviction_orders,
-                          (g.block_bytes / rates.ssd_read_bytes_per_s
-                           + g.block_bytes / rates.h2d_bytes_per_s) if pol.spill == "cost"
-                          else 0.0, g.block_tokens / rates.prefill_tokens_per_s)
+                          load_s if pol.spill == "cost" else 0.0, recompute_s)
         lost = plan_step(ctx, b, needs).astype(np.int64)
     fresh_old = (np.concatenate([recompute, lost]).astype(np.int64) if len(recompute) or len(lost)
                  else _EMPTY)
