@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=3)
     ap.add_argument("--turn", type=int, default=64)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=None, help="write the rows here (JSON)")
     args = ap.parse_args()
     model = build_model(args.model, seed=0, device=args.device)
     bt = 16
@@ -57,8 +58,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     rows = {}
-    for name, impl in (("sdpa", paged_attention_sdpa), ("ref", paged_attention_ref)):
-        eng = PagedEngine(model, pool, attention=impl)
+    variants = (("sdpa+graphs", paged_attention_sdpa, True), ("sdpa", paged_attention_sdpa, False),
+                ("ref", paged_attention_ref, False))
+    for name, impl, graphs in variants:
+        eng = PagedEngine(model, pool, attention=impl, cuda_graphs=graphs and args.device != "cpu")
         tables = [np.arange(i * per, (i + 1) * per) for i in range(args.batch)]
         for i in range(args.batch):
             eng.seqs.pop(f"s{i}", None)
@@ -85,13 +88,27 @@ def main() -> None:
         rows[name] = {"turn_prefill_ms": round(timed(turn), 2),
                       "decode_step_ms": round(timed(decode), 2)}
         print(name, rows[name], flush=True)
-    if torch.cuda.is_available():
-        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=acts) as prof:
-            decode()
-            sync()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
-    print(json.dumps(rows))
+        if torch.cuda.is_available():
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=acts) as prof:
+                decode()
+                sync()
+            events = prof.key_averages()
+            rows[name]["profile_self_cpu_ms"] = round(
+                sum(e.self_cpu_time_total for e in events) / 1e3, 2)
+            rows[name]["profile_self_cuda_ms"] = round(
+                sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3, 2)
+            rows[name]["top_cuda"] = [[e.key, round(getattr(e, "self_device_time_total", 0) / 1e3,
+                                                    3)] for e in sorted(
+                events, key=lambda e: -getattr(e, "self_device_time_total", 0))[:6]]
+    out = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "setting": f"{args.model}, {args.batch} sessions of {args.context} tokens, turn of "
+                      f"{args.turn} tokens; medians of 5, host-timed with a device sync",
+           "rows": rows}
+    print(json.dumps(out, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ for _name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_D
 
 
 def _engine(model: Llama, slots: int, **kw: Any) -> PagedEngine:
-    pool = HbmPool(model.kv_geometry(block_tokens=BT), slots, model.device)  # torch.empty
+    pool = HbmPool(model.kv_geometry(block_tokens=BT), slots, model.device)
     return PagedEngine(model, pool.tensor, scheduler_seed=1, **kw)
 
 

@@ -15,6 +15,7 @@ from tpkv.models.paged import (
     build_meta,
     paged_attention_ref,
     paged_attention_sdpa,
+    paged_decode_attention,
     write_kv,
 )
 
@@ -111,3 +112,27 @@ def test_bad_tables_are_refused():
         build_meta([[3, 4]], [5], [6], BT, SLOTS)
     with pytest.raises(BadRequestError, match="B >= 1"):
         build_meta([], [], [], BT, SLOTS)
+
+
+@pytest.mark.parametrize("seq_lens", [[1, 3, 4, 5, 16, 17, 33], [40], [2, 9]])
+def test_fast_decode_matches_dense_and_gives_the_mass(seq_lens):
+    """The block-diagonal decode path against dense attention (NaN in every unwritten slot)."""
+    ones = [1] * len(seq_lens)
+    out, mass, ref, probs, _ = _case(seq_lens, ones, impl=paged_attention_sdpa)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    ref_out, ref_mass, *_ = _case(seq_lens, ones)
+    torch.testing.assert_close(mass, ref_mass, atol=1e-5, rtol=1e-5)
+    assert not torch.isnan(out).any()
+
+
+def test_fast_decode_in_bfloat16_stays_close_to_the_float32_reference():
+    seq_lens = [7, 30, 64]
+    g = torch.Generator().manual_seed(5)
+    pool = torch.randn((SLOTS, LAYERS, 2, BT, HKV, D), generator=g)
+    tables = [np.arange(0, 2), np.arange(2, 10), np.arange(10, 26)]
+    meta = build_meta(tables, seq_lens, [1, 1, 1], BT, SLOTS)
+    q = torch.randn(3, HQ, D, generator=g)
+    want, want_mass = paged_attention_ref(pool, 0, q, meta, D ** -0.5)
+    got, got_mass = paged_decode_attention(pool.bfloat16(), 0, q.bfloat16(), meta, D ** -0.5)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got_mass, want_mass, atol=2e-2, rtol=2e-2)

@@ -13,9 +13,17 @@ import torch
 from torch import Tensor
 
 from tpkv.errors import BadRequestError, ConfigError, UnknownSessionError
+from tpkv.models.graphs import DecodeGraphs
 from tpkv.models.llama import Llama
-from tpkv.models.paged import AttentionImpl, PagedAttention, build_meta, paged_attention_ref
+from tpkv.models.paged import (
+    AttentionImpl,
+    PagedAttention,
+    build_meta,
+    check_tables,
+    paged_attention_ref,
+)
 from tpkv.models.scheduler import LocalScheduler, StepTables
+from tpkv.models.tp import tp_info
 
 
 @dataclass(eq=False)
@@ -84,7 +92,8 @@ class PagedEngine:
                  wait: WaitFn | None = None, report: ReportFn | None = None,
                  release: ReleaseFn | None = None, attention: AttentionImpl = paged_attention_ref,
                  max_batch: int = 64, max_prefill_tokens: int = 8192,
-                 eos_token_id: int | None = None, scheduler_seed: int | None = None) -> None:
+                 eos_token_id: int | None = None, scheduler_seed: int | None = None,
+                 cuda_graphs: bool | None = None) -> None:
         cfg = model.config
         local_kv_heads = model.blocks[0].attn.wk.out_features // cfg.head_dim
         want = (cfg.num_layers, 2, "block_tokens", local_kv_heads, cfg.head_dim)
@@ -109,6 +118,9 @@ class PagedEngine:
         self.report: ReportFn = report or (lambda step_report: None)
         self.release: ReleaseFn = release or (lambda session: None)
         self.attention = attention
+        if cuda_graphs is None:  # default: on a GPU, for one rank (TP collectives run eagerly)
+            cuda_graphs = hbm_tensor.device.type == "cuda" and tp_info(model)[1] == 1
+        self.graphs = DecodeGraphs(model, hbm_tensor, attention) if cuda_graphs else None
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         self.eos_token_id = eos_token_id
         self.seqs: dict[str, Seq] = {}
@@ -221,19 +233,25 @@ class PagedEngine:
         for seq in seqs:
             if seq.num_uncached < 1:
                 raise BadRequestError(f"session {seq.session!r} has no token to feed")
-        device = self.model.device
-        meta = build_meta(slots, [len(s.token_ids) for s in seqs],
-                          [s.num_uncached for s in seqs], self.block_tokens, self.num_slots,
-                          device)
-        new_ids = [t for s in seqs for t in s.token_ids[s.num_cached:]]
-        token_ids = torch.tensor(new_ids, dtype=torch.long, device=device)  # [T]
-        attn = PagedAttention(self.pool, meta, self.attention)
-        logits = self.model(token_ids, meta.positions, attn, meta.last_rows)  # [B, vocab]
+        seq_lens, q_lens = [len(s.token_ids) for s in seqs], [s.num_uncached for s in seqs]
+        block_mass: torch.Tensor | None
+        if self.graphs is not None and max(q_lens) == 1:  # decode: one graph replay
+            tables, _, _, nb = check_tables(slots, seq_lens, q_lens, self.block_tokens,
+                                            self.num_slots)
+            logits, block_mass = self.graphs.forward([s.token_ids[-1] for s in seqs], tables,
+                                                     seq_lens)
+        else:
+            meta = build_meta(slots, seq_lens, q_lens, self.block_tokens, self.num_slots,
+                              self.model.device)
+            new_ids = [t for s in seqs for t in s.token_ids[s.num_cached:]]
+            token_ids = torch.tensor(new_ids, dtype=torch.long, device=self.model.device)
+            attn = PagedAttention(self.pool, meta, self.attention)
+            logits = self.model(token_ids, meta.positions, attn, meta.last_rows)  # [B, vocab]
+            block_mass, nb = attn.block_mass, -(-np.asarray(seq_lens) // self.block_tokens)
         tokens = logits.argmax(dim=-1).tolist()
         mass: tuple[np.ndarray, ...] = tuple(np.zeros(0, dtype=np.float32) for _ in seqs)
-        if attn.block_mass is not None:
-            per_session = attn.block_mass.cpu().numpy()  # [B, NB]
-            nb = meta.num_blocks.tolist()
+        if block_mass is not None:
+            per_session = block_mass.cpu().numpy()  # [B, NB]
             mass = tuple(per_session[i, :nb[i]].copy() for i in range(len(seqs)))
         for seq, token in zip(seqs, tokens):
             seq.num_cached = len(seq.token_ids)

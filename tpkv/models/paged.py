@@ -45,10 +45,11 @@ class PagedMeta:
         return self.query_start[1:] - 1
 
 
-def build_meta(block_tables: Sequence[np.ndarray | Sequence[int]], seq_lens: Sequence[int],
-               q_lens: Sequence[int], block_tokens: int, num_slots: int,
-               device: torch.device | str = "cpu") -> PagedMeta:
-    """Check the step's block tables and lengths, and lay them out as tensors on `device`."""
+def check_tables(block_tables: Sequence[np.ndarray | Sequence[int]], seq_lens: Sequence[int],
+                 q_lens: Sequence[int], block_tokens: int, num_slots: int
+                 ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+    """Check a step's block tables and lengths: (tables, seq_lens, q_lens, blocks per session)
+    as int64 numpy arrays, or a typed error naming the session."""
     tables = [np.asarray(t, dtype=np.int64).reshape(-1) for t in block_tables]
     seq = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
     qn = np.asarray(q_lens, dtype=np.int64).reshape(-1)
@@ -74,6 +75,15 @@ def build_meta(block_tables: Sequence[np.ndarray | Sequence[int]], seq_lens: Seq
         values, counts = np.unique(every, return_counts=True)
         raise SlotError(f"the batch lists L1 slots more than once: "
                         f"{values[counts > 1][:8].tolist()}")
+    return tables, seq, qn, nb
+
+
+def build_meta(block_tables: Sequence[np.ndarray | Sequence[int]], seq_lens: Sequence[int],
+               q_lens: Sequence[int], block_tokens: int, num_slots: int,
+               device: torch.device | str = "cpu") -> PagedMeta:
+    """Check the step's block tables and lengths, and lay them out as tensors on `device`."""
+    tables, seq, qn, nb = check_tables(block_tables, seq_lens, q_lens, block_tokens, num_slots)
+    b = len(tables)
     table = np.zeros((b, int(nb.max())), dtype=np.int64)
     for i, t in enumerate(tables):
         table[i, :nb[i]] = t[:nb[i]]
@@ -83,12 +93,12 @@ def build_meta(block_tables: Sequence[np.ndarray | Sequence[int]], seq_lens: Seq
     pos = (seq - qn)[tok_session] + tok_index
     slots = table[tok_session, pos // block_tokens]
 
-    def dev(a: np.ndarray) -> Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
-
-    return PagedMeta(block_tokens, dev(table), dev(nb), dev(seq), dev(qn), dev(start), dev(pos),
-                     dev(tok_session), dev(tok_index), dev(slots), dev(pos % block_tokens),
-                     int(qn.max()))
+    parts = [table.reshape(-1), nb, seq, qn, start, pos, tok_session, tok_index, slots,
+             pos % block_tokens]
+    flat = torch.from_numpy(np.concatenate(parts)).to(device)  # one copy to the device, not ten
+    v = torch.split(flat, [len(x) for x in parts])
+    return PagedMeta(block_tokens, v[0].view(table.shape), v[1], v[2], v[3], v[4], v[5], v[6],
+                     v[7], v[8], v[9], int(qn.max()))
 
 
 def write_kv(pool: Tensor, layer: int, k: Tensor, v: Tensor, meta: PagedMeta) -> None:
@@ -170,14 +180,65 @@ class PagedAttention:
         return out
 
 
+def _bmm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b with float32 results; on CUDA straight from bf16/fp16 operands (tensor cores with
+    float32 accumulation and output), elsewhere by converting the operands first."""
+    if a.dtype != torch.float32 and a.is_cuda and _CUDA_BMM_OUT_DTYPE[0]:
+        try:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # a torch without bmm(out_dtype=): convert from now on
+            _CUDA_BMM_OUT_DTYPE[0] = False
+    return torch.bmm(a.float(), b.float())
+
+
+_CUDA_BMM_OUT_DTYPE = [True]
+_EYES: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+
+
+def paged_decode_attention(pool: Tensor, layer: int, q: Tensor, meta: PagedMeta, scale: float
+                           ) -> tuple[Tensor, Tensor]:
+    """Decode (one new token per session), with the block mass, in about a dozen kernels.
+
+    Each session's K and V are gathered into [B, L, Hkv*D] (the pool's own dtype) and used as
+    they are by batched GEMMs, with no per-head transpose: the queries of KV head h are placed in
+    a block-diagonal [Hq, Hkv*D] matrix, so S = Q_bd @ K^T gives every head's scores at once
+    (zeros against the other heads' columns), and P @ V gives [Hq, Hkv*D] whose diagonal blocks
+    are the outputs. The extra products are free: a decode step reads K and V once either way.
+    Scores, softmax and mass are float32; P is cast to the KV dtype for P @ V (as fused kernels
+    do). Positions past a session's length (stale data, padding, NaN) are masked in S and zeroed
+    in the gathered V.
+    """
+    b, nb = meta.block_table.shape
+    bt = meta.block_tokens
+    t, hq, d = q.shape
+    hkv = pool.shape[4]
+    g, length = hq // hkv, nb * bt
+    k = pool[:, layer, 0][meta.block_table].view(b, length, hkv * d)  # [B, L, Hkv*D]
+    v = pool[:, layer, 1][meta.block_table].view(b, length, hkv * d)
+    in_range = torch.arange(length, device=q.device)[None, :] < meta.seq_lens[:, None]  # [B, L]
+    v.masked_fill_(~in_range[:, :, None], 0)
+    key = (hkv, k.dtype, k.device)
+    if key not in _EYES:
+        _EYES[key] = torch.eye(hkv, dtype=k.dtype, device=k.device).view(1, hkv, 1, hkv, 1)
+    q_bd = (q.to(k.dtype).view(b, hkv, g, 1, d) * _EYES[key]).view(b, hq, hkv * d)
+    scores = _bmm_f32(q_bd, k.transpose(1, 2)) * scale  # [B, Hq, L]
+    scores.masked_fill_(~in_range[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    full = _bmm_f32(probs.to(v.dtype), v).view(b, hkv, g, hkv, d)  # [B, Hkv, G, Hkv, D]
+    out = torch.diagonal(full, dim1=1, dim2=3).permute(0, 3, 1, 2)  # [B, Hkv, G, D]
+    mass = probs.sum(dim=1).view(b, nb, bt).sum(-1)  # [B, NB]
+    return out.reshape(t, hq, d).to(q.dtype), mass
+
+
 def paged_attention_sdpa(pool: Tensor, layer: int, q: Tensor, meta: PagedMeta, scale: float
                          ) -> tuple[Tensor, Tensor | None]:
-    """Prefill through torch's fused scaled_dot_product_attention, one session at a time (no
-    block mass: the heat policy learns from decode steps); decode through the exact reference,
-    which also gives the block mass. Deterministic, so a tiered run and an all-L1 run with this
-    implementation still give identical tokens; it is not bit-equal to the reference."""
+    """The fast implementation: prefill through torch's fused scaled_dot_product_attention,
+    one session at a time (no block mass: the heat policy learns from decode steps); decode
+    through `paged_decode_attention`, which gives the block mass. Deterministic, so a tiered run
+    and an all-L1 run with this implementation give identical tokens; it is not bit-equal to the
+    float32 reference."""
     if meta.max_q_len == 1:
-        return paged_attention_ref(pool, layer, q, meta, scale)
+        return paged_decode_attention(pool, layer, q, meta, scale)
     kv = pool[:, layer]  # [slots, 2, bt, Hkv, D]
     out = torch.empty_like(q)
     starts = meta.query_start.tolist()

@@ -43,7 +43,9 @@ class HbmPool:
         self.num_slots = num_slots
         self.slots = SlotAllocator(num_slots, "L1")
         try:
-            self.tensor = torch.empty((num_slots, *geometry.block_shape),
+            # zeros, not empty: a slot never written holds finite values (attention masks
+            # what lies past a session's length, and 0 * NaN would not be 0)
+            self.tensor = torch.zeros((num_slots, *geometry.block_shape),
                                       dtype=torch_dtype(geometry.dtype), device=self.device)
         except torch.OutOfMemoryError as exc:
             raise ConfigError(
@@ -115,6 +117,13 @@ class HostPool:
     @property
     def total_bytes(self) -> int:
         return self.num_slots * self.block_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes this pool holds registered with CUDA (whole arenas, spare pages included):
+        its share of the process's pinned memory, for soaks that check it stays flat; 0 when
+        not pinned or closed."""
+        return sum(len(m) for m in self._maps) if self.pinned else 0
 
     def _locate(self, slot: int) -> tuple[int, int]:
         if not 0 <= slot < self.num_slots:
