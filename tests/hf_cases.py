@@ -1,4 +1,5 @@
-"""Shared by the transformers cache tests: a tiny seeded Llama, multi-turn chats, references."""
+"""Shared by the transformers cache tests (unit, TP 2 and GPU): a tiny seeded Llama, multi-turn
+chats, DynamicCache references, and the TP 1 run through tiny tiers with its checks."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 BT = 4  # tokens per block
@@ -18,8 +20,10 @@ Losses = dict[tuple[str, int], int]  # (session, turn) -> first token the tiers 
 
 
 def tiny_llama(kv_heads: int = 2, heads: int = 4, layers: int = 2, seed: int = 0,
-               hidden: int = 64) -> Any:
-    """A Llama-architecture model from a config, seeded random weights, fp32, no EOS."""
+               hidden: int = 64, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> Any:
+    """A Llama-architecture model from a config, seeded random weights (made in fp32 on the
+    CPU, then cast and moved: the same weights on every device), no EOS."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=128,
@@ -27,14 +31,15 @@ def tiny_llama(kv_heads: int = 2, heads: int = 4, layers: int = 2, seed: int = 0
                       num_key_value_heads=kv_heads, max_position_embeddings=256,
                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).eval()
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
 
 def chat(generate: Callable[[str, int, torch.Tensor, int], torch.Tensor],
-         seed: int = 0) -> Tokens:
+         device: torch.device | str = "cpu", seed: int = 0) -> Tokens:
     """Turns round robin over the sessions: between two turns of a session the three others
     run, so small tiers must move it down (L2, then L3) and back. Each turn feeds the whole
-    conversation (as with DynamicCache); generate(session, turn, ids, max_new) -> all ids."""
+    conversation (as with DynamicCache), on `device`; generate(session, turn, ids, max_new) ->
+    all ids."""
     rng = np.random.default_rng(seed)
     history: dict[str, torch.Tensor] = {}
     out: Tokens = {}
@@ -42,7 +47,8 @@ def chat(generate: Callable[[str, int, torch.Tensor, int], torch.Tensor],
         for i in range(SESSIONS):
             s = f"s{i}"
             n = int(rng.integers(12, 21)) if turn == 0 else int(rng.integers(3, 9))
-            user = torch.as_tensor(rng.integers(0, VOCAB, (1, n)), dtype=torch.long)
+            user = torch.as_tensor(rng.integers(0, VOCAB, (1, n)), dtype=torch.long,
+                                   device=device)
             ids = user if turn == 0 else torch.cat([history[s], user], dim=1)
             full = generate(s, turn, ids, int(rng.integers(4, 7)))
             assert torch.equal(full[:, :ids.shape[1]], ids)
@@ -70,7 +76,7 @@ def dynamic_reference(model: Any, losses: Losses | None = None) -> tuple[Tokens,
                               do_sample=False)
 
     with torch.no_grad():
-        return chat(generate), caches
+        return chat(generate, model.device), caches
 
 
 def tiered_chat(model: Any, tiers: Any) -> tuple[Tokens, Losses]:
@@ -86,7 +92,7 @@ def tiered_chat(model: Any, tiers: Any) -> tuple[Tokens, Losses]:
         return out
 
     with torch.no_grad():
-        return chat(generate), losses
+        return chat(generate, model.device), losses
 
 
 def same_kv(tiers: Any, caches: dict[str, Any]) -> int:
@@ -101,3 +107,73 @@ def same_kv(tiers: Any, caches: dict[str, Any]) -> int:
             assert torch.equal(v, ref.layers[layer].values), f"{s} layer {layer} values differ"
             n += 2
     return n
+
+
+def one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP 1 in this process: torchrun's variables (from a parent) would make tpkv.init join a
+    process group."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def tiers_config(model: Any, l1: int, l2: int, ssd_root: str | None) -> dict[str, Any]:
+    """Tier sizes in blocks; loads always beat recomputes (a slow prefill rate). L3 through the
+    POSIX backend, buffered (a tmp directory may not take O_DIRECT; "auto" could pick kvikio
+    on a GPU machine with GPUDirect Storage)."""
+    from tpkv.config import HbmConfig, HostConfig, PolicyConfig, SsdConfig
+    from tpkv.models.hf_attach import model_geometry
+
+    block_bytes = model_geometry(model, block_tokens=BT).block_bytes
+    l3 = (SsdConfig(root=ssd_root, budget_bytes=4096 * block_bytes, backend="posix",
+                    o_direct=False, io_threads=2) if ssd_root else SsdConfig())
+    return {"l1": HbmConfig(num_blocks=l1),
+            "l2": HostConfig(budget_bytes=l2 * block_bytes, arena_bytes=l2 * block_bytes),
+            "l3": l3, "policy": PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=10.0)}
+
+
+def run_tiered(model: Any, l1: int, l2: int, ssd_root: str | None,
+               miss: bool = False) -> dict[str, Any]:
+    """The chat through tpkv.attach at TP 1 on the model's device (L1 there; L2 pinned when
+    CUDA is present), then the DynamicCache chat on the same model, and every session's K/V
+    of both compared. miss: the first L3 read fails its checks."""
+    import tpkv
+
+    with tpkv.attach(model, tiers_config(model, l1, l2, ssd_root), block_tokens=BT,
+                     controller="local", device=model.device) as tiers:
+        if miss:
+            tiers.rt.worker.fault_miss_from = 1
+        got, losses = tiered_chat(model, tiers)
+        want, caches = dynamic_reference(model, losses)
+        return {"got": got, "want": want, "losses": losses, "stats": tiers.stats,
+                "resumed": {s: list(c.resumed_from) for s, c in tiers.caches.items()},
+                "kv_checked": same_kv(tiers, caches), "mismatches": tiers.rt.num_mismatches,
+                "l1_device": str(tiers.rt.worker.hbm.tensor.device),
+                "l2_pinned": tiers.rt.worker.host.pinned,
+                "l2_pinned_bytes": tiers.rt.worker.host.pinned_bytes,
+                "l2_bytes": tiers.rt.worker.host.total_bytes}
+
+
+def check_through_l2_and_l3(out: dict[str, Any], num_layers: int) -> None:
+    """run_tiered on tiny tiers: DynamicCache's tokens and K/V, sessions moved down to L2 and
+    L3 and resumed from each, all by loads (nothing recomputed, no retry)."""
+    assert sum(len(t) for t in out["want"].values()) == SESSIONS * TURNS
+    assert out["got"] == out["want"]
+    assert out["kv_checked"] == SESSIONS * 2 * num_layers
+    moves, resumed = out["stats"].moves, out["resumed"]
+    assert moves["l1_l2"] > 0 and moves["l2_l3"] > 0, moves  # demoted, then spilled
+    assert moves["l3_l2"] > 0 and moves["l2_l1"] > 0, moves  # and loaded back
+    tiers_seen = {t for ts in resumed.values() for t in ts}
+    assert {"l2", "l3"} <= tiers_seen, resumed  # some turn resumed from each tier
+    assert out["losses"] == {} and out["stats"].lost_tokens == 0  # loads, no recompute
+    assert out["mismatches"] == 0 and out["stats"].retries == 0
+
+
+def check_l3_miss_refed(out: dict[str, Any], num_layers: int) -> None:
+    """run_tiered with miss=True: the miss hit a session's resume, the turn ran again and fed
+    the lost tokens again; DynamicCache, cropped at the same tokens, runs the same forward
+    shapes, so tokens and K/V are equal too."""
+    assert out["losses"], "no L3 read missed"
+    assert out["stats"].retries >= 1 and out["stats"].lost_tokens > 0
+    assert out["got"] == out["want"]
+    assert out["kv_checked"] == SESSIONS * 2 * num_layers
+    assert out["mismatches"] == 0
