@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from tpkv.controller.kernels import move_rows, plan_arrays
 from tpkv.controller.sessions import SessionTable, add_counts
 from tpkv.controller.table import DRAM, HBM, NONE, SSD, BlockTable
 from tpkv.types import MovePlan
 
-_ONE = np.int32(1)
+_NO_OWNER = np.zeros(0, dtype=np.int32)  # the owner map of L3, which has none
 
 
 def group_sorted(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -64,27 +65,21 @@ class PlanBuilder:
             return
         t = self.t
         assert not self.check or (t.tier[rows] == src).all(), "move: a row is not on its source"
-        sess = t.session[rows]
         slots = t.free[dst].pop(n) if dst != SSD else np.full(n, -1, dtype=np.int32)
-        old_slot = t.slot[rows]
+        if len(self.touched) == 0:
+            self.touched = np.zeros(self.s.capacity, dtype=bool)
+        sess = np.empty(n, dtype=np.int32)
+        old_slot = np.empty(n, dtype=np.int32)
+        counts = self.s.counts  # [4, S]: tier column + 1 (NONE is column 0)
+        move_rows(rows, slots, t.session, t.tier, t.slot, t.owner.get(src, _NO_OWNER),
+                  t.owner.get(dst, _NO_OWNER), counts[src + 1], counts[dst + 1], self.touched,
+                  self.s.dirty, self.s.clean, t.demoted_at, dst, self.now_s, dst > src, sess,
+                  old_slot)
         if src != SSD:
-            t.owner[src][old_slot] = -1
             self._held[src].append(old_slot)
-        if dst != SSD:
-            t.owner[dst][slots] = rows
-        t.tier[rows] = dst
-        t.slot[rows] = slots
         t.num_in[src + 1] -= n
         t.num_in[dst + 1] += n
         assert t.used(SSD) <= t.l3_capacity, "L3 over capacity"
-        counts = self.s.counts  # [4, S] int32: an int32 one keeps ufunc.at on its fast path
-        np.subtract.at(counts[src + 1], sess, _ONE)
-        np.add.at(counts[dst + 1], sess, _ONE)
-        self._touch(sess)
-        if dst > src:
-            t.demoted_at[rows] = self.now_s
-        if dst == HBM:
-            self.s.clean[sess] = False
         self._parts.append((rows, sess, old_slot, slots, src, dst))
 
     def drop(self, rows: np.ndarray) -> None:
@@ -116,17 +111,14 @@ class PlanBuilder:
             src_tier[at:at + len(p[0])] = p[4]
             dst_tier[at:at + len(p[0])] = p[5]
             at += len(p[0])
-        self.t.in_flight[rows] = 1  # until its plan is confirmed (nothing reads it before)
-        first, lengths = _runs(sess)
-        local: dict[int, int] = {}  # session -> index into the plan's names, in order of use
-        inverse = [local.setdefault(x, len(local)) for x in first.tolist()]
+        # in_flight until its plan is confirmed (nothing reads it before)
+        ids, session_idx, logical, order = plan_arrays(rows, sess, self.t.gen, self.t.logical,
+                                                       self.t.in_flight, self.s.plan_local)
         names = self.s.names
         plan = MovePlan(
-            epoch=self.epoch, block_ids=self.t.ids(rows), src_tier=src_tier,
-            src_slot=src_slot, dst_tier=dst_tier, dst_slot=dst_slot,
-            session_idx=np.repeat(np.array(inverse, dtype=np.int32), lengths),
-            logical_idx=self.t.logical[rows],
-            session_names=tuple([names[i] for i in local]))  # type: ignore[misc]
+            epoch=self.epoch, block_ids=ids, src_tier=src_tier, src_slot=src_slot,
+            dst_tier=dst_tier, dst_slot=dst_slot, session_idx=session_idx, logical_idx=logical,
+            session_names=tuple([names[i] for i in order.tolist()]))  # type: ignore[misc]
         self.plans.append(plan)
         self.plan_rows.append(rows)
         self.drops.append([])
@@ -147,15 +139,3 @@ class PlanBuilder:
         self.touched[sessions] = True
         self.s.dirty[sessions] = True
 
-
-def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(first value, length) of each run of equal consecutive values (values not empty)."""
-    n = len(values)
-    change = np.empty(n, dtype=bool)
-    change[0] = True
-    np.not_equal(values[1:], values[:-1], out=change[1:])
-    starts = np.flatnonzero(change)
-    lengths = np.empty(len(starts), dtype=np.int64)
-    np.subtract(starts[1:], starts[:-1], out=lengths[:-1])
-    lengths[-1] = n - starts[-1]
-    return values[starts], lengths

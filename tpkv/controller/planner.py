@@ -10,6 +10,7 @@ import numpy as np
 
 from tpkv.config import PolicyConfig
 from tpkv.controller.builder import PlanBuilder
+from tpkv.controller.kernels import walk_coldest
 from tpkv.controller.policy import cooling, eviction_keys_of, select_victims, watermark_excess
 from tpkv.controller.table import DRAM, HBM, SSD
 
@@ -139,6 +140,7 @@ _Picked = tuple[np.ndarray, np.ndarray, np.ndarray]  # rows, their sessions, row
 MaskFn = Callable[[np.ndarray | None], np.ndarray]  # sessions -> may they give blocks up?
 _NOTHING: _Picked = (np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64),
                      np.zeros(0, dtype=np.int64))  # read only
+_NO_ROWS = np.zeros(0, dtype=np.int32)
 ORDER_TTL = 16  # steps an eviction order is reused (minus sessions that ran since) for a tier
 
 
@@ -177,36 +179,28 @@ def _coldest(ctx: PlanContext, b: PlanBuilder, tier: int, need: int, mask: MaskF
     if need <= 0:
         return empty
     order = _order(ctx, b, tier, need, mask, cache)
-    bound = np.cumsum(s.counts[_TIER_COL[tier]][order])  # blocks there, pinned ones included
-    k = min(int(np.searchsorted(bound, need)) + 1, len(order))
-    while True:
-        units = order[:k]
-        if len(units) == 0:
-            return empty
-        rows, offsets = s.arena.gather(units)
-        sel = (t.tier[rows] == tier) & (t.pinned[rows] == 0)
-        if keep_auto and ctx.pin_threshold != math.inf:
-            sel &= t.attn[rows] < ctx.pin_threshold
-        if skip is not None and len(skip):
-            sel &= ~np.isin(rows, skip)  # already picked by an earlier pass
-        per_unit = np.add.reduceat(sel.astype(np.int64), offsets[:-1])
-        total = np.cumsum(per_unit)
-        if total[-1] >= need:
-            break
-        if k == len(order):  # pinned blocks made the prefix short: look at every candidate
-            everyone = _order(ctx, b, tier, 1 << 62, mask, cache=False)
-            if len(everyone) <= len(order):
-                break
-            order, k = everyone, len(order)
-        k = min(2 * k, len(order))
-    stop = min(int(np.searchsorted(total, need)) + 1, len(units))
+    if len(order) == 0:
+        return empty
+    auto = keep_auto and ctx.pin_threshold != math.inf
+    # As numpy compares float32 attention with a Python float: in float32.
+    threshold = np.float32(ctx.pin_threshold)
+    skip = np.sort(skip) if skip is not None else _NO_ROWS
+    walk = (need, tier, auto, threshold, skip, s.arena.arena, s.arena.start, s.arena.length,
+            t.tier, t.pinned, t.attn)
+    picked, stop, per_unit = walk_coldest(order, *walk)
+    if stop == len(order) and int(per_unit.sum()) < need:
+        # Pinned blocks made a cached prefix short: look at every candidate.
+        everyone = _order(ctx, b, tier, 1 << 62, mask, cache=False)
+        if len(everyone) > len(order):
+            order = everyone
+            picked, stop, per_unit = walk_coldest(order, *walk)
+    units = order
     if tier == HBM:
-        s.clean[units[:stop][per_unit[:stop] == 0]] = True  # only pinned blocks left in L1
-    keep = per_unit[:stop] > 0
-    picked = rows[:offsets[stop]][sel[:offsets[stop]]]
+        s.clean[units[:stop][per_unit == 0]] = True  # only pinned blocks left in L1
+    keep = per_unit > 0
     gave = units[:stop][keep]
     b.touch(gave)
-    return picked, gave, per_unit[:stop][keep]
+    return picked, gave, per_unit[keep]
 
 
 def _allowed(*forbid: np.ndarray) -> MaskFn:

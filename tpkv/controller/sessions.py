@@ -66,6 +66,7 @@ class SessionTable:
     opened_tick: np.ndarray
     table_pos: np.ndarray
     dirty: np.ndarray
+    plan_local: np.ndarray
 
     def __init__(self, lru_k: int, capacity: int = 256) -> None:
         self.lru_k = lru_k
@@ -104,6 +105,7 @@ class SessionTable:
         grow("opened_tick", np.int64, 0)
         grow("table_pos", np.int64, -1)  # position in the last step's batch table, or -1
         grow("dirty", np.bool_, True)  # an L1 slot of a block changed since that table
+        grow("plan_local", np.int32, -1)  # scratch of kernels.plan_arrays, all -1 between calls
         self.arena.grow_sessions(capacity)
         self.names.extend([None] * (capacity - len(self.names)))
         self.capacity = capacity
