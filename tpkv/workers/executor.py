@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -34,6 +34,15 @@ class _Spill:
     epoch: int
     slots: np.ndarray  # L2 slots it reads
     future: Future[Any]
+
+
+@dataclass
+class _Demotion:
+    """An L1 -> L2 batch that may still run: the L1 slots it reads and the L2 slots it writes."""
+
+    handle: CopyHandle
+    l1: np.ndarray
+    l2: np.ndarray
 
 
 @dataclass
@@ -71,9 +80,12 @@ class PlanExecutor:
     """Carries out plans through one rank's CopyEngine and SsdStore; never decides a move.
 
     Ordering across plans (within a plan no slot is both vacated and filled): an L2 -> L1 batch
-    waits on the GPU for the previous L1 -> L2 batch (it may fill the L1 slots that batch empties),
-    an L1 -> L2 batch for the previous L2 -> L1 batch (L2 slots), SSD writes on the host for the
-    previous L1 -> L2 batch (their source) and SSD reads for both (an L2 slot they fill may
+    waits on the GPU for the newest L1 -> L2 batch still running that empties one of the L1
+    slots it fills or writes one of the L2 slots it reads, and for no other (so a resume into
+    free slots runs beside the demotions that make room for the next one); compute that writes
+    new K/V waits the same way for the demotions out of its fresh slots (`fence_compute`). An
+    L1 -> L2 batch waits for the previous L2 -> L1 batch (L2 slots), SSD writes on the host for
+    the previous L1 -> L2 batch (their source) and SSD reads for both (an L2 slot they fill may
     still be read by an H2D, or written by the D2H of a block dropped since).
 
     Spills (L2 -> L3) run in the background: a plan returns once they are queued, and reports
@@ -94,6 +106,7 @@ class PlanExecutor:
         self.layer_bytes, self.num_layers = g.layer_bytes, g.num_layers
         self.layers_per_copy = min(g.num_layers, max(1, -(-layer_chunk_bytes // g.layer_bytes)))
         self.last: dict[str, CopyHandle | None] = {"h2d": None, "d2h": None}
+        self.demotions: deque[_Demotion] = deque()  # L1 -> L2 batches, oldest first
         self.events: list[torch.cuda.Event | None] = [None] * g.num_layers
         self.spills: list[_Spill] = []
         self.num_failed_spills = 0
@@ -113,7 +126,10 @@ class PlanExecutor:
         if len(i := pick["d2h"]):
             self.wait_spills(deadline, slots=plan.dst_slot[i])
             start = self._mark("d2h", prev_h2d)
-            self.last["d2h"] = self.engine.d2h(plan.src_slot[i], plan.dst_slot[i])
+            handle = self.last["d2h"] = self.engine.d2h(plan.src_slot[i], plan.dst_slot[i])
+            if self.engine.on_gpu:
+                self.demotions.append(_Demotion(handle, np.sort(plan.src_slot[i]),
+                                                np.sort(plan.dst_slot[i])))
             self._span(out, "d2h", start)
             out.done[i], out.bytes_d2h = True, len(i) * block_bytes
         jobs: list[tuple[str, np.ndarray, Future[Any]]] = []
@@ -134,7 +150,7 @@ class PlanExecutor:
                     self.wait_spills(deadline, slots=plan.dst_slot[i], names=names)
                     jobs += self._ssd_jobs(plan, i, "read", deadline)
         if len(i := pick["h2d"]):
-            start = self._mark("h2d", prev_d2h)
+            start = self._mark("h2d", self._demotion_into(plan.dst_slot[i], plan.src_slot[i]))
             self._h2d(plan.src_slot[i], plan.dst_slot[i])
             self._span(out, "h2d", start)
             out.done[i], out.bytes_h2d = True, len(i) * block_bytes
@@ -323,12 +339,25 @@ class PlanExecutor:
         if event is not None and self.engine.on_gpu:
             torch.cuda.current_stream(self.hbm.device).wait_event(event)
 
-    def fence_compute(self) -> None:
-        """Make the current stream wait for the last L1 -> L2 batch: the engine may write new KV
-        into L1 slots that batch empties."""
-        handle = self.last["d2h"]
-        if self.engine.on_gpu and handle is not None and handle.event is not None:
+    def fence_compute(self, fresh_l1_slots: np.ndarray) -> None:
+        """Make the current stream wait for the L1 -> L2 batches that empty any of the L1 slots
+        the engine writes new K/V into (the step's fresh slots); no wait when none does."""
+        handle = self._demotion_into(fresh_l1_slots, None)
+        if handle is not None and handle.event is not None:
             torch.cuda.current_stream(self.hbm.device).wait_event(handle.event)
+
+    def _demotion_into(self, l1_slots: np.ndarray, l2_slots: np.ndarray | None
+                       ) -> CopyHandle | None:
+        """The newest L1 -> L2 batch still running that reads one of `l1_slots` or writes one
+        of `l2_slots` (the d2h stream runs in order: waiting for it waits for all before it)."""
+        while self.demotions and self.demotions[0].handle.done():
+            self.demotions.popleft()
+        l1 = np.asarray(l1_slots, dtype=np.int64)
+        l2 = None if l2_slots is None else np.asarray(l2_slots, dtype=np.int64)
+        for d in reversed(self.demotions):
+            if _meets(d.l1, l1) or (l2 is not None and _meets(d.l2, l2)):
+                return d.handle
+        return None
 
     def synchronize_h2d(self) -> None:
         """Wait on the host for the copies into L1 issued so far (bounded)."""
@@ -380,3 +409,11 @@ class PlanExecutor:
             log.error("resync: %d blocks have no copy on this rank (e.g. %d); their bytes are "
                       "zeros here", len(lost), int(lost[0]))
         return lost
+
+
+def _meets(sorted_slots: np.ndarray, slots: np.ndarray) -> bool:
+    """Whether any of `slots` is in `sorted_slots` (sorted ascending)."""
+    if not len(sorted_slots) or not len(slots):
+        return False
+    at = np.searchsorted(sorted_slots, slots).clip(max=len(sorted_slots) - 1)
+    return bool((sorted_slots[at] == slots).any())

@@ -130,7 +130,7 @@ class Worker:
                                           names=set(gone))
             for name in gone:
                 self.store.drop_session(name)
-        self.executor.fence_compute()
+        self.executor.fence_compute(step.fresh_slots)
         self.tick = step.tick
         with_moves = [a for a in applied if a.plan.num_moves]
         pending = None
