@@ -42,6 +42,7 @@ class Sizes:
     block_tokens: int = 16
     l1_gib: float = 1.0  # KV budget in GPU memory, the same for every configuration
     l2_gib: float = 3.0
+    l2_all_gib: float = 24.0  # (b2): an L2 that holds every session (the node's DRAM allows it)
     l3_gib: float = 8.0
     sessions: int = 96
     context: tuple[int, int] = (4096, 8192)  # tokens of each session's first turn
@@ -54,14 +55,15 @@ class Sizes:
 
 # (a) holds about 5 sessions in 1 GiB of L1; 96 sessions need L2 + L3 for the rest.
 QUICK = Sizes(sessions=96, l2_gib=6.0, l3_gib=16.0)
-FULL = Sizes(l1_gib=2.0, l2_gib=16.0, l3_gib=28.0, sessions=96, context=(8192, 16384))
+FULL = Sizes(l1_gib=2.0, l2_gib=16.0, l2_all_gib=48.0, l3_gib=28.0, sessions=96,
+             context=(8192, 16384))
 
 
 def parse() -> tuple[argparse.Namespace, Sizes]:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="the published sizes")
-    ap.add_argument("--configs", default="a,b,c,c2,d", help="subset of a,b,c,c2,d to run")
+    ap.add_argument("--configs", default="a,b,b2,c,c2,d", help="subset of a,b,b2,c,c2,d to run")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--ssd-dir", default=None, help="L3 directory (default: a temp dir)")
     ap.add_argument("--out", default="bench/results/e2e.json")
@@ -86,6 +88,8 @@ def settings(sizes: Sizes, ssd_root: str) -> dict[str, Setting]:
         # does not fit in L1 loses its blocks and is recomputed when it returns.
         "a": Setting("a", "GPU only (evict + recompute)", l1, 0, None),
         "b": Setting("b", "L1+L2", l1, int(sizes.l2_gib * GiB), None),
+        # The same with an L2 larger than all sessions' KV: every return loads from L2.
+        "b2": Setting("b2", "L1+L2, L2 holds all", l1, int(sizes.l2_all_gib * GiB), None),
         "c": Setting("c", "L1+L2+L3", l1, int(sizes.l2_gib * GiB), ssd_root,
                      int(sizes.l3_gib * GiB)),
         # tpkv's default policy: no spill of what the cost model would recompute anyway.

@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-ORDER = ("a", "b", "c", "c2", "d")
+ORDER = ("a", "b", "b2", "c", "c2", "d")
 SOURCES = ("l2", "l3", "recompute")
 
 
