@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tpkv.controller.kernels import A, _jit
+
 _MIN_EXTENT = 8
 _SLICE_GATHER = 32  # gather() copies this many sessions or fewer slice by slice
 
@@ -66,6 +68,17 @@ class RowArena:
             step = extent_index(self.start[sessions], lens)
         np.take(self.arena, step, out=out)
         return out, offsets
+
+    def append_new(self, batch: np.ndarray, n_new: np.ndarray, rows: np.ndarray) -> None:
+        """append() for the sessions of a step with n_new[i] > 0, in one compiled pass unless
+        the arena must be compacted or grown first."""
+        done, self.top, grown = append_rows(batch, n_new, rows, self.arena, self.start,
+                                            self.cap, self.length, self.top)
+        if done:
+            self.live_cap += grown
+            return
+        has_new = n_new > 0
+        self.append(batch[has_new], n_new[has_new], rows)
 
     def append(self, sessions: np.ndarray, counts: np.ndarray, rows: np.ndarray) -> None:
         """Append counts[i] rows (taken in order from `rows`) to sessions[i]; sessions unique."""
@@ -154,3 +167,42 @@ def extent_index(starts: np.ndarray, lens: np.ndarray, out: np.ndarray | None = 
     step[begin[1:]] = first[1:] - (first[:-1] + n[:-1] - 1)
     np.cumsum(step, out=step)
     return step
+
+
+@_jit
+def append_rows(batch: A, n_new: A, rows: A, arena: A, start: A, cap: A, length: A,
+                top: int) -> tuple[bool, int, int]:
+    """RowArena.append of n_new[i] > 0 rows to batch[i], taken in order from `rows`, moving a
+    full extent to the end as _relocate does. Returns (False, top, 0) and changes nothing when
+    the moved extents do not fit before the end (the caller compacts); else (True, new top,
+    growth of live capacity)."""
+    want = 0
+    for i in range(len(batch)):
+        s = batch[i]
+        need = length[s] + n_new[i]
+        if n_new[i] > 0 and need > cap[s]:
+            want += max(need + max(need // 8, 4), _MIN_EXTENT)
+    if top + want > len(arena):
+        return False, top, 0
+    grown = 0
+    k = 0
+    for i in range(len(batch)):
+        c = n_new[i]
+        if c <= 0:
+            continue
+        s = batch[i]
+        n = length[s]
+        if n + c > cap[s]:  # a new extent never overlaps a live one
+            new_cap = max(n + c + max((n + c) // 8, 4), _MIN_EXTENT)
+            dst, src = arena[top:top + n], arena[start[s]:start[s] + n]
+            for j in range(n):
+                dst[j] = src[j]
+            grown += new_cap - cap[s]
+            start[s], cap[s] = top, new_cap
+            top += new_cap
+        dst = arena[start[s] + n:start[s] + n + c]
+        for j in range(c):
+            dst[j] = rows[k + j]
+        k += c
+        length[s] = n + c
+    return True, top, grown

@@ -6,10 +6,18 @@ import numpy as np
 
 from tpkv.controller.kernels import move_rows, plan_arrays
 from tpkv.controller.sessions import SessionTable, add_counts
-from tpkv.controller.table import DRAM, HBM, NONE, SSD, BlockTable
+from tpkv.controller.table import DRAM, HBM, NONE, SSD, BlockTable, SlotStack
 from tpkv.types import MovePlan
 
 _NO_OWNER = np.zeros(0, dtype=np.int32)  # the owner map of L3, which has none
+_NO_STACK = SlotStack(0, "L3")  # nor free slots
+
+
+def _phase_buffers(n: int) -> list[np.ndarray]:
+    """Moves of one phase as kernels.move_rows writes them: rows, sessions, source slots,
+    destination slots, source tiers, destination tiers (the slots and tiers in wire dtypes)."""
+    return [np.empty(n, dtype=d) for d in (np.int64, np.int32, np.int64, np.int64, np.int8,
+                                           np.int8)]
 
 
 def group_sorted(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -44,12 +52,13 @@ class PlanBuilder:
         self.ssd_dropped: list[int] = []  # sessions whose L3 records were all discarded
         self.events: list[dict[str, object]] = []
         self.touched = np.zeros(0, dtype=bool)  # sessions changed this phase (made on first use)
-        self._parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int]] = []
         self._held: dict[int, list[np.ndarray]] = {HBM: [], DRAM: []}
+        self._n = 0  # moves of the current phase, in the buffers below
+        self._buf = _phase_buffers(1024)
 
     @property
     def num_moves(self) -> int:
-        return sum(len(p[0]) for p in self._parts) + sum(p.num_moves for p in self.plans)
+        return self._n + sum(p.num_moves for p in self.plans)
 
     def begin_phase(self) -> None:
         self.touched = np.zeros(self.s.capacity, dtype=bool)
@@ -65,22 +74,27 @@ class PlanBuilder:
             return
         t = self.t
         assert not self.check or (t.tier[rows] == src).all(), "move: a row is not on its source"
-        slots = t.free[dst].pop(n) if dst != SSD else np.full(n, -1, dtype=np.int32)
+        stack = t.free[dst] if dst != SSD else _NO_STACK
+        if n > stack.top and dst != SSD:
+            stack.pop(n)  # raises TierFullError
         if len(self.touched) == 0:
             self.touched = np.zeros(self.s.capacity, dtype=bool)
-        sess = np.empty(n, dtype=np.int32)
-        old_slot = np.empty(n, dtype=np.int32)
+        at = self._n
+        if at + n > len(self._buf[0]):
+            self._buf = [np.concatenate([b[:at], np.empty(at + 2 * n, dtype=b.dtype)])
+                         for b in self._buf]
         counts = self.s.counts  # [4, S]: tier column + 1 (NONE is column 0)
-        move_rows(rows, slots, t.session, t.tier, t.slot, t.owner.get(src, _NO_OWNER),
-                  t.owner.get(dst, _NO_OWNER), counts[src + 1], counts[dst + 1], self.touched,
-                  self.s.dirty, self.s.clean, t.demoted_at, dst, self.now_s, dst > src, sess,
-                  old_slot)
+        move_rows(rows, src, dst, stack.stack, stack.top, t.session, t.tier, t.slot,
+                  t.owner.get(src, _NO_OWNER), t.owner.get(dst, _NO_OWNER), counts[src + 1],
+                  counts[dst + 1], self.touched, self.s.dirty, self.s.clean, t.demoted_at,
+                  self.now_s, at, *self._buf)
+        stack.top -= n if dst != SSD else 0
         if src != SSD:
-            self._held[src].append(old_slot)
+            self._held[src].append(self._buf[2][at:at + n])  # their old slots
+        self._n += n
         t.num_in[src + 1] -= n
         t.num_in[dst + 1] += n
         assert t.used(SSD) <= t.l3_capacity, "L3 over capacity"
-        self._parts.append((rows, sess, old_slot, slots, src, dst))
 
     def drop(self, rows: np.ndarray) -> None:
         """The blocks lose their copy (they will be recomputed if needed again); slots free now."""
@@ -96,24 +110,14 @@ class PlanBuilder:
             if held:
                 self.t.free[tier].push(held[0] if len(held) == 1 else np.concatenate(held))
                 held.clear()
-        if not self._parts:
+        if self._n == 0:
             return
-        parts, self._parts = self._parts, []
-        if len(parts) == 1:
-            rows, sess, src_slot, dst_slot = parts[0][:4]
-        else:
-            rows, sess, src_slot, dst_slot = (np.concatenate([p[k] for p in parts])
-                                              for k in range(4))
-        src_tier = np.empty(len(rows), dtype=np.int8)
-        dst_tier = np.empty(len(rows), dtype=np.int8)
-        at = 0
-        for p in parts:
-            src_tier[at:at + len(p[0])] = p[4]
-            dst_tier[at:at + len(p[0])] = p[5]
-            at += len(p[0])
-        # in_flight until its plan is confirmed (nothing reads it before)
-        ids, session_idx, logical, order = plan_arrays(rows, sess, self.t.gen, self.t.logical,
-                                                       self.t.in_flight, self.s.plan_local)
+        b_rows, b_sess, b_src_slot, b_dst_slot, b_src_tier, b_dst_tier = self._buf
+        (rows, ids, src_tier, src_slot, dst_tier, dst_slot, session_idx, logical,
+         order) = plan_arrays(self._n, b_rows, b_sess, b_src_slot, b_dst_slot, b_src_tier,
+                              b_dst_tier, self.t.gen, self.t.logical, self.t.in_flight,
+                              self.s.plan_local)  # in_flight until the plan is confirmed
+        self._n = 0
         names = self.s.names
         plan = MovePlan(
             epoch=self.epoch, block_ids=ids, src_tier=src_tier, src_slot=src_slot,

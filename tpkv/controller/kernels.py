@@ -8,7 +8,9 @@ same results in the same order (the golden tests compare every StepResult bit fo
 Kernels never allocate what the caller can size (outputs are passed in where the length is
 known), never raise (a broken invariant is returned as a code the caller turns into an
 error), and are compiled once per argument types and cached on disk (`cache=True`): call them
-with the dtypes the tables use, so that no call site adds a signature.
+with the dtypes the tables use, so that no call site adds a signature. Copy loops index views
+from 0 (`dst[j] = src[j]`): numba checks every computed index for wraparound, which keeps
+`out[a + j] = src[b + j]` from vectorizing (7x slower measured).
 """
 
 from __future__ import annotations
@@ -21,27 +23,30 @@ A = np.ndarray  # argument annotations (numba types each call from its arguments
 
 
 @_jit
-def move_rows(rows: A, dst_slots: A, session: A, tier: A, slot: A, owner_src: A, owner_dst: A,
-              count_src: A, count_dst: A, touched: A, dirty: A, clean: A, demoted_at: A,
-              dst: int, now_s: float, demote: bool, sess_out: A, old_out: A) -> None:
-    """PlanBuilder.move on the table: rows go to (dst, dst_slots). Source slots leave their
-    owner map (owner_src empty: from L3), destinations enter it (owner_dst empty: to L3),
-    per-session tier counts follow, the sessions are touched and dirty, and lose `clean` when
-    the move goes to L1; with `demote`, demoted_at = now_s (float32, as numpy would cast).
-    Writes each row's session and old slot to sess_out / old_out."""
+def move_rows(rows: A, src: int, dst: int, free_stack: A, free_top: int, session: A, tier: A,
+              slot: A, owner_src: A, owner_dst: A, count_src: A, count_dst: A, touched: A,
+              dirty: A, clean: A, demoted_at: A, now_s: float, at: int, out_rows: A,
+              out_sess: A, out_src_slot: A, out_dst_slot: A, out_src_tier: A,
+              out_dst_tier: A) -> None:
+    """PlanBuilder.move on the table: rows go from `src` to `dst`, into the slots on top of
+    the free stack (free_stack[free_top - 1] first, as SlotStack.pop hands them out; none for
+    L3: -1). Source slots leave their owner map (owner_src empty: from L3), destinations enter
+    it (owner_dst empty: to L3); per-session tier counts follow; the sessions are touched and
+    dirty and, moving to L1, not clean; a demotion sets demoted_at = now_s (float32, as numpy
+    casts). Each move lands in the phase's buffers at position at + i."""
     to_l1 = dst == 0
+    demote = dst > src
     for i in range(len(rows)):
         r = rows[i]
         s = session[r]
         old = slot[r]
-        sess_out[i] = s
-        old_out[i] = old
+        new = free_stack[free_top - 1 - i] if len(owner_dst) else -1
         if len(owner_src):
             owner_src[old] = -1
         if len(owner_dst):
-            owner_dst[dst_slots[i]] = r
+            owner_dst[new] = r
         tier[r] = dst
-        slot[r] = dst_slots[i]
+        slot[r] = new
         count_src[s] -= 1
         count_dst[s] += 1
         touched[s] = True
@@ -50,16 +55,24 @@ def move_rows(rows: A, dst_slots: A, session: A, tier: A, slot: A, owner_src: A,
             clean[s] = False
         if demote:
             demoted_at[r] = np.float32(now_s)
+        j = at + i
+        out_rows[j] = r
+        out_sess[j] = s
+        out_src_slot[j] = old
+        out_dst_slot[j] = new
+        out_src_tier[j] = src
+        out_dst_tier[j] = dst
 
 
 @_jit
-def plan_arrays(rows: A, sess: A, gen: A, logical: A, in_flight: A,
-                local: A) -> tuple[A, A, A, A]:
-    """The per-move arrays of a MovePlan from its rows and their sessions: block ids
-    (gen << 32 | row), the index of each move's session among the plan's sessions in order of
-    first use, logical indices (int64); marks the rows in flight. `local` is a per-session
-    scratch of -1s, left as found. Returns (ids, session_idx, logical, sessions in order)."""
-    n = len(rows)
+def plan_arrays(n: int, rows: A, sess: A, src_slot: A, dst_slot: A, src_tier: A, dst_tier: A,
+                gen: A, logical: A, in_flight: A, local: A) -> tuple[A, ...]:
+    """The arrays of a MovePlan, in its wire dtypes, from the first n moves of the phase's
+    buffers: block ids (gen << 32 | row), the index of each move's session among the plan's
+    sessions in order of first use, logical indices, tiers and slots; marks the rows in flight.
+    `local` is a per-session scratch of -1s, left as found. Returns (rows, ids, src_tier,
+    src_slot, dst_tier, dst_slot, session_idx, logical, sessions in order of first use)."""
+    out_rows = rows[:n].copy()
     ids = np.empty(n, dtype=np.int64)
     sidx = np.empty(n, dtype=np.int32)
     lg = np.empty(n, dtype=np.int64)
@@ -67,7 +80,7 @@ def plan_arrays(rows: A, sess: A, gen: A, logical: A, in_flight: A,
     k = 0
     for i in range(n):
         r = rows[i]
-        ids[i] = (np.int64(gen[r]) << 32) | np.int64(r)
+        ids[i] = (np.int64(gen[r]) << 32) | r
         lg[i] = logical[r]
         in_flight[r] = 1
         s = sess[i]
@@ -80,7 +93,8 @@ def plan_arrays(rows: A, sess: A, gen: A, logical: A, in_flight: A,
         sidx[i] = j
     for j in range(k):
         local[order[j]] = -1
-    return ids, sidx, lg, order[:k]
+    return (out_rows, ids, src_tier[:n].copy(), src_slot[:n].copy(), dst_tier[:n].copy(),
+            dst_slot[:n].copy(), sidx, lg, order[:k].copy())
 
 
 @_jit
@@ -147,12 +161,12 @@ def batch_slots(batch: A, lens: A, prev_batch: A, prev_offsets: A, prev_lens: A,
             keep = prev_lens[p]
             if keep > lens[i]:
                 return -1
-            a, b = offsets[i], prev_offsets[p]
-            for j in range(keep):
-                out[a + j] = prev_slots[b + j]
-        a, b = offsets[i], start[s]
+            dst, src = out[offsets[i]:offsets[i] + keep], prev_slots[prev_offsets[p]:]
+            for j in range(keep):  # on views: no negative-index checks, so it vectorizes
+                dst[j] = src[j]
+        dst, rows = out[offsets[i]:offsets[i + 1]], arena[start[s]:]
         for j in range(keep, lens[i]):
-            out[a + j] = slot[arena[b + j]]
+            dst[j] = slot[rows[j]]
     if same:
         for i in range(n):
             if prev_batch[i] != batch[i]:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tpkv.controller.arena import RowArena
+from tpkv.controller.stepkernels import resolve_handles
 from tpkv.errors import (
     DuplicateSessionError,
     InvalidSessionIdError,
@@ -178,7 +179,10 @@ class SessionTable:
             raise
 
     def _resolve_handles(self, handles: np.ndarray) -> np.ndarray:
-        idx = handles & ((1 << _ID_SHIFT) - 1)
+        ok, idx = resolve_handles(handles, self.handle_of)
+        if ok:
+            return idx
+        idx = handles & ((1 << _ID_SHIFT) - 1)  # the checks again, to name the bad handle
         if len(idx) and (handles.min() < 0 or idx.max() >= self.capacity):
             bad = handles[(handles < 0) | (idx >= self.capacity)]
             raise UnknownSessionError(f"session handle {int(bad[0])} names no session")
@@ -209,14 +213,6 @@ class SessionTable:
 
     def open_indices(self) -> np.ndarray:
         return np.flatnonzero(self.is_open)
-
-    def record_runs(self, sessions: np.ndarray, tick: int) -> None:
-        """Sessions ran at `tick`: shift their run history (LRU-K) and count the run."""
-        self.runs[sessions] += 1
-        hist = self.run_hist
-        for k in range(self.lru_k - 1, 0, -1):
-            hist[k][sessions] = hist[k - 1][sessions]
-        hist[0][sessions] = tick
 
     def nbytes(self) -> int:
         arrays = [v for v in vars(self).values() if isinstance(v, np.ndarray)]

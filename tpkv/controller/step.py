@@ -11,7 +11,8 @@ from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.cost import block_costs, resume_costs
 from tpkv.controller.messages import StepResult
 from tpkv.controller.planner import MAX_PHASES, PlanContext, StepNeeds, plan_step
-from tpkv.controller.sessions import add_counts
+from tpkv.controller.sessions import SessionTable, add_counts
+from tpkv.controller.stepkernels import alloc_blocks, batch_blocks, outside, start_runs
 from tpkv.controller.table import DRAM, HBM, NONE, PIN_EXPLICIT, SSD
 from tpkv.errors import BadRequestError, DuplicateSessionError, PlanOrderError, TierFullError
 
@@ -34,20 +35,11 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         raise BadRequestError(f"num_new_tokens needs {len(batch)} integers, got {len(add)} of "
                               f"dtype {add.dtype}")
     add = add.astype(np.int64)
-    if len(add) and add.min() < 0:
-        i = int(np.argmin(add))
-        raise BadRequestError(f"num_new_tokens must be >= 0; session {S.name(int(batch[i]))!r} "
-                              f"got {int(add[i])}")
-    ordered = np.sort(batch)
-    if len(ordered) > 1 and (ordered[1:] == ordered[:-1]).any():
-        dup = int(ordered[1:][ordered[1:] == ordered[:-1]][0])
-        raise DuplicateSessionError(f"session {S.name(dup)!r} appears twice in a step of "
-                                    f"{len(batch)} sessions")
-    up = _upcoming(ctl, upcoming, ordered)
-    pending = S.pending[batch]
-    tokens = S.tokens[batch] + pending + add
-    nb_before = S.arena.length[batch]
-    n_new = (tokens + (bt - 1)) // bt - nb_before  # blocks the new tokens open (tokens >= 0)
+    code, tokens, nb_before, n_new, missing = batch_blocks(
+        batch, add, S.tokens, S.pending, S.arena.length, S.counts[1], bt, S.plan_local)
+    if code:
+        _refuse(S, batch, add)
+    up = _upcoming(ctl, upcoming, batch)
     new_total = int(n_new.sum())
     total = int(nb_before.sum()) + new_total
     l1 = T.slots(HBM)
@@ -66,13 +58,9 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     # ---- the step is valid: from here on the table changes -------------------------------------
     ctl.tick += 1
     tick = ctl.tick
-    S.tokens[batch] = tokens
-    if pending.any():
-        S.pending[batch] = 0
-    S.record_runs(batch, tick)
-    S.clean[batch] = False
+    start_runs(batch, tokens, tick, S.tokens, S.pending, S.runs, S.run_hist, S.clean)
     b = PlanBuilder(T, S, ctl.next_epoch, ctl.now_s(), ctl.check_invariants)
-    want, recompute = _demand(ctl, b, batch, nb_before)
+    want, recompute = _demand(ctl, b, batch, missing)
     needs = StepNeeds(batch, want, len(recompute) + new_total, up)
     lost = _EMPTY
     if _needs_planning(ctl, needs):
@@ -86,18 +74,14 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         lost = plan_step(ctx, b, needs).astype(np.int64)
     fresh_old = (np.concatenate([recompute, lost]).astype(np.int64) if len(recompute) or len(lost)
                  else _EMPTY)
-    has_new = np.flatnonzero(n_new > 0)
-    n_grown = n_new[has_new]
     slots = T.free[HBM].pop(len(fresh_old) + new_total)
     _place_fresh(ctl, fresh_old, slots[:len(fresh_old)])
-    new_rows = _alloc_new(ctl, batch[has_new], n_grown, nb_before[has_new],
-                          slots[len(fresh_old):])
+    new_rows, new_pos = _alloc_new(ctl, batch, n_new, nb_before, slots[len(fresh_old):])
     offsets, table = ctl.batch_table.build(S, T, batch, nb_before + np.maximum(n_new, 0))
     if ctl.check_invariants:
         rows, _ = S.arena.gather(batch)
         assert (T.tier[rows] == HBM).all(), "a block of the batch is not in L1"
         assert (table == T.slot[rows]).all(), "the patched batch table is stale"
-    new_pos = has_new if len(has_new) == new_total else np.repeat(has_new, n_grown)
     if len(fresh_old):
         fresh_rows = np.concatenate([fresh_old, new_rows.astype(np.int64)])
         old_pos = _positions(batch)(T.session[fresh_old])
@@ -114,9 +98,8 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         recompute_start=rc_start, recompute_stop=rc_stop, **ctl.finish_step(b))
 
 
-def _upcoming(ctl: Controller, upcoming: Upcoming, ordered: np.ndarray) -> np.ndarray:
-    """Sessions expected within prefetch_steps steps, soonest first, without the batch (given
-    sorted: a binary search per expected session, no pass over the batch's sessions)."""
+def _upcoming(ctl: Controller, upcoming: Upcoming, batch: np.ndarray) -> np.ndarray:
+    """Sessions expected within prefetch_steps steps, soonest first, without the batch."""
     if not upcoming:
         return _EMPTY
     if isinstance(upcoming, Mapping):
@@ -130,10 +113,20 @@ def _upcoming(ctl: Controller, upcoming: Upcoming, ordered: np.ndarray) -> np.nd
     if not names:
         return _EMPTY
     idx = ctl.sessions.resolve(names)
-    if len(ordered) == 0:
-        return idx
-    at = np.minimum(np.searchsorted(ordered, idx), len(ordered) - 1)
-    return idx[ordered[at] != idx]
+    return idx[outside(idx, batch, ctl.sessions.plan_local)]
+
+
+def _refuse(S: SessionTable, batch: np.ndarray, add: np.ndarray) -> None:
+    """Raise the error of a step that batch_blocks refused (a token count < 0, or a session
+    twice), with the session it concerns."""
+    if len(add) and add.min() < 0:
+        i = int(np.argmin(add))
+        raise BadRequestError(f"num_new_tokens must be >= 0; session {S.name(int(batch[i]))!r} "
+                              f"got {int(add[i])}")
+    ordered = np.sort(batch)
+    dup = int(ordered[1:][ordered[1:] == ordered[:-1]][0])
+    raise DuplicateSessionError(f"session {S.name(dup)!r} appears twice in a step of "
+                                f"{len(batch)} sessions")
 
 
 def _names(ctl: Controller, given: Sequence[str] | np.ndarray,
@@ -170,11 +163,11 @@ def _pinned_l1_outside(ctl: Controller, batch: np.ndarray) -> int:
 
 
 def _demand(ctl: Controller, b: PlanBuilder, batch: np.ndarray,
-            nb_before: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            missing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows to bring into L1 (load) and rows to recompute, per the cost model for each session
-    of the step with blocks outside L1. Rows to recompute lose their L2/L3 copy now."""
+    of the step with blocks outside L1 (at positions `missing`). Rows to recompute lose their
+    L2/L3 copy now."""
     S, T, rates, pol = ctl.sessions, ctl.table, ctl.rates, ctl.config.policy
-    missing = np.flatnonzero(S.counts[1][batch] < nb_before)
     if len(missing) == 0:
         return _EMPTY, _EMPTY
     g = ctl.config.geometry
@@ -231,29 +224,29 @@ def _place_fresh(ctl: Controller, rows: np.ndarray, slots: np.ndarray) -> None:
     add_counts(S.counts, S.count_keys(1, sess), 1)
 
 
-def _alloc_new(ctl: Controller, sessions: np.ndarray, counts: np.ndarray, first: np.ndarray,
-               slots: np.ndarray) -> np.ndarray:
-    """Rows for the blocks new tokens open, in fresh L1 slots (no move: the engine writes)."""
+def _alloc_new(ctl: Controller, batch: np.ndarray, n_new: np.ndarray, first: np.ndarray,
+               slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows for the blocks new tokens open (n_new[i] for batch[i], from block first[i] on), in
+    fresh L1 slots (no move: the engine writes), appended to their sessions (the batch table
+    stays clean). Returns (rows, batch position of each)."""
     T, S = ctl.table, ctl.sessions
-    total = int(counts.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int32)
-    if total == len(sessions):  # counts >= 1: one block each, the usual decode step
-        sess, logical = sessions, first
-    else:
-        sess = np.repeat(sessions, counts)
-        ends = np.cumsum(counts)
-        logical = np.repeat(first - (ends - counts), counts) + np.arange(total)
-    rows = T.alloc_rows(sess, logical, ctl.tick, S.runs[sess], slots)
-    S.counts[1][sessions] += counts.astype(np.int32)  # appended: the batch table stays clean
-    S.arena.append(sessions, counts, rows)
+    free = T.free_rows
+    rows, pos = alloc_blocks(batch, n_new, first, free.stack, free.top, slots, ctl.tick, S.runs,
+                             S.counts[1], T.session, T.logical, T.last_tick, T.count,
+                             T.runs_seen, T.tier, T.slot, T.owner[HBM])
+    if len(rows) == 0:
+        return rows, pos
+    free.top -= len(rows)  # ensure_rows made room
+    T.num_in[HBM + 1] += len(rows)
+    S.arena.append_new(batch, n_new, rows)
     if S.pins:
-        for si, lo, n in zip(sessions.tolist(), first.tolist(), counts.tolist()):
+        for i in np.flatnonzero(n_new > 0).tolist():
+            si, lo, n = int(batch[i]), int(first[i]), int(n_new[i])
             for start, stop in S.pins.get(si, ()):
                 a, z = max(start, lo), min(stop, lo + n)
                 if a < z:
                     T.pinned[S.rows(si)[a:z]] |= PIN_EXPLICIT
-    return rows
+    return rows, pos
 
 
 def _positions(batch: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:

@@ -1,0 +1,128 @@
+"""Compiled loops (numba) over the sessions of a step: resolve, check, count blocks, record runs.
+
+Why: each of these was a handful of numpy calls over the batch's 1024 sessions, whose
+per-session arrays are spread over tables too large to stay in cache; one pass reads each
+session's entries once. A kernel that finds a bad request returns a code instead of raising:
+the caller then runs the plain checks, which raise with the same messages as before.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tpkv.controller.kernels import A, _jit
+
+OK, BAD_HANDLE, NEGATIVE, DUPLICATE = 0, 1, 2, 3
+
+
+@_jit
+def batch_blocks(batch: A, add: A, tokens: A, pending: A, length: A, count_l1: A,
+                 block_tokens: int, mark: A) -> tuple[int, A, A, A, A]:
+    """Tokens and blocks of a step's sessions, before anything changes. Returns (code, tokens
+    after the step, blocks before it, blocks the new tokens open, positions of sessions with
+    blocks outside L1). `mark` is a per-session scratch of -1s, left as found; code NEGATIVE
+    or DUPLICATE when an entry of `add` is < 0 or a session appears twice."""
+    n = len(batch)
+    new_tokens = np.empty(n, dtype=np.int64)
+    before = np.empty(n, dtype=np.int64)
+    opened = np.empty(n, dtype=np.int64)
+    missing = np.empty(n, dtype=np.int64)
+    code = OK
+    k = 0
+    for i in range(n):
+        s = batch[i]
+        if add[i] < 0:
+            code = NEGATIVE
+        if mark[s] >= 0:
+            code = DUPLICATE if code == OK else code
+        mark[s] = i
+        t = tokens[s] + pending[s] + add[i]
+        b = length[s]
+        new_tokens[i] = t
+        before[i] = b
+        opened[i] = (t + (block_tokens - 1)) // block_tokens - b
+        if count_l1[s] < b:
+            missing[k] = i
+            k += 1
+    for i in range(n):
+        mark[batch[i]] = -1
+    return code, new_tokens, before, opened, missing[:k].copy()
+
+
+@_jit
+def resolve_handles(handles: A, handle_of: A) -> tuple[bool, A]:
+    """Session indices of handles ((gen << 32) | index); False if one names no open session."""
+    n, cap = len(handles), len(handle_of)
+    idx = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        h = handles[i]
+        s = h & 0xFFFFFFFF
+        if h < 0 or s >= cap or handle_of[s] != h:
+            return False, idx
+        idx[i] = s
+    return True, idx
+
+
+@_jit
+def start_runs(batch: A, new_tokens: A, tick: int, tokens: A, pending: A, runs: A,
+               run_hist: A, clean: A) -> None:
+    """The step is valid: its sessions take their new token counts (announced tokens are
+    written now), count a run at `tick` (run_hist [K, S], newest first) and are not clean."""
+    k = run_hist.shape[0]
+    for i in range(len(batch)):
+        s = batch[i]
+        tokens[s] = new_tokens[i]
+        pending[s] = 0
+        runs[s] += 1
+        for j in range(k - 1, 0, -1):
+            run_hist[j, s] = run_hist[j - 1, s]
+        run_hist[0, s] = tick
+        clean[s] = False
+
+
+@_jit
+def outside(idx: A, batch: A, mark: A) -> A:
+    """Mask of `idx` entries not in `batch`; `mark` is a per-session scratch of -1s, kept."""
+    for i in range(len(batch)):
+        mark[batch[i]] = i
+    out = np.empty(len(idx), dtype=np.bool_)
+    for i in range(len(idx)):
+        out[i] = mark[idx[i]] < 0
+    for i in range(len(batch)):
+        mark[batch[i]] = -1
+    return out
+
+
+@_jit
+def alloc_blocks(batch: A, n_new: A, first: A, free_rows: A, free_top: int, slots: A,
+                 tick: int, runs: A, count_l1: A, session: A, logical: A, last_tick: A,
+                 count: A, runs_seen: A, tier: A, slot: A, owner_l1: A) -> tuple[A, A]:
+    """Table rows for the blocks the step's new tokens open: n_new[i] > 0 blocks of session
+    batch[i] from logical first[i] on, in batch order, each in the next of `slots` (L1), rows
+    taken from the top of the free-row stack as SlotStack.pop hands them out. They count as
+    accessed once at `tick` (the session's runs so far folded in). Returns (rows, batch
+    position of each)."""
+    total = 0
+    for i in range(len(batch)):
+        total += max(n_new[i], 0)
+    rows = np.empty(total, dtype=np.int32)
+    pos = np.empty(total, dtype=np.int64)
+    k = 0
+    for i in range(len(batch)):
+        s = batch[i]
+        for j in range(n_new[i]):
+            r = free_rows[free_top - 1 - k]
+            rows[k] = r
+            pos[k] = i
+            session[r] = s
+            logical[r] = first[i] + j
+            last_tick[r] = tick
+            count[r] = 1
+            runs_seen[r] = runs[s]
+            tier[r] = 0  # L1
+            slot[r] = slots[k]
+            owner_l1[slots[k]] = r
+            k += 1
+        if n_new[i] > 0:
+            count_l1[s] += n_new[i]
+    return rows, pos
