@@ -50,6 +50,7 @@ class Sizes:
     user_tokens: int = 64
     gen_tokens: int = 16  # per turn after the fill round (the fill round's answer is 1 token)
     hf_seconds: float = 60.0  # wall-time cap of the transformers run
+    layer_events: int = 1  # 1: L2 -> L1 copies layer by layer (TpkvConfig.layer_events); 0: whole
     seed: int = 0
 
 

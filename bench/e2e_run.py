@@ -56,7 +56,8 @@ def ceilings(device: torch.device, ssd_root: str) -> dict[str, float]:
     return out
 
 
-def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool) -> TpkvConfig:
+def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool,
+               layer_events: int = 1) -> TpkvConfig:
     g = model.kv_geometry(tp_size=1, block_tokens=block_tokens)
     bb = g.block_bytes
     l2 = max(s.l2_bytes, bb)
@@ -68,7 +69,8 @@ def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool) -> TpkvC
                           spill=s.spill)  # type: ignore[arg-type]
     return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=s.l1_bytes // bb),
                       l2=HostConfig(budget_bytes=l2, arena_bytes=min(l2, GiB) // bb * bb),
-                      l3=l3, policy=policy, wait_timeout_s=300.0)
+                      l3=l3, policy=policy, wait_timeout_s=300.0,
+                      layer_events=bool(layer_events))
 
 
 def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device,
@@ -77,7 +79,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
 
     cuda = device.type == "cuda"
     model = model_for(sizes.model, device)
-    cfg = config_for(s, model, sizes.block_tokens, cuda)
+    cfg = config_for(s, model, sizes.block_tokens, cuda, sizes.layer_events)
     bt, bb = sizes.block_tokens, cfg.geometry.block_bytes
     l1_blocks = cfg.l1.slots(cfg.geometry)
     longest = max(contexts) + (sizes.rounds - 1) * (sizes.user_tokens + sizes.gen_tokens) + 1
@@ -178,9 +180,11 @@ class Rounds:
         ceiling_ms = None
         if src in ("l2", "l3") and "h2d" in self.ceil:
             ceiling_ms = 1e3 * (b2 / (self.ceil["h2d"] * 1e9) + b3 / (self.ceil["disk_read"] * 1e9))
+        parts = {f"{k}_ms": round(1e3 * v, 3) for k, v in self.tiered.last_times.items()}
         self.resumes.append({"session": session, "source": src, "resume_ms": round(resume_ms, 3),
                              "ttft_ms": round(ms, 3), "bytes_l2_l1": b2, "bytes_l3_l2": b3,
-                             "ceiling_ms": None if ceiling_ms is None else round(ceiling_ms, 3)})
+                             "ceiling_ms": None if ceiling_ms is None else round(ceiling_ms, 3),
+                             **parts})
 
     def _held(self, names: list[str]) -> int:
         """Sessions whose every block is still in some tier (resumable without recompute)."""

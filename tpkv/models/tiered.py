@@ -77,6 +77,9 @@ class TieredEngine:
         self.opened: set[str] = set()
         self.stats = TierStats()
         self._resume: tuple[float, str] | None = None
+        # Host seconds of the last step's parts: schedule (controller + plans issued), wait
+        # (until its blocks are in L1), forward (+ sampling), report (to the controller).
+        self.last_times: dict[str, float] = {}
         self.engine = PagedEngine(model, rt.worker.hbm.tensor, schedule=self.schedule,
                                   wait=self.wait, report=self.report, release=self.release,
                                   **engine_kwargs)
@@ -102,16 +105,27 @@ class TieredEngine:
         self.stats.retries += self.rt.num_retries - retries
         self.stats.steps += 1
         self._resume = (started, _TIER_NAME[farthest]) if farthest != Tier.HBM else None
+        self.last_times = {"schedule": time.perf_counter() - started}
         return step
 
     def wait(self, tables: StepTables) -> None:
+        t0 = time.perf_counter()
         self.rt.worker.wait_all()
         if self._resume is not None:  # the resume ends when its copies are done on the device
             started, tier = self._resume
             self.rt.worker.executor.synchronize_h2d()
             self.stats.resume_s[tier].append(time.perf_counter() - started)
+        self.last_times["wait"] = time.perf_counter() - t0
 
     def report(self, r: StepReport) -> None:
+        self.last_times["forward"] = r.forward_s
+        t0 = time.perf_counter()
+        try:
+            self._report(r)
+        finally:
+            self.last_times["report"] = time.perf_counter() - t0
+
+    def _report(self, r: StepReport) -> None:
         if self.rt.rank != 0:
             return
         updates = [(session, 0, mass) for session, mass in
