@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -11,7 +10,16 @@ import numpy as np
 from tpkv.config import PolicyConfig
 from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.kernels import walk_coldest
-from tpkv.controller.policy import cooling, eviction_keys_of, select_victims, watermark_excess
+from tpkv.controller.plankernels import (
+    HEAT,
+    LRU,
+    LRUK,
+    candidates,
+    prefetch_rows,
+    select_coldest,
+    still_cold,
+)
+from tpkv.controller.policy import watermark_excess
 from tpkv.controller.table import DRAM, HBM, SSD
 
 MAX_PHASES = 3  # L3 -> L2, then L2 -> L1 into slots a demotion freed; a third phase for slack
@@ -125,60 +133,57 @@ def _watermark(ctx: PlanContext, tier: int, used: int, slots: int) -> int:
     return excess
 
 
-def _keys(ctx: PlanContext, b: PlanBuilder, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    s, p = b.s, ctx.policy
-    mean_attn = None
-    if p.kind == "heat":
-        blocks = np.maximum(s.arena.length[cand], 1)
-        mean_attn = s.attn_sum[cand]
-        mean_attn /= blocks
-    return eviction_keys_of(p.kind, mean_attn, s.run_hist[0][cand], s.run_hist[-1][cand],
-                            ctx.tick, p.w_attn, p.w_recency)
-
-
 _Picked = tuple[np.ndarray, np.ndarray, np.ndarray]  # rows, their sessions, rows per session
-MaskFn = Callable[[np.ndarray | None], np.ndarray]  # sessions -> may they give blocks up?
+Forbid = tuple[np.ndarray, np.ndarray, np.ndarray]  # flags over sessions; empty: not used
 _NOTHING: _Picked = (np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64),
                      np.zeros(0, dtype=np.int64))  # read only
 _NO_ROWS = np.zeros(0, dtype=np.int32)
+_NO_FLAGS = np.zeros(0, dtype=bool)
+_KIND = {"heat": HEAT, "lru": LRU, "lruk": LRUK}
 ORDER_TTL = 16  # steps an eviction order is reused (minus sessions that ran since) for a tier
 
 
-def _order(ctx: PlanContext, b: PlanBuilder, tier: int, need: int, mask: MaskFn,
+def _allowed(*forbid: np.ndarray) -> Forbid:
+    """Sessions may give blocks up where none of the 1..3 `forbid` flags is set (read when the
+    order is made or filtered, as they are then)."""
+    f = (*forbid, _NO_FLAGS, _NO_FLAGS)
+    return f[0], f[1], f[2]
+
+
+def _order(ctx: PlanContext, b: PlanBuilder, tier: int, need: int, forbid: Forbid,
            cache: bool) -> np.ndarray:
-    """Sessions with blocks on `tier` that `mask` allows, coldest first, holding at least `need`
-    blocks there when that many exist. With `cache`, an order made for ORDER_TTL steps' worth
-    is kept and reused, less sessions that ran since or left: choosing victims then costs
-    O(victims) a step, not O(sessions)."""
-    s, col = b.s, _TIER_COL[tier]
+    """Sessions with blocks on `tier` that `forbid` allows, coldest first, holding at least
+    `need` blocks there when that many exist. With `cache`, an order made for ORDER_TTL steps'
+    worth is kept and reused, less sessions that ran since or left: choosing victims then
+    costs O(victims) a step, not O(sessions)."""
+    s, p, count = b.s, ctx.policy, b.s.counts[_TIER_COL[tier]]
     if cache and tier in ctx.orders:
         built, units = ctx.orders[tier]
         if ctx.tick - built <= ORDER_TTL:
-            units = units[mask(units) & (s.counts[col][units] > 0)
-                          & (s.run_hist[0][units] <= built)]
+            units, held = still_cold(units, *forbid, count, s.run_hist[0], built)
             ctx.orders[tier] = (built, units)
-            if int(s.counts[col][units].sum()) >= need:
+            if held >= need:
                 return units
-    cand = np.flatnonzero(mask(None) & (s.counts[col] > 0))
-    primary, secondary = _keys(ctx, b, cand)
-    sizes = s.counts[col][cand].astype(np.int64)
-    units = cand[select_victims(primary, secondary, sizes, need * (ORDER_TTL if cache else 1))]
+    cand, primary, secondary, sizes = candidates(
+        *forbid, count, _KIND[p.kind], s.attn_sum, s.arena.length, s.run_hist[0],
+        s.run_hist[-1], ctx.tick, p.w_attn, p.w_recency)
+    units = cand[select_coldest(primary, secondary, sizes, need * (ORDER_TTL if cache else 1))]
     if cache:
         ctx.orders[tier] = (ctx.tick, units)
     return units
 
 
-def _coldest(ctx: PlanContext, b: PlanBuilder, tier: int, need: int, mask: MaskFn,
+def _coldest(ctx: PlanContext, b: PlanBuilder, tier: int, need: int, forbid: Forbid,
              keep_auto: bool = False, skip: np.ndarray | None = None,
              cache: bool = False) -> _Picked:
-    """Rows on `tier` of the coldest sessions `mask` allows, whole sessions, until `need` rows.
+    """Rows on `tier` of the coldest sessions `forbid` allows, whole sessions, until `need` rows.
     Pinned blocks stay; with keep_auto, so do blocks at or above the auto-pin threshold.
     Vectorized: the cost is one pass over the rows of the sessions it looks at."""
     t, s = b.t, b.s
     empty = _NOTHING
     if need <= 0:
         return empty
-    order = _order(ctx, b, tier, need, mask, cache)
+    order = _order(ctx, b, tier, need, forbid, cache)
     if len(order) == 0:
         return empty
     auto = keep_auto and ctx.pin_threshold != math.inf
@@ -190,7 +195,7 @@ def _coldest(ctx: PlanContext, b: PlanBuilder, tier: int, need: int, mask: MaskF
     picked, stop, per_unit = walk_coldest(order, *walk)
     if stop == len(order) and int(per_unit.sum()) < need:
         # Pinned blocks made a cached prefix short: look at every candidate.
-        everyone = _order(ctx, b, tier, 1 << 62, mask, cache=False)
+        everyone = _order(ctx, b, tier, 1 << 62, forbid, cache=False)
         if len(everyone) > len(order):
             order = everyone
             picked, stop, per_unit = walk_coldest(order, *walk)
@@ -201,17 +206,6 @@ def _coldest(ctx: PlanContext, b: PlanBuilder, tier: int, need: int, mask: MaskF
     gave = units[:stop][keep]
     b.touch(gave)
     return picked, gave, per_unit[keep]
-
-
-def _allowed(*forbid: np.ndarray) -> MaskFn:
-    """A MaskFn that allows sessions where no `forbid` array is set. Evaluated when called, on
-    the sessions asked about only (O(sessions) only when asked about all of them)."""
-    def mask(units: np.ndarray | None) -> np.ndarray:
-        out = forbid[0] if units is None else forbid[0][units]
-        for f in forbid[1:]:
-            out = out | (f if units is None else f[units])
-        return ~out
-    return mask
 
 
 def _pick_l1(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, protect: np.ndarray,
@@ -300,11 +294,9 @@ def _prefetch(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds, still_needed: 
     if room1 <= 0 and room2 <= 0:
         return
     ups = needs.upcoming[~b.touched[needs.upcoming]]  # none that gave up blocks this phase
-    rows, _ = s.arena.gather(ups)
-    tier = t.tier[rows]
-    ok = ~cooling(t.demoted_at[rows], ctx.now_s, p.cooldown_s)
-    up = rows[(tier == DRAM) & ok][:room1] if room1 > 0 else rows[:0]  # soonest sessions first
-    stage = rows[(tier == SSD) & ok][:room2] if room2 > 0 else rows[:0]
+    A = s.arena  # rows out of their cooldown, soonest sessions first
+    up, stage = prefetch_rows(ups, A.arena, A.start, A.length, t.tier, t.demoted_at,
+                              ctx.now_s, p.cooldown_s, room1, room2)
     b.move(up, DRAM, HBM)
     b.move(stage, SSD, DRAM)
     if len(up) or len(stage):

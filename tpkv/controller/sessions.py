@@ -48,6 +48,23 @@ def add_counts(target: np.ndarray, keys: np.ndarray, delta: int) -> None:
     np.add.at(target.reshape(-1), first, delta * lengths)
 
 
+_LINE = 64  # bytes of a cache line
+_HOT_FILL = {"handle_of": -1, "tokens": 0, "pending": 0, "table_pos": -1, "runs": 0,
+             "plan_local": -1, "run_hist": -1, "clean": False, "dirty": True}
+
+
+def _hot_dtype(lru_k: int) -> np.dtype:
+    """SessionTable's per-session record, padded to whole cache lines."""
+    fields = [("handle_of", np.int64), ("tokens", np.int64), ("pending", np.int64),
+              ("table_pos", np.int64), ("runs", np.int32), ("plan_local", np.int32),
+              ("run_hist", (np.int32, (lru_k,))), ("clean", np.bool_), ("dirty", np.bool_)]
+    packed = np.dtype(fields, align=True)
+    assert packed.fields is not None
+    return np.dtype({"names": [n for n, _ in fields], "formats": [f for _, f in fields],
+                     "offsets": [packed.fields[n][1] for n, _ in fields],
+                     "itemsize": -(-packed.itemsize // _LINE) * _LINE})
+
+
 class SessionTable:
     """Struct of arrays over session indices; indices are reused after close, handles never."""
 
@@ -91,25 +108,41 @@ class SessionTable:
             setattr(self, name, new)
 
         grow("gen", np.int32, 0)
-        grow("handle_of", np.int64, -1)  # the handle of an open session, -1 when closed
         grow("is_open", np.bool_, False)
-        grow("tokens", np.int64, 0)  # tokens with KV (or KV being written this step)
-        grow("pending", np.int64, 0)  # tokens announced by extend(), written at the next run
-        grow("runs", np.int32, 0)  # how many steps the session ran in
-        grow("run_hist", np.int32, -1, self.lru_k)  # [K, S] ticks of its latest runs, newest first
         grow("attn_sum", np.float64, 0.0)  # sum of its blocks' attention mass
-        grow("clean", np.bool_, False)  # L1 holds only its pinned blocks (after a demotion)
         grow("counts", np.int32, 0, 4)  # [4, S] blocks per tier: NONE, L1, L2, L3
         grow("choice", np.int8, -1)  # cost model: -1 none, 0 load, 1 recompute
         grow("load_s", np.float32, 0.0)
         grow("recompute_s", np.float32, 0.0)
         grow("opened_tick", np.int64, 0)
-        grow("table_pos", np.int64, -1)  # position in the last step's batch table, or -1
-        grow("dirty", np.bool_, True)  # an L1 slot of a block changed since that table
-        grow("plan_local", np.int32, -1)  # scratch of kernels.plan_arrays, all -1 between calls
+        self._grow_hot(capacity)
         self.arena.grow_sessions(capacity)
         self.names.extend([None] * (capacity - len(self.names)))
         self.capacity = capacity
+
+    def _grow_hot(self, capacity: int) -> None:
+        """The fields every step reads or writes for each session of its batch, one record of a
+        cache line per session (a step's 1024 sessions are spread over arrays too large to stay
+        in cache: one line each instead of one per field). The attributes are views into it."""
+        dtype = _hot_dtype(self.lru_k)
+        buf = np.zeros(capacity * dtype.itemsize + _LINE, dtype=np.uint8)
+        at = -buf.ctypes.data % _LINE
+        hot = buf[at:at + capacity * dtype.itemsize].view(dtype)
+        for name, fill in _HOT_FILL.items():
+            hot[name] = fill
+        old = getattr(self, "_hot", None)
+        if old is not None:
+            hot[:len(old)] = old
+        self._hot_buf, self._hot = buf, hot
+        self.handle_of = hot["handle_of"]  # the handle of an open session, -1 when closed
+        self.tokens = hot["tokens"]  # tokens with KV (or KV being written this step)
+        self.pending = hot["pending"]  # tokens announced by extend(), written at the next run
+        self.table_pos = hot["table_pos"]  # position in the last step's batch table, or -1
+        self.runs = hot["runs"]  # how many steps the session ran in
+        self.plan_local = hot["plan_local"]  # kernels' scratch (plan_arrays...), -1 between calls
+        self.run_hist = hot["run_hist"].T  # [K, S] ticks of its latest runs, newest first
+        self.clean = hot["clean"]  # L1 holds only its pinned blocks (after a demotion)
+        self.dirty = hot["dirty"]  # an L1 slot of a block changed since that table
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def open(self, name: str, tick: int) -> int:
@@ -215,5 +248,5 @@ class SessionTable:
         return np.flatnonzero(self.is_open)
 
     def nbytes(self) -> int:
-        arrays = [v for v in vars(self).values() if isinstance(v, np.ndarray)]
+        arrays = [v for v in vars(self).values() if isinstance(v, np.ndarray) and v.flags.owndata]
         return int(sum(a.nbytes for a in arrays)) + self.arena.nbytes()

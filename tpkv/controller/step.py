@@ -10,6 +10,7 @@ import numpy as np
 from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.cost import block_costs, resume_costs
 from tpkv.controller.messages import StepResult
+from tpkv.controller.plankernels import demand_rows
 from tpkv.controller.planner import MAX_PHASES, PlanContext, StepNeeds, plan_step
 from tpkv.controller.sessions import SessionTable, add_counts
 from tpkv.controller.stepkernels import alloc_blocks, batch_blocks, outside, start_runs
@@ -172,8 +173,6 @@ def _demand(ctl: Controller, b: PlanBuilder, batch: np.ndarray,
         return _EMPTY, _EMPTY
     g = ctl.config.geometry
     sess = batch[missing]
-    rows, offsets = S.arena.gather(sess)
-    tier = T.tier[rows]
     n2 = S.counts[2][sess].astype(np.int64)  # blocks on L2 and L3, kept per session
     n3 = S.counts[3][sess].astype(np.int64)
     load_s, recompute_s, weighted = resume_costs(
@@ -185,9 +184,12 @@ def _demand(ctl: Controller, b: PlanBuilder, batch: np.ndarray,
     aw = sess[away]
     S.choice[aw] = redo[away]
     S.load_s[aw], S.recompute_s[aw] = load_s[away], recompute_s[away]
-    off_l1 = (tier == DRAM) | (tier == SSD)
     if not redo.any():
-        return rows[off_l1].astype(np.int64), rows[tier == NONE].astype(np.int64)
+        A = S.arena
+        return demand_rows(sess, A.arena, A.start, A.length, T.tier)
+    rows, offsets = S.arena.gather(sess)
+    tier = T.tier[rows]
+    off_l1 = (tier == DRAM) | (tier == SSD)
     redo_rows = np.repeat(redo, np.diff(offsets)) & off_l1
     b.drop(rows[redo_rows])
     for i in np.flatnonzero(redo).tolist():

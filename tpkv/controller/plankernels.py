@@ -1,0 +1,142 @@
+"""Compiled loops (numba) of the planner: eviction candidates and keys, cached orders, demand
+and prefetch rows.
+
+Why: each replaced a chain of numpy calls over the same few arrays (a mask from three session
+flags, keys from four session fields, gathers of a few sessions' rows and a filter on their
+tiers). Results are those of the numpy code, bit for bit: the float keys are computed with the
+same operations in the same order (numba does not contract a * b + c without fastmath).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tpkv.controller.kernels import A, _jit
+
+HEAT, LRU, LRUK = 0, 1, 2  # PolicyConfig.kind
+
+
+@_jit
+def _allowed(s: int, f0: A, f1: A, f2: A) -> bool:
+    """Session s is set in none of the forbid flags (an empty array: not used)."""
+    return not ((len(f0) and f0[s]) or (len(f1) and f1[s]) or (len(f2) and f2[s]))
+
+
+@_jit
+def candidates(f0: A, f1: A, f2: A, count: A, kind: int, attn_sum: A, length: A,
+               first_run: A, kth_run: A, tick: int, w_attn: float,
+               w_recency: float) -> tuple[A, A, A, A]:
+    """Sessions allowed by the forbid flags with count > 0 on the tier, with their eviction keys
+    (policy.eviction_keys_of: heat = w_attn * mean attention + w_recency / (1 + ticks since the
+    latest run); the K-th latest run breaks ties) and their block counts there."""
+    n = len(count)
+    cand = np.empty(n, dtype=np.int64)
+    k = 0
+    for s in range(n):
+        if count[s] > 0 and _allowed(s, f0, f1, f2):
+            cand[k] = s
+            k += 1
+    primary = np.empty(k, dtype=np.float64)
+    secondary = np.empty(k, dtype=np.float64)
+    sizes = np.empty(k, dtype=np.int64)
+    for i in range(k):
+        s = cand[i]
+        last, kth = np.float64(first_run[s]), np.float64(kth_run[s])
+        sizes[i] = count[s]
+        if kind == HEAT:
+            mean_attn = attn_sum[s] / max(length[s], 1)
+            since = max(tick - last, 0.0) + 1.0
+            primary[i] = w_attn * mean_attn + w_recency / since
+            secondary[i] = kth
+        elif kind == LRU:
+            primary[i], secondary[i] = last, kth
+        else:
+            primary[i], secondary[i] = kth, last
+    return cand[:k].copy(), primary, secondary, sizes
+
+
+@_jit
+def still_cold(units: A, f0: A, f1: A, f2: A, count: A, first_run: A,
+               built: int) -> tuple[A, int]:
+    """A cached order less the sessions now forbidden, with no blocks left on the tier, or run
+    since it was built; and the blocks the rest hold there."""
+    out = np.empty(len(units), dtype=np.int64)
+    k = 0
+    total = 0
+    for i in range(len(units)):
+        s = units[i]
+        if count[s] > 0 and first_run[s] <= built and _allowed(s, f0, f1, f2):
+            out[k] = s
+            k += 1
+            total += count[s]
+    return out[:k].copy(), total
+
+
+@_jit
+def demand_rows(sessions: A, arena: A, start: A, length: A, tier: A) -> tuple[A, A]:
+    """Rows of `sessions`, session by session in logical order, that are on L2 or L3 (to load)
+    and that are on no tier (to recompute)."""
+    n = 0
+    for s in sessions:
+        n += length[s]
+    load = np.empty(n, dtype=np.int64)
+    lost = np.empty(n, dtype=np.int64)
+    n1 = n2 = 0
+    for s in sessions:
+        for r in arena[start[s]:start[s] + length[s]]:
+            t = tier[r]
+            if t == 1 or t == 2:
+                load[n1] = r
+                n1 += 1
+            elif t == -1:
+                lost[n2] = r
+                n2 += 1
+    return load[:n1].copy(), lost[:n2].copy()
+
+
+@_jit
+def prefetch_rows(sessions: A, arena: A, start: A, length: A, tier: A, demoted_at: A,
+                  now_s: float, cooldown_s: float, room1: int, room2: int) -> tuple[A, A]:
+    """Rows of `sessions` (soonest first) out of their cooldown (policy.cooling): the first
+    room1 on L2 and the first room2 on L3 (none for a room <= 0)."""
+    up = np.empty(max(room1, 0), dtype=np.int32)
+    stage = np.empty(max(room2, 0), dtype=np.int32)
+    n1 = n2 = 0
+    for s in sessions:
+        for r in arena[start[s]:start[s] + length[s]]:
+            t = tier[r]
+            if (t == 1 and n1 < room1) or (t == 2 and n2 < room2):
+                if not now_s - np.float64(demoted_at[r]) < cooldown_s:
+                    if t == 1:
+                        up[n1] = r
+                        n1 += 1
+                    else:
+                        stage[n2] = r
+                        n2 += 1
+    return up[:n1].copy(), stage[:n2].copy()
+
+
+@_jit
+def select_coldest(primary: A, secondary: A, sizes: A, need: int) -> A:
+    """policy.select_victims, compiled (same result: the prefix of the order by primary, then
+    secondary, then index, whose sizes first add up to `need`; every index if they do not).
+    Only the candidates at or below the k-th smallest primary are sorted; k doubles until
+    they hold `need`."""
+    n = len(primary)
+    if need <= 0 or n == 0:
+        return np.zeros(0, dtype=np.int64)
+    mean = max(sizes.sum() / n, 1.0)
+    k = min(n, max(16, int(2 * need / mean) + 1))
+    while True:
+        if k >= n:
+            cand = np.arange(n)
+        else:
+            cut = np.partition(primary, k - 1)[k - 1]
+            cand = np.flatnonzero(primary <= cut)
+        by_second = cand[np.argsort(secondary[cand], kind="mergesort")]  # stable: index breaks ties
+        order = by_second[np.argsort(primary[by_second], kind="mergesort")]
+        total = np.cumsum(sizes[order])
+        if total[-1] >= need or len(cand) >= n:
+            stop = np.searchsorted(total, need) + 1
+            return order[:stop].copy()
+        k = min(n, 2 * k)
