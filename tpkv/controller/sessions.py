@@ -50,14 +50,14 @@ def add_counts(target: np.ndarray, keys: np.ndarray, delta: int) -> None:
 
 _LINE = 64  # bytes of a cache line
 _HOT_FILL = {"handle_of": -1, "tokens": 0, "pending": 0, "table_pos": -1, "runs": 0,
-             "plan_local": -1, "run_hist": -1, "clean": False, "dirty": True}
+             "plan_local": -1, "dirty": True}
 
 
 def _hot_dtype(lru_k: int) -> np.dtype:
     """SessionTable's per-session record, padded to whole cache lines."""
     fields = [("handle_of", np.int64), ("tokens", np.int64), ("pending", np.int64),
               ("table_pos", np.int64), ("runs", np.int32), ("plan_local", np.int32),
-              ("run_hist", (np.int32, (lru_k,))), ("clean", np.bool_), ("dirty", np.bool_)]
+              ("dirty", np.bool_)]
     packed = np.dtype(fields, align=True)
     assert packed.fields is not None
     return np.dtype({"names": [n for n, _ in fields], "formats": [f for _, f in fields],
@@ -110,6 +110,8 @@ class SessionTable:
         grow("gen", np.int32, 0)
         grow("is_open", np.bool_, False)
         grow("attn_sum", np.float64, 0.0)  # sum of its blocks' attention mass
+        grow("run_hist", np.int32, -1, self.lru_k)  # [K, S] ticks of its latest runs, newest first
+        grow("clean", np.bool_, False)  # L1 holds only its pinned blocks (after a demotion)
         grow("counts", np.int32, 0, 4)  # [4, S] blocks per tier: NONE, L1, L2, L3
         grow("choice", np.int8, -1)  # cost model: -1 none, 0 load, 1 recompute
         grow("load_s", np.float32, 0.0)
@@ -123,7 +125,9 @@ class SessionTable:
     def _grow_hot(self, capacity: int) -> None:
         """The fields every step reads or writes for each session of its batch, one record of a
         cache line per session (a step's 1024 sessions are spread over arrays too large to stay
-        in cache: one line each instead of one per field). The attributes are views into it."""
+        in cache: one line each instead of one per field). The attributes are views into it.
+        Fields that eviction scans read over many sessions (run history, clean, counts) stay in
+        arrays of their own: in the record, each session scanned would cost a line."""
         dtype = _hot_dtype(self.lru_k)
         buf = np.zeros(capacity * dtype.itemsize + _LINE, dtype=np.uint8)
         at = -buf.ctypes.data % _LINE
@@ -140,8 +144,6 @@ class SessionTable:
         self.table_pos = hot["table_pos"]  # position in the last step's batch table, or -1
         self.runs = hot["runs"]  # how many steps the session ran in
         self.plan_local = hot["plan_local"]  # kernels' scratch (plan_arrays...), -1 between calls
-        self.run_hist = hot["run_hist"].T  # [K, S] ticks of its latest runs, newest first
-        self.clean = hot["clean"]  # L1 holds only its pinned blocks (after a demotion)
         self.dirty = hot["dirty"]  # an L1 slot of a block changed since that table
 
     # ---- lifecycle -----------------------------------------------------------------------------
