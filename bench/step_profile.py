@@ -40,6 +40,19 @@ def timed(fn, reps: int = 5) -> float:
     return float(np.median(out))
 
 
+def profile(fn) -> dict:
+    """Self CPU and device time of one call of fn, and its six costliest device ops."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        sync()
+    events = prof.key_averages()
+    dev = [(e.key[:60], getattr(e, "self_device_time_total", 0) / 1e3) for e in events]
+    return {"self_cpu_ms": round(sum(e.self_cpu_time_total for e in events) / 1e3, 2),
+            "self_device_ms": round(sum(t for _, t in dev) / 1, 2),
+            "top_device": [[k, round(t, 3)] for k, t in sorted(dev, key=lambda x: -x[1])[:6]]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="1b")
@@ -87,20 +100,12 @@ def main() -> None:
 
         rows[name] = {"turn_prefill_ms": round(timed(turn), 2),
                       "decode_step_ms": round(timed(decode), 2)}
+        # again once decode graphs exist: eager work after a capture must not slow down
+        rows[name]["turn_prefill_after_decode_ms"] = round(timed(turn), 2)
         print(name, rows[name], flush=True)
         if torch.cuda.is_available():
-            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-            with torch.profiler.profile(activities=acts) as prof:
-                decode()
-                sync()
-            events = prof.key_averages()
-            rows[name]["profile_self_cpu_ms"] = round(
-                sum(e.self_cpu_time_total for e in events) / 1e3, 2)
-            rows[name]["profile_self_cuda_ms"] = round(
-                sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3, 2)
-            rows[name]["top_cuda"] = [[e.key, round(getattr(e, "self_device_time_total", 0) / 1e3,
-                                                    3)] for e in sorted(
-                events, key=lambda e: -getattr(e, "self_device_time_total", 0))[:6]]
+            for what, fn in (("decode", decode), ("turn", turn)):
+                rows[name][f"{what}_profile"] = profile(fn)
     out = {"command": "python " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "setting": f"{args.model}, {args.batch} sessions of {args.context} tokens, turn of "

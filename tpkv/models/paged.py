@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,9 @@ class PagedMeta:
     write_slots: Tensor  # [T] int64 L1 slot each new token's K/V goes to
     write_offsets: Tensor  # [T] int64 offset inside that block
     max_q_len: int
+    # (query_start, num_blocks, seq_lens, q_lens) as host lists, when built on the host: spares
+    # a prefill three device-to-host syncs per layer
+    host_lens: tuple[list[int], list[int], list[int], list[int]] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -98,7 +102,8 @@ def build_meta(block_tables: Sequence[np.ndarray | Sequence[int]], seq_lens: Seq
     flat = torch.from_numpy(np.concatenate(parts)).to(device)  # one copy to the device, not ten
     v = torch.split(flat, [len(x) for x in parts])
     return PagedMeta(block_tokens, v[0].view(table.shape), v[1], v[2], v[3], v[4], v[5], v[6],
-                     v[7], v[8], v[9], int(qn.max()))
+                     v[7], v[8], v[9], int(qn.max()),
+                     (start.tolist(), nb.tolist(), seq.tolist(), qn.tolist()))
 
 
 def write_kv(pool: Tensor, layer: int, k: Tensor, v: Tensor, meta: PagedMeta) -> None:
@@ -230,6 +235,18 @@ def paged_decode_attention(pool: Tensor, layer: int, q: Tensor, meta: PagedMeta,
     return out.reshape(t, hq, d).to(q.dtype), mass
 
 
+def _no_cudnn(active: bool) -> contextlib.AbstractContextManager[object]:
+    """SDPA without its cuDNN backend: with an explicit mask cuDNN builds a plan for every new
+    sequence length (tens of ms; every returning session has a new length), where the
+    memory-efficient kernel needs none."""
+    if not active:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.MATH])
+
+
 def paged_attention_sdpa(pool: Tensor, layer: int, q: Tensor, meta: PagedMeta, scale: float
                          ) -> tuple[Tensor, Tensor | None]:
     """The fast implementation: prefill through torch's fused scaled_dot_product_attention,
@@ -241,9 +258,10 @@ def paged_attention_sdpa(pool: Tensor, layer: int, q: Tensor, meta: PagedMeta, s
         return paged_decode_attention(pool, layer, q, meta, scale)
     kv = pool[:, layer]  # [slots, 2, bt, Hkv, D]
     out = torch.empty_like(q)
-    starts = meta.query_start.tolist()
-    for b, (nb, seq, qn) in enumerate(zip(meta.num_blocks.tolist(), meta.seq_lens.tolist(),
-                                          meta.q_lens.tolist())):
+    starts, nbs, seqs, qns = meta.host_lens or (
+        meta.query_start.tolist(), meta.num_blocks.tolist(), meta.seq_lens.tolist(),
+        meta.q_lens.tolist())
+    for b, (nb, seq, qn) in enumerate(zip(nbs, seqs, qns)):
         blocks = kv[meta.block_table[b, :nb]]  # [nb, 2, bt, Hkv, D]
         k = blocks[:, 0].flatten(0, 1)[:seq].transpose(0, 1)[None]  # [1, Hkv, L, D]
         v = blocks[:, 1].flatten(0, 1)[:seq].transpose(0, 1)[None]
@@ -252,7 +270,8 @@ def paged_attention_sdpa(pool: Tensor, layer: int, q: Tensor, meta: PagedMeta, s
         if qn != seq:  # queries sit at the end: query i sees keys 0 .. seq - qn + i
             mask = (torch.arange(seq, device=q.device)[None, :]
                     <= torch.arange(seq - qn, seq, device=q.device)[:, None])
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qb, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+        with _no_cudnn(mask is not None and q.is_cuda):
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qb, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
         out[starts[b]:starts[b + 1]] = o[0].transpose(0, 1).to(q.dtype)
     return out, None
