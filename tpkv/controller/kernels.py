@@ -182,3 +182,13 @@ def batch_slots(batch: A, lens: A, prev_batch: A, prev_offsets: A, prev_lens: A,
     for i in range(n):
         dirty[batch[i]] = False
     return 0
+
+
+@_jit
+def push_descending(stack: A, top: int, slots: A) -> None:
+    """stack[top : top + n] = slots, highest first (SlotStack.push)."""
+    ordered = np.sort(slots)
+    n = len(ordered)
+    dst = stack[top:top + n]
+    for i in range(n):
+        dst[i] = ordered[n - 1 - i]

@@ -95,6 +95,25 @@ def demand_rows(sessions: A, arena: A, start: A, length: A, tier: A) -> tuple[A,
 
 
 @_jit
+def record_choices(sessions: A, n2: A, n3: A, load_s: A, recompute_s: A, weighted: A,
+                   choice: A, load_out: A, recompute_out: A) -> tuple[bool, A]:
+    """The cost model's choice for each returning session with blocks on L2/L3 (recompute when
+    its weighted recompute time is below its load time), kept per session with both
+    estimates (float32). Returns (any recompute, recompute per session)."""
+    redo = np.zeros(len(sessions), dtype=np.bool_)
+    any_redo = False
+    for i in range(len(sessions)):
+        if n2[i] + n3[i] > 0:
+            s = sessions[i]
+            redo[i] = weighted[i] < load_s[i]
+            any_redo = any_redo or redo[i]
+            choice[s] = redo[i]
+            load_out[s] = np.float32(load_s[i])
+            recompute_out[s] = np.float32(recompute_s[i])
+    return any_redo, redo
+
+
+@_jit
 def prefetch_rows(sessions: A, arena: A, start: A, length: A, tier: A, demoted_at: A,
                   now_s: float, cooldown_s: float, room1: int, room2: int) -> tuple[A, A]:
     """Rows of `sessions` (soonest first) out of their cooldown (policy.cooling): the first

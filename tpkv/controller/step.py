@@ -10,7 +10,7 @@ import numpy as np
 from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.cost import block_costs, resume_costs
 from tpkv.controller.messages import StepResult
-from tpkv.controller.plankernels import demand_rows
+from tpkv.controller.plankernels import demand_rows, record_choices
 from tpkv.controller.planner import MAX_PHASES, PlanContext, StepNeeds, plan_step
 from tpkv.controller.sessions import SessionTable, add_counts
 from tpkv.controller.stepkernels import alloc_blocks, batch_blocks, outside, start_runs
@@ -36,7 +36,7 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         raise BadRequestError(f"num_new_tokens needs {len(batch)} integers, got {len(add)} of "
                               f"dtype {add.dtype}")
     add = add.astype(np.int64)
-    code, tokens, nb_before, n_new, missing = batch_blocks(
+    code, tokens, nb_before, n_new, nb_after, missing = batch_blocks(
         batch, add, S.tokens, S.pending, S.arena.length, S.counts[1], bt, S.plan_local)
     if code:
         _refuse(S, batch, add)
@@ -77,26 +77,28 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
                  else _EMPTY)
     slots = T.free[HBM].pop(len(fresh_old) + new_total)
     _place_fresh(ctl, fresh_old, slots[:len(fresh_old)])
-    new_rows, new_pos = _alloc_new(ctl, batch, n_new, nb_before, slots[len(fresh_old):])
-    offsets, table = ctl.batch_table.build(S, T, batch, nb_before + np.maximum(n_new, 0))
+    new_rows, new_pos, new_ids, new_logical = _alloc_new(ctl, batch, n_new, nb_before,
+                                                         slots[len(fresh_old):])
+    offsets, table = ctl.batch_table.build(S, T, batch, nb_after)
     if ctl.check_invariants:
         rows, _ = S.arena.gather(batch)
         assert (T.tier[rows] == HBM).all(), "a block of the batch is not in L1"
         assert (table == T.slot[rows]).all(), "the patched batch table is stale"
-    if len(fresh_old):
-        fresh_rows = np.concatenate([fresh_old, new_rows.astype(np.int64)])
+    fresh_ids, fresh_pos, fresh_logical = new_ids, new_pos, new_logical
+    rc_pos = rc_start = rc_stop = _EMPTY
+    if len(fresh_old):  # they sit first in `slots`, then the new blocks
         old_pos = _positions(batch)(T.session[fresh_old])
+        old_logical = T.logical[fresh_old].astype(np.int64)
+        fresh_ids = np.concatenate([T.ids(fresh_old), new_ids])
         fresh_pos = np.concatenate([old_pos, new_pos])
-        rc_pos, rc_start, rc_stop = _ranges(old_pos, T.logical[fresh_old].astype(np.int64))
-    else:
-        fresh_rows, fresh_pos = new_rows.astype(np.int64), new_pos
-        rc_pos = rc_start = rc_stop = _EMPTY
-    return StepResult(  # fresh_rows sit in `slots`, in order (placed and allocated above)
+        fresh_logical = np.concatenate([old_logical, new_logical])
+        rc_pos, rc_start, rc_stop = _ranges(old_pos, old_logical)
+    return StepResult(
         tick=tick, session_ids=_names(ctl, session_ids, batch), num_tokens=tokens,
-        block_offsets=offsets, block_table=table, fresh_block_ids=T.ids(fresh_rows),
+        block_offsets=offsets, block_table=table, fresh_block_ids=fresh_ids,
         fresh_slots=slots.astype(np.int64), fresh_session_idx=fresh_pos,
-        fresh_logical=T.logical[fresh_rows].astype(np.int64), recompute_session_idx=rc_pos,
-        recompute_start=rc_start, recompute_stop=rc_stop, **ctl.finish_step(b))
+        fresh_logical=fresh_logical, recompute_session_idx=rc_pos, recompute_start=rc_start,
+        recompute_stop=rc_stop, **ctl.finish_step(b))
 
 
 def _upcoming(ctl: Controller, upcoming: Upcoming, batch: np.ndarray) -> np.ndarray:
@@ -179,12 +181,9 @@ def _demand(ctl: Controller, b: PlanBuilder, batch: np.ndarray,
         n2, n3, (n2 + n3) * g.block_tokens, g.block_bytes, rates.h2d_bytes_per_s,
         rates.ssd_read_bytes_per_s, rates.prefill_tokens_per_s, len(batch) - 1,
         pol.gpu_share_weight)
-    away = n2 + n3 > 0
-    redo = away & (weighted < load_s)
-    aw = sess[away]
-    S.choice[aw] = redo[away]
-    S.load_s[aw], S.recompute_s[aw] = load_s[away], recompute_s[away]
-    if not redo.any():
+    any_redo, redo = record_choices(sess, n2, n3, load_s, recompute_s, weighted, S.choice,
+                                    S.load_s, S.recompute_s)
+    if not any_redo:
         A = S.arena
         return demand_rows(sess, A.arena, A.start, A.length, T.tier)
     rows, offsets = S.arena.gather(sess)
@@ -227,17 +226,18 @@ def _place_fresh(ctl: Controller, rows: np.ndarray, slots: np.ndarray) -> None:
 
 
 def _alloc_new(ctl: Controller, batch: np.ndarray, n_new: np.ndarray, first: np.ndarray,
-               slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+               slots: np.ndarray) -> tuple[np.ndarray, ...]:
     """Rows for the blocks new tokens open (n_new[i] for batch[i], from block first[i] on), in
     fresh L1 slots (no move: the engine writes), appended to their sessions (the batch table
-    stays clean). Returns (rows, batch position of each)."""
+    stays clean). Returns (rows, batch position, block id and logical index of each)."""
     T, S = ctl.table, ctl.sessions
     free = T.free_rows
-    rows, pos = alloc_blocks(batch, n_new, first, free.stack, free.top, slots, ctl.tick, S.runs,
-                             S.counts[1], T.session, T.logical, T.last_tick, T.count,
-                             T.runs_seen, T.tier, T.slot, T.owner[HBM])
+    new = alloc_blocks(batch, n_new, first, free.stack, free.top, slots, ctl.tick, S.runs,
+                       S.counts[1], T.session, T.logical, T.last_tick, T.count, T.runs_seen,
+                       T.tier, T.slot, T.owner[HBM], T.gen)
+    rows = new[0]
     if len(rows) == 0:
-        return rows, pos
+        return new
     free.top -= len(rows)  # ensure_rows made room
     T.num_in[HBM + 1] += len(rows)
     S.arena.append_new(batch, n_new, rows)
@@ -248,7 +248,7 @@ def _alloc_new(ctl: Controller, batch: np.ndarray, n_new: np.ndarray, first: np.
                 a, z = max(start, lo), min(stop, lo + n)
                 if a < z:
                     T.pinned[S.rows(si)[a:z]] |= PIN_EXPLICIT
-    return rows, pos
+    return new
 
 
 def _positions(batch: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:

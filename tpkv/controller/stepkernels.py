@@ -17,15 +17,17 @@ OK, BAD_HANDLE, NEGATIVE, DUPLICATE = 0, 1, 2, 3
 
 @_jit
 def batch_blocks(batch: A, add: A, tokens: A, pending: A, length: A, count_l1: A,
-                 block_tokens: int, mark: A) -> tuple[int, A, A, A, A]:
+                 block_tokens: int, mark: A) -> tuple[int, A, A, A, A, A]:
     """Tokens and blocks of a step's sessions, before anything changes. Returns (code, tokens
-    after the step, blocks before it, blocks the new tokens open, positions of sessions with
-    blocks outside L1). `mark` is a per-session scratch of -1s, left as found; code NEGATIVE
-    or DUPLICATE when an entry of `add` is < 0 or a session appears twice."""
+    after the step, blocks before it, blocks the new tokens open, blocks after it (at least
+    those before), positions of sessions with blocks outside L1). `mark` is a per-session
+    scratch of -1s, left as found; code NEGATIVE or DUPLICATE when an entry of `add` is < 0
+    or a session appears twice."""
     n = len(batch)
     new_tokens = np.empty(n, dtype=np.int64)
     before = np.empty(n, dtype=np.int64)
     opened = np.empty(n, dtype=np.int64)
+    after = np.empty(n, dtype=np.int64)
     missing = np.empty(n, dtype=np.int64)
     code = OK
     k = 0
@@ -41,12 +43,13 @@ def batch_blocks(batch: A, add: A, tokens: A, pending: A, length: A, count_l1: A
         new_tokens[i] = t
         before[i] = b
         opened[i] = (t + (block_tokens - 1)) // block_tokens - b
+        after[i] = b + max(opened[i], 0)
         if count_l1[s] < b:
             missing[k] = i
             k += 1
     for i in range(n):
         mark[batch[i]] = -1
-    return code, new_tokens, before, opened, missing[:k].copy()
+    return code, new_tokens, before, opened, after, missing[:k].copy()
 
 
 @_jit
@@ -96,17 +99,20 @@ def outside(idx: A, batch: A, mark: A) -> A:
 @_jit
 def alloc_blocks(batch: A, n_new: A, first: A, free_rows: A, free_top: int, slots: A,
                  tick: int, runs: A, count_l1: A, session: A, logical: A, last_tick: A,
-                 count: A, runs_seen: A, tier: A, slot: A, owner_l1: A) -> tuple[A, A]:
+                 count: A, runs_seen: A, tier: A, slot: A, owner_l1: A,
+                 gen: A) -> tuple[A, A, A, A]:
     """Table rows for the blocks the step's new tokens open: n_new[i] > 0 blocks of session
     batch[i] from logical first[i] on, in batch order, each in the next of `slots` (L1), rows
     taken from the top of the free-row stack as SlotStack.pop hands them out. They count as
     accessed once at `tick` (the session's runs so far folded in). Returns (rows, batch
-    position of each)."""
+    position of each, block ids, logical indices)."""
     total = 0
     for i in range(len(batch)):
         total += max(n_new[i], 0)
     rows = np.empty(total, dtype=np.int32)
     pos = np.empty(total, dtype=np.int64)
+    ids = np.empty(total, dtype=np.int64)
+    lg = np.empty(total, dtype=np.int64)
     k = 0
     for i in range(len(batch)):
         s = batch[i]
@@ -114,6 +120,8 @@ def alloc_blocks(batch: A, n_new: A, first: A, free_rows: A, free_top: int, slot
             r = free_rows[free_top - 1 - k]
             rows[k] = r
             pos[k] = i
+            ids[k] = (np.int64(gen[r]) << 32) | r
+            lg[k] = first[i] + j
             session[r] = s
             logical[r] = first[i] + j
             last_tick[r] = tick
@@ -125,4 +133,4 @@ def alloc_blocks(batch: A, n_new: A, first: A, free_rows: A, free_top: int, slot
             k += 1
         if n_new[i] > 0:
             count_l1[s] += n_new[i]
-    return rows, pos
+    return rows, pos, ids, lg
