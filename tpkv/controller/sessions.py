@@ -110,7 +110,12 @@ class SessionTable:
         grow("gen", np.int32, 0)
         grow("is_open", np.bool_, False)
         grow("attn_sum", np.float64, 0.0)  # sum of its blocks' attention mass
-        grow("run_hist", np.int32, -1, self.lru_k)  # [K, S] ticks of its latest runs, newest first
+        # [K, S] ticks of its latest runs, newest first; stored [S, K], so that a session's
+        # K ticks share a line (each run writes them all; eviction keys read the first and last)
+        hist = np.full((capacity, self.lru_k), -1, dtype=np.int32)
+        if hasattr(self, "run_hist"):
+            hist[:self.run_hist.shape[1]] = self.run_hist.T
+        self.run_hist = hist.T
         grow("clean", np.bool_, False)  # L1 holds only its pinned blocks (after a demotion)
         grow("counts", np.int32, 0, 4)  # [4, S] blocks per tier: NONE, L1, L2, L3
         grow("choice", np.int8, -1)  # cost model: -1 none, 0 load, 1 recompute
