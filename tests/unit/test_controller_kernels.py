@@ -6,25 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tpkv.controller.plankernels import HEAT, LRU, LRUK, candidates, select_coldest
+from tpkv.controller.plankernels import HEAT, LRU, LRUK, candidates
 from tpkv.controller.policy import eviction_keys_of, select_victims
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_select_coldest_is_select_victims(seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    for trial in range(300):
-        n = int(rng.integers(0, 400 if trial % 4 else 5000))  # large: a partial order
-        primary = rng.integers(0, 20, n).astype(np.float64)  # many ties
-        if trial % 3 == 0:
-            primary = rng.random(n)
-        if trial % 7 == 0 and n:
-            primary[: n // 2] = -0.0  # equal to 0.0 in both orders
-        secondary = rng.integers(-1, 10, n).astype(np.float64)
-        sizes = rng.integers(0, 50, n).astype(np.int64)
-        need = int(rng.integers(-2, 4000))
-        assert np.array_equal(select_coldest(primary, secondary, sizes, need),
-                              select_victims(primary, secondary, sizes, need))
 
 
 @pytest.mark.parametrize("kind", ["heat", "lru", "lruk"])
@@ -46,3 +29,21 @@ def test_candidates_match_the_policy_keys(kind: str) -> None:
     assert np.array_equal(cand, want)
     assert np.array_equal(primary, p) and np.array_equal(secondary, s)  # bit for bit
     assert np.array_equal(sizes, count[want])
+
+
+def test_select_victims_is_the_prefix_of_a_full_sort() -> None:
+    """Its partial sort (only keys at or below the k-th smallest) gives what sorting every key
+    by (primary, secondary, index) and cutting at `need` gives."""
+    rng = np.random.default_rng(7)
+    for trial in range(400):
+        n = int(rng.integers(0, 400 if trial % 4 else 5000))
+        primary = (rng.random(n) if trial % 3 == 0
+                   else rng.integers(0, 20, n).astype(np.float64))  # many ties
+        if trial % 7 == 0 and n:
+            primary[: n // 2] = -0.0  # equal to 0.0 in both orders
+        secondary = rng.integers(-1, 10, n).astype(np.float64)
+        sizes = rng.integers(0, 50, n).astype(np.int64)
+        need = int(rng.integers(-2, 4000))
+        order = np.lexsort((np.arange(n), secondary, primary))
+        stop = int(np.searchsorted(np.cumsum(sizes[order]), need)) + 1 if n and need > 0 else 0
+        assert np.array_equal(select_victims(primary, secondary, sizes, need), order[:stop])

@@ -121,14 +121,21 @@ def walk_coldest(units: A, need: int, want_tier: int, use_threshold: bool, thres
                 continue
             if use_threshold and not attn[r] < threshold:
                 continue
-            if len(skip):
-                at = np.searchsorted(skip, r)
-                if at < len(skip) and skip[at] == r:
+            if len(skip):  # bisect by hand: np.searchsorted costs seconds of compile time
+                lo, hi = 0, len(skip)
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if skip[mid] < r:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                if lo < len(skip) and skip[lo] == r:
                     continue
             if total == cap:
                 cap *= 2
                 grown = np.empty(cap, dtype=np.int32)
-                grown[:total] = picked[:total]
+                for q in range(total):  # a slice assignment here costs 5 s of compile time
+                    grown[q] = picked[q]
                 picked = grown
             picked[total] = r
             total += 1
@@ -183,12 +190,3 @@ def batch_slots(batch: A, lens: A, prev_batch: A, prev_offsets: A, prev_lens: A,
         dirty[batch[i]] = False
     return 0
 
-
-@_jit
-def push_descending(stack: A, top: int, slots: A) -> None:
-    """stack[top : top + n] = slots, highest first (SlotStack.push)."""
-    ordered = np.sort(slots)
-    n = len(ordered)
-    dst = stack[top:top + n]
-    for i in range(n):
-        dst[i] = ordered[n - 1 - i]

@@ -6,7 +6,8 @@ flags, keys from four session fields, gathers of a few sessions' rows and a filt
 tiers). Results are those of the numpy code, bit for bit: the float keys are computed with the
 same operations in the same order (numba does not contract a * b + c without fastmath).
 The forbid-flag test is written out in each loop: as a call to a jitted helper (inlined or
-not) it made the candidate scan 5x slower.
+not) it made the candidate scan 5x slower. Sorting stays in numpy (policy.select_victims):
+numba's sorts cost seconds of compile time each.
 """
 
 from __future__ import annotations
@@ -133,59 +134,3 @@ def prefetch_rows(sessions: A, arena: A, start: A, length: A, tier: A, demoted_a
                         n2 += 1
     return up[:n1].copy(), stage[:n2].copy()
 
-
-@_jit
-def select_coldest(primary: A, secondary: A, sizes: A, need: int) -> A:
-    """policy.select_victims, compiled (same result: the prefix of the order by primary, then
-    secondary, then index, whose sizes first add up to `need`; every index if they do not).
-    Only the candidates at or below the k-th smallest primary are sorted; k doubles until
-    they hold `need`."""
-    n = len(primary)
-    if need <= 0 or n == 0:
-        return np.zeros(0, dtype=np.int64)
-    mean = max(sizes.sum() / n, 1.0)
-    k = min(n, max(16, int(2 * need / mean) + 1))
-    while True:
-        if k >= n:
-            cand = np.arange(n)
-        else:
-            cut = _kth_smallest(primary, k)
-            cand = np.flatnonzero(primary <= cut)
-        by_second = cand[np.argsort(secondary[cand], kind="mergesort")]  # stable: index breaks ties
-        order = by_second[np.argsort(primary[by_second], kind="mergesort")]
-        total = np.cumsum(sizes[order])
-        if total[-1] >= need or len(cand) >= n:
-            stop = np.searchsorted(total, need) + 1
-            return order[:stop].copy()
-        k = min(n, 2 * k)
-
-
-@_jit
-def _kth_smallest(values: A, k: int) -> float:
-    """The k-th smallest of `values` (1 <= k <= len), through a max-heap of the k smallest
-    seen: one pass, 3x faster than numba's np.partition for the k of a victim order."""
-    heap = np.empty(k, dtype=values.dtype)
-    n = 0
-    for x in values:
-        if n < k:  # sift up
-            i = n
-            heap[i] = x
-            n += 1
-            while i > 0 and heap[(i - 1) // 2] < heap[i]:
-                p = (i - 1) // 2
-                heap[p], heap[i] = heap[i], heap[p]
-                i = p
-        elif x < heap[0]:  # replace the largest, sift down
-            heap[0] = x
-            i = 0
-            while True:
-                big, left = i, 2 * i + 1
-                if left < k and heap[left] > heap[big]:
-                    big = left
-                if left + 1 < k and heap[left + 1] > heap[big]:
-                    big = left + 1
-                if big == i:
-                    break
-                heap[big], heap[i] = heap[i], heap[big]
-                i = big
-    return heap[0]

@@ -16,10 +16,9 @@ from tpkv.controller.plankernels import (
     LRUK,
     candidates,
     prefetch_rows,
-    select_coldest,
     still_cold,
 )
-from tpkv.controller.policy import watermark_excess
+from tpkv.controller.policy import select_victims, watermark_excess
 from tpkv.controller.table import DRAM, HBM, SSD
 
 MAX_PHASES = 3  # L3 -> L2, then L2 -> L1 into slots a demotion freed; a third phase for slack
@@ -167,7 +166,7 @@ def _order(ctx: PlanContext, b: PlanBuilder, tier: int, need: int, forbid: Forbi
     cand, primary, secondary, sizes = candidates(
         *forbid, count, _KIND[p.kind], s.attn_sum, s.arena.length, s.run_hist[0],
         s.run_hist[-1], ctx.tick, p.w_attn, p.w_recency)
-    units = cand[select_coldest(primary, secondary, sizes, need * (ORDER_TTL if cache else 1))]
+    units = cand[select_victims(primary, secondary, sizes, need * (ORDER_TTL if cache else 1))]
     if cache:
         ctx.orders[tier] = (ctx.tick, units)
     return units

@@ -69,8 +69,7 @@ def select_victims(primary: np.ndarray, secondary: np.ndarray, sizes: np.ndarray
         if k >= n:
             cand = np.arange(n)
         else:
-            part = np.argpartition(primary, k - 1)[:k]
-            cut = primary[part].max()
+            cut = np.partition(primary, k - 1)[k - 1]  # the k-th smallest
             cand = np.flatnonzero(primary <= cut)  # every tie at the cut, for determinism
         order = cand[np.lexsort((cand, secondary[cand], primary[cand]))]
         total = np.cumsum(sizes[order])

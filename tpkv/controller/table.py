@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpkv.controller.kernels import push_descending
 from tpkv.errors import TierFullError
 from tpkv.types import Tier
 
@@ -42,7 +41,7 @@ class SlotStack:
         # Highest first, so that a later pop hands the group back in ascending order: slots a
         # session gave up together come back as runs, and copies of runs merge into fewer,
         # larger DMAs (256 KiB blocks both ways: 0.82 of the ceiling random, 0.91 in runs).
-        push_descending(self.stack, self.top, slots)
+        self.stack[self.top:self.top + n] = np.sort(slots)[::-1] if n > 1 else slots
         self.top += n
 
     def grow(self, size: int) -> None:
