@@ -49,7 +49,7 @@ def profile(fn) -> dict:
     events = prof.key_averages()
     dev = [(e.key[:60], getattr(e, "self_device_time_total", 0) / 1e3) for e in events]
     return {"self_cpu_ms": round(sum(e.self_cpu_time_total for e in events) / 1e3, 2),
-            "self_device_ms": round(sum(t for _, t in dev) / 1, 2),
+            "self_device_ms": round(sum(t for _, t in dev), 2),
             "top_device": [[k, round(t, 3)] for k, t in sorted(dev, key=lambda x: -x[1])[:6]]}
 
 

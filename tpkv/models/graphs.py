@@ -60,7 +60,7 @@ class DecodeGraphs:
                 seq_lens: Sequence[int]) -> tuple[Tensor, Tensor | None]:
         """Logits [B, vocab] (a copy) and block mass [B, NB] of one decode step: session b feeds
         token_ids[b] at position seq_lens[b] - 1; tables[b] lists its L1 slots (checked by the
-        caller, `build_meta`)."""
+        caller, `check_tables`)."""
         b = len(token_ids)
         seq = np.asarray(seq_lens, dtype=np.int64)
         nb_used = -(-seq // self.block_tokens)
