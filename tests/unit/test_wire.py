@@ -44,6 +44,22 @@ def test_plan_rejects_bad_tier_and_lengths():
         MovePlan(1, [3], [0], [1], [1], [4], [2], [0], ("s",))
 
 
+def test_trusted_plan_is_checked_once_it_crosses_the_wire():
+    """MovePlan.trusted (plans the controller built) checks nothing; decoding checks all."""
+    i8, i64 = np.int8, np.int64
+    plan = MovePlan.trusted(1, np.array([3, 3], i64), np.zeros(2, i8), np.array([1, 2], i64),
+                            np.ones(2, i8), np.array([4, 5], i64), np.zeros(2, np.int32),
+                            np.array([0, 1], i64), ("s",))
+    assert plan.num_moves == 2 and not plan.block_ids.flags.writeable
+    with pytest.raises(WireFormatError, match="more than once"):
+        decode_plan(encode_plan(plan))
+    good = make_plan()
+    trusted = MovePlan.trusted(good.epoch, *(getattr(good, n).copy() for n in (
+        "block_ids", "src_tier", "src_slot", "dst_tier", "dst_slot", "session_idx",
+        "logical_idx")), good.session_names)
+    assert encode_plan(trusted) == encode_plan(good)
+
+
 def test_unknown_extension_rejected():
     data = msgpack.packb({"x": msgpack.ExtType(42, b"evil")})
     with pytest.raises(WireFormatError, match="unknown msgpack extension type 42"):

@@ -27,15 +27,18 @@ class BatchTable:
         self.slots = np.zeros(0, dtype=np.int32)
 
     def build(self, S: SessionTable, T: BlockTable, batch: np.ndarray,
-              lens: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+              lens: np.ndarray | None = None,
+              total: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(offsets [B + 1], slots) for `batch`; every block must be in L1 by now. `lens`: the
-        sessions' block counts, when the caller has them. Per-session arrays are read and
-        written at the positions whose session changed only (the batch's sessions are spread
-        over arrays too large to stay in cache)."""
+        sessions' block counts and `total` their sum, when the caller has them. Per-session
+        arrays are read and written at the positions whose session changed only (the batch's
+        sessions are spread over arrays too large to stay in cache)."""
         if lens is None:
             lens = S.arena.length[batch]
+        if total is None:
+            total = int(lens.sum())
         offsets = np.empty(len(batch) + 1, dtype=np.int64)
-        out = np.empty(int(lens.sum()), dtype=np.int32)
+        out = np.empty(total, dtype=np.int32)
         if batch_slots(batch, lens, self.batch, self.offsets, self.lens, self.slots, S.table_pos,
                        S.dirty, S.arena.arena, S.arena.start, T.slot, offsets, out):
             raise AssertionError("a session of the batch has fewer blocks than last step")

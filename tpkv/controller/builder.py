@@ -40,7 +40,8 @@ class PlanBuilder:
     """
 
     def __init__(self, table: BlockTable, sessions: SessionTable, first_epoch: int,
-                 now_s: float, check: bool = False) -> None:
+                 now_s: float, check: bool = False,
+                 buffers: list[np.ndarray] | None = None) -> None:
         self.t = table
         self.check = check  # assert each move's source tier (Controller.check_invariants)
         self.s = sessions
@@ -54,7 +55,10 @@ class PlanBuilder:
         self.touched = np.zeros(0, dtype=bool)  # sessions changed this phase (made on first use)
         self._held: dict[int, list[np.ndarray]] = {HBM: [], DRAM: []}
         self._n = 0  # moves of the current phase, in the buffers below
-        self._buf = _phase_buffers(1024)
+        # The last step's buffers when given (`buffers`): they grew to what a step needs, and
+        # growing them again each step cost a concatenate per buffer. Scratch only: plan arrays
+        # are copies.
+        self.buffers = buffers if buffers is not None else _phase_buffers(1024)
 
     @property
     def num_moves(self) -> int:
@@ -80,17 +84,17 @@ class PlanBuilder:
         if len(self.touched) == 0:
             self.touched = np.zeros(self.s.capacity, dtype=bool)
         at = self._n
-        if at + n > len(self._buf[0]):
-            self._buf = [np.concatenate([b[:at], np.empty(at + 2 * n, dtype=b.dtype)])
-                         for b in self._buf]
+        if at + n > len(self.buffers[0]):
+            self.buffers = [np.concatenate([b[:at], np.empty(at + 2 * n, dtype=b.dtype)])
+                            for b in self.buffers]
         counts = self.s.counts  # [4, S]: tier column + 1 (NONE is column 0)
         move_rows(rows, src, dst, stack.stack, stack.top, t.session, t.tier, t.slot,
                   t.owner.get(src, _NO_OWNER), t.owner.get(dst, _NO_OWNER), counts[src + 1],
                   counts[dst + 1], self.touched, self.s.dirty, self.s.clean, t.demoted_at,
-                  self.now_s, at, *self._buf)
+                  self.now_s, at, *self.buffers)
         stack.top -= n if dst != SSD else 0
         if src != SSD:
-            self._held[src].append(self._buf[2][at:at + n])  # their old slots
+            self._held[src].append(self.buffers[2][at:at + n])  # their old slots
         self._n += n
         t.num_in[src + 1] -= n
         t.num_in[dst + 1] += n
@@ -112,17 +116,18 @@ class PlanBuilder:
                 held.clear()
         if self._n == 0:
             return
-        b_rows, b_sess, b_src_slot, b_dst_slot, b_src_tier, b_dst_tier = self._buf
+        b_rows, b_sess, b_src_slot, b_dst_slot, b_src_tier, b_dst_tier = self.buffers
         (rows, ids, src_tier, src_slot, dst_tier, dst_slot, session_idx, logical,
          order) = plan_arrays(self._n, b_rows, b_sess, b_src_slot, b_dst_slot, b_src_tier,
                               b_dst_tier, self.t.gen, self.t.logical, self.t.in_flight,
                               self.s.plan_local)  # in_flight until the plan is confirmed
         self._n = 0
         names = self.s.names
-        plan = MovePlan(
-            epoch=self.epoch, block_ids=ids, src_tier=src_tier, src_slot=src_slot,
-            dst_tier=dst_tier, dst_slot=dst_slot, session_idx=session_idx, logical_idx=logical,
-            session_names=tuple([names[i] for i in order.tolist()]))  # type: ignore[misc]
+        # Built here, so trusted (MovePlan.trusted); with checks on, validated as a plan from
+        # outside would be.
+        make = MovePlan if self.check else MovePlan.trusted
+        plan = make(self.epoch, ids, src_tier, src_slot, dst_tier, dst_slot, session_idx, logical,
+                    tuple([names[i] for i in order.tolist()]))  # type: ignore[misc]
         self.plans.append(plan)
         self.plan_rows.append(rows)
         self.drops.append([])

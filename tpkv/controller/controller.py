@@ -73,6 +73,7 @@ class Controller:
         self.sessions = SessionTable(pol.lru_k)
         self.batch_table = BatchTable()
         self.names_cache: tuple[np.ndarray, tuple[str, ...]] = (np.zeros(0, np.int64), ())
+        self.move_buffers: list[np.ndarray] | None = None  # PlanBuilder's, kept between steps
         self.rates = RateMeter(pol)
         self.check_invariants = check_invariants
         self.tick = 0
@@ -219,6 +220,9 @@ class Controller:
         for plan, rows in zip(b.plans, b.plan_rows):
             self.pending.append(PendingPlan(plan, rows))
         self.next_epoch = b.epoch
+        # Kept for the next step unless a bulk step (a drain) grew them past what steps need.
+        keep = len(b.buffers[0]) <= 16 * self.config.policy.max_moves_per_step
+        self.move_buffers = b.buffers if keep else None
         drops = b.drop_lists()
         if self.outbox_lost:
             lost = np.concatenate(self.outbox_lost)
@@ -320,7 +324,9 @@ class Controller:
 
     def metadata_bytes(self) -> int:
         """Bytes of every array the controller keeps (table, sessions, arena, caches)."""
-        return self.table.nbytes() + self.sessions.nbytes() + self.batch_table.nbytes()
+        scratch = sum(a.nbytes for a in self.move_buffers or ())
+        return (self.table.nbytes() + self.sessions.nbytes() + self.batch_table.nbytes()
+                + scratch)
 
     def check_integrity(self) -> None:
         recovery.check_integrity(self)

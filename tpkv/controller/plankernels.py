@@ -95,22 +95,36 @@ def demand_rows(sessions: A, arena: A, start: A, length: A, tier: A) -> tuple[A,
 
 
 @_jit
-def record_choices(sessions: A, n2: A, n3: A, load_s: A, recompute_s: A, weighted: A,
-                   choice: A, load_out: A, recompute_out: A) -> tuple[bool, A]:
-    """The cost model's choice for each returning session with blocks on L2/L3 (recompute when
-    its weighted recompute time is below its load time), kept per session with both
-    estimates (float32). Returns (any recompute, recompute per session)."""
-    redo = np.zeros(len(sessions), dtype=np.bool_)
+def record_choices(sessions: A, count_l2: A, count_l3: A, block_tokens: int, block_bytes: int,
+                   h2d_bytes_per_s: float, ssd_read_bytes_per_s: float,
+                   prefill_tokens_per_s: float, weight: float, choice: A, load_out: A,
+                   recompute_out: A) -> tuple[bool, A, A, A, A, A]:
+    """The cost model's choice for each returning session with blocks on L2/L3: cost.
+    resume_costs (the same operations in the same order, so the same floats; `weight` is its
+    1 + gpu_share_weight * other sessions), recompute when the weighted recompute time is below
+    the load time, kept per session with both estimates (float32). Returns (any recompute,
+    recompute per session, its blocks on L2, on L3, load_s, recompute_s)."""
+    n = len(sessions)
+    redo = np.zeros(n, dtype=np.bool_)
+    n2 = np.empty(n, dtype=np.int64)
+    n3 = np.empty(n, dtype=np.int64)
+    load_s = np.empty(n, dtype=np.float64)
+    recompute_s = np.empty(n, dtype=np.float64)
     any_redo = False
-    for i in range(len(sessions)):
+    for i in range(n):
+        s = sessions[i]
+        n2[i], n3[i] = count_l2[s], count_l3[s]
+        f2, f3 = np.float64(n2[i]), np.float64(n3[i])
+        load_s[i] = (f3 * block_bytes / ssd_read_bytes_per_s
+                     + (f2 + f3) * block_bytes / h2d_bytes_per_s)
+        recompute_s[i] = np.float64((n2[i] + n3[i]) * block_tokens) / prefill_tokens_per_s
         if n2[i] + n3[i] > 0:
-            s = sessions[i]
-            redo[i] = weighted[i] < load_s[i]
+            redo[i] = recompute_s[i] * weight < load_s[i]
             any_redo = any_redo or redo[i]
             choice[s] = redo[i]
             load_out[s] = np.float32(load_s[i])
             recompute_out[s] = np.float32(recompute_s[i])
-    return any_redo, redo
+    return any_redo, redo, n2, n3, load_s, recompute_s
 
 
 @_jit

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tpkv.controller.builder import PlanBuilder
-from tpkv.controller.cost import block_costs, resume_costs
+from tpkv.controller.cost import block_costs
 from tpkv.controller.messages import StepResult
 from tpkv.controller.plankernels import demand_rows, record_choices
 from tpkv.controller.planner import MAX_PHASES, PlanContext, StepNeeds, plan_step
@@ -36,13 +36,13 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         raise BadRequestError(f"num_new_tokens needs {len(batch)} integers, got {len(add)} of "
                               f"dtype {add.dtype}")
     add = add.astype(np.int64)
-    code, tokens, nb_before, n_new, nb_after, missing = batch_blocks(
-        batch, add, S.tokens, S.pending, S.arena.length, S.counts[1], bt, S.plan_local)
+    code, tokens, nb_before, n_new, nb_after, missing, sum_before, new_total, sum_after = (
+        batch_blocks(batch, add, S.tokens, S.pending, S.arena.length, S.counts[1], bt,
+                     S.plan_local))
     if code:
         _refuse(S, batch, add)
     up = _upcoming(ctl, upcoming, batch)
-    new_total = int(n_new.sum())
-    total = int(nb_before.sum()) + new_total
+    total = sum_before + new_total
     l1 = T.slots(HBM)
     if total > l1:
         raise TierFullError(f"a step of {len(batch)} sessions needs {total} L1 slots; L1 holds "
@@ -60,7 +60,7 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     ctl.tick += 1
     tick = ctl.tick
     start_runs(batch, tokens, tick, S.tokens, S.pending, S.runs, S.run_hist, S.clean)
-    b = PlanBuilder(T, S, ctl.next_epoch, ctl.now_s(), ctl.check_invariants)
+    b = PlanBuilder(T, S, ctl.next_epoch, ctl.now_s(), ctl.check_invariants, ctl.move_buffers)
     want, recompute = _demand(ctl, b, batch, missing)
     needs = StepNeeds(batch, want, len(recompute) + new_total, up)
     lost = _EMPTY
@@ -79,7 +79,7 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     _place_fresh(ctl, fresh_old, slots[:len(fresh_old)])
     new_rows, new_pos, new_ids, new_logical = _alloc_new(ctl, batch, n_new, nb_before,
                                                          slots[len(fresh_old):])
-    offsets, table = ctl.batch_table.build(S, T, batch, nb_after)
+    offsets, table = ctl.batch_table.build(S, T, batch, nb_after, sum_after)
     if ctl.check_invariants:
         rows, _ = S.arena.gather(batch)
         assert (T.tier[rows] == HBM).all(), "a block of the batch is not in L1"
@@ -175,14 +175,12 @@ def _demand(ctl: Controller, b: PlanBuilder, batch: np.ndarray,
         return _EMPTY, _EMPTY
     g = ctl.config.geometry
     sess = batch[missing]
-    n2 = S.counts[2][sess].astype(np.int64)  # blocks on L2 and L3, kept per session
-    n3 = S.counts[3][sess].astype(np.int64)
-    load_s, recompute_s, weighted = resume_costs(
-        n2, n3, (n2 + n3) * g.block_tokens, g.block_bytes, rates.h2d_bytes_per_s,
-        rates.ssd_read_bytes_per_s, rates.prefill_tokens_per_s, len(batch) - 1,
-        pol.gpu_share_weight)
-    any_redo, redo = record_choices(sess, n2, n3, load_s, recompute_s, weighted, S.choice,
-                                    S.load_s, S.recompute_s)
+    # cost.resume_costs per session, in the kernel (blocks on L2 and L3 kept per session)
+    weight = 1.0 + pol.gpu_share_weight * max(len(batch) - 1, 0)
+    any_redo, redo, n2, n3, load_s, recompute_s = record_choices(
+        sess, S.counts[2], S.counts[3], g.block_tokens, g.block_bytes, rates.h2d_bytes_per_s,
+        rates.ssd_read_bytes_per_s, rates.prefill_tokens_per_s, weight, S.choice, S.load_s,
+        S.recompute_s)
     if not any_redo:
         A = S.arena
         return demand_rows(sess, A.arena, A.start, A.length, T.tier)

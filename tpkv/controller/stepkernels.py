@@ -17,12 +17,12 @@ OK, BAD_HANDLE, NEGATIVE, DUPLICATE = 0, 1, 2, 3
 
 @_jit
 def batch_blocks(batch: A, add: A, tokens: A, pending: A, length: A, count_l1: A,
-                 block_tokens: int, mark: A) -> tuple[int, A, A, A, A, A]:
+                 block_tokens: int, mark: A) -> tuple[int, A, A, A, A, A, int, int, int]:
     """Tokens and blocks of a step's sessions, before anything changes. Returns (code, tokens
     after the step, blocks before it, blocks the new tokens open, blocks after it (at least
-    those before), positions of sessions with blocks outside L1). `mark` is a per-session
-    scratch of -1s, left as found; code NEGATIVE or DUPLICATE when an entry of `add` is < 0
-    or a session appears twice."""
+    those before), positions of sessions with blocks outside L1, and the sums of the blocks
+    before, opened and after). `mark` is a per-session scratch of -1s, left as found; code
+    NEGATIVE or DUPLICATE when an entry of `add` is < 0 or a session appears twice."""
     n = len(batch)
     new_tokens = np.empty(n, dtype=np.int64)
     before = np.empty(n, dtype=np.int64)
@@ -31,6 +31,7 @@ def batch_blocks(batch: A, add: A, tokens: A, pending: A, length: A, count_l1: A
     missing = np.empty(n, dtype=np.int64)
     code = OK
     k = 0
+    sum_before = sum_opened = sum_after = 0
     for i in range(n):
         s = batch[i]
         if add[i] < 0:
@@ -44,12 +45,16 @@ def batch_blocks(batch: A, add: A, tokens: A, pending: A, length: A, count_l1: A
         before[i] = b
         opened[i] = (t + (block_tokens - 1)) // block_tokens - b
         after[i] = b + max(opened[i], 0)
+        sum_before += b
+        sum_opened += opened[i]
+        sum_after += after[i]
         if count_l1[s] < b:
             missing[k] = i
             k += 1
     for i in range(n):
         mark[batch[i]] = -1
-    return code, new_tokens, before, opened, after, missing[:k].copy()
+    return (code, new_tokens, before, opened, after, missing[:k].copy(), sum_before, sum_opened,
+            sum_after)
 
 
 @_jit
