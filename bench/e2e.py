@@ -50,7 +50,11 @@ class Sizes:
     user_tokens: int = 64
     gen_tokens: int = 16  # per turn after the fill round (the fill round's answer is 1 token)
     hf_seconds: float = 60.0  # wall-time cap of the transformers run
-    layer_events: int = 1  # 1: L2 -> L1 copies layer by layer (TpkvConfig.layer_events); 0: whole
+    # 1: L2 -> L1 copies layer by layer (TpkvConfig.layer_events); 0: whole blocks. The engine's
+    # forward is one graph that waits for every layer, so per-layer events only multiply the
+    # copy descriptors by the chunks (8 here: ~2.4 ms more host time a 768-block resume,
+    # bench/results/copy_issue.json).
+    layer_events: int = 0
     seed: int = 0
 
 

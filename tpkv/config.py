@@ -272,7 +272,11 @@ class TpkvConfig:
     # TP workers (tpkv.workers.worker) and their all-gather confirmation:
     confirm_backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: gloo (see bench/consistency)
     heartbeat_s: float = 0.5  # liveness beats in the rendezvous store; names dead or stuck ranks
-    layer_events: bool = True  # L2 -> L1 copies issued layer by layer, one event per layer
+    # L2 -> L1 copies issued layer by layer, one event per layer: attention that waits layer by
+    # layer (the transformers cache) starts on layer 0 before the rest has arrived. A forward
+    # that waits for every layer first (the paged engine's graphs) gains nothing and pays a
+    # descriptor per chunk per block in host time (bench/copy_issue.py): turn it off there.
+    layer_events: bool = True
     layer_chunk_bytes: int = 64 << 10  # fewest bytes per block per per-layer copy (layers merge)
 
     def __post_init__(self) -> None:

@@ -64,3 +64,18 @@ def test_d2h_waits_for_compute_on_current_stream():
     assert (engine.host.block(0) == 1.5).all()
     engine.host.close()
 
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["ctypes", "bindings"])
+def test_dma_through_either_call_is_exact(monkeypatch, raw):
+    """cudaMemcpyBatchAsync called through the loaded runtime (numpy arrays) and through
+    cuda.bindings (lists) copy the same bytes; on this machine the direct call is found."""
+    from tpkv.workers import cuda_rt
+
+    monkeypatch.setattr(cuda_rt, "USE_RAW_BATCH", raw)
+    assert (cuda_rt.raw_batch_call() is not None) == raw
+    engine = make_engine(GEOMS[1], l1_slots=96, l2_slots=96, device="cuda", method="dma",
+                         arena_blocks=40)
+    for seed in range(2):
+        check_round_trip(engine, seed)
+    engine.host.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -53,6 +54,7 @@ class TpkvRuntime:
         self._applied: Any = None
         self._refused = False
         self.num_retries = 0
+        self.last_step_times: dict[str, float] = {}
         self.num_mismatches = 0
         self.num_commit_refusals = 0  # rank 0: epochs the controller refused after agreement
         self.last_mismatch: RankMismatchError | None = None
@@ -119,11 +121,15 @@ class TpkvRuntime:
                               np.asarray(num_new_tokens, dtype=np.int64).reshape(-1), upcoming)
             return {"step": step.to_dict(), "resync": resync}
 
+        t0 = time.perf_counter()
         answer = self.from_rank0(plan, "plans of a step")
         if answer["resync"] is not None:
             self._resync(answer["resync"])
         step = StepResult.from_dict(answer["step"])
+        t1 = time.perf_counter()
         self._applied = self.worker.apply_step(step)
+        # host seconds of the last step's planning (controller, to every rank) and applying
+        self.last_step_times = {"plan": t1 - t0, "apply": time.perf_counter() - t1}
         self.closing.difference_update(step.closed_sessions)
         return step
 

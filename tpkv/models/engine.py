@@ -240,6 +240,13 @@ class PagedEngine:
                                             self.num_slots)
             logits, block_mass = self.graphs.forward([s.token_ids[-1] for s in seqs], tables,
                                                      seq_lens)
+        elif (self.graphs is not None and len(seqs) == 1
+              and self.graphs.takes_prefill(q_lens[0], seq_lens[0])):  # a turn: one replay
+            tables, _, _, nb = check_tables(slots, seq_lens, q_lens, self.block_tokens,
+                                            self.num_slots)
+            logits = self.graphs.forward_prefill(seqs[0].token_ids[seqs[0].num_cached:],
+                                                 tables[0], seq_lens[0])
+            block_mass = None
         else:
             meta = build_meta(slots, seq_lens, q_lens, self.block_tokens, self.num_slots,
                               self.model.device)

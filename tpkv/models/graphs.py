@@ -1,4 +1,5 @@
-"""CUDA graphs of the engine's decode forward: one launch instead of ~1000 small kernels.
+"""CUDA graphs of the engine's decode forward and of a turn's prefill after a cached prefix: one
+launch instead of ~1000 small kernels.
 
 A decode step of a 1B model is a thousand kernels of a few microseconds each; launched one by
 one from Python the step is bound by the host (33 ms of CPU for 17 ms of GPU work, measured in
@@ -14,10 +15,17 @@ the block table. A graph is captured the first time its shape is seen, after one
 same step on a side stream (which also writes the step's K/V: the replay writes the same values).
 Graphs and eager decoding run the same kernels, so a tiered run and an all-L1 run still give
 identical tokens when both use graphs.
+
+A turn's prefill (one session, new tokens after cached ones: a returning user's message) has one
+graph per (query bucket, key width bucket) (`paged.query_bucket`, `paged.bucket_width`): its rows
+are padded with copies of the last new token (same id and position; their K/V stores write that
+token's own bytes again, `PagedMeta.write_src`), its table with slot 0. Only for attention
+implementations that take the padded form (`paged_attention_sdpa`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,9 +35,17 @@ import torch
 from torch import Tensor
 
 from tpkv.models.llama import Llama
-from tpkv.models.paged import AttentionImpl, PagedAttention, PagedMeta
+from tpkv.models.paged import (
+    AttentionImpl,
+    PagedAttention,
+    PagedMeta,
+    bucket_width,
+    paged_attention_sdpa,
+    query_bucket,
+)
 
 _FIELDS = 5  # token id, position, sequence length, write slot, write offset (per session)
+_PREFILL_FIELDS = 5  # token id, position, write slot, write offset, write source (per row)
 
 
 @dataclass
@@ -45,16 +61,46 @@ class DecodeGraphs:
     """Decode forwards of `model` over the L1 tensor `pool` through CUDA graphs."""
 
     def __init__(self, model: Llama, pool: Tensor, attention: AttentionImpl,
-                 bucket_blocks: int = 64, max_graphs: int = 48) -> None:
+                 bucket_blocks: int = 64, max_graphs: int = 48,
+                 max_prefill_tokens: int = 512) -> None:
         if pool.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the L1 pool on a GPU, it is on {pool.device}")
         self.model, self.pool, self.attention = model, pool, attention
         self.block_tokens = int(pool.shape[3])
         self.bucket_blocks, self.max_graphs = bucket_blocks, max_graphs
         self.mempool = torch.cuda.graph_pool_handle()
-        self.graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
+        self.graphs: OrderedDict[tuple[int, int, int], _Graph] = OrderedDict()
         self.captures = 0
         self.replays = 0
+        # Turns of up to this many new tokens after a cached prefix replay a prefill graph.
+        self.max_prefill_tokens = max_prefill_tokens if attention is paged_attention_sdpa else 0
+
+    def takes_prefill(self, q_len: int, seq_len: int) -> bool:
+        """Whether a one-session prefill of q_len new tokens (seq_len in all) has a graph."""
+        return 1 < q_len < seq_len and q_len <= self.max_prefill_tokens
+
+    def forward_prefill(self, token_ids: Sequence[int], table: np.ndarray, seq_len: int
+                        ) -> Tensor:
+        """Logits [1, vocab] (a copy) of one session's new tokens `token_ids` (the last
+        len(token_ids) of its seq_len), its K/V written into its blocks `table` (checked by the
+        caller)."""
+        qn, bt = len(token_ids), self.block_tokens
+        nb = -(-seq_len // bt)
+        qb, width = query_bucket(qn), bucket_width(nb, self.bucket_blocks)
+        host = np.zeros(_PREFILL_FIELDS * qb + 2 + width, dtype=np.int64)
+        rows = host[:_PREFILL_FIELDS * qb].reshape(_PREFILL_FIELDS, qb)
+        tail = host[_PREFILL_FIELDS * qb:]
+        tail[2:2 + nb] = np.asarray(table, dtype=np.int64)[:nb]
+        src = np.minimum(np.arange(qb), qn - 1)
+        pos = seq_len - qn + src
+        rows[0] = np.asarray(token_ids, dtype=np.int64)[src]
+        rows[1] = pos
+        rows[2] = tail[2 + pos // bt]
+        rows[3] = pos % bt
+        rows[4] = src
+        tail[0], tail[1] = seq_len, qn - 1
+        entry = self._replay((-1, qb, width), host)
+        return entry.logits.clone()
 
     def forward(self, token_ids: Sequence[int], tables: Sequence[np.ndarray],
                 seq_lens: Sequence[int]) -> tuple[Tensor, Tensor | None]:
@@ -75,18 +121,23 @@ class DecodeGraphs:
         fields[1], fields[2] = pos, seq
         fields[3] = table[np.arange(b), pos // self.block_tokens]
         fields[4] = pos % self.block_tokens
-        key = (b, width)
+        entry = self._replay((b, width, 0), host)
+        mass = None if entry.mass is None else entry.mass[:, :int(nb_used.max())]
+        return entry.logits.clone(), mass
+
+    def _replay(self, key: tuple[int, int, int], host: np.ndarray) -> _Graph:
+        """Replay the graph of `key` ((B, width, 0) decode, (-1, rows, width) prefill) on the
+        inputs `host`, capturing it first if new."""
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self._capture(b, width, host)
+            entry = self._capture(key, host)
         else:
             self.graphs.move_to_end(key)
             entry.staging.numpy()[:] = host
             entry.inputs.copy_(entry.staging, non_blocking=True)
         entry.graph.replay()
         self.replays += 1
-        mass = None if entry.mass is None else entry.mass[:, :int(nb_used.max())]
-        return entry.logits.clone(), mass
+        return entry
 
     def _run(self, inputs: Tensor, b: int, width: int) -> tuple[Tensor, Tensor | None]:
         """The decode forward, reading its inputs from the device buffer `inputs`."""
@@ -102,21 +153,40 @@ class DecodeGraphs:
         logits = self.model(fields[0], fields[1], attn, rows)
         return logits, attn.block_mass
 
-    def _capture(self, b: int, width: int, host: np.ndarray) -> _Graph:
+    def _run_prefill(self, inputs: Tensor, qb: int, width: int) -> tuple[Tensor, Tensor | None]:
+        """The padded prefill forward of one session, reading its inputs from `inputs`."""
+        rows = inputs[:_PREFILL_FIELDS * qb].view(_PREFILL_FIELDS, qb)
+        tail = inputs[_PREFILL_FIELDS * qb:]
+        seq, last = tail[0:1], tail[1:2]
+        zero = torch.zeros(1, dtype=torch.int64, device=inputs.device)
+        meta = PagedMeta(self.block_tokens, tail[2:].view(1, width),
+                         (seq + self.block_tokens - 1) // self.block_tokens, seq, last + 1,
+                         torch.cat([zero, last + 1]), rows[1],
+                         torch.zeros(qb, dtype=torch.int64, device=inputs.device),
+                         torch.arange(qb, dtype=torch.int64, device=inputs.device), rows[2],
+                         rows[3], qb, write_src=rows[4])
+        attn = PagedAttention(self.pool, meta, self.attention)
+        return self.model(rows[0], rows[1], attn, last), None
+
+    def _capture(self, key: tuple[int, int, int], host: np.ndarray) -> _Graph:
+        if key[0] > 0:  # decode: (B, width, 0)
+            run = functools.partial(self._run, b=key[0], width=key[1])
+        else:  # prefill: (-1, rows, width)
+            run = functools.partial(self._run_prefill, qb=key[1], width=key[2])
         staging = torch.from_numpy(host).pin_memory()
         inputs = staging.to(self.pool.device, non_blocking=True)
         side = torch.cuda.Stream(self.pool.device)
         side.wait_stream(torch.cuda.current_stream(self.pool.device))
         with torch.cuda.stream(side):  # warm-up: lazy inits (cuBLAS handles) happen outside
-            self._run(inputs, b, width)
+            run(inputs)
         torch.cuda.current_stream(self.pool.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the worker's copy threads keep issuing CUDA calls during a capture.
         with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
-            logits, mass = self._run(inputs, b, width)
+            logits, mass = run(inputs)
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
         entry = _Graph(graph, staging, inputs, logits, mass)
-        self.graphs[(b, width)] = entry
+        self.graphs[key] = entry
         self.captures += 1
         return entry

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +37,11 @@ class PagedMeta:
     # (query_start, num_blocks, seq_lens, q_lens) as host lists, when built on the host: spares
     # a prefill three device-to-host syncs per layer
     host_lens: tuple[list[int], list[int], list[int], list[int]] | None = None
+    # Padded form (the prefill graphs): one session whose rows are padded to a bucket by copies
+    # of its last new token, and whose table is padded to a bucket; write_src[i] is the row
+    # whose K/V row i writes (the last real row for padding), so a padding row writes the very
+    # bytes of that row to the same place (a duplicate store of identical values).
+    write_src: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -110,6 +114,8 @@ def write_kv(pool: Tensor, layer: int, k: Tensor, v: Tensor, meta: PagedMeta) ->
     """Store the new tokens' K and V (each [T, Hkv, D]) at their (slot, offset) of `layer`."""
     kv = pool[:, layer]  # [slots, 2, bt, Hkv, D]
     index = (meta.write_slots, meta.write_offsets)
+    if meta.write_src is not None:
+        k, v = k[meta.write_src], v[meta.write_src]
     kv[:, 0].index_put_(index, k.to(pool.dtype))
     kv[:, 1].index_put_(index, v.to(pool.dtype))
 
@@ -235,43 +241,79 @@ def paged_decode_attention(pool: Tensor, layer: int, q: Tensor, meta: PagedMeta,
     return out.reshape(t, hq, d).to(q.dtype), mass
 
 
-def _no_cudnn(active: bool) -> contextlib.AbstractContextManager[object]:
-    """SDPA without its cuDNN backend: with an explicit mask cuDNN builds a plan for every new
-    sequence length (tens of ms; every returning session has a new length), where the
-    memory-efficient kernel needs none."""
-    if not active:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+# A turn after a cached prefix attends to keys padded to this many blocks, and its queries are
+# padded to a bucket (`query_bucket`): shapes repeat, so SDPA's cuDNN backend plans each shape
+# once (it plans anew for every shape, tens of ms) and the prefill graphs have few shapes.
+PREFIX_BUCKET_BLOCKS = 64
 
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                        SDPBackend.MATH])
+
+def query_bucket(q_len: int) -> int:
+    """Rows a chunk of `q_len` new tokens is padded to: a power of two from 16 up to 256, then a
+    multiple of 256."""
+    if q_len <= 256:
+        return max(16, 1 << (q_len - 1).bit_length())
+    return -(-q_len // 256) * 256
+
+
+def bucket_width(num_blocks: int, bucket_blocks: int = PREFIX_BUCKET_BLOCKS) -> int:
+    return -(-num_blocks // bucket_blocks) * bucket_blocks
+
+
+def prefix_attention(kv: Tensor, table: Tensor, q: Tensor, positions: Tensor,
+                     seq_len: Tensor | int, scale: float) -> Tensor:
+    """One session's new tokens q [Q, Hq, D] at `positions` [Q] against its blocks `table` [W]
+    of the layer's pool `kv` [slots, 2, bt, Hkv, D]. Key j is seen by a query at position p when
+    j <= p; keys at or past `seq_len` (the table's padding, stale tail) are zeroed as well, so
+    no NaN there can reach the output. Shapes depend only on (Q, W): with Q and W bucketed,
+    SDPA plans each shape once and the call can be captured in a CUDA graph."""
+    blocks = kv[table]  # [W, 2, bt, Hkv, D], a gathered copy
+    k = blocks[:, 0].flatten(0, 1)  # [L, Hkv, D]
+    v = blocks[:, 1].flatten(0, 1)
+    keys = torch.arange(k.shape[0], device=q.device)
+    outside = (keys >= seq_len)[:, None, None]
+    k, v = k.masked_fill(outside, 0), v.masked_fill(outside, 0)
+    mask = keys[None, :] <= positions[:, None]  # [Q, L]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None].to(k.dtype), k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=mask, scale=scale, enable_gqa=True)  # [1, Hq, Q, D]
+    return out[0].transpose(0, 1)  # [Q, Hq, D]
 
 
 def paged_attention_sdpa(pool: Tensor, layer: int, q: Tensor, meta: PagedMeta, scale: float
                          ) -> tuple[Tensor, Tensor | None]:
     """The fast implementation: prefill through torch's fused scaled_dot_product_attention,
     one session at a time (no block mass: the heat policy learns from decode steps); decode
-    through `paged_decode_attention`, which gives the block mass. Deterministic, so a tiered run
+    through `paged_decode_attention`, which gives the block mass. A session's first prefill
+    (nothing cached) is plainly causal; new tokens after cached ones go through
+    `prefix_attention` with queries and keys padded to buckets. Deterministic, so a tiered run
     and an all-L1 run with this implementation give identical tokens; it is not bit-equal to the
     float32 reference."""
-    if meta.max_q_len == 1:
+    if meta.max_q_len == 1 and meta.write_src is None:
         return paged_decode_attention(pool, layer, q, meta, scale)
     kv = pool[:, layer]  # [slots, 2, bt, Hkv, D]
+    if meta.write_src is not None:  # padded already (the prefill graphs)
+        return prefix_attention(kv, meta.block_table[0], q, meta.positions, meta.seq_lens[0],
+                                scale).to(q.dtype), None
     out = torch.empty_like(q)
     starts, nbs, seqs, qns = meta.host_lens or (
         meta.query_start.tolist(), meta.num_blocks.tolist(), meta.seq_lens.tolist(),
         meta.q_lens.tolist())
     for b, (nb, seq, qn) in enumerate(zip(nbs, seqs, qns)):
-        blocks = kv[meta.block_table[b, :nb]]  # [nb, 2, bt, Hkv, D]
-        k = blocks[:, 0].flatten(0, 1)[:seq].transpose(0, 1)[None]  # [1, Hkv, L, D]
-        v = blocks[:, 1].flatten(0, 1)[:seq].transpose(0, 1)[None]
-        qb = q[starts[b]:starts[b + 1]].transpose(0, 1)[None].to(k.dtype)  # [1, Hq, Q, D]
-        mask = None
-        if qn != seq:  # queries sit at the end: query i sees keys 0 .. seq - qn + i
-            mask = (torch.arange(seq, device=q.device)[None, :]
-                    <= torch.arange(seq - qn, seq, device=q.device)[:, None])
-        with _no_cudnn(mask is not None and q.is_cuda):
+        rows = slice(starts[b], starts[b + 1])
+        if qn == seq:  # nothing cached: the new tokens attend causally among themselves
+            blocks = kv[meta.block_table[b, :nb]]  # [nb, 2, bt, Hkv, D]
+            k = blocks[:, 0].flatten(0, 1)[:seq].transpose(0, 1)[None]  # [1, Hkv, L, D]
+            v = blocks[:, 1].flatten(0, 1)[:seq].transpose(0, 1)[None]
             o = torch.nn.functional.scaled_dot_product_attention(
-                qb, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
-        out[starts[b]:starts[b + 1]] = o[0].transpose(0, 1).to(q.dtype)
+                q[rows].transpose(0, 1)[None].to(k.dtype), k, v, is_causal=True, scale=scale,
+                enable_gqa=True)
+            out[rows] = o[0].transpose(0, 1).to(q.dtype)
+            continue
+        width, qb = bucket_width(nb), query_bucket(qn)
+        table = meta.block_table.new_zeros(width)
+        table[:nb] = meta.block_table[b, :nb]
+        pad = torch.full((qb,), starts[b + 1] - 1, dtype=torch.int64, device=q.device)
+        pad[:qn] = torch.arange(starts[b], starts[b + 1], device=q.device)
+        o = prefix_attention(kv, table, q[pad], meta.positions[pad], seq, scale)
+        out[rows] = o[:qn].to(q.dtype)
     return out, None

@@ -77,8 +77,9 @@ class TieredEngine:
         self.opened: set[str] = set()
         self.stats = TierStats()
         self._resume: tuple[float, str] | None = None
-        # Host seconds of the last step's parts: schedule (controller + plans issued), wait
-        # (until its blocks are in L1), forward (+ sampling), report (to the controller).
+        # Host seconds of the last step's parts: schedule (controller + plans issued; of it
+        # schedule_plan and schedule_apply for its last attempt), wait (until its blocks are in
+        # L1), forward (+ sampling), report (to the controller).
         self.last_times: dict[str, float] = {}
         self.engine = PagedEngine(model, rt.worker.hbm.tensor, schedule=self.schedule,
                                   wait=self.wait, report=self.report, release=self.release,
@@ -105,7 +106,8 @@ class TieredEngine:
         self.stats.retries += self.rt.num_retries - retries
         self.stats.steps += 1
         self._resume = (started, _TIER_NAME[farthest]) if farthest != Tier.HBM else None
-        self.last_times = {"schedule": time.perf_counter() - started}
+        self.last_times = {"schedule": time.perf_counter() - started,
+                           **{f"schedule_{k}": v for k, v in self.rt.last_step_times.items()}}
         return step
 
     def wait(self, tables: StepTables) -> None:

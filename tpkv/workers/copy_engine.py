@@ -162,13 +162,13 @@ class CopyEngine:
         subs = self.dma_substreams[direction] if self.dma_substreams else None
         # Runs merged into large copies do best on one stream, as large blocks do.
         if subs is None or len(src) < 2 * len(subs) or sizes.mean() >= SMALL_BLOCK_BYTES:
-            cuda_rt.memcpy_batch(dst.tolist(), src.tolist(), sizes.tolist(), stream.cuda_stream,
-                                 self.dma_chunk, self.dma_attr)
+            cuda_rt.memcpy_batch(dst, src, sizes, stream.cuda_stream, self.dma_chunk,
+                                 self.dma_attr)
             return
         for part, sub in zip(np.array_split(np.arange(len(src)), len(subs)), subs):
             sub.wait_stream(stream)
-            cuda_rt.memcpy_batch(dst[part].tolist(), src[part].tolist(), sizes[part].tolist(),
-                                 sub.cuda_stream, self.dma_chunk, self.dma_attr)
+            cuda_rt.memcpy_batch(dst[part], src[part], sizes[part], sub.cuda_stream,
+                                 self.dma_chunk, self.dma_attr)
             stream.wait_stream(sub)
 
     def _copy_kernel(self, direction: str, hbm_slots: np.ndarray, host_slots: np.ndarray,

@@ -311,8 +311,8 @@ class PlanExecutor:
                 stop = min(self.num_layers, start + step)
                 if use_dma:
                     off, size = start * self.layer_bytes, (stop - start) * self.layer_bytes
-                    cuda_rt.memcpy_batch((dst0 + off).tolist(), (src0 + off).tolist(),
-                                         [size] * n, stream.cuda_stream)
+                    cuda_rt.memcpy_batch(dst0 + off, src0 + off, np.full(n, size, np.uint64),
+                                         stream.cuda_stream)
                 else:
                     self._copy_layers_torch(host_slots, hbm_slots, start, stop)
                 event = torch.cuda.Event()
