@@ -49,15 +49,16 @@ def add_counts(target: np.ndarray, keys: np.ndarray, delta: int) -> None:
 
 
 _LINE = 64  # bytes of a cache line
-_HOT_FILL = {"handle_of": -1, "tokens": 0, "pending": 0, "table_pos": -1, "runs": 0,
-             "plan_local": -1, "dirty": True}
+_HOT_FILL = {"handle_of": -1, "tokens": 0, "pending": 0, "table_pos": -1, "length": 0,
+             "run_hist": -1, "runs": 0, "plan_local": -1}
 
 
 def _hot_dtype(lru_k: int) -> np.dtype:
     """SessionTable's per-session record, padded to whole cache lines."""
     fields = [("handle_of", np.int64), ("tokens", np.int64), ("pending", np.int64),
-              ("table_pos", np.int64), ("runs", np.int32), ("plan_local", np.int32),
-              ("dirty", np.bool_)]
+              ("table_pos", np.int64), ("length", np.int64),
+              ("run_hist", np.dtype((np.int32, (lru_k,)))), ("runs", np.int32),
+              ("plan_local", np.int32)]
     packed = np.dtype(fields, align=True)
     assert packed.fields is not None
     return np.dtype({"names": [n for n, _ in fields], "formats": [f for _, f in fields],
@@ -110,20 +111,17 @@ class SessionTable:
         grow("gen", np.int32, 0)
         grow("is_open", np.bool_, False)
         grow("attn_sum", np.float64, 0.0)  # sum of its blocks' attention mass
-        # [K, S] ticks of its latest runs, newest first; stored [S, K], so that a session's
-        # K ticks share a line (each run writes them all; eviction keys read the first and last)
-        hist = np.full((capacity, self.lru_k), -1, dtype=np.int32)
-        if hasattr(self, "run_hist"):
-            hist[:self.run_hist.shape[1]] = self.run_hist.T
-        self.run_hist = hist.T
         grow("clean", np.bool_, False)  # L1 holds only its pinned blocks (after a demotion)
         grow("counts", np.int32, 0, 4)  # [4, S] blocks per tier: NONE, L1, L2, L3
         grow("choice", np.int8, -1)  # cost model: -1 none, 0 load, 1 recompute
         grow("load_s", np.float32, 0.0)
         grow("recompute_s", np.float32, 0.0)
         grow("opened_tick", np.int64, 0)
+        # An L1 slot of a block changed since the batch table (BatchTable): moves set it for
+        # sessions of any step, the table reads it for the whole batch; dense, it stays cached.
+        grow("dirty", np.bool_, True)
         self._grow_hot(capacity)
-        self.arena.grow_sessions(capacity)
+        self.arena.grow_sessions(capacity, length=self._hot["length"])
         self.names.extend([None] * (capacity - len(self.names)))
         self.capacity = capacity
 
@@ -131,8 +129,11 @@ class SessionTable:
         """The fields every step reads or writes for each session of its batch, one record of a
         cache line per session (a step's 1024 sessions are spread over arrays too large to stay
         in cache: one line each instead of one per field). The attributes are views into it.
-        Fields that eviction scans read over many sessions (run history, clean, counts) stay in
-        arrays of their own: in the record, each session scanned would cost a line."""
+        The block count (RowArena.length) and the run history are in it too: every step reads
+        or writes them for each session of its batch, and an eviction scan reads them only for
+        its candidates. Fields that eviction scans read over every session (clean, counts), and
+        the dirty flag that moves set for sessions outside the batch, stay in arrays of their
+        own: in the record, each session scanned or moved would cost a line."""
         dtype = _hot_dtype(self.lru_k)
         buf = np.zeros(capacity * dtype.itemsize + _LINE, dtype=np.uint8)
         at = -buf.ctypes.data % _LINE
@@ -148,8 +149,9 @@ class SessionTable:
         self.pending = hot["pending"]  # tokens announced by extend(), written at the next run
         self.table_pos = hot["table_pos"]  # position in the last step's batch table, or -1
         self.runs = hot["runs"]  # how many steps the session ran in
+        # [K, S] ticks of its latest runs, newest first (a view of the records' [S, K])
+        self.run_hist = hot["run_hist"].T
         self.plan_local = hot["plan_local"]  # kernels' scratch (plan_arrays...), -1 between calls
-        self.dirty = hot["dirty"]  # an L1 slot of a block changed since that table
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def open(self, name: str, tick: int) -> int:
