@@ -55,6 +55,9 @@ class Sizes:
     # copy descriptors by the chunks (8 here: ~2.4 ms more host time a 768-block resume,
     # bench/results/copy_issue.json).
     layer_events: int = 0
+    # PolicyConfig.l1_reuse: "oldest" hands out the L1 slots freed longest ago, so a resume's
+    # copies and new K/V do not wait on the GPU for the demotion that just emptied their slots.
+    l1_reuse: str = "oldest"
     seed: int = 0
 
 

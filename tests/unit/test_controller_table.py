@@ -25,6 +25,19 @@ def test_slot_stack_lowest_first_and_full():
     np.testing.assert_array_equal(s.pop(3), [0, 1, 3])
 
 
+def test_slot_stack_reusing_oldest_hands_out_slots_freed_earlier_first():
+    s = SlotStack(8, "L1", reuse="oldest")
+    np.testing.assert_array_equal(s.pop(6), [0, 1, 2, 3, 4, 5])  # 6, 7 stay free
+    s.push(np.array([4, 2]))  # freed now: handed out after 6 and 7, in ascending order
+    s.push(np.array([0]))  # freed later still: last
+    np.testing.assert_array_equal(s.pop(3), [6, 7, 2])
+    np.testing.assert_array_equal(s.pop(2), [4, 0])
+    with pytest.raises(TierFullError, match="L1 needs 1 slots, 0 free of 8"):
+        s.pop(1)
+    s.push(np.array([5, 3]))  # into an empty stack: as "newest" would
+    np.testing.assert_array_equal(s.pop(2), [3, 5])
+
+
 def test_rows_ids_generations_and_release():
     t = make_table()
     rows = t.alloc_rows(np.array([0, 0, 1]), np.array([0, 1, 0]), tick=5, runs=np.ones(3),

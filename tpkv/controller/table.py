@@ -17,12 +17,19 @@ TIER_INDEX = {NONE: 0, HBM: 1, DRAM: 2, SSD: 3}  # column of per-tier counts
 
 
 class SlotStack:
-    """Free slots (or rows) of one pool as a stack; the lowest index is handed out first."""
+    """Free slots (or rows) of one pool as a stack; the lowest index is handed out first.
 
-    def __init__(self, size: int, name: str) -> None:
+    Slots given back go on top (reuse "newest": handed out next) or at the bottom (reuse
+    "oldest": handed out after every slot that was free before them). For L1, "oldest" keeps a
+    slot a demotion just emptied out of the next copy into L1 and out of the next step's new
+    K/V while its L1 -> L2 copy still runs (both would wait for that copy on the GPU).
+    """
+
+    def __init__(self, size: int, name: str, reuse: str = "newest") -> None:
         self.name = name
         self.stack = np.arange(size - 1, -1, -1, dtype=np.int32)
         self.top = size  # stack[:top] are free
+        self.reuse_oldest = reuse == "oldest"
 
     @property
     def size(self) -> int:
@@ -41,7 +48,12 @@ class SlotStack:
         # Highest first, so that a later pop hands the group back in ascending order: slots a
         # session gave up together come back as runs, and copies of runs merge into fewer,
         # larger DMAs (256 KiB blocks both ways: 0.82 of the ceiling random, 0.91 in runs).
-        self.stack[self.top:self.top + n] = np.sort(slots)[::-1] if n > 1 else slots
+        group = np.sort(slots)[::-1] if n > 1 else slots
+        if self.reuse_oldest and self.top:  # under the slots already free (a memmove of them)
+            self.stack[n:self.top + n] = self.stack[:self.top]
+            self.stack[:n] = group
+        else:
+            self.stack[self.top:self.top + n] = group
         self.top += n
 
     def grow(self, size: int) -> None:
@@ -76,10 +88,10 @@ class BlockTable:
     demoted_at: np.ndarray  # float32
 
     def __init__(self, l1_slots: int, l2_slots: int, l3_capacity: int, lru_k: int,
-                 capacity: int) -> None:
+                 capacity: int, l1_reuse: str = "newest") -> None:
         self.l3_capacity = l3_capacity
         self.lru_k = lru_k
-        self.free = {HBM: SlotStack(l1_slots, "L1"), DRAM: SlotStack(l2_slots, "L2")}
+        self.free = {HBM: SlotStack(l1_slots, "L1", l1_reuse), DRAM: SlotStack(l2_slots, "L2")}
         self.owner = {HBM: np.full(l1_slots, -1, dtype=np.int32),
                       DRAM: np.full(l2_slots, -1, dtype=np.int32)}
         self.num_in = np.zeros(4, dtype=np.int64)  # live blocks per TIER_INDEX column
