@@ -6,7 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tpkv.controller.plankernels import HEAT, LRU, LRUK, candidates
+from tpkv.controller.cost import resume_costs
+from tpkv.controller.kernels import gave_up
+from tpkv.controller.plankernels import (
+    HEAT,
+    LRU,
+    LRUK,
+    candidates,
+    not_on,
+    record_choices,
+    split_by_tier,
+)
 from tpkv.controller.policy import eviction_keys_of, select_victims
 
 
@@ -47,3 +57,59 @@ def test_select_victims_is_the_prefix_of_a_full_sort() -> None:
         order = np.lexsort((np.arange(n), secondary, primary))
         stop = int(np.searchsorted(np.cumsum(sizes[order]), need)) + 1 if n and need > 0 else 0
         assert np.array_equal(select_victims(primary, secondary, sizes, need), order[:stop])
+
+
+def test_tier_filters_match_numpy_masks() -> None:
+    """split_by_tier and not_on keep the rows' order, as the masks they replace do."""
+    rng = np.random.default_rng(11)
+    tier = rng.integers(-1, 3, 1000).astype(np.int8)
+    for n in (0, 1, 37, 600):
+        rows = rng.permutation(1000)[:n].astype(np.int64)
+        on2, on3 = split_by_tier(rows, tier)
+        assert np.array_equal(on2, rows[tier[rows] == 1])
+        assert np.array_equal(on3, rows[tier[rows] == 2])
+        assert np.array_equal(not_on(rows, tier, 0), rows[tier[rows] != 0])
+        assert on2.dtype == on3.dtype == np.int64
+
+
+@pytest.mark.parametrize("mark_clean", [True, False])
+def test_gave_up_matches_the_numpy_steps(mark_clean: bool) -> None:
+    """The sessions that gave rows (touched and dirty after) and their counts; with
+    mark_clean, the ones that gave none are clean, as _coldest's numpy steps did."""
+    rng = np.random.default_rng(13)
+    units = rng.permutation(200)[:80].astype(np.int64)
+    per_unit = rng.integers(0, 3, 50).astype(np.int64)
+    stop = 50
+    clean, touched, dirty = (np.zeros(200, dtype=bool) for _ in range(3))
+    gave, sizes = gave_up(units, stop, per_unit, mark_clean, clean, touched, dirty)
+    keep = per_unit > 0
+    assert np.array_equal(gave, units[:stop][keep]) and np.array_equal(sizes, per_unit[keep])
+    assert np.array_equal(np.flatnonzero(touched), np.sort(gave))
+    assert np.array_equal(touched, dirty)
+    want_clean = np.zeros(200, dtype=bool)
+    if mark_clean:
+        want_clean[units[:stop][per_unit == 0]] = True
+    assert np.array_equal(clean, want_clean)
+
+
+def test_record_choices_costs_are_resume_costs_bit_for_bit() -> None:
+    rng = np.random.default_rng(17)
+    counts = rng.integers(0, 200, (2, 300)).astype(np.int32)
+    counts[:, :20] = 0  # sessions with nothing on L2/L3: no choice recorded
+    sess = rng.permutation(300)[:120].astype(np.int64)
+    bb, bt, h2d, ssd, pre, others, w = 524288, 16, 5.5e10, 1.8e9, 3.0e4, 99, 0.05
+    choice = np.full(300, -1, dtype=np.int8)
+    load_out, redo_out = np.zeros(300, np.float32), np.zeros(300, np.float32)
+    weight = 1.0 + w * max(others, 0)
+    any_redo, redo, n2, n3, load_s, recompute_s = record_choices(
+        sess, counts[0], counts[1], bt, bb, h2d, ssd, pre, weight, choice, load_out, redo_out)
+    n2w, n3w = counts[0][sess].astype(np.int64), counts[1][sess].astype(np.int64)
+    want_load, want_redo, weighted = resume_costs(n2w, n3w, (n2w + n3w) * bt, bb, h2d, ssd, pre,
+                                                  others, w)
+    assert np.array_equal(n2, n2w) and np.array_equal(n3, n3w)
+    assert np.array_equal(load_s, want_load) and np.array_equal(recompute_s, want_redo)
+    has = n2w + n3w > 0
+    assert np.array_equal(redo, (weighted < want_load) & has) and any_redo == redo.any()
+    assert np.array_equal(choice[sess[has]], redo[has].astype(np.int8))
+    assert (choice[sess[~has]] == -1).all()
+    assert np.array_equal(load_out[sess[has]], want_load[has].astype(np.float32))

@@ -184,9 +184,11 @@ def append_rows(batch: A, n_new: A, rows: A, arena: A, start: A, cap: A, length:
     growth of live capacity)."""
     want = 0
     for i in range(len(batch)):
+        if n_new[i] <= 0:  # most sessions of a decode step: no read of their (cold) entries
+            continue
         s = batch[i]
         need = length[s] + n_new[i]
-        if n_new[i] > 0 and need > cap[s]:
+        if need > cap[s]:
             want += max(need + max(need // 8, 4), _MIN_EXTENT)
     if top + want > len(arena):
         return False, top, 0

@@ -67,8 +67,11 @@ class PlanBuilder:
     def begin_phase(self) -> None:
         self.touched = np.zeros(self.s.capacity, dtype=bool)
 
-    def touch(self, sessions: np.ndarray) -> None:
-        self._touch(sessions)
+    def touched_flags(self) -> np.ndarray:
+        """The sessions touched in this phase, as flags (for kernels that touch sessions)."""
+        if len(self.touched) == 0:
+            self.touched = np.zeros(self.s.capacity, dtype=bool)
+        return self.touched
 
     def move(self, rows: np.ndarray, src: int, dst: int) -> None:
         """Move `rows`, all on tier `src` and none moved yet in this phase, to tier `dst`,

@@ -148,6 +148,28 @@ def walk_coldest(units: A, need: int, want_tier: int, use_threshold: bool, thres
 
 
 @_jit
+def gave_up(units: A, stop: int, per_unit: A, mark_clean: bool, clean: A, touched: A,
+            dirty: A) -> tuple[A, A]:
+    """After walk_coldest: the sessions of units[:stop] that gave rows (now touched and dirty,
+    as PlanBuilder.touch makes them) and how many each; with mark_clean, those that gave none
+    become clean (only pinned blocks of them are left in L1)."""
+    gave = np.empty(stop, dtype=units.dtype)
+    sizes = np.empty(stop, dtype=per_unit.dtype)
+    k = 0
+    for u in range(stop):
+        s = units[u]
+        if per_unit[u] > 0:
+            gave[k] = s
+            sizes[k] = per_unit[u]
+            k += 1
+            touched[s] = True
+            dirty[s] = True
+        elif mark_clean:
+            clean[s] = True
+    return gave[:k].copy(), sizes[:k].copy()
+
+
+@_jit
 def batch_slots(batch: A, lens: A, prev_batch: A, prev_offsets: A, prev_lens: A, prev_slots: A,
                 table_pos: A, dirty: A, arena: A, start: A, slot: A, offsets: A, out: A) -> int:
     """BatchTable.build in one pass: a session that sat in the last table and is not dirty

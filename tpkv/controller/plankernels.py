@@ -148,3 +148,34 @@ def prefetch_rows(sessions: A, arena: A, start: A, length: A, tier: A, demoted_a
                         n2 += 1
     return up[:n1].copy(), stage[:n2].copy()
 
+
+@_jit
+def split_by_tier(rows: A, tier: A) -> tuple[A, A]:
+    """The rows (in order) on L2 and those on L3: one pass over their tiers instead of a gather
+    and a mask per tier."""
+    n = len(rows)
+    on2 = np.empty(n, dtype=rows.dtype)
+    on3 = np.empty(n, dtype=rows.dtype)
+    n2 = n3 = 0
+    for i in range(n):
+        r = rows[i]
+        t = tier[r]
+        if t == 1:
+            on2[n2] = r
+            n2 += 1
+        elif t == 2:
+            on3[n3] = r
+            n3 += 1
+    return on2[:n2].copy(), on3[:n3].copy()
+
+
+@_jit
+def not_on(rows: A, tier: A, t: int) -> A:
+    """The rows (in order) whose tier is not t."""
+    out = np.empty(len(rows), dtype=rows.dtype)
+    k = 0
+    for i in range(len(rows)):
+        if tier[rows[i]] != t:
+            out[k] = rows[i]
+            k += 1
+    return out[:k].copy()

@@ -9,13 +9,15 @@ import numpy as np
 
 from tpkv.config import PolicyConfig
 from tpkv.controller.builder import PlanBuilder
-from tpkv.controller.kernels import walk_coldest
+from tpkv.controller.kernels import gave_up, walk_coldest
 from tpkv.controller.plankernels import (
     HEAT,
     LRU,
     LRUK,
     candidates,
+    not_on,
     prefetch_rows,
+    split_by_tier,
     still_cold,
 )
 from tpkv.controller.policy import select_victims, watermark_excess
@@ -66,8 +68,7 @@ def plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray:
     for phase in range(MAX_PHASES):
         b.begin_phase()
         if len(pending):
-            tier = t.tier[pending]
-            in2, in3 = pending[tier == DRAM], pending[tier == SSD]
+            in2, in3 = split_by_tier(pending, t.tier)
         else:
             in2 = in3 = pending
         free1 = t.num_free(HBM)
@@ -100,7 +101,7 @@ def plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray:
             _prefetch(ctx, b, needs, len(pending) - min(len(in2), free1))
         b.end_phase()
         if len(pending):
-            pending = pending[t.tier[pending] != HBM]
+            pending = not_on(pending, t.tier, HBM)
         if len(pending) == 0 and t.num_free(HBM) >= needs.num_fresh:
             _settle(ctx, b, needs.num_fresh)
             return pending
@@ -192,19 +193,15 @@ def _coldest(ctx: PlanContext, b: PlanBuilder, tier: int, need: int, forbid: For
     walk = (need, tier, auto, threshold, skip, s.arena.arena, s.arena.start, s.arena.length,
             t.tier, t.pinned, t.attn)
     picked, stop, per_unit = walk_coldest(order, *walk)
-    if stop == len(order) and int(per_unit.sum()) < need:
+    if stop == len(order) and len(picked) < need:  # picked: per_unit.sum() rows
         # Pinned blocks made a cached prefix short: look at every candidate.
         everyone = _order(ctx, b, tier, 1 << 62, forbid, cache=False)
         if len(everyone) > len(order):
             order = everyone
             picked, stop, per_unit = walk_coldest(order, *walk)
-    units = order
-    if tier == HBM:
-        s.clean[units[:stop][per_unit == 0]] = True  # only pinned blocks left in L1
-    keep = per_unit > 0
-    gave = units[:stop][keep]
-    b.touch(gave)
-    return picked, gave, per_unit[keep]
+    gave, sizes = gave_up(order, stop, per_unit, tier == HBM, s.clean, b.touched_flags(),
+                          s.dirty)
+    return picked, gave, sizes
 
 
 def _pick_l1(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, protect: np.ndarray,
