@@ -51,21 +51,3 @@ def test_finished_demotions_are_forgotten_oldest_first():
     ex, h = _executor(([10], [0], True), ([11], [1], False))
     assert ex._demotion_into(np.array([10]), None) is None
     assert len(ex.demotions) == 1 and ex.demotions[0].handle is h[1]
-
-
-def test_each_copy_into_l1_depends_on_the_newest_demotion_of_its_own_slots():
-    ex, h = _executor(([5], [7], True), ([10, 11], [0, 1], False), ([12, 13], [2, 3], False),
-                      ([11, 30], [4, 9], False))
-    l1 = np.array([40, 10, 12, 11, 41, 42])
-    l2 = np.array([20, 21, 22, 23, 9, 24])
-    deps, running = ex._demotion_deps(l1, l2)
-    assert [d.handle for d in running] == h[1:]  # the finished one is forgotten
-    # 40: free; 10: first batch; 12: second; 11: emptied by the first, again by the third
-    # (the newest); slot 41 reads L2 slot 9, which the third writes; 42: nothing
-    assert deps.tolist() == [-1, 0, 1, 2, 2, -1]
-
-
-def test_no_running_demotion_means_no_dependency():
-    ex, _ = _executor()
-    deps, running = ex._demotion_deps(np.array([1, 2]), np.array([3, 4]))
-    assert deps.tolist() == [-1, -1] and running == []

@@ -24,10 +24,6 @@ log = logging.getLogger(__name__)
 
 HBM, DRAM, SSD, NONE = int(Tier.HBM), int(Tier.DRAM), int(Tier.SSD), int(Tier.NONE)
 _POLL_S = 0.0002
-# A plan's L1 -> L2 copies go in up to this many chunks of at least this many bytes, each with
-# an event, so that copies into the slots they empty can start chunk by chunk.
-DEMOTION_CHUNKS = 4
-DEMOTION_CHUNK_BYTES = 32 << 20
 
 
 @dataclass
@@ -83,12 +79,10 @@ def wait_handle(handle: CopyHandle | None, deadline: float, what: str) -> None:
 class PlanExecutor:
     """Carries out plans through one rank's CopyEngine and SsdStore; never decides a move.
 
-    Ordering across plans (within a plan no slot is both vacated and filled): a copy into L1
-    waits on the GPU for the newest L1 -> L2 batch still running that empties the L1 slot it
-    fills or writes the L2 slot it reads, and for no other: a plan's copies into L1 go in groups
-    by that batch, those into slots already free first, and a plan's L1 -> L2 copies go in up to
-    DEMOTION_CHUNKS batches by slot (so a resume into free slots runs beside the demotions that
-    make room, and one into just-emptied slots follows them chunk by chunk); compute that writes
+    Ordering across plans (within a plan no slot is both vacated and filled): an L2 -> L1 batch
+    waits on the GPU for the newest L1 -> L2 batch still running that empties one of the L1
+    slots it fills or writes one of the L2 slots it reads, and for no other (so a resume into
+    free slots runs beside the demotions that make room for the next one); compute that writes
     new K/V waits the same way for the demotions out of its fresh slots (`fence_compute`). An
     L1 -> L2 batch waits for the previous L2 -> L1 batch (L2 slots), SSD writes on the host for
     the previous L1 -> L2 batch (their source) and SSD reads for both (an L2 slot they fill may
@@ -132,16 +126,10 @@ class PlanExecutor:
         if len(i := pick["d2h"]):
             self.wait_spills(deadline, slots=plan.dst_slot[i])
             start = self._mark("d2h", prev_h2d)
-            # In chunks of ascending L1 slot, each with its own event: a later copy into L1
-            # that refills a chunk's slots waits for that chunk only.
-            order = i[np.argsort(plan.src_slot[i], kind="stable")] if self.engine.on_gpu else i
-            chunks = max(1, min(DEMOTION_CHUNKS, len(i) * block_bytes // DEMOTION_CHUNK_BYTES))
-            for part in np.array_split(order, chunks):
-                handle = self.last["d2h"] = self.engine.d2h(plan.src_slot[part],
-                                                             plan.dst_slot[part])
-                if self.engine.on_gpu:
-                    self.demotions.append(_Demotion(handle, np.sort(plan.src_slot[part]),
-                                                    np.sort(plan.dst_slot[part])))
+            handle = self.last["d2h"] = self.engine.d2h(plan.src_slot[i], plan.dst_slot[i])
+            if self.engine.on_gpu:
+                self.demotions.append(_Demotion(handle, np.sort(plan.src_slot[i]),
+                                                np.sort(plan.dst_slot[i])))
             self._span(out, "d2h", start)
             out.done[i], out.bytes_d2h = True, len(i) * block_bytes
         jobs: list[tuple[str, np.ndarray, Future[Any]]] = []
@@ -162,18 +150,8 @@ class PlanExecutor:
                     self.wait_spills(deadline, slots=plan.dst_slot[i], names=names)
                     jobs += self._ssd_jobs(plan, i, "read", deadline)
         if len(i := pick["h2d"]):
-            # Grouped by the demotion each block must wait for (none first): blocks into slots
-            # free since before run at once, beside the demotions that empty the others.
-            deps, running = self._demotion_deps(plan.dst_slot[i], plan.src_slot[i])
-            start = None
-            for k in np.unique(deps).tolist():
-                group = i[deps == k]
-                wait = running[k].handle if k >= 0 else None
-                if start is None:
-                    start = self._mark("h2d", wait)
-                elif wait is not None and wait.event is not None:
-                    self.engine.streams["h2d"].wait_event(wait.event)
-                self._h2d(plan.src_slot[group], plan.dst_slot[group])
+            start = self._mark("h2d", self._demotion_into(plan.dst_slot[i], plan.src_slot[i]))
+            self._h2d(plan.src_slot[i], plan.dst_slot[i])
             self._span(out, "h2d", start)
             out.done[i], out.bytes_h2d = True, len(i) * block_bytes
         self._collect(plan, jobs, out, deadline)
@@ -368,21 +346,6 @@ class PlanExecutor:
         if handle is not None and handle.event is not None:
             torch.cuda.current_stream(self.hbm.device).wait_event(handle.event)
 
-    def _demotion_deps(self, l1_slots: np.ndarray, l2_slots: np.ndarray
-                       ) -> tuple[np.ndarray, list[_Demotion]]:
-        """For each copy into L1 (l1_slots[i] <- l2_slots[i]): the index into the returned list
-        of running L1 -> L2 batches of the newest that empties its L1 slot or writes its L2
-        slot, or -1 for none."""
-        while self.demotions and self.demotions[0].handle.done():
-            self.demotions.popleft()
-        running = list(self.demotions)
-        l1 = np.asarray(l1_slots, dtype=np.int64)
-        l2 = np.asarray(l2_slots, dtype=np.int64)
-        deps = np.full(len(l1), -1, dtype=np.int64)
-        for k, d in enumerate(running):  # oldest first: a newer batch overrides
-            deps[_members(d.l1, l1) | _members(d.l2, l2)] = k
-        return deps, running
-
     def _demotion_into(self, l1_slots: np.ndarray, l2_slots: np.ndarray | None
                        ) -> CopyHandle | None:
         """The newest L1 -> L2 batch still running that reads one of `l1_slots` or writes one
@@ -448,14 +411,9 @@ class PlanExecutor:
         return lost
 
 
-def _members(sorted_slots: np.ndarray, slots: np.ndarray) -> np.ndarray:
-    """Mask over `slots`: which are in `sorted_slots` (sorted ascending)."""
-    if not len(sorted_slots) or not len(slots):
-        return np.zeros(len(slots), dtype=bool)
-    at = np.searchsorted(sorted_slots, slots).clip(max=len(sorted_slots) - 1)
-    return sorted_slots[at] == slots
-
-
 def _meets(sorted_slots: np.ndarray, slots: np.ndarray) -> bool:
     """Whether any of `slots` is in `sorted_slots` (sorted ascending)."""
-    return bool(_members(sorted_slots, slots).any())
+    if not len(sorted_slots) or not len(slots):
+        return False
+    at = np.searchsorted(sorted_slots, slots).clip(max=len(sorted_slots) - 1)
+    return bool((sorted_slots[at] == slots).any())
