@@ -8,7 +8,8 @@ from tpkv.errors import SlotError, TierFullError
 
 
 class SlotAllocator:
-    """Free-list allocator over `num_slots` slots; lowest slots first, O(n) per call in numpy."""
+    """Free-list allocator over `num_slots` slots; lowest slots first. alloc/free/take cost
+    O(slots named) in numpy; the first alloc() after a take() rebuilds the stack (O(pool))."""
 
     def __init__(self, num_slots: int, tier_name: str) -> None:
         if num_slots <= 0:
@@ -19,6 +20,9 @@ class SlotAllocator:
         # Stack of free slots, top at the end; reversed so that slot 0 is handed out first.
         self._free = np.arange(num_slots - 1, -1, -1, dtype=np.int64)
         self._num_free = num_slots
+        # take() of given slots (a worker mirroring the controller) leaves the stack stale
+        # rather than rebuilding it from the whole pool each time; alloc() rebuilds it first.
+        self._stale = False
 
     @property
     def num_free(self) -> int:
@@ -36,6 +40,8 @@ class SlotAllocator:
             raise TierFullError(
                 f"{self.tier_name} needs {n} slots, {self._num_free} free of {self.num_slots}"
             )
+        if self._stale:
+            self._rebuild_free()
         start = self._num_free - n
         slots = self._free[start:self._num_free][::-1].copy()
         self._num_free = start
@@ -49,7 +55,8 @@ class SlotAllocator:
             taken = slots[self._used[slots]]
             raise SlotError(f"{self.tier_name}: slots already in use: {taken[:8].tolist()}")
         self._used[slots] = True
-        self._rebuild_free()
+        self._num_free -= len(slots)
+        self._stale = True
 
     def free(self, slots: np.ndarray) -> None:
         """Return used slots; SlotError (nothing freed) on a double free or a bad index."""
@@ -59,7 +66,8 @@ class SlotAllocator:
             raise SlotError(f"{self.tier_name}: double free of slots {idle[:8].tolist()}")
         self._used[slots] = False
         n = len(slots)
-        self._free[self._num_free:self._num_free + n] = np.sort(slots)[::-1]
+        if not self._stale:
+            self._free[self._num_free:self._num_free + n] = np.sort(slots)[::-1]
         self._num_free += n
 
     def is_used(self, slots: np.ndarray) -> np.ndarray:
@@ -70,6 +78,9 @@ class SlotAllocator:
 
     def check_integrity(self) -> None:
         """Internal invariant: free stack and used mask describe the same set."""
+        if self._stale:
+            assert int(self._used.sum()) == self.num_slots - self._num_free, "counts disagree"
+            self._rebuild_free()
         free = self._free[:self._num_free]
         assert len(np.unique(free)) == len(free), "free list has duplicates"
         assert not self._used[free].any(), "a free slot is marked used"
@@ -82,11 +93,15 @@ class SlotAllocator:
             raise SlotError(
                 f"{self.tier_name}: slots {bad[:8].tolist()} outside 0..{self.num_slots - 1}"
             )
-        if len(np.unique(slots)) != len(slots):
-            raise SlotError(f"{self.tier_name}: a slot is listed twice in {slots[:16].tolist()}")
+        if len(slots) > 1:
+            ordered = np.sort(slots)
+            if (ordered[1:] == ordered[:-1]).any():
+                raise SlotError(f"{self.tier_name}: a slot is listed twice in "
+                                f"{slots[:16].tolist()}")
         return slots
 
     def _rebuild_free(self) -> None:
         free = np.flatnonzero(~self._used)[::-1]
         self._num_free = len(free)
         self._free[: self._num_free] = free
+        self._stale = False
