@@ -86,6 +86,10 @@ class PagedEngine:
     (default: a LocalScheduler over the whole pool), `wait` blocks until the step's blocks are in
     L1 (default: nothing to wait for), `report` receives a StepReport, `release` frees a closed
     session's blocks. Under TP every rank runs the same calls; the model's hooks do the rest.
+
+    `cuda_graphs` (default: on for one rank on a GPU) replays decode steps, and with
+    `paged_attention_sdpa` a one-session turn after cached tokens (up to 512 new tokens), from
+    CUDA graphs (tpkv.models.graphs); a session's first prefill always runs eagerly.
     """
 
     def __init__(self, model: Llama, hbm_tensor: Tensor, *, schedule: ScheduleFn | None = None,
