@@ -175,3 +175,35 @@ def test_misuse_is_refused():
     engine.waiting.pop()
     del engine.seqs["big"]
     assert engine.run() == [Finished("s", tuple(dense_generate(model, [1, 2], 2)[0]))]
+
+
+@pytest.mark.parametrize("turn", [1, 6, 17])
+def test_padded_turn_of_the_prefill_graphs_matches_the_turn_run_eagerly(turn):
+    """The form the prefill graphs replay (rows padded with copies of the last token, the table
+    with slot 0, PagedMeta.write_src), run eagerly here: the logits and every byte written to
+    the pool (padding rows store nowhere else; unwritten slots stay NaN) match the plain turn."""
+    from tpkv.models.graphs import prefill_inputs, prefill_meta
+    from tpkv.models.paged import PagedAttention, paged_attention_sdpa
+
+    model = _model()
+    slots = np.array([9, 3, 14, 0, 7, 11, 5, 2, 12, 8])  # 40 tokens of room
+    pool = _pool(model, 16)
+    engine = PagedEngine(model, pool, attention=paged_attention_sdpa, cuda_graphs=False)
+    context, new = _prompts([21, turn], seed=turn)
+    engine.prefill("s", context, slots)
+    seq = engine.seqs["s"]
+    fed = seq.token_ids[seq.num_cached:] + new  # the last answer token, then the turn
+    seq_len = len(seq.token_ids) + len(new)
+    padded_pool = pool.clone()
+    want = engine.prefill("s", new, slots).logits
+
+    host, qb, width = prefill_inputs(fed, slots, seq_len, BT, bucket_blocks=8)
+    assert qb == (16 if len(fed) <= 16 else 32)  # padded: rows past the turn repeat its last
+    assert width == (8 if seq_len <= 8 * BT else 16)
+    meta, ids, last = prefill_meta(torch.from_numpy(host), qb, width, BT)
+    with torch.inference_mode():
+        got = model(ids, meta.positions, PagedAttention(padded_pool, meta, paged_attention_sdpa),
+                    last)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(padded_pool, pool, atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert torch.isnan(pool[[1, 4, 6, 10, 13, 15]]).all()  # slots outside the table: untouched

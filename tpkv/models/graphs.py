@@ -84,21 +84,8 @@ class DecodeGraphs:
         """Logits [1, vocab] (a copy) of one session's new tokens `token_ids` (the last
         len(token_ids) of its seq_len), its K/V written into its blocks `table` (checked by the
         caller)."""
-        qn, bt = len(token_ids), self.block_tokens
-        nb = -(-seq_len // bt)
-        qb, width = query_bucket(qn), bucket_width(nb, self.bucket_blocks)
-        host = np.zeros(_PREFILL_FIELDS * qb + 2 + width, dtype=np.int64)
-        rows = host[:_PREFILL_FIELDS * qb].reshape(_PREFILL_FIELDS, qb)
-        tail = host[_PREFILL_FIELDS * qb:]
-        tail[2:2 + nb] = np.asarray(table, dtype=np.int64)[:nb]
-        src = np.minimum(np.arange(qb), qn - 1)
-        pos = seq_len - qn + src
-        rows[0] = np.asarray(token_ids, dtype=np.int64)[src]
-        rows[1] = pos
-        rows[2] = tail[2 + pos // bt]
-        rows[3] = pos % bt
-        rows[4] = src
-        tail[0], tail[1] = seq_len, qn - 1
+        host, qb, width = prefill_inputs(token_ids, table, seq_len, self.block_tokens,
+                                         self.bucket_blocks)
         entry = self._replay((-1, qb, width), host)
         return entry.logits.clone()
 
@@ -155,18 +142,9 @@ class DecodeGraphs:
 
     def _run_prefill(self, inputs: Tensor, qb: int, width: int) -> tuple[Tensor, Tensor | None]:
         """The padded prefill forward of one session, reading its inputs from `inputs`."""
-        rows = inputs[:_PREFILL_FIELDS * qb].view(_PREFILL_FIELDS, qb)
-        tail = inputs[_PREFILL_FIELDS * qb:]
-        seq, last = tail[0:1], tail[1:2]
-        zero = torch.zeros(1, dtype=torch.int64, device=inputs.device)
-        meta = PagedMeta(self.block_tokens, tail[2:].view(1, width),
-                         (seq + self.block_tokens - 1) // self.block_tokens, seq, last + 1,
-                         torch.cat([zero, last + 1]), rows[1],
-                         torch.zeros(qb, dtype=torch.int64, device=inputs.device),
-                         torch.arange(qb, dtype=torch.int64, device=inputs.device), rows[2],
-                         rows[3], qb, write_src=rows[4])
+        meta, token_ids, last = prefill_meta(inputs, qb, width, self.block_tokens)
         attn = PagedAttention(self.pool, meta, self.attention)
-        return self.model(rows[0], rows[1], attn, last), None
+        return self.model(token_ids, meta.positions, attn, last), None
 
     def _capture(self, key: tuple[int, int, int], host: np.ndarray) -> _Graph:
         if key[0] > 0:  # decode: (B, width, 0)
@@ -190,3 +168,44 @@ class DecodeGraphs:
         self.graphs[key] = entry
         self.captures += 1
         return entry
+
+
+def prefill_inputs(token_ids: Sequence[int], table: np.ndarray, seq_len: int, block_tokens: int,
+                   bucket_blocks: int) -> tuple[np.ndarray, int, int]:
+    """(int64 inputs, rows bucket, width bucket) of one session's turn of `token_ids` (the last
+    len(token_ids) of its seq_len tokens) over its blocks `table`, padded: per row its token id,
+    position, write slot, write offset and write source (rows past the turn repeat its last
+    token), then seq_len, the last real row, and the table padded with slot 0."""
+    qn = len(token_ids)
+    nb = -(-seq_len // block_tokens)
+    qb, width = query_bucket(qn), bucket_width(nb, bucket_blocks)
+    host = np.zeros(_PREFILL_FIELDS * qb + 2 + width, dtype=np.int64)
+    rows = host[:_PREFILL_FIELDS * qb].reshape(_PREFILL_FIELDS, qb)
+    tail = host[_PREFILL_FIELDS * qb:]
+    tail[2:2 + nb] = np.asarray(table, dtype=np.int64)[:nb]
+    src = np.minimum(np.arange(qb), qn - 1)
+    pos = seq_len - qn + src
+    rows[0] = np.asarray(token_ids, dtype=np.int64)[src]
+    rows[1] = pos
+    rows[2] = tail[2 + pos // block_tokens]
+    rows[3] = pos % block_tokens
+    rows[4] = src
+    tail[0], tail[1] = seq_len, qn - 1
+    return host, qb, width
+
+
+def prefill_meta(inputs: Tensor, qb: int, width: int, block_tokens: int
+                 ) -> tuple[PagedMeta, Tensor, Tensor]:
+    """(PagedMeta, token ids [qb], last real row [1]) of `prefill_inputs` on the device: views
+    of `inputs` and a few constants, so a graph that reads them sees each replay's values."""
+    rows = inputs[:_PREFILL_FIELDS * qb].view(_PREFILL_FIELDS, qb)
+    tail = inputs[_PREFILL_FIELDS * qb:]
+    seq, last = tail[0:1], tail[1:2]
+    zero = torch.zeros(1, dtype=torch.int64, device=inputs.device)
+    meta = PagedMeta(block_tokens, tail[2:].view(1, width),
+                     (seq + block_tokens - 1) // block_tokens, seq, last + 1,
+                     torch.cat([zero, last + 1]), rows[1],
+                     torch.zeros(qb, dtype=torch.int64, device=inputs.device),
+                     torch.arange(qb, dtype=torch.int64, device=inputs.device), rows[2], rows[3],
+                     qb, write_src=rows[4])
+    return meta, rows[0], last
