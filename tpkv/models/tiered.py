@@ -171,10 +171,9 @@ class TieredEngine:
                 n = int(plan.mask(src, dst).sum())
                 self.stats.moves[name] += n
                 self.stats.bytes[name] += n * bb
-            if plan.num_moves:
-                mine = np.isin(np.asarray(plan.session_names, dtype=object)[plan.session_idx],
-                               list(batch)) & (plan.src_tier > plan.dst_tier) \
-                    if plan.session_names else np.zeros(plan.num_moves, dtype=bool)
+            if plan.num_moves and plan.session_names:
+                ours = [i for i, name in enumerate(plan.session_names) if name in batch]
+                mine = np.isin(plan.session_idx, ours) & (plan.src_tier > plan.dst_tier)
                 if mine.any():
                     farthest = max(farthest, int(plan.src_tier[mine].max()))
         return farthest
