@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,7 +161,7 @@ def _default(obj: Any) -> Any:
         arr = np.ascontiguousarray(obj)
         if arr.dtype.str not in _WIRE_DTYPES:
             raise WireFormatError(f"dtype {arr.dtype} cannot be sent")
-        header = msgpack.packb([arr.dtype.str, list(arr.shape)])
+        header = msgpack.packb([arr.dtype.str, list(obj.shape)])  # (ascontiguousarray is 1-d+)
         return msgpack.ExtType(_EXT_NDARRAY, header + arr.tobytes())
     if isinstance(obj, np.integer):
         return int(obj)
@@ -169,22 +170,59 @@ def _default(obj: Any) -> Any:
     raise WireFormatError(f"type {type(obj).__name__} cannot be sent")
 
 
+_UINT_BYTES = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}  # msgpack uint 8/16/32/64 markers
+
+
+def _simple_header(data: bytes) -> tuple[str, list[int], int] | None:
+    """The header as `_default` writes it ([fixstr dtype, fixarray of unsigned ints]) read
+    byte by byte, or None for any other form (then the general unpacker reads it)."""
+    if len(data) < 4 or data[0] != 0x92 or not 0xA0 <= data[1] <= 0xBF:
+        return None
+    at = 2 + (data[1] & 0x1F)
+    if at >= len(data) or not 0x90 <= data[at] <= 0x9F:
+        return None
+    dtype = data[2:at].decode("ascii", "replace")
+    ndim, at = data[at] & 0x0F, at + 1
+    shape = []
+    for _ in range(ndim):
+        if at >= len(data):
+            return None
+        b = data[at]
+        if b <= 0x7F:  # positive fixint
+            shape.append(b)
+            at += 1
+        elif b in _UINT_BYTES:
+            n = _UINT_BYTES[b]
+            if at + 1 + n > len(data):
+                return None
+            shape.append(int.from_bytes(data[at + 1:at + 1 + n], "big"))
+            at += 1 + n
+        else:
+            return None
+    return dtype, shape, at
+
+
 def _ext_hook(code: int, data: bytes) -> Any:
     if code != _EXT_NDARRAY:
         raise WireFormatError(f"unknown msgpack extension type {code}")
-    unpacker = msgpack.Unpacker(max_buffer_size=len(data), max_array_len=64, max_str_len=16)
-    unpacker.feed(data)
-    try:
-        dtype, shape = unpacker.unpack()
-        offset = unpacker.tell()
-    except Exception as exc:
-        raise WireFormatError(f"bad ndarray header: {exc}") from exc
+    header = _simple_header(data)
+    if header is None:
+        unpacker = msgpack.Unpacker(max_buffer_size=len(data), max_array_len=64,
+                                    max_str_len=16)
+        unpacker.feed(data)
+        try:
+            dtype, shape = unpacker.unpack()
+            offset = unpacker.tell()
+        except Exception as exc:
+            raise WireFormatError(f"bad ndarray header: {exc}") from exc
+    else:
+        dtype, shape, offset = header
     if dtype not in _WIRE_DTYPES or not isinstance(shape, list):
         raise WireFormatError(f"bad ndarray header: dtype={dtype!r} shape={shape!r}")
     if any(not isinstance(s, int) or s < 0 for s in shape):
         raise WireFormatError(f"bad ndarray shape {shape!r}")
-    payload = data[offset:]
-    expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    payload = memoryview(data)[offset:]
+    expected = math.prod(shape) * np.dtype(dtype).itemsize
     if len(payload) != expected:
         raise WireFormatError(f"ndarray payload is {len(payload)} bytes, shape needs {expected}")
     return np.frombuffer(payload, dtype=dtype).reshape(shape).copy()

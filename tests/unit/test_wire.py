@@ -110,3 +110,26 @@ def test_fuzz_mutated_plans_only_typed_errors(n, seed):
         decode_plan(bytes(raw))
     except WireFormatError:
         pass
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (5,), (3, 200), (70_000,), (2, 1, 3)])
+def test_ndarray_headers_read_fast_or_general_give_the_same_arrays(shape):
+    """Arrays round-trip whether the header is read byte by byte (the form encode writes) or by
+    the general unpacker (any other valid msgpack form, e.g. a str8 dtype and signed ints)."""
+    arr = np.arange(int(np.prod(shape)), dtype=np.int32).reshape(shape)
+    got = decode(encode({"a": arr}))["a"]
+    assert got.dtype == arr.dtype and got.shape == arr.shape and (got == arr).all()
+    packer = msgpack.Packer(use_bin_type=True)
+    other = (b"\x92\xd9\x03<i4" + packer.pack_array_header(len(shape))
+             + b"".join(b"\xd2" + int(s).to_bytes(4, "big", signed=True) for s in shape))
+    slow = decode(msgpack.packb({"a": msgpack.ExtType(1, other + arr.tobytes())}))["a"]
+    assert slow.shape == arr.shape and (slow == arr).all()
+
+
+def test_fast_header_still_checks_payload_and_dtype():
+    with pytest.raises(WireFormatError, match="payload is 7 bytes, shape needs 8"):
+        decode(msgpack.packb(msgpack.ExtType(1, msgpack.packb(["<i8", [1]]) + b"\0" * 7)))
+    with pytest.raises(WireFormatError, match="dtype"):
+        decode(msgpack.packb(msgpack.ExtType(1, msgpack.packb(["<X9", [1]]) + b"\0" * 8)))
+    with pytest.raises(WireFormatError):  # a shape cut short
+        decode(msgpack.packb(msgpack.ExtType(1, b"\x92\xa3<i8\x92\x01")))
