@@ -13,6 +13,7 @@ from tpkv.controller.plankernels import (
     LRU,
     LRUK,
     candidates,
+    coldest_first,
     not_on,
     record_choices,
     split_by_tier,
@@ -58,6 +59,25 @@ def test_select_victims_is_the_prefix_of_a_full_sort() -> None:
         stop = int(np.searchsorted(np.cumsum(sizes[order]), need)) + 1 if n and need > 0 else 0
         assert np.array_equal(select_victims(primary, secondary, sizes, need), order[:stop])
 
+
+
+def test_coldest_first_is_select_victims() -> None:
+    """The heap selection gives select_victims' indices, ties, -0.0 and sizes of 0 included;
+    it declines keys with a NaN (numpy sorts those last; the planner falls back)."""
+    rng = np.random.default_rng(11)
+    for trial in range(400):
+        n = int(rng.integers(0, 400 if trial % 4 else 5000))
+        primary = (rng.random(n) if trial % 3 == 0
+                   else rng.integers(0, 20, n).astype(np.float64))
+        if trial % 7 == 0 and n:
+            primary[: n // 2] = -0.0
+        secondary = rng.integers(-1, 10, n).astype(np.float64)
+        sizes = rng.integers(0, 50, n).astype(np.int64)
+        need = int(rng.integers(-2, 4000))
+        picked, ok = coldest_first(primary, secondary, sizes, need)
+        assert ok and np.array_equal(picked, select_victims(primary, secondary, sizes, need))
+    _, ok = coldest_first(np.array([1.0, np.nan]), np.zeros(2), np.ones(2, dtype=np.int64), 2)
+    assert not ok
 
 def test_tier_filters_match_numpy_masks() -> None:
     """split_by_tier and not_on keep the rows' order, as the masks they replace do."""
