@@ -55,56 +55,60 @@ def candidates(f0: A, f1: A, f2: A, count: A, kind: int, attn_sum: A, length: A,
 
 
 @_jit
-def _sift(heap: A, i: int, n: int, primary: A, secondary: A) -> None:
-    """Move heap[i] down a min-heap of n indices keyed by (primary, secondary, index)."""
-    x = heap[i]
-    px, sx = primary[x], secondary[x]
-    while True:
-        c = 2 * i + 1
-        if c >= n:
-            break
-        y = heap[c]
-        if c + 1 < n:
-            z = heap[c + 1]
-            if primary[z] < primary[y] or (primary[z] == primary[y] and (
-                    secondary[z] < secondary[y] or (secondary[z] == secondary[y] and z < y))):
-                c += 1
-                y = z
-        if not (primary[y] < px or (primary[y] == px and (
-                secondary[y] < sx or (secondary[y] == sx and y < x)))):
-            break
-        heap[i] = y
-        i = c
-    heap[i] = x
-
-
-@_jit
 def coldest_first(primary: A, secondary: A, sizes: A, need: int) -> tuple[A, bool]:
     """policy.select_victims without numpy's partition and lexsort (a chain of calls that
     costs 2x as much with cold caches, as on a rebuild step): the indices of the coldest units
     in (primary, secondary, index) order until their sizes reach `need` (all if they do not),
-    from a heap built in O(n) and popped once per victim. False if a key is NaN (numpy orders
-    those otherwise): the caller then uses select_victims."""
+    from a min-heap built in O(n) and popped once per victim. False if a key is NaN (numpy
+    orders those otherwise): the caller then uses select_victims. One loop sifts for both the
+    build and the pops (a helper function doubled the compile time)."""
     n = len(primary)
-    if need <= 0 or n == 0:
-        return np.zeros(0, dtype=np.int64), True
-    for i in range(n):
-        if np.isnan(primary[i]) or np.isnan(secondary[i]):
-            return np.zeros(0, dtype=np.int64), False
-    heap = np.arange(n)
-    for i in range(n // 2 - 1, -1, -1):
-        _sift(heap, i, n, primary, secondary)
     out = np.empty(n, dtype=np.int64)
+    if need <= 0 or n == 0:
+        return out[:0].copy(), True
+    heap = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        if primary[i] != primary[i] or secondary[i] != secondary[i]:  # NaN
+            return out[:0].copy(), False
+        heap[i] = i
     k = total = 0
     m = n
-    while m > 0 and total < need:
-        out[k] = heap[0]
-        total += sizes[heap[0]]
-        k += 1
-        m -= 1
-        if m > 0:
+    build = n // 2 - 1  # heapify from here down to 0, then pop
+    while True:
+        if build >= 0:
+            i = build
+            build -= 1
+        else:
+            if m == 0 or total >= need:
+                break
+            out[k] = heap[0]
+            total += sizes[heap[0]]
+            k += 1
+            m -= 1
+            if m == 0:
+                break
             heap[0] = heap[m]
-            _sift(heap, 0, m, primary, secondary)
+            i = 0
+        x = heap[i]  # sift heap[i] down the first m entries, keyed (primary, secondary, index)
+        px, sx = primary[x], secondary[x]
+        while True:
+            c = 2 * i + 1
+            if c >= m:
+                break
+            y = heap[c]
+            if c + 1 < m:
+                z = heap[c + 1]
+                if primary[z] < primary[y] or (primary[z] == primary[y] and (
+                        secondary[z] < secondary[y] or (secondary[z] == secondary[y]
+                                                        and z < y))):
+                    c += 1
+                    y = z
+            if not (primary[y] < px or (primary[y] == px and (
+                    secondary[y] < sx or (secondary[y] == sx and y < x)))):
+                break
+            heap[i] = y
+            i = c
+        heap[i] = x
     return out[:k].copy(), True
 
 
