@@ -28,6 +28,14 @@ class Setting:
     ssd_root: str | None
     l3_bytes: int = 0
     spill: str = "always"  # PolicyConfig.spill: "always" keeps the most sessions
+    # Returns always load from L2/L3: the cost model is told a prefill speed far below any
+    # real one, and the engine does not report the measured speed (to time L3 resumes on a
+    # machine whose disk reads KV slower than the model recomputes it).
+    always_load: bool = False
+
+
+# The prefill speed (tokens/s) the cost model believes in an always_load setting.
+_SLOW_PREFILL = 1.0
 
 
 _MODELS: dict[tuple[str, str], Llama] = {}
@@ -65,8 +73,9 @@ def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool,
                     o_direct=cuda, io_threads=8 if cuda else 2)
           if s.ssd_root else SsdConfig())
     # Automatic pins off: at these sizes 10% of all blocks is about the whole L1 budget.
-    policy = PolicyConfig(cooldown_s=0.0, auto_pin_fraction=0.0,
-                          spill=s.spill, l1_reuse=l1_reuse)  # type: ignore[arg-type]
+    extra: dict[str, Any] = {"prefill_tokens_per_s": _SLOW_PREFILL} if s.always_load else {}
+    policy = PolicyConfig(cooldown_s=0.0, auto_pin_fraction=0.0, spill=s.spill,
+                          l1_reuse=l1_reuse, **extra)  # type: ignore[arg-type]
     return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=s.l1_bytes // bb),
                       l2=HostConfig(budget_bytes=l2, arena_bytes=min(l2, GiB) // bb * bb),
                       l3=l3, policy=policy, wait_timeout_s=300.0,
@@ -93,6 +102,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
     try:
         attention = paged_attention_sdpa if cuda else paged_attention_ref
         tiered = TieredEngine(rt, model, max_batch=max_batch, max_prefill_tokens=1,
+                              report_prefill=not s.always_load,
                               attention=attention)
         r = Rounds(tiered, sizes, contexts, bb, ceil).run()
         eng = rt.worker.engine  # how well the slot placement let copies merge into runs
