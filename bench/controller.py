@@ -66,7 +66,7 @@ def make_config(num_blocks: int, ssd_dir: str) -> TpkvConfig:
     return TpkvConfig(
         geometry=GEOMETRY, l1=HbmConfig(num_blocks=L1_SLOTS),
         l2=HostConfig(budget_bytes=max(num_blocks // 4, 4 * L1_SLOTS) * bb * GEOMETRY.tp_size),
-        l3=SsdConfig(root=ssd_dir, budget_bytes=num_blocks * bb),
+        l3=SsdConfig(root=ssd_dir, budget_bytes=SsdConfig.budget_for(num_blocks, GEOMETRY)),
         policy=PolicyConfig(max_moves_per_step=MAX_MOVES))
 
 

@@ -13,6 +13,14 @@ from tpkv.errors import ConfigError
 
 GiB = 1 << 30
 MiB = 1 << 20
+# L3 files are written in units of this (O_DIRECT): each block's record is a header of this size
+# plus the block's bytes padded to it (docs/ssd-format.md).
+SSD_ALIGN_BYTES = 4096
+
+
+def ssd_record_bytes(block_bytes: int) -> int:
+    """Bytes one block of `block_bytes` (one rank's shard) takes in an L3 segment."""
+    return SSD_ALIGN_BYTES + -(-block_bytes // SSD_ALIGN_BYTES) * SSD_ALIGN_BYTES
 
 # Element sizes of the dtypes a KV cache is stored in (names as torch spells them).
 DTYPE_BYTES = {
@@ -209,6 +217,20 @@ class SsdConfig:
     @property
     def enabled(self) -> bool:
         return self.root is not None
+
+    def bytes_per_rank(self, tp_size: int) -> int:
+        """Each rank's share of the budget: it stores its own shard of every block."""
+        return self.budget_bytes // tp_size
+
+    def capacity_blocks(self, geometry: KvGeometry) -> int:
+        """Blocks the budget holds, counted as the store counts them: one record of
+        ssd_record_bytes(block_bytes) per block and rank (a segment's header aside)."""
+        return self.bytes_per_rank(geometry.tp_size) // ssd_record_bytes(geometry.block_bytes)
+
+    @staticmethod
+    def budget_for(num_blocks: int, geometry: KvGeometry) -> int:
+        """The budget_bytes whose capacity_blocks is num_blocks."""
+        return num_blocks * ssd_record_bytes(geometry.block_bytes) * geometry.tp_size
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ def _controller(l3_root: Path) -> Controller:
     return Controller(TpkvConfig(
         geometry=g, l1=HbmConfig(num_blocks=16),
         l2=HostConfig(budget_bytes=32 * g.block_bytes, arena_bytes=1 << 20),
-        l3=SsdConfig(root=str(l3_root), budget_bytes=64 * g.block_bytes)))
+        l3=SsdConfig(root=str(l3_root), budget_bytes=SsdConfig.budget_for(64, g))))
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,8 @@ def config(tmp_path: Any, port: int = 0) -> TpkvConfig:
                    tp_size=2)
     return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=8),
                       l2=HostConfig(budget_bytes=8 * 2 * g.block_bytes, arena_bytes=1 << 20),
-                      l3=SsdConfig(root=str(tmp_path / "ssd"), budget_bytes=64 * g.block_bytes),
+                      l3=SsdConfig(root=str(tmp_path / "ssd"),
+                                   budget_bytes=SsdConfig.budget_for(64, g)),
                       dashboard_port=port, dashboard_token=TOKEN)
 
 

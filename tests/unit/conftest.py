@@ -41,7 +41,7 @@ def make_config(tmp_path: Any) -> Callable[..., TpkvConfig]:
              l2_marks: tuple[float, float] = (0.85, 0.70), **policy: Any) -> TpkvConfig:
         g = KvGeometry(num_layers=1, num_kv_heads=2 * tp, head_dim=8, dtype="float16",
                        block_tokens=block_tokens, tp_size=tp)
-        l3_cfg = (SsdConfig(root=str(tmp_path / "ssd"), budget_bytes=l3 * g.block_bytes)
+        l3_cfg = (SsdConfig(root=str(tmp_path / "ssd"), budget_bytes=SsdConfig.budget_for(l3, g))
                   if l3 else SsdConfig())
         return TpkvConfig(
             geometry=g,

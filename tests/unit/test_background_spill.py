@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import torch
 from tests.pool_cases import make_engine
 from tpkv.config import KvGeometry, SsdConfig
 from tpkv.types import MovePlan, Tier
+from tpkv.workers import executor as executor_module
 from tpkv.workers.executor import PlanExecutor
 from tpkv.workers.ssd_store import SsdStore
 
@@ -73,4 +76,28 @@ def test_an_unrelated_d2h_does_not_wait_and_synchronize_finishes_every_spill(tmp
     ex.synchronize()
     assert not ex.spills and ex.num_failed_spills == 0
     assert store.session_indices("sess").tolist() == [0]
+    store.close()
+
+
+def test_a_load_of_records_this_rank_no_longer_holds_misses_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records deleted (a failed spill, a drop) never come back: the load reports misses at
+    once instead of polling for a manifest up to half the wait timeout."""
+    ex, store, gate = _setup(tmp_path)
+    gate.set()
+    ok = np.ones(1, dtype=bool)
+    ex.run(_plan(1, 0, H, 0, D, 0), ok)
+    ex.run(_plan(2, 0, D, 0, S, -1), ok)
+    ex.synchronize()
+    assert store.committed_indices("sess").tolist() == [0]
+    store.drop_session("sess")
+    assert store.committed_indices("sess").tolist() == []
+
+    def no_poll(seconds: float) -> None:
+        raise AssertionError(f"polled ({seconds} s) for records that cannot come")
+
+    monkeypatch.setattr(executor_module, "time", types.SimpleNamespace(
+        monotonic=time.monotonic, perf_counter_ns=time.perf_counter_ns, sleep=no_poll))
+    out = ex.run(_plan(3, 0, S, -1, D, 1), ok)
+    assert not out.error and out.misses.tolist() == [0]
     store.close()

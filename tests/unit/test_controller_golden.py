@@ -2,8 +2,10 @@
 
 Guards the controller's speed work: an optimisation may change how a step is computed, never
 what it returns (block tables, fresh slots, plans, drops, errors, final slot map). The digests
-in data/controller_golden.json were recorded before the schedule() fast paths, and once more
-after one intended change (freed slots handed back in ascending order, for runs). To re-record
+in data/controller_golden.json were recorded before the schedule() fast paths, and again
+after two intended changes: freed slots handed back in ascending order (for runs), and a
+session whose last L3 block moved up listed in ssd_dropped_sessions (its records freed; with
+that list blanked, the new digests equalled the old ones in every case). To re-record
 after an intended change of behaviour, run this file with TPKV_GOLDEN_WRITE=1.
 """
 

@@ -123,9 +123,47 @@ def test_spill_to_l3_is_whole_session_and_comes_back_in_two_epochs(make_config, 
     assert res.plans[1].mask(Tier.DRAM, Tier.HBM).sum() == 4
     assert res.plans[1].epoch == res.plans[0].epoch + 1
     assert rig.where("a") == ["HBM"] * 4
+    # None of its blocks is in L3 any more: the workers delete its records (space they hold).
+    assert res.ssd_dropped_sessions == ("a",)
     snap = {s["session"]: s for s in rig.c.snapshot()["sessions"]}
     cost = snap["a"]["cost"]
     assert cost["choice"] == "load" and cost["load_s"] > 0 and cost["recompute_s"] > 0
+
+
+def test_prefetch_from_l3_takes_whole_sessions_and_their_records_go(make_config, fake_clock):
+    for room, staged in ((3, 0), (4, 4)):  # a's 4 blocks do not fit in 3, do in 4
+        rig = small_l2_rig(make_config, fake_clock, prefetch_max_blocks=room, cooldown_s=0.0)
+        rig.open("a", "b", "c", "d", "e")
+        for n in "abcde":
+            rig.step([n])
+        assert rig.where("a") == ["SSD"] * 4
+        for n in "bcd":  # room in L2 below its high mark
+            if "DRAM" in rig.where(n):
+                rig.c.close_session(n)
+        rig.step(["e"])
+        free3 = rig.c.table.num_free(Tier.SSD)
+        res = rig.step(["e"], upcoming={"a": 1})
+        assert moves(res, Tier.SSD, Tier.DRAM) == staged
+        assert rig.where("a").count("SSD") == 4 - staged
+        # a's records are deleted when the step is applied; their room is free from then on
+        assert res.ssd_dropped_sessions == (("a",) if staged else ())
+        assert rig.c.table.l3_held == 0 and rig.c.table.num_free(Tier.SSD) == free3 + staged
+        res = rig.step(["a"])  # demand brings the rest
+        assert "SSD" not in rig.where("a")
+        assert res.ssd_dropped_sessions == (("a",) if not staged else ())
+
+
+def test_l3_room_a_step_frees_is_held_until_the_step_is_applied(make_config, fake_clock):
+    rig = small_l2_rig(make_config, fake_clock)
+    rig.open("a", "b", "c", "d", "e")
+    for n in "abcde":
+        rig.step([n])
+    T = rig.c.table
+    used, free3 = T.used(Tier.SSD), T.num_free(Tier.SSD)
+    rows = rig.c.sessions.rows(rig.c.sessions.lookup("a"))
+    T.set_tier(rows, Tier.NONE, np.full(len(rows), -1, dtype=np.int32), free_src=True)
+    assert T.used(Tier.SSD) == used - 4 and T.l3_held == 4
+    assert T.num_free(Tier.SSD) == free3  # the records are still on disk
 
 
 def test_cost_model_chooses_recompute_when_disk_is_slow(make_config, fake_clock):
@@ -309,7 +347,7 @@ def test_sessions_that_move_as_a_whole_get_slots_in_runs(make_config, fake_clock
     """Freed slots come back in ascending order: through churn, the blocks of a session that
     moves L1 <-> L2 keep running side by side on both tiers, so its copy merges into few DMAs
     (mean run of 1.9 blocks before, with freed slots handed back in reverse)."""
-    rig = Rig(make_config(l1=64, l2=128), fake_clock, l1=64, l2=128)
+    rig = Rig(make_config(l1=64, l2=128, l3=256), fake_clock, l1=64, l2=128)
     names = [f"s{i}" for i in range(12)]
     rig.open(*names, tokens=8 * 16)  # 8 blocks each: L1 holds about 6 sessions
     rng = np.random.default_rng(0)

@@ -625,3 +625,33 @@ def test_random_write_append_drop_sequences_match_a_model(ops: list[tuple], seed
                         np.testing.assert_array_equal(out[li], block)
         for store in stores:
             store.close()
+
+
+def test_the_controller_counts_l3_capacity_as_each_rank_store_does(tmp_path: Path) -> None:
+    """The budget is the node's: each of tp ranks stores its shard of a block as one record of
+    a 4 KiB header plus the shard padded to 4 KiB. Counting budget / block_bytes instead gave
+    the controller tp times the room (and more for small blocks), so spills failed when L3
+    filled. The budget counts each segment's 4 KiB header too (the planner keeps a block of
+    room for each): two segments' headers take one 8 KiB record's room here."""
+    from tpkv.config import HbmConfig, HostConfig, TpkvConfig
+    from tpkv.controller import Controller
+
+    geo = geometry(SMALL, tp_size=2)
+    cfg = SsdConfig(root=str(tmp_path), budget_bytes=SsdConfig.budget_for(12, geo),
+                    backend="posix", o_direct=False)
+    tpkv_cfg = TpkvConfig(geometry=geo, l1=HbmConfig(num_blocks=4),
+                          l2=HostConfig(budget_bytes=8 * geo.block_bytes * 2,
+                                        arena_bytes=1 << 20), l3=cfg)
+    capacity = Controller(tpkv_cfg).table.l3_capacity
+    assert capacity == cfg.capacity_blocks(geo) == 12
+    rng = np.random.default_rng(14)
+    for rank in range(2):
+        store = SsdStore(cfg, geo, "m", rank)
+        assert store.budget_bytes // store.record_bytes == capacity
+        assert store.record_bytes == 2 * PAGE
+        store.write_blocks("s", np.arange(5), random_blocks(rng, geo, 5))
+        store.write_blocks("t", np.arange(capacity - 6), random_blocks(rng, geo, capacity - 6))
+        assert store.usage_bytes() == capacity * store.record_bytes == store.budget_bytes
+        with pytest.raises(TierFullError, match="writing 1 blocks"):
+            store.write_blocks("t", np.array([capacity]), random_blocks(rng, geo, 1))
+        store.close()

@@ -51,6 +51,7 @@ class PlanBuilder:
         self.plan_rows: list[np.ndarray] = []
         self.drops: list[list[np.ndarray]] = [[]]
         self.ssd_dropped: list[int] = []  # sessions whose L3 records were all discarded
+        self.left_l3: list[np.ndarray] = []  # sessions of rows moved out of L3 (with repeats)
         self.events: list[dict[str, object]] = []
         self.touched = np.zeros(0, dtype=bool)  # sessions changed this phase (made on first use)
         self._held: dict[int, list[np.ndarray]] = {HBM: [], DRAM: []}
@@ -98,10 +99,13 @@ class PlanBuilder:
         stack.top -= n if dst != SSD else 0
         if src != SSD:
             self._held[src].append(self.buffers[2][at:at + n])  # their old slots
+        else:
+            self.left_l3.append(self.buffers[1][at:at + n].copy())
+            t.l3_held += n
         self._n += n
         t.num_in[src + 1] -= n
         t.num_in[dst + 1] += n
-        assert t.used(SSD) <= t.l3_capacity, "L3 over capacity"
+        assert t.num_free(SSD) >= 0, "L3 over capacity"
 
     def drop(self, rows: np.ndarray) -> None:
         """The blocks lose their copy (they will be recomputed if needed again); slots free now."""
@@ -135,6 +139,20 @@ class PlanBuilder:
         self.plan_rows.append(rows)
         self.drops.append([])
         self.epoch += 1
+
+    def left_l3_sessions(self) -> np.ndarray:
+        """Sessions that moved blocks out of L3 in this step."""
+        if not self.left_l3:
+            return np.zeros(0, dtype=np.int32)
+        return np.unique(np.concatenate(self.left_l3))
+
+    def emptied_l3(self) -> list[int]:
+        """Sessions that moved blocks out of L3 in this step and hold none there now, and whose
+        records are not discarded already: their L3 records are of no more use (a block is in
+        one tier; if it goes down again it is written again)."""
+        sess = self.left_l3_sessions()
+        sess = sess[self.s.counts[SSD + 1][sess] == 0]
+        return sorted(set(sess.tolist()) - set(self.ssd_dropped))
 
     def drop_lists(self) -> list[np.ndarray]:
         return [np.concatenate(d) if d else np.zeros(0, dtype=np.int64) for d in self.drops]

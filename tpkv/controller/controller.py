@@ -63,7 +63,7 @@ class Controller:
         self.started_s = clock()
         self.l3_enabled = config.l3.enabled
         l1, l2 = config.l1.slots(g), config.l2.slots_per_rank(g)
-        l3 = config.l3.budget_bytes // g.block_bytes if self.l3_enabled else 0
+        l3 = config.l3.capacity_blocks(g) if self.l3_enabled else 0
         self.marks: dict[int, tuple[float, float]] = {
             Tier.HBM: (config.l1.high_watermark, config.l1.low_watermark),
             Tier.DRAM: (config.l2.high_watermark, config.l2.low_watermark),
@@ -229,7 +229,8 @@ class Controller:
             lost = np.concatenate(self.outbox_lost)
             lost = lost[self.table.rows_of(lost)[1]]  # not those of sessions closed since
             drops[0] = np.concatenate([lost, drops[0]]).astype(np.int64)
-        ssd_dropped = self.outbox_ssd_dropped + [self.sessions.name(s) for s in b.ssd_dropped]
+        ssd_dropped = self.outbox_ssd_dropped + [self.sessions.name(s) for s in
+                                                 (*b.ssd_dropped, *b.emptied_l3())]
         for e in b.events:
             self.event(**e)  # type: ignore[arg-type]
         released = self.outbox_released
@@ -240,6 +241,7 @@ class Controller:
                "ssd_dropped_sessions": tuple(ssd_dropped)}
         self.outbox_released, self.outbox_lost = [], []
         self.outbox_closed, self.outbox_ssd_dropped = [], []
+        self.table.l3_held = 0  # freed once the ranks apply this step, before the next one
         self.maybe_check()
         return out
 

@@ -251,13 +251,23 @@ def _make_l2_room(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, short: i
                          "why": "recompute beats a load from L3"})
         return
     cap3 = t.slots(SSD)
-    room3 = max(0, len(rows) - t.num_free(SSD))
+    room3 = max(0, len(rows) - t.num_free(SSD) + _l3_headers(b, units))
     excess3 = _watermark(ctx, SSD, t.used(SSD) + len(rows), cap3)
     _drop_l3(ctx, b, shield, max(room3, min(excess3, budget)))
-    rows = rows[:t.num_free(SSD)]
+    rows = rows[:max(0, t.num_free(SSD) - _l3_headers(b, units))]
     b.move(rows, DRAM, SSD)
     if len(rows):
         b.events.append({"kind": "spill", "blocks": len(rows), "sessions": len(units)})
+
+
+def _l3_headers(b: PlanBuilder, units: np.ndarray) -> int:
+    """L3 room, in blocks, to keep for segment headers (4 KiB each; the budget counts them and
+    capacity_blocks does not): a block each, as a record is at least twice a header, for the
+    sessions with blocks in L3, those a spill of `units` may start a segment for, and those whose
+    files stay until this step is applied (dropped, or moved out of L3, in it). An upper bound:
+    with sessions of hundreds of blocks it keeps well under 1% of L3."""
+    return (int(np.count_nonzero(b.s.counts[SSD + 1])) + len(units) + len(b.ssd_dropped)
+            + len(b.left_l3_sessions()))
 
 
 def _drop_l3(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, need: int) -> None:

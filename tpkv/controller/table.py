@@ -90,6 +90,10 @@ class BlockTable:
     def __init__(self, l1_slots: int, l2_slots: int, l3_capacity: int, lru_k: int,
                  capacity: int, l1_reuse: str = "newest") -> None:
         self.l3_capacity = l3_capacity
+        # L3 blocks that left since the last step was built: their records stay on disk until
+        # the ranks apply the step being built (it deletes the files of sessions with no L3
+        # block left, dropped or closed), so their room is not free before the next step.
+        self.l3_held = 0
         self.lru_k = lru_k
         self.free = {HBM: SlotStack(l1_slots, "L1", l1_reuse), DRAM: SlotStack(l2_slots, "L2")}
         self.owner = {HBM: np.full(l1_slots, -1, dtype=np.int32),
@@ -166,7 +170,7 @@ class BlockTable:
 
     def num_free(self, tier: int) -> int:
         if tier == SSD:
-            return self.l3_capacity - self.used(SSD)
+            return self.l3_capacity - self.used(SSD) - self.l3_held
         return self.free[tier].top
 
     # ---- state changes (callers keep per-session counts via the returned old tiers) -----------
@@ -215,14 +219,17 @@ class BlockTable:
                 self.owner[t][old_slot[sel]] = -1
                 if free_src:
                     self.free[t].push(old_slot[sel])
-        self.num_in -= np.bincount(old_tier.astype(np.int64) + 1, minlength=4)
+        left = np.bincount(old_tier.astype(np.int64) + 1, minlength=4)
+        self.num_in -= left
+        self.l3_held += int(left[TIER_INDEX[SSD]])
         self.tier[rows] = dst
         self.slot[rows] = dst_slots
         if dst in self.owner:
             self.owner[dst][dst_slots] = rows
         self.num_in[TIER_INDEX[dst]] += len(rows)
-        if dst == SSD and self.used(SSD) > self.l3_capacity:
-            raise AssertionError(f"L3 over capacity: {self.used(SSD)} > {self.l3_capacity}")
+        if dst == SSD and self.num_free(SSD) < 0:
+            raise AssertionError(f"L3 over capacity: {self.used(SSD)} used and {self.l3_held} "
+                                 f"held > {self.l3_capacity}")
         return old_tier, old_slot
 
     # ---- integrity -----------------------------------------------------------------------------
@@ -242,7 +249,7 @@ class BlockTable:
             assert int((tier == t).sum()) == self.num_in[col], f"count of {Tier(t).name} is off"
         slot = self.slot[live]
         assert (slot[(tier == NONE) | (tier == SSD)] == -1).all(), "slot off-pool"
-        assert self.used(SSD) <= self.l3_capacity, "L3 over capacity"
+        assert self.num_free(SSD) >= 0, "L3 over capacity"
         rows = np.flatnonzero(live)
         for t in (HBM, DRAM):
             owner, stack, name = self.owner[t], self.free[t], Tier(t).name

@@ -31,7 +31,7 @@ def tiered_config(model: Llama | ModelConfig, tp_size: int, *, block_tokens: int
                   **extra: Any) -> TpkvConfig:
     """A config whose KV geometry (and dtype) is the model's; tier sizes in blocks per rank."""
     g = model.kv_geometry(tp_size=tp_size, block_tokens=block_tokens)
-    l3 = (SsdConfig(root=ssd_root, budget_bytes=l3_blocks * g.block_bytes, o_direct=False,
+    l3 = (SsdConfig(root=ssd_root, budget_bytes=SsdConfig.budget_for(l3_blocks, g), o_direct=False,
                     io_threads=2) if ssd_root else SsdConfig())
     return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=l1_blocks),
                       l2=HostConfig(budget_bytes=l2_blocks * tp_size * g.block_bytes,

@@ -281,6 +281,9 @@ class PlanExecutor:
         """Records another rank wrote a moment ago are readable once the manifest covers them:
         complete it here if every rank has written (poll, bounded); else they read as misses."""
         assert self.store is not None
+        # This rank's spills of the session are finished (run() waits for them before a load),
+        # so what its own commit lacks was never written or was deleted: a miss now, no wait.
+        logical = logical[np.isin(logical, self.store.committed_indices(name))]
         end = min(deadline, time.monotonic() + self.timeout_s / 2)
         while not np.isin(logical, self.store.session_indices(name)).all():
             complete = self._commit(name, deadline)

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import crc32c
 import numpy as np
 
+from tpkv.config import SSD_ALIGN_BYTES, ssd_record_bytes
 from tpkv.errors import InvalidSessionIdError, SsdFormatError
 
 # Every record starts on this boundary, so O_DIRECT can read and write whole records.
-ALIGN_BYTES = 4096
+ALIGN_BYTES = SSD_ALIGN_BYTES
 FORMAT_VERSION = 1
 MAX_SESSION_ID_CHARS = 256
 
@@ -103,7 +104,7 @@ class SegmentIdentity:
     @property
     def record_bytes(self) -> int:
         """Record header plus the payload padded to ALIGN_BYTES."""
-        return ALIGN_BYTES + round_up(self.block_bytes)
+        return ssd_record_bytes(self.block_bytes)
 
     @property
     def pad_bytes(self) -> int:

@@ -102,7 +102,7 @@ class SsdStore:
                                        digest32(model_fingerprint))
         self.record_bytes = self._ident0.record_bytes
         # One node-wide budget split over the ranks, like L2 (never budget x tp).
-        self.budget_bytes = config.budget_bytes // geometry.tp_size
+        self.budget_bytes = config.bytes_per_rank(geometry.tp_size)
         if self.budget_bytes < ALIGN_BYTES + self.record_bytes:
             raise ConfigError(
                 f"L3 budget of {config.budget_bytes} bytes over {geometry.tp_size} ranks "
@@ -256,6 +256,17 @@ class SsdStore:
             return np.unique(self._view(self._paths(sid), sid)[0].logical_indices)
         except (SsdError, OSError):
             return np.zeros(0, dtype=np.int64)
+
+    def committed_indices(self, session_id: str) -> np.ndarray:
+        """Sorted logical indices in this rank's own commit of a session (empty if none): what
+        it wrote, whether or not the manifest (every rank's writes) covers them yet."""
+        sid = validate_session_id(session_id)
+        paths = self._paths(sid)
+        try:
+            commit = parse_commit(self._read_meta(paths.commit(self.rank)), self._ident(paths))
+        except (SsdError, OSError):
+            return np.zeros(0, dtype=np.int64)
+        return np.unique(commit.logical_indices)
 
     def drop_session(self, session_id: str) -> int:
         """Delete the manifest and this rank's files of a session; return the bytes freed."""
