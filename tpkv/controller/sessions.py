@@ -131,9 +131,10 @@ class SessionTable:
         in cache: one line each instead of one per field). The attributes are views into it.
         The block count and first arena position (RowArena.length, .start) and the run history
         are in it too: every step reads or writes them for each session of its batch, and an
-        eviction scan or walk reads them only for its candidates. Fields that eviction scans read over every session (clean, counts), and
-        the dirty flag that moves set for sessions outside the batch, stay in arrays of their
-        own: in the record, each session scanned or moved would cost a line."""
+        eviction scan or walk reads them only for its candidates. Fields that eviction scans
+        read over every session (clean, counts), and the dirty flag that moves set for sessions
+        outside the batch, stay in arrays of their own: in the record, each session scanned or
+        moved would cost a line."""
         dtype = _hot_dtype(self.lru_k)
         buf = np.zeros(capacity * dtype.itemsize + _LINE, dtype=np.uint8)
         at = -buf.ctypes.data % _LINE
