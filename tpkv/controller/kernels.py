@@ -26,17 +26,18 @@ from numba.extending import intrinsic
 
 _jit = njit(cache=True, nogil=True, boundscheck=False)
 A = np.ndarray  # argument annotations (numba types each call from its arguments)
-PREFETCH_AHEAD = 8  # how many sessions ahead a loop over a session list asks for lines
+PREFETCH_AHEAD = 8  # how many sessions (rows) ahead a loop asks for lines
 
 
 @intrinsic
 def _prefetch(typingctx: Any, arr: Any, idx: Any) -> tuple[Any, Any]:
     """Ask for the cache line of arr[idx] (llvm.prefetch: a read, kept in every cache level)
-    without waiting for it. A loop over a list of sessions (the batch, eviction candidates)
-    reads a line or two per session from tables too large to stay in cache, at random; where
-    the CPU does not reach the next sessions' loads on its own, the loop asks for the lines of
-    the session PREFETCH_AHEAD places on first, so that their misses overlap with the work on
-    the ones before. Results do not change (a prefetch writes nothing)."""
+    without waiting for it. A loop over a list of sessions (the batch, eviction candidates) or
+    of block rows (moves) reads a line or a few per entry from tables too large to stay in
+    cache, scattered; where the CPU does not reach the next entries' loads on its own, the loop
+    asks for the lines of the entry PREFETCH_AHEAD places on first, so that their misses
+    overlap with the work on the ones before. Results do not change (a prefetch writes
+    nothing)."""
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         aryty = signature.args[0]
         ary = context.make_array(aryty)(context, builder, args[0])
@@ -68,7 +69,13 @@ def move_rows(rows: A, src: int, dst: int, free_stack: A, free_top: int, session
     casts). Each move lands in the phase's buffers at position at + i."""
     to_l1 = dst == 0
     demote = dst > src
-    for i in range(len(rows)):
+    n = len(rows)
+    for i in range(n):
+        if i + PREFETCH_AHEAD < n:  # rows a session appended step by step lie apart
+            ahead = rows[i + PREFETCH_AHEAD]
+            prefetch(session, ahead)
+            prefetch(tier, ahead)
+            prefetch(slot, ahead)
         r = rows[i]
         s = session[r]
         old = slot[r]
