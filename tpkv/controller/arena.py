@@ -28,17 +28,20 @@ class RowArena:
         self._rows = np.zeros(0, dtype=np.int32)
         self.live_cap = 0  # sum of the capacities of live extents
 
-    def grow_sessions(self, num_sessions: int, length: np.ndarray | None = None) -> None:
-        """Room for num_sessions sessions. `length`: where the lengths live from now on (the
-        owner's array, holding the current ones; SessionTable keeps them in its records)."""
+    def grow_sessions(self, num_sessions: int, length: np.ndarray | None = None,
+                      start: np.ndarray | None = None) -> None:
+        """Room for num_sessions sessions. `length`, `start`: where the lengths and extent
+        starts live from now on (the owner's arrays, holding the current values; SessionTable
+        keeps them in its per-session records)."""
         extra = num_sessions - len(self.start)
         if extra > 0:
             self.start = np.concatenate([self.start, np.zeros(extra, dtype=np.int64)])
             self.cap = np.concatenate([self.cap, np.zeros(extra, dtype=np.int64)])
             self.length = np.concatenate([self.length, np.zeros(extra, dtype=np.int64)])
-        if length is not None:
-            assert len(length) == len(self.start) and length.dtype == np.int64
-            self.length = length
+        for name, given in (("length", length), ("start", start)):
+            if given is not None:
+                assert len(given) == len(self.start) and given.dtype == np.int64
+                setattr(self, name, given)
 
     def rows(self, s: int) -> np.ndarray:
         """View of session s's rows in logical order (do not keep it across appends)."""
@@ -119,9 +122,10 @@ class RowArena:
         self.length[s] = len(rows)
 
     def nbytes(self) -> int:
-        own = self.length.nbytes if self.length.flags.owndata else 0  # else the owner counts it
-        return int(self.arena.nbytes + self.start.nbytes + self.cap.nbytes + own
-                   + self._index.nbytes + self._rows.nbytes)
+        own = sum(a.nbytes for a in (self.start, self.length)
+                  if a.flags.owndata)  # else the owner counts them
+        return int(self.arena.nbytes + self.cap.nbytes + own + self._index.nbytes
+                   + self._rows.nbytes)
 
     def _relocate(self, sessions: np.ndarray, need: np.ndarray) -> None:
         """Move the extents of `sessions` (unique) to the end, one after the other, with room

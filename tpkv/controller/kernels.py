@@ -15,11 +15,44 @@ from 0 (`dst[j] = src[j]`): numba checks every computed index for wraparound, wh
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, cast
+
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 _jit = njit(cache=True, nogil=True, boundscheck=False)
 A = np.ndarray  # argument annotations (numba types each call from its arguments)
+PREFETCH_AHEAD = 8  # how many sessions (rows) ahead a loop asks for lines
+
+
+@intrinsic
+def _prefetch(typingctx: Any, arr: Any, idx: Any) -> tuple[Any, Any]:
+    """Ask for the cache line of arr[idx] (llvm.prefetch: a read, kept in every cache level)
+    without waiting for it. A loop over a list of sessions (the batch, eviction candidates) or
+    of block rows (moves) reads a line or a few per entry from tables too large to stay in
+    cache, scattered; where the CPU does not reach the next entries' loads on its own, the loop
+    asks for the lines of the entry PREFETCH_AHEAD places on first, so that their misses
+    overlap with the work on the ones before. Results do not change (a prefetch writes
+    nothing)."""
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]],
+                                       wraparound=False)
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        builder.call(fn, [builder.bitcast(ptr, ir.IntType(8).as_pointer()), i32(0), i32(3),
+                          i32(1)])
+        return context.get_dummy_value()
+    return types.void(arr, idx), codegen
+
+
+prefetch = cast(Callable[[A, int], None], _prefetch)  # as kernels call it (typed for mypy)
 
 
 @_jit
@@ -36,7 +69,13 @@ def move_rows(rows: A, src: int, dst: int, free_stack: A, free_top: int, session
     casts). Each move lands in the phase's buffers at position at + i."""
     to_l1 = dst == 0
     demote = dst > src
-    for i in range(len(rows)):
+    n = len(rows)
+    for i in range(n):
+        if i + PREFETCH_AHEAD < n:  # rows a session appended step by step lie apart
+            ahead = rows[i + PREFETCH_AHEAD]
+            prefetch(session, ahead)
+            prefetch(tier, ahead)
+            prefetch(slot, ahead)
         r = rows[i]
         s = session[r]
         old = slot[r]
@@ -112,6 +151,8 @@ def walk_coldest(units: A, need: int, want_tier: int, use_threshold: bool, thres
     total = 0
     stop = n
     for u in range(n):
+        if u + 1 < n:  # the next session's record (start, length), read after this walk
+            prefetch(start, units[u + 1])
         s = units[u]
         a = start[s]
         count = 0
@@ -183,6 +224,10 @@ def batch_slots(batch: A, lens: A, prev_batch: A, prev_offsets: A, prev_lens: A,
     for i in range(n):
         offsets[i + 1] = offsets[i] + lens[i]
     for i in range(n):
+        if i + PREFETCH_AHEAD < n:  # its record (table_pos, start) and dirty flag
+            ahead = batch[i + PREFETCH_AHEAD]
+            prefetch(table_pos, ahead)
+            prefetch(dirty, ahead)
         s = batch[i]
         p = i if same and prev_batch[i] == s else table_pos[s]
         keep = 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpkv.controller.kernels import A, _jit
+from tpkv.controller.kernels import PREFETCH_AHEAD, A, _jit, prefetch
 
 HEAT, LRU, LRUK = 0, 1, 2  # PolicyConfig.kind
 
@@ -39,6 +39,8 @@ def candidates(f0: A, f1: A, f2: A, count: A, kind: int, attn_sum: A, length: A,
     secondary = np.empty(k, dtype=np.float64)
     sizes = np.empty(k, dtype=np.int64)
     for i in range(k):
+        if i + PREFETCH_AHEAD < k:  # its session record (run history, block count)
+            prefetch(first_run, cand[i + PREFETCH_AHEAD])
         s = cand[i]
         last, kth = np.float64(first_run[s]), np.float64(kth_run[s])
         sizes[i] = count[s]

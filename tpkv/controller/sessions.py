@@ -50,13 +50,13 @@ def add_counts(target: np.ndarray, keys: np.ndarray, delta: int) -> None:
 
 _LINE = 64  # bytes of a cache line
 _HOT_FILL = {"handle_of": -1, "tokens": 0, "pending": 0, "table_pos": -1, "length": 0,
-             "run_hist": -1, "runs": 0, "plan_local": -1}
+             "start": 0, "run_hist": -1, "runs": 0, "plan_local": -1}
 
 
 def _hot_dtype(lru_k: int) -> np.dtype:
     """SessionTable's per-session record, padded to whole cache lines."""
     fields = [("handle_of", np.int64), ("tokens", np.int64), ("pending", np.int64),
-              ("table_pos", np.int64), ("length", np.int64),
+              ("table_pos", np.int64), ("length", np.int64), ("start", np.int64),
               ("run_hist", np.dtype((np.int32, (lru_k,)))), ("runs", np.int32),
               ("plan_local", np.int32)]
     packed = np.dtype(fields, align=True)
@@ -121,7 +121,7 @@ class SessionTable:
         # sessions of any step, the table reads it for the whole batch; dense, it stays cached.
         grow("dirty", np.bool_, True)
         self._grow_hot(capacity)
-        self.arena.grow_sessions(capacity, length=self._hot["length"])
+        self.arena.grow_sessions(capacity, self._hot["length"], self._hot["start"])
         self.names.extend([None] * (capacity - len(self.names)))
         self.capacity = capacity
 
@@ -129,11 +129,12 @@ class SessionTable:
         """The fields every step reads or writes for each session of its batch, one record of a
         cache line per session (a step's 1024 sessions are spread over arrays too large to stay
         in cache: one line each instead of one per field). The attributes are views into it.
-        The block count (RowArena.length) and the run history are in it too: every step reads
-        or writes them for each session of its batch, and an eviction scan reads them only for
-        its candidates. Fields that eviction scans read over every session (clean, counts), and
-        the dirty flag that moves set for sessions outside the batch, stay in arrays of their
-        own: in the record, each session scanned or moved would cost a line."""
+        The block count and first arena position (RowArena.length, .start) and the run history
+        are in it too: every step reads or writes them for each session of its batch, and an
+        eviction scan or walk reads them only for its candidates. Fields that eviction scans
+        read over every session (clean, counts), and the dirty flag that moves set for sessions
+        outside the batch, stay in arrays of their own: in the record, each session scanned or
+        moved would cost a line."""
         dtype = _hot_dtype(self.lru_k)
         buf = np.zeros(capacity * dtype.itemsize + _LINE, dtype=np.uint8)
         at = -buf.ctypes.data % _LINE

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpkv.controller.kernels import A, _jit
+from tpkv.controller.kernels import PREFETCH_AHEAD, A, _jit, prefetch
 
 OK, BAD_HANDLE, NEGATIVE, DUPLICATE = 0, 1, 2, 3
 
@@ -33,6 +33,10 @@ def batch_blocks(batch: A, add: A, tokens: A, pending: A, length: A, count_l1: A
     k = 0
     sum_before = sum_opened = sum_after = 0
     for i in range(n):
+        if i + PREFETCH_AHEAD < n:  # its record (tokens, pending, length, mark) and count
+            ahead = batch[i + PREFETCH_AHEAD]
+            prefetch(tokens, ahead)
+            prefetch(count_l1, ahead)
         s = batch[i]
         if add[i] < 0:
             code = NEGATIVE
@@ -63,6 +67,10 @@ def resolve_handles(handles: A, handle_of: A) -> tuple[bool, A]:
     n, cap = len(handles), len(handle_of)
     idx = np.empty(n, dtype=np.int64)
     for i in range(n):
+        if i + PREFETCH_AHEAD < n:
+            ahead = handles[i + PREFETCH_AHEAD] & 0xFFFFFFFF
+            if ahead < cap:
+                prefetch(handle_of, ahead)
         h = handles[i]
         s = h & 0xFFFFFFFF
         if h < 0 or s >= cap or handle_of[s] != h:
