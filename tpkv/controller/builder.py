@@ -150,6 +150,8 @@ class PlanBuilder:
         """Sessions that moved blocks out of L3 in this step and hold none there now, and whose
         records are not discarded already: their L3 records are of no more use (a block is in
         one tier; if it goes down again it is written again)."""
+        if not self.left_l3:
+            return []
         sess = self.left_l3_sessions()
         sess = sess[self.s.counts[SSD + 1][sess] == 0]
         return sorted(set(sess.tolist()) - set(self.ssd_dropped))

@@ -251,10 +251,13 @@ def _make_l2_room(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, short: i
                          "why": "recompute beats a load from L3"})
         return
     cap3 = t.slots(SSD)
-    room3 = max(0, len(rows) - t.num_free(SSD) + _l3_headers(b, units))
+    headers = _l3_headers(b, units)
+    room3 = max(0, len(rows) - t.num_free(SSD) + headers)
     excess3 = _watermark(ctx, SSD, t.used(SSD) + len(rows), cap3)
+    # Sessions dropped here were counted among those in L3; their files stay until the step is
+    # applied, so the count of headers holds.
     _drop_l3(ctx, b, shield, max(room3, min(excess3, budget)))
-    rows = rows[:max(0, t.num_free(SSD) - _l3_headers(b, units))]
+    rows = rows[:max(0, t.num_free(SSD) - headers)]
     b.move(rows, DRAM, SSD)
     if len(rows):
         b.events.append({"kind": "spill", "blocks": len(rows), "sessions": len(units)})

@@ -123,6 +123,13 @@ class PlanExecutor:
         prev_d2h, prev_h2d = self.last["d2h"], self.last["h2d"]
         block_bytes = self.hbm.block_bytes
         self.wait_spills(deadline)  # only those already done: their manifests are committed
+        # L2 -> L1 first: a plan's moves touch disjoint slots (PlanBuilder), so their order is
+        # free, and a resume's copies then start while the host still issues the demotions.
+        if len(i := pick["h2d"]):
+            start = self._mark("h2d", self._demotion_into(plan.dst_slot[i], plan.src_slot[i]))
+            self._h2d(plan.src_slot[i], plan.dst_slot[i])
+            self._span(out, "h2d", start)
+            out.done[i], out.bytes_h2d = True, len(i) * block_bytes
         if len(i := pick["d2h"]):
             self.wait_spills(deadline, slots=plan.dst_slot[i])
             start = self._mark("d2h", prev_h2d)
@@ -149,11 +156,6 @@ class PlanExecutor:
                     names = {plan.session_names[s] for s in set(plan.session_idx[i].tolist())}
                     self.wait_spills(deadline, slots=plan.dst_slot[i], names=names)
                     jobs += self._ssd_jobs(plan, i, "read", deadline)
-        if len(i := pick["h2d"]):
-            start = self._mark("h2d", self._demotion_into(plan.dst_slot[i], plan.src_slot[i]))
-            self._h2d(plan.src_slot[i], plan.dst_slot[i])
-            self._span(out, "h2d", start)
-            out.done[i], out.bytes_h2d = True, len(i) * block_bytes
         self._collect(plan, jobs, out, deadline)
         out.host_ns = time.perf_counter_ns() - started
         return out
