@@ -152,9 +152,9 @@ class PlanBuilder:
         one tier; if it goes down again it is written again)."""
         if not self.left_l3:
             return []
-        sess = self.left_l3_sessions()
-        sess = sess[self.s.counts[SSD + 1][sess] == 0]
-        return sorted(set(sess.tolist()) - set(self.ssd_dropped))
+        sess = self.left_l3[0] if len(self.left_l3) == 1 else np.concatenate(self.left_l3)
+        gone = set(sess[self.s.counts[SSD + 1][sess] == 0].tolist())
+        return sorted(gone.difference(self.ssd_dropped))
 
     def drop_lists(self) -> list[np.ndarray]:
         return [np.concatenate(d) if d else np.zeros(0, dtype=np.int64) for d in self.drops]
