@@ -58,6 +58,8 @@ class Sizes:
     # PolicyConfig.l1_reuse: "oldest" hands out the L1 slots freed longest ago, so a resume's
     # copies and new K/V do not wait on the GPU for the demotion that just emptied their slots.
     l1_reuse: str = "oldest"
+    # PolicyConfig.l2_reuse: "oldest" gives an L3 load L2 slots whose spill is long done.
+    l2_reuse: str = "oldest"
     seed: int = 0
 
 

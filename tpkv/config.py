@@ -251,6 +251,9 @@ class PolicyConfig:
     # Which free L1 slot a move into L1 or a new block gets: "newest" (the one freed last) or
     # "oldest" (freed longest ago: its demotion copy is done, so nothing waits on the GPU).
     l1_reuse: Literal["newest", "oldest"] = "newest"
+    # The same for L2: "oldest" gives an L3 load slots whose spill (a background disk write that
+    # read them) is long done, not those a spill just emptied, which the load must wait for.
+    l2_reuse: Literal["newest", "oldest"] = "newest"
     # Controller knobs (checked by tpkv.controller when it starts):
     max_moves_per_step: int = 512  # watermark moves per step (bounds copy time); demand uncapped
     prefetch_max_blocks: int = 1024  # speculative promotions per step
@@ -267,8 +270,10 @@ class PolicyConfig:
             raise ConfigError(f"policy kind must be heat, lru or lruk, got {self.kind!r}")
         if self.spill not in ("cost", "always"):
             raise ConfigError(f"policy spill must be cost or always, got {self.spill!r}")
-        if self.l1_reuse not in ("newest", "oldest"):
-            raise ConfigError(f"policy l1_reuse must be newest or oldest, got {self.l1_reuse!r}")
+        for name in ("l1_reuse", "l2_reuse"):
+            if getattr(self, name) not in ("newest", "oldest"):
+                raise ConfigError(f"policy {name} must be newest or oldest, got "
+                                  f"{getattr(self, name)!r}")
         if self.w_attn < 0 or self.w_recency < 0 or self.w_attn + self.w_recency <= 0:
             raise ConfigError(
                 f"heat weights must be >= 0 with a positive sum, got "

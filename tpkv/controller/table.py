@@ -88,14 +88,15 @@ class BlockTable:
     demoted_at: np.ndarray  # float32
 
     def __init__(self, l1_slots: int, l2_slots: int, l3_capacity: int, lru_k: int,
-                 capacity: int, l1_reuse: str = "newest") -> None:
+                 capacity: int, l1_reuse: str = "newest", l2_reuse: str = "newest") -> None:
         self.l3_capacity = l3_capacity
         # L3 blocks that left since the last step was built: their records stay on disk until
         # the ranks apply the step being built (it deletes the files of sessions with no L3
         # block left, dropped or closed), so their room is not free before the next step.
         self.l3_held = 0
         self.lru_k = lru_k
-        self.free = {HBM: SlotStack(l1_slots, "L1", l1_reuse), DRAM: SlotStack(l2_slots, "L2")}
+        self.free = {HBM: SlotStack(l1_slots, "L1", l1_reuse),
+                     DRAM: SlotStack(l2_slots, "L2", l2_reuse)}
         self.owner = {HBM: np.full(l1_slots, -1, dtype=np.int32),
                       DRAM: np.full(l2_slots, -1, dtype=np.int32)}
         self.num_in = np.zeros(4, dtype=np.int64)  # live blocks per TIER_INDEX column
