@@ -115,8 +115,9 @@ class PlanExecutor:
         self.num_failed_spills = 0
 
     # ---- one plan --------------------------------------------------------------------------
-    def run(self, plan: MovePlan, ok: np.ndarray) -> ExecOutcome:
-        """Issue every move in `ok`; copies L1 <-> L2 may still run on return, SSD I/O is done."""
+    def run(self, plan: MovePlan, ok: np.ndarray, then: MovePlan | None = None) -> ExecOutcome:
+        """Issue every move in `ok`; copies L1 <-> L2 may still run on return, SSD I/O is done.
+        `then`: the step's next plan, if any (it decides which direction is issued first)."""
         started = time.perf_counter_ns()
         out = ExecOutcome(done=np.zeros(plan.num_moves, dtype=bool))
         deadline = time.monotonic() + self.timeout_s
@@ -126,14 +127,14 @@ class PlanExecutor:
         prev_d2h, prev_h2d = self.last["d2h"], self.last["h2d"]
         block_bytes = self.hbm.block_bytes
         self.wait_spills(deadline)  # only those already done: their manifests are committed
-        # L2 -> L1 first: a plan's moves touch disjoint slots (PlanBuilder), so their order is
-        # free, and a resume's copies then start while the host still issues the demotions.
-        if len(i := pick["h2d"]):
+
+        def h2d(i: np.ndarray) -> None:
             start = self._mark("h2d", self._demotion_into(plan.dst_slot[i], plan.src_slot[i]))
             self._h2d(plan.src_slot[i], plan.dst_slot[i])
             self._span(out, "h2d", start)
             out.done[i], out.bytes_h2d = True, len(i) * block_bytes
-        if len(i := pick["d2h"]):
+
+        def d2h(i: np.ndarray) -> None:
             self.wait_spills(deadline, slots=plan.dst_slot[i])
             start = self._mark("d2h", prev_h2d)
             handle = self.last["d2h"] = self.engine.d2h(plan.src_slot[i], plan.dst_slot[i])
@@ -142,6 +143,19 @@ class PlanExecutor:
                                                 np.sort(plan.dst_slot[i])))
             self._span(out, "d2h", start)
             out.done[i], out.bytes_d2h = True, len(i) * block_bytes
+
+        # A plan's moves touch disjoint slots (PlanBuilder), so either direction may go first:
+        # the demotions when the next plan promotes into slots they empty (that copy waits for
+        # them on the GPU), else the promotions, which a resume waits for.
+        up, down = pick["h2d"], pick["d2h"]
+        if len(down) and then is not None and _meets(
+                np.sort(plan.src_slot[down]), then.dst_slot[then.mask(Tier.DRAM, Tier.HBM)]):
+            order = ((d2h, down), (h2d, up))
+        else:
+            order = ((h2d, up), (d2h, down))
+        for issue, rows in order:
+            if len(rows):
+                issue(rows)
         jobs: list[tuple[str, np.ndarray, Future[Any]]] = []
         if self.store is None:
             if len(pick["spill"]) or len(pick["load"]):
