@@ -20,7 +20,7 @@ from tpkv.controller.messages import CommitOutcome, StepResult
 from tpkv.controller.policy import auto_pin_threshold, fold_access
 from tpkv.controller.sessions import SessionTable
 from tpkv.controller.step import Upcoming, schedule_step
-from tpkv.controller.table import PIN_EXPLICIT, BlockTable
+from tpkv.controller.table import PIN_EXPLICIT, SSD, BlockTable
 from tpkv.errors import (
     BadRequestError,
     ConfigError,
@@ -96,6 +96,10 @@ class Controller:
         self.outbox_lost: list[np.ndarray] = []
         self.outbox_closed: list[str] = []
         self.outbox_ssd_dropped: list[str] = []
+        # Sessions whose last L3 block moved up in the last step: their files are deleted with
+        # the next step (see finish_step). And the L3 room held through this step for them.
+        self.l3_emptied: list[str] = []
+        self.l3_carry = 0
         if awaiting_rebuild:
             self.event("restarted", restarts=restarts)
 
@@ -229,8 +233,17 @@ class Controller:
             lost = np.concatenate(self.outbox_lost)
             lost = lost[self.table.rows_of(lost)[1]]  # not those of sessions closed since
             drops[0] = np.concatenate([lost, drops[0]]).astype(np.int64)
-        ssd_dropped = self.outbox_ssd_dropped + [self.sessions.name(s) for s in
-                                                 (*b.ssd_dropped, *b.emptied_l3())]
+        ssd_dropped = self.outbox_ssd_dropped + [self.sessions.name(s) for s in b.ssd_dropped]
+        # A session whose last L3 block moved up in the previous step has its files deleted now,
+        # not then: another rank may still be reading them in that step, and its read needs the
+        # session's manifest; every rank has applied (and confirmed) that step before it
+        # applies this one. Not if blocks of it went back to L3 since (or it was closed).
+        S = self.sessions
+        for name in self.l3_emptied:
+            s = S.index.get(name)
+            if s is not None and S.counts[SSD + 1][s] == 0 and name not in ssd_dropped:
+                ssd_dropped.append(name)
+        self.l3_emptied = [S.name(s) for s in b.emptied_l3()]
         for e in b.events:
             self.event(**e)  # type: ignore[arg-type]
         released = self.outbox_released
@@ -241,7 +254,11 @@ class Controller:
                "ssd_dropped_sessions": tuple(ssd_dropped)}
         self.outbox_released, self.outbox_lost = [], []
         self.outbox_closed, self.outbox_ssd_dropped = [], []
-        self.table.l3_held = 0  # freed once the ranks apply this step, before the next one
+        # L3 room freed in this step stays held through the next step too (the files of emptied
+        # sessions go only then), with a block for each such session's segment header; what
+        # the previous step held is free now.
+        held = self.table.l3_held - self.l3_carry + len(self.l3_emptied)
+        self.table.l3_held = self.l3_carry = held
         self.maybe_check()
         return out
 

@@ -44,7 +44,7 @@ def demo_config(ssd_root: str, tp: int = 2) -> TpkvConfig:
                    block_tokens=16, tp_size=tp)
     return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=512),
                       l2=HostConfig(budget_bytes=640 * tp * g.block_bytes, arena_bytes=1 << 20),
-                      l3=SsdConfig(root=ssd_root, budget_bytes=3600 * g.block_bytes),
+                      l3=SsdConfig(root=ssd_root, budget_bytes=SsdConfig.budget_for(3600, g)),
                       # every tier in use, and both cost-model choices, on the page
                       policy=PolicyConfig(spill="always"))
 
