@@ -105,7 +105,7 @@ class PlanBuilder:
         self._n += n
         t.num_in[src + 1] -= n
         t.num_in[dst + 1] += n
-        assert t.num_free(SSD) >= 0, "L3 over capacity"
+        assert t.used(SSD) <= t.l3_capacity, "L3 over capacity"
 
     def drop(self, rows: np.ndarray) -> None:
         """The blocks lose their copy (they will be recomputed if needed again); slots free now."""

@@ -267,8 +267,9 @@ def _l3_headers(b: PlanBuilder, units: np.ndarray) -> int:
     """L3 room, in blocks, to keep for segment headers (4 KiB each; the budget counts them and
     capacity_blocks does not): a block each, as a record is at least twice a header, for the
     sessions with blocks in L3, those a spill of `units` may start a segment for, and those whose
-    files stay until this step is applied (dropped, or moved out of L3, in it). An upper bound:
-    with sessions of hundreds of blocks it keeps well under 1% of L3."""
+    files stay until this step is applied (dropped, or moved out of L3, in it; those of the last
+    step are in BlockTable.l3_held). An upper bound: with sessions of hundreds of blocks it
+    keeps well under 1% of L3."""
     return (int(np.count_nonzero(b.s.counts[SSD + 1])) + len(units) + len(b.ssd_dropped)
             + len(b.left_l3_sessions()))
 

@@ -90,9 +90,11 @@ class BlockTable:
     def __init__(self, l1_slots: int, l2_slots: int, l3_capacity: int, lru_k: int,
                  capacity: int, l1_reuse: str = "newest", l2_reuse: str = "newest") -> None:
         self.l3_capacity = l3_capacity
-        # L3 blocks that left since the last step was built: their records stay on disk until
-        # the ranks apply the step being built (it deletes the files of sessions with no L3
-        # block left, dropped or closed), so their room is not free before the next step.
+        # L3 room not free yet though no block holds it: blocks that left L3 in this step or the
+        # last, whose files the ranks delete only when they apply a later step, and a block for
+        # the segment header of each session emptied last step (Controller.finish_step). A
+        # reservation for planning: num_free(SSD) may go below 0; used(SSD) never passes the
+        # capacity.
         self.l3_held = 0
         self.lru_k = lru_k
         self.free = {HBM: SlotStack(l1_slots, "L1", l1_reuse),
@@ -228,9 +230,8 @@ class BlockTable:
         if dst in self.owner:
             self.owner[dst][dst_slots] = rows
         self.num_in[TIER_INDEX[dst]] += len(rows)
-        if dst == SSD and self.num_free(SSD) < 0:
-            raise AssertionError(f"L3 over capacity: {self.used(SSD)} used and {self.l3_held} "
-                                 f"held > {self.l3_capacity}")
+        if dst == SSD and self.used(SSD) > self.l3_capacity:
+            raise AssertionError(f"L3 over capacity: {self.used(SSD)} > {self.l3_capacity}")
         return old_tier, old_slot
 
     # ---- integrity -----------------------------------------------------------------------------
@@ -250,7 +251,7 @@ class BlockTable:
             assert int((tier == t).sum()) == self.num_in[col], f"count of {Tier(t).name} is off"
         slot = self.slot[live]
         assert (slot[(tier == NONE) | (tier == SSD)] == -1).all(), "slot off-pool"
-        assert self.num_free(SSD) >= 0, "L3 over capacity"
+        assert self.used(SSD) <= self.l3_capacity, "L3 over capacity"
         rows = np.flatnonzero(live)
         for t in (HBM, DRAM):
             owner, stack, name = self.owner[t], self.free[t], Tier(t).name
