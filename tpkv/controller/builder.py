@@ -101,7 +101,7 @@ class PlanBuilder:
             self._held[src].append(self.buffers[2][at:at + n])  # their old slots
         else:
             self.left_l3.append(self.buffers[1][at:at + n].copy())
-            t.l3_held += n
+            t.l3_held_now += n
         self._n += n
         t.num_in[src + 1] -= n
         t.num_in[dst + 1] += n

@@ -97,9 +97,8 @@ class Controller:
         self.outbox_closed: list[str] = []
         self.outbox_ssd_dropped: list[str] = []
         # Sessions whose last L3 block moved up in the last step: their files are deleted with
-        # the next step (see finish_step). And the L3 room held through this step for them.
+        # the next step (see finish_step).
         self.l3_emptied: list[str] = []
-        self.l3_carry = 0
         if awaiting_rebuild:
             self.event("restarted", restarts=restarts)
 
@@ -254,11 +253,7 @@ class Controller:
                "ssd_dropped_sessions": tuple(ssd_dropped)}
         self.outbox_released, self.outbox_lost = [], []
         self.outbox_closed, self.outbox_ssd_dropped = [], []
-        # L3 room freed in this step stays held through the next step too (the files of emptied
-        # sessions go only then), with a block for each such session's segment header; what
-        # the previous step held is free now.
-        held = self.table.l3_held - self.l3_carry + len(self.l3_emptied)
-        self.table.l3_held = self.l3_carry = held
+        self.table.end_l3_step(len(self.l3_emptied))
         self.maybe_check()
         return out
 

@@ -140,7 +140,7 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
         plan.append((row, seen_gen.get(row, -1) + 1, tier, -1 if tier != Tier.SSD else -1, s, j))
     _install(T, S, plan)
     ctl.table, ctl.sessions = T, S
-    ctl.l3_emptied, ctl.l3_carry = [], 0  # rebuilt from the files as they are
+    ctl.l3_emptied = []  # rebuilt from the files as they are
     ctl.batch_table = BatchTable()
     ctl.eviction_orders.clear()
     ctl.names_cache = (np.zeros(0, np.int64), ())

@@ -90,12 +90,13 @@ class BlockTable:
     def __init__(self, l1_slots: int, l2_slots: int, l3_capacity: int, lru_k: int,
                  capacity: int, l1_reuse: str = "newest", l2_reuse: str = "newest") -> None:
         self.l3_capacity = l3_capacity
-        # L3 room not free yet though no block holds it: blocks that left L3 in this step or the
-        # last, whose files the ranks delete only when they apply a later step, and a block for
-        # the segment header of each session emptied last step (Controller.finish_step). A
+        # L3 room not free yet though no block holds it (the files stay until the ranks apply a
+        # later step): blocks that left L3 in the step being built, and those of the last step
+        # plus a block for the segment header of each session it emptied (end_l3_step). A
         # reservation for planning: num_free(SSD) may go below 0; used(SSD) never passes the
         # capacity.
-        self.l3_held = 0
+        self.l3_held_now = 0
+        self.l3_held_last = 0
         self.lru_k = lru_k
         self.free = {HBM: SlotStack(l1_slots, "L1", l1_reuse),
                      DRAM: SlotStack(l2_slots, "L2", l2_reuse)}
@@ -171,6 +172,15 @@ class BlockTable:
     def slots(self, tier: int) -> int:
         return self.l3_capacity if tier == SSD else len(self.owner[tier])
 
+    @property
+    def l3_held(self) -> int:
+        return self.l3_held_now + self.l3_held_last
+
+    def end_l3_step(self, emptied: int) -> None:
+        """At the end of a step's build: the last step's room is free now (its files went when
+        the ranks applied it); this step's, with `emptied` header blocks, is held one more."""
+        self.l3_held_last, self.l3_held_now = self.l3_held_now + emptied, 0
+
     def num_free(self, tier: int) -> int:
         if tier == SSD:
             return self.l3_capacity - self.used(SSD) - self.l3_held
@@ -224,7 +234,7 @@ class BlockTable:
                     self.free[t].push(old_slot[sel])
         left = np.bincount(old_tier.astype(np.int64) + 1, minlength=4)
         self.num_in -= left
-        self.l3_held += int(left[TIER_INDEX[SSD]])
+        self.l3_held_now += int(left[TIER_INDEX[SSD]])
         self.tier[rows] = dst
         self.slot[rows] = dst_slots
         if dst in self.owner:

@@ -260,10 +260,8 @@ class SsdStore:
     def committed_indices(self, session_id: str) -> np.ndarray:
         """Sorted logical indices in this rank's own commit of a session (empty if none): what
         it wrote, whether or not the manifest (every rank's writes) covers them yet."""
-        sid = validate_session_id(session_id)
-        paths = self._paths(sid)
         try:
-            commit = parse_commit(self._read_meta(paths.commit(self.rank)), self._ident(paths))
+            commit = self._own_commit(self._paths(validate_session_id(session_id)))
         except (SsdError, OSError):
             return np.zeros(0, dtype=np.int64)
         return np.unique(commit.logical_indices)
@@ -354,10 +352,13 @@ class SsdStore:
                     self._usage[paths.hex] = self._disk_usage(paths)
         self._usage_total = sum(self._usage.values())
 
+    def _own_commit(self, paths: _Paths) -> CommitRecord:
+        """This rank's commit record of a session (SsdError or OSError if none is valid)."""
+        return parse_commit(self._read_meta(paths.commit(self.rank)), self._ident(paths))
+
     def _disk_usage(self, paths: _Paths) -> int:
         try:
-            commit = parse_commit(self._read_meta(paths.commit(self.rank)), self._ident(paths))
-            return commit.committed_bytes
+            return self._own_commit(paths).committed_bytes
         except (SsdError, OSError):
             pass
         try:
