@@ -61,6 +61,8 @@ class Sizes:
     # PolicyConfig.l2_reuse: "oldest" gives an L3 load L2 slots whose spill is long done.
     l2_reuse: str = "oldest"
     seed: int = 0
+    # 1: cProfile the resume steps (host time by function, in the config's "profile_top")
+    profile: int = 0
 
 
 # (a) holds about 5 sessions in 1 GiB of L1; 96 sessions need L2 + L3 for the rest.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import cProfile
 import gc
+import pstats
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +17,7 @@ from tpkv.config import GiB, HbmConfig, HostConfig, PolicyConfig, SsdConfig, Tpk
 from tpkv.errors import TpkvError
 from tpkv.models.llama import Llama, build_model
 from tpkv.models.paged import paged_attention_ref, paged_attention_sdpa
-from tpkv.models.tiered import TieredEngine
+from tpkv.models.tiered import StepTrace, TieredEngine
 from tpkv.types import Tier
 
 
@@ -106,6 +108,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         tiered = TieredEngine(rt, model, max_batch=max_batch, max_prefill_tokens=1,
                               report_prefill=not s.always_load,
                               attention=attention)
+        tiered.trace = cuda  # device times of each step's copies, for the resume records
         r = Rounds(tiered, sizes, contexts, bb, ceil).run()
         eng = rt.worker.engine  # how well the slot placement let copies merge into runs
         r["copy_blocks"], r["copy_descriptors"] = dict(eng.num_blocks), dict(eng.num_descriptors)
@@ -136,6 +139,8 @@ class Rounds:
         self.resumes: list[dict[str, Any]] = []
         self.failures: list[str] = []
         self.held_after_fill = 0
+        self.traffic: list[dict[str, Any]] = []  # decode steps with moves: parts and copies
+        self.profile = cProfile.Profile() if getattr(sizes, "profile", 0) else None
 
     def run(self) -> dict[str, Any]:
         sizes, names = self.sizes, [f"s{i}" for i in range(len(self.contexts))]
@@ -171,13 +176,21 @@ class Rounds:
             batch = 1 if e.waiting else min(len(e.running), e.max_batch)
             moves0, recompute0 = dict(st.moves), st.recompute_tokens
             loads0 = {t: len(v) for t, v in st.resume_s.items()}
+            profiled = self.profile is not None and rnd > 0 and kind == "prefill"
+            if profiled:  # the host side of a resume: its schedule and wait, not the forward
+                e.schedule, e.wait = self._profiled(self.tiered.schedule, self.tiered.wait)
             t0 = time.perf_counter()
             e.step()
             ms = (time.perf_counter() - t0) * 1e3
+            if profiled:
+                e.schedule, e.wait = self.tiered.schedule, self.tiered.wait
             moved = {k: st.moves[k] - moves0[k] for k in st.moves}
             tokens += batch
             if kind == "decode":
                 self.steps.append((ms, any(moved.values()), batch))
+                if any(moved.values()):
+                    self.traffic.append({"step_ms": round(ms, 3), "moved": moved,
+                                         **self._parts(), "trace": self.tiered.last_trace})
             elif rnd:
                 self._resume(session, ms, moved, st.recompute_tokens > recompute0,
                              {t: len(v) > loads0[t] for t, v in st.resume_s.items()})
@@ -193,11 +206,18 @@ class Rounds:
         ceiling_ms = None
         if src in ("l2", "l3") and "h2d" in self.ceil:
             ceiling_ms = 1e3 * (b2 / (self.ceil["h2d"] * 1e9) + b3 / (self.ceil["disk_read"] * 1e9))
-        parts = {f"{k}_ms": round(1e3 * v, 3) for k, v in self.tiered.last_times.items()}
         self.resumes.append({"session": session, "source": src, "resume_ms": round(resume_ms, 3),
                              "ttft_ms": round(ms, 3), "bytes_l2_l1": b2, "bytes_l3_l2": b3,
                              "ceiling_ms": None if ceiling_ms is None else round(ceiling_ms, 3),
-                             **parts})
+                             **self._parts(), "trace": self.tiered.last_trace})
+
+    def _profiled(self, *fns: Any) -> list[Any]:
+        prof = self.profile
+        assert prof is not None
+        return [lambda *a, _f=f: prof.runcall(_f, *a) for f in fns]
+
+    def _parts(self) -> dict[str, float]:
+        return {f"{k}_ms": round(1e3 * v, 3) for k, v in self.tiered.last_times.items()}
 
     def _held(self, names: list[str]) -> int:
         """Sessions whose every block is still in some tier (resumable without recompute)."""
@@ -212,6 +232,11 @@ class Rounds:
 
     def _report(self, gen_tokens: int, t_turns: float) -> dict[str, Any]:
         st, steps = self.tiered.stats, self.steps
+        for rec in (*self.resumes, *self.traffic):  # the copies' device times, once all done
+            if isinstance(rec.get("trace"), StepTrace):
+                rec["copies"] = rec.pop("trace").resolve()
+            else:
+                rec.pop("trace", None)
         ms = [s[0] for s in steps]
         quiet = [s[0] for s in steps if not s[1]]
         busy = [s[0] for s in steps if s[1]]
@@ -228,7 +253,21 @@ class Rounds:
             if busy and quiet else None,
             "moves": dict(st.moves), "bytes": dict(st.bytes),
             "recompute_tokens": st.recompute_tokens, "retries": st.retries,
-            "resumes_by_source": {}, "resume_vs_ceiling": {}, "resume_records": self.resumes}
+            "resumes_by_source": {}, "resume_vs_ceiling": {}, "resume_records": self.resumes,
+            "traffic_records": self.traffic}
+        if self.traffic:  # where a decode step with tier traffic spends its host time
+            out["traffic_parts_p50_ms"] = {
+                k: _pct([r[k] for r in self.traffic if k in r], 50)
+                for k in self.traffic[-1] if k.endswith("_ms")}
+        if self.profile is not None:
+            stats = pstats.Stats(self.profile)
+            rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:40]  # type: ignore
+            n = max(1, sum(1 for r in self.resumes))
+            out["profile_top"] = [
+                {"fn": f"{Path(f).name}:{line}({name})", "calls": v[1],
+                 "tottime_ms_per_resume": round(v[2] * 1e3 / n, 4),
+                 "cumtime_ms_per_resume": round(v[3] * 1e3 / n, 4)}
+                for (f, line, name), v in rows]
         for src in ("l1", "l2", "l3", "recompute"):
             rs = [r for r in self.resumes if r["source"] == src]
             if not rs:

@@ -85,3 +85,54 @@ def test_a_plan_issues_first_the_direction_the_next_plan_waits_for() -> None:
     calls.clear()
     ex.run(first, ok, None)
     assert calls == ["h2d", "d2h"]
+
+
+def test_copies_into_l1_are_grouped_by_the_piece_they_wait_for():
+    """Each copy waits for the newest running piece that empties its L1 slot or writes its L2
+    slot; groups come oldest piece first, copies that wait for none before them."""
+    ex, h = _executor(([14], [4], True), ([10, 11], [0, 1], False), ([12, 13], [2, 3], False))
+    l1 = np.array([12, 40, 10, 13, 41, 14])
+    l2 = np.array([50, 51, 52, 53, 0, 54])  # L2 slot 0: written by the second piece
+    groups = ex._demotion_groups(l1, l2)
+    assert [g[0] for g in groups] == [None, h[1], h[2]]  # the finished first piece is gone
+    assert [sorted(g[1].tolist()) for g in groups] == [[1, 5], [2, 4], [0, 3]]
+    ex2, _ = _executor()
+    assert [(a, b.tolist()) for a, b in ex2._demotion_groups(np.array([1, 2]), np.array([3, 4]))] \
+        == [(None, [0, 1])]
+
+
+def test_a_demotion_goes_out_in_pieces_each_waited_for_alone(monkeypatch) -> None:
+    """On the GPU an L1 -> L2 batch is split into DEMOTION_PIECE_BYTES pieces (here, forced
+    on a CPU engine: one block each); a promotion into slot 3 waits for the piece of slot 3."""
+    from tests.pool_cases import make_engine
+    from tpkv.config import KvGeometry
+    from tpkv.types import MovePlan, Tier
+    from tpkv.workers import executor as E
+
+    geo = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
+    ex = PlanExecutor(make_engine(geo, 8, 8, "cpu"), None, timeout_s=5.0, layer_events=False)
+    monkeypatch.setattr(E, "DEMOTION_PIECE_BYTES", ex.hbm.block_bytes)
+    monkeypatch.setattr(ex.engine, "on_gpu", True)
+    issued: list[tuple[str, list[int]]] = []
+
+    def fake(direction):
+        def copy(a, b):
+            issued.append((direction, list(a)))
+            return _Handle()
+        return copy
+    monkeypatch.setattr(ex.engine, "d2h", fake("d2h"))
+    monkeypatch.setattr(ex, "_mark", lambda direction, prev: issued.append(("wait", prev)))
+    monkeypatch.setattr(ex, "_span", lambda *a: None)
+    monkeypatch.setattr(ex, "_h2d", lambda src, dst: issued.append(("h2d", list(dst))))
+    H, D = int(Tier.HBM), int(Tier.DRAM)
+    moves = [(0, H, 1, D, 0), (1, H, 2, D, 1), (2, H, 3, D, 2)]
+    b, st, ss, dt, ds = (np.array(c) for c in zip(*moves))
+    ex.run(MovePlan(1, b, st, ss, dt, ds, np.zeros(3), b, ("s",)), np.ones(3, dtype=bool))
+    assert [x for x in issued if x[0] == "d2h"] == [("d2h", [1]), ("d2h", [2]), ("d2h", [3])]
+    pieces = [d.handle for d in ex.demotions]
+    assert len(pieces) == 3
+    issued.clear()
+    up = MovePlan(2, np.array([5, 6]), np.array([D, D]), np.array([5, 6]), np.array([H, H]),
+                  np.array([3, 7]), np.zeros(2), np.array([5, 6]), ("s",))
+    ex.run(up, np.ones(2, dtype=bool))
+    assert issued == [("wait", None), ("h2d", [7]), ("wait", pieces[2]), ("h2d", [3])]

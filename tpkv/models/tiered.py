@@ -54,6 +54,26 @@ class TierStats:
         default_factory=lambda: {"l1": [], "l2": [], "l3": []})  # by farthest source tier
 
 
+@dataclass
+class StepTrace:
+    """The copies of one step on the device: (plan, direction, start, stop) CUDA events, and an
+    event recorded when the step was scheduled (on an idle stream: the host's clock then)."""
+
+    t0: Any
+    spans: list[tuple[int, str, Any, Any]]
+
+    def resolve(self) -> list[dict[str, Any]]:
+        """Milliseconds from the schedule call to each copy batch's start and end (waits for
+        them; call once the step is long done)."""
+        out = []
+        for plan, direction, start, stop in self.spans:
+            stop.synchronize()
+            out.append({"plan": plan, "dir": direction,
+                        "start_ms": round(self.t0.elapsed_time(start), 3),
+                        "stop_ms": round(self.t0.elapsed_time(stop), 3)})
+        return out
+
+
 class TieredEngine:
     """A PagedEngine whose L1 pool is the worker's HbmPool tensor and whose block tables come
     from the controller. Every rank builds one and makes the same calls (add_turn, step,
@@ -77,6 +97,10 @@ class TieredEngine:
         self.opened: set[str] = set()
         self.stats = TierStats()
         self._resume: tuple[float, str] | None = None
+        # trace = True (GPU): each step keeps the device times of its copies (last_trace).
+        self.trace = False
+        self.last_trace: StepTrace | None = None
+        self._clock: Any = None
         # Host seconds of the last step's parts: schedule (controller + plans issued; of it
         # schedule_plan and schedule_apply for its last attempt), wait (until its blocks are in
         # L1), forward (+ sampling), report (to the controller).
@@ -89,6 +113,7 @@ class TieredEngine:
     # ---- the engine's four hooks ------------------------------------------------------------
     def schedule(self, session_ids: Sequence[str], num_new_tokens: Sequence[int]) -> StepResult:
         started = time.perf_counter()
+        t0 = self._clock_event()
         for s in session_ids:
             if s not in self.opened:
                 self.rt.open_session(s)
@@ -108,7 +133,24 @@ class TieredEngine:
         self._resume = (started, _TIER_NAME[farthest]) if farthest != Tier.HBM else None
         self.last_times = {"schedule": time.perf_counter() - started,
                            **{f"schedule_{k}": v for k, v in self.rt.last_step_times.items()}}
+        if t0 is not None:
+            self.last_trace = StepTrace(t0, [(i, *span) for i, a in
+                                             enumerate(self.rt.worker.last_applied)
+                                             for span in a.outcome.timing])
         return step
+
+    def _clock_event(self) -> Any:
+        """With `trace` on the GPU: an event on an idle stream, recorded now (the step's zero)."""
+        device = self.rt.worker.hbm.device
+        if not self.trace or device.type != "cuda":
+            return None
+        import torch
+
+        if self._clock is None:
+            self._clock = torch.cuda.Stream(device)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self._clock)
+        return event
 
     def wait(self, tables: StepTables) -> None:
         t0 = time.perf_counter()

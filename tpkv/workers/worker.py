@@ -103,6 +103,7 @@ class Worker:
         self.confirmer = Confirmer(group) if group is not None and group.world_size > 1 else None
         self.world_size = group.world_size if group is not None else 1
         self.epoch = 0  # last plan applied
+        self.last_applied: list[AppliedPlan] = []  # the plans of the last step, as applied here
         self.tick = 0
         self.fault_skip: dict[int, int] = {}  # tests: epoch -> index of a move to skip silently
         self.fault_miss_from: int | None = None  # tests: first L3 read from this epoch misses
@@ -133,6 +134,7 @@ class Worker:
                 self.store.drop_session(name)
         self.executor.fence_compute(step.fresh_slots)
         self.tick = step.tick
+        self.last_applied = applied
         with_moves = [a for a in applied if a.plan.num_moves]
         pending = None
         if with_moves:  # digests and the all-gather run on the confirmation thread
