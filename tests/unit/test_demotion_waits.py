@@ -53,9 +53,9 @@ def test_finished_demotions_are_forgotten_oldest_first():
     assert len(ex.demotions) == 1 and ex.demotions[0].handle is h[1]
 
 
-def test_a_plan_issues_first_the_direction_the_next_plan_waits_for() -> None:
-    """Demotions first when the step's next plan promotes into the L1 slots they empty (that
-    copy waits for them), else promotions first (a resume waits for those)."""
+def test_a_plan_issues_its_promotions_before_its_demotions() -> None:
+    """A resume waits for the promotions; the demotions (in pieces on their own stream) follow
+    at once, and a next plan's promotions into the slots they empty wait for each piece."""
     from tests.pool_cases import make_engine
     from tpkv.config import KvGeometry
     from tpkv.types import MovePlan, Tier
@@ -63,28 +63,20 @@ def test_a_plan_issues_first_the_direction_the_next_plan_waits_for() -> None:
     geo = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
     ex = PlanExecutor(make_engine(geo, 8, 8, "cpu"), None, timeout_s=5.0, layer_events=False)
     calls: list[str] = []
-    for name in ("h2d", "d2h"):
+    for name in ("h2d", "d2h_pieces"):
         real = getattr(ex.engine, name)
         setattr(ex.engine, name, lambda *a, _n=name, _r=real: calls.append(_n) or _r(*a))
     H, D = int(Tier.HBM), int(Tier.DRAM)
+    # block 0 L1 slot 0 -> L2 slot 0, block 1 L2 slot 1 -> L1 slot 1
+    import torch
 
-    def plan(epoch: int, moves: list[tuple[int, int, int, int, int]]) -> MovePlan:
-        b, st, ss, dt, ds = (np.array(c) for c in zip(*moves))
-        return MovePlan(epoch, b, st, ss, dt, ds, np.zeros(len(moves)), b, ("s",))
-
-    # plan 1: block 0 L1 slot 0 -> L2 slot 0, block 1 L2 slot 1 -> L1 slot 1
-    first = plan(1, [(0, H, 0, D, 0), (1, D, 1, H, 1)])
-    ok = np.ones(2, dtype=bool)
-    into_emptied = plan(2, [(2, D, 2, H, 0)])  # into L1 slot 0, which plan 1 empties
-    elsewhere = plan(2, [(2, D, 2, H, 5)])
-    ex.run(first, ok, into_emptied)
-    assert calls == ["d2h", "h2d"]
-    calls.clear()
-    ex.run(first, ok, elsewhere)
-    assert calls == ["h2d", "d2h"]
-    calls.clear()
-    ex.run(first, ok, None)
-    assert calls == ["h2d", "d2h"]
+    l1 = ex.hbm.tensor.view(ex.hbm.num_slots, -1).view(torch.uint8)
+    l1[0] = 7
+    ex.host.block_bytes_view(1)[:] = 9
+    b, st, ss, dt, ds = (np.array(c) for c in zip((0, H, 0, D, 0), (1, D, 1, H, 1)))
+    out = ex.run(MovePlan(1, b, st, ss, dt, ds, np.zeros(2), b, ("s",)), np.ones(2, dtype=bool))
+    assert calls == ["h2d", "d2h_pieces"] and out.done.all()
+    assert (l1[1] == 9).all() and (ex.host.block_bytes_view(0) == 7).all()
 
 
 def test_copies_into_l1_are_grouped_by_the_piece_they_wait_for():
@@ -115,12 +107,10 @@ def test_a_demotion_goes_out_in_pieces_each_waited_for_alone(monkeypatch) -> Non
     monkeypatch.setattr(ex.engine, "on_gpu", True)
     issued: list[tuple[str, list[int]]] = []
 
-    def fake(direction):
-        def copy(a, b):
-            issued.append((direction, list(a)))
-            return _Handle()
-        return copy
-    monkeypatch.setattr(ex.engine, "d2h", fake("d2h"))
+    def pieces(a, b, step):
+        issued.extend(("d2h", list(a[k:k + step])) for k in range(0, len(a), step))
+        return [_Handle() for _ in range(0, len(a), step)]
+    monkeypatch.setattr(ex.engine, "d2h_pieces", pieces)
     monkeypatch.setattr(ex, "_mark", lambda direction, prev: issued.append(("wait", prev)))
     monkeypatch.setattr(ex, "_span", lambda *a: None)
     monkeypatch.setattr(ex, "_h2d", lambda src, dst: issued.append(("h2d", list(dst))))

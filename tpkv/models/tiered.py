@@ -85,13 +85,15 @@ class TieredEngine:
     ranges become `engine.invalidate(session, first_lost_block * block_tokens)`: the engine
     feeds every token from the first lost block on again (later blocks of the session are
     rewritten with the same KV, which keeps this to one call per session and always correct).
+    With `hint_running` each step names the other decoding turns as upcoming (`_upcoming`).
     wait: the worker's copies into L1 are complete. report: attention mass and prefill speed to
     the controller (rank 0). release: close the session at the controller.
     """
 
     def __init__(self, rt: TpkvRuntime, model: Llama, *, report_prefill: bool = True,
-                 max_retries: int = 2, **engine_kwargs: Any) -> None:
+                 max_retries: int = 2, hint_running: bool = True, **engine_kwargs: Any) -> None:
         self.rt = rt
+        self.hint_running = hint_running
         self.report_prefill = report_prefill
         self.max_retries = max_retries
         self.opened: set[str] = set()
@@ -127,7 +129,8 @@ class TieredEngine:
             return step
 
         retries = self.rt.num_retries
-        step = self.rt.run_step(session_ids, num_new_tokens, attempt, max_retries=self.max_retries)
+        step = self.rt.run_step(session_ids, num_new_tokens, attempt, self._upcoming(session_ids),
+                                max_retries=self.max_retries)
         self.stats.retries += self.rt.num_retries - retries
         self.stats.steps += 1
         self._resume = (started, _TIER_NAME[farthest]) if farthest != Tier.HBM else None
@@ -138,6 +141,17 @@ class TieredEngine:
                                              enumerate(self.rt.worker.last_applied)
                                              for span in a.outcome.timing])
         return step
+
+    def _upcoming(self, session_ids: Sequence[str]) -> list[str] | None:
+        """With hint_running: the turns decoding now that are not in this step (a prefill's):
+        they run again within a step or two, so the controller neither demotes them to make
+        watermark room nor leaves them out of L1 (it prefetches what they miss)."""
+        if not self.hint_running:
+            return None
+        now = set(session_ids)
+        names = [q.session for q in self.engine.running[:self.engine.max_batch]
+                 if q.session not in now]
+        return names or None
 
     def _clock_event(self) -> Any:
         """With `trace` on the GPU: an event on an idle stream, recorded now (the step's zero)."""

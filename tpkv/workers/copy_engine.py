@@ -86,11 +86,17 @@ class CopyEngine:
     def d2h(self, hbm_slots: np.ndarray, host_slots: np.ndarray) -> CopyHandle:
         """L1 -> L2: host_slots[i] <- hbm_slots[i]. Ordered after work queued on the current
         stream (so KV written by compute is complete before it is copied)."""
-        return self._copy("d2h", np.asarray(hbm_slots), np.asarray(host_slots))
+        return self._copy("d2h", np.asarray(hbm_slots), np.asarray(host_slots))[0]
+
+    def d2h_pieces(self, hbm_slots: np.ndarray, host_slots: np.ndarray, piece_blocks: int
+                   ) -> list[CopyHandle]:
+        """d2h() in pieces of piece_blocks blocks, in order on one stream, a handle each (one
+        check of the slots and one pointer computation for all)."""
+        return self._copy("d2h", np.asarray(hbm_slots), np.asarray(host_slots), piece_blocks)
 
     def h2d(self, host_slots: np.ndarray, hbm_slots: np.ndarray) -> CopyHandle:
         """L2 -> L1: hbm_slots[i] <- host_slots[i]. Consumers wait on the handle's event."""
-        return self._copy("h2d", np.asarray(hbm_slots), np.asarray(host_slots))
+        return self._copy("h2d", np.asarray(hbm_slots), np.asarray(host_slots))[0]
 
     def synchronize(self) -> None:
         for handle in self._last.values():
@@ -110,7 +116,8 @@ class CopyEngine:
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _copy(self, direction: str, hbm_slots: np.ndarray, host_slots: np.ndarray) -> CopyHandle:
+    def _copy(self, direction: str, hbm_slots: np.ndarray, host_slots: np.ndarray,
+              piece_blocks: int = 0) -> list[CopyHandle]:
         hbm_slots = hbm_slots.astype(np.int64, copy=False).reshape(-1)
         host_slots = host_slots.astype(np.int64, copy=False).reshape(-1)
         if len(hbm_slots) != len(host_slots):
@@ -123,25 +130,31 @@ class CopyEngine:
                 raise SlotError(f"{direction}: {name} slot outside 0..{limit - 1}")
         n = len(hbm_slots)
         method = self.choose_method(direction)
-        handle = CopyHandle(n, n * self.block_bytes, method, direction)
-        if n == 0:
-            return handle
-        if not self.on_gpu:
-            self._copy_torch(direction, hbm_slots, host_slots)
-            return handle
+        if n == 0 or not self.on_gpu:
+            if n:
+                self._copy_torch(direction, hbm_slots, host_slots)
+            return [CopyHandle(n, n * self.block_bytes, method, direction)]
         stream = self.streams[direction]
         stream.wait_stream(torch.cuda.current_stream(self.hbm.device))
+        src, dst = self._endpoints(direction, hbm_slots, host_slots)
+        step = piece_blocks if piece_blocks > 0 else n
+        handles = []
         with torch.cuda.stream(stream):
-            if method == "dma":
-                self._copy_dma(direction, hbm_slots, host_slots, stream)
-            elif method == "kernel":
-                self._copy_kernel(direction, hbm_slots, host_slots, stream)
-            else:
-                self._copy_torch(direction, hbm_slots, host_slots)
-            handle.event = torch.cuda.Event()
-            handle.event.record(stream)
-        self._last[direction] = handle
-        return handle
+            for at in range(0, n, step):
+                part = slice(at, at + step)
+                if method == "dma":
+                    self._copy_dma(direction, src[part], dst[part], stream)
+                elif method == "kernel":
+                    copy_kernel.launch(src[part], dst[part], self.block_bytes, stream,
+                                       **self.kernel_args)
+                else:
+                    self._copy_torch(direction, hbm_slots[part], host_slots[part])
+                k = len(hbm_slots[part])
+                event = torch.cuda.Event()
+                event.record(stream)
+                handles.append(CopyHandle(k, k * self.block_bytes, method, direction, event))
+        self._last[direction] = handles[-1]
+        return handles
 
     def _endpoints(self, direction: str, hbm_slots: np.ndarray, host_slots: np.ndarray
                    ) -> tuple[np.ndarray, np.ndarray]:
@@ -149,15 +162,16 @@ class CopyEngine:
         host = self.host.slot_ptrs(host_slots)
         return (dev, host) if direction == "d2h" else (host, dev)
 
-    def _copy_dma(self, direction: str, hbm_slots: np.ndarray, host_slots: np.ndarray,
+    def _copy_dma(self, direction: str, src: np.ndarray, dst: np.ndarray,
                   stream: torch.cuda.Stream) -> None:
-        src, dst = self._endpoints(direction, hbm_slots, host_slots)
+        """One batch of whole-block copies between these addresses (one per block)."""
+        num_blocks = len(src)
         # Descriptors in ascending host address (or device address when host_order is off).
         if self.host_order == (direction == "d2h"):  # sort by dst
             dst, src, sizes = coalesce(dst, src, self.block_bytes)
         else:
             src, dst, sizes = coalesce(src, dst, self.block_bytes)
-        self.num_blocks[direction] += len(hbm_slots)
+        self.num_blocks[direction] += num_blocks
         self.num_descriptors[direction] += len(src)
         subs = self.dma_substreams[direction] if self.dma_substreams else None
         # Runs merged into large copies do best on one stream, as large blocks do.
@@ -170,11 +184,6 @@ class CopyEngine:
             cuda_rt.memcpy_batch(dst[part], src[part], sizes[part], sub.cuda_stream,
                                  self.dma_chunk, self.dma_attr)
             stream.wait_stream(sub)
-
-    def _copy_kernel(self, direction: str, hbm_slots: np.ndarray, host_slots: np.ndarray,
-                     stream: torch.cuda.Stream) -> None:
-        src, dst = self._endpoints(direction, hbm_slots, host_slots)
-        copy_kernel.launch(src, dst, self.block_bytes, stream, **self.kernel_args)
 
     def _copy_torch(self, direction: str, hbm_slots: np.ndarray, host_slots: np.ndarray) -> None:
         """Index ops per L2 arena: a gather then one copy (GPU), or plain index_copy (CPU)."""

@@ -88,7 +88,7 @@ READ_CHUNK_BYTES = 32 << 20  # an L3 read job's share of a session
 # An L1 -> L2 batch goes out in pieces of this size, each with its own event: a copy into L1
 # slots that a piece empties waits for that piece only, so a resume into a full L1 streams
 # both ways at once instead of after the whole demotion.
-DEMOTION_PIECE_BYTES = 32 << 20
+DEMOTION_PIECE_BYTES = 64 << 20
 
 
 class PlanExecutor:
@@ -128,9 +128,8 @@ class PlanExecutor:
         self.num_failed_spills = 0
 
     # ---- one plan --------------------------------------------------------------------------
-    def run(self, plan: MovePlan, ok: np.ndarray, then: MovePlan | None = None) -> ExecOutcome:
-        """Issue every move in `ok`; copies L1 <-> L2 may still run on return, SSD I/O is done.
-        `then`: the step's next plan, if any (it decides which direction is issued first)."""
+    def run(self, plan: MovePlan, ok: np.ndarray) -> ExecOutcome:
+        """Issue every move in `ok`; copies L1 <-> L2 may still run on return, SSD I/O is done."""
         started = time.perf_counter_ns()
         out = ExecOutcome(done=np.zeros(plan.num_moves, dtype=bool))
         deadline = time.monotonic() + self.timeout_s
@@ -156,27 +155,21 @@ class PlanExecutor:
             self.wait_spills(deadline, slots=plan.dst_slot[i])
             start = self._mark("d2h", prev_h2d)
             src, dst = plan.src_slot[i], plan.dst_slot[i]
-            step = (max(1, DEMOTION_PIECE_BYTES // block_bytes) if self.engine.on_gpu
-                    else len(i))
-            for at in range(0, len(i), step):
-                part = slice(at, at + step)
-                handle = self.last["d2h"] = self.engine.d2h(src[part], dst[part])
-                if self.engine.on_gpu:
+            step = max(1, DEMOTION_PIECE_BYTES // block_bytes)
+            handles = self.engine.d2h_pieces(src, dst, step)
+            self.last["d2h"] = handles[-1]
+            if self.engine.on_gpu:
+                for k, handle in enumerate(handles):
+                    part = slice(k * step, (k + 1) * step)
                     self.demotions.append(_Demotion(handle, np.sort(src[part]),
                                                     np.sort(dst[part])))
             self._span(out, "d2h", start)
             out.done[i], out.bytes_d2h = True, len(i) * block_bytes
 
         # A plan's moves touch disjoint slots (PlanBuilder), so either direction may go first:
-        # the demotions when the next plan promotes into slots they empty (that copy waits for
-        # them on the GPU), else the promotions, which a resume waits for.
-        up, down = pick["h2d"], pick["d2h"]
-        if len(down) and then is not None and _meets(
-                np.sort(plan.src_slot[down]), then.dst_slot[then.mask(Tier.DRAM, Tier.HBM)]):
-            order = ((d2h, down), (h2d, up))
-        else:
-            order = ((h2d, up), (d2h, down))
-        for issue, rows in order:
+        # the promotions, which a resume waits for; the demotion pieces follow at once on their
+        # own stream (a next plan's promotions into the slots they empty wait for each piece).
+        for issue, rows in ((h2d, pick["h2d"]), (d2h, pick["d2h"])):
             if len(rows):
                 issue(rows)
         jobs: list[tuple[str, np.ndarray, Future[Any]]] = []

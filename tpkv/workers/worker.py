@@ -115,8 +115,7 @@ class Worker:
         applied = []
         for i, plan in enumerate(step.plans):
             self.mirror.drop(step.drops[i] if i < len(step.drops) else _NO_IDS)
-            applied.append(self.apply_plan(plan, step.plans[i + 1]
-                                           if i + 1 < len(step.plans) else None))
+            applied.append(self.apply_plan(plan))
         self.mirror.drop(step.drops[-1] if step.drops else _NO_IDS)
         names = [step.session_ids[i] for i in step.fresh_session_idx.tolist()]
         lost = self.mirror.add_fresh(step.fresh_block_ids, step.fresh_slots, names,
@@ -146,9 +145,8 @@ class Worker:
                        else PendingConfirm.local(rows))
         return AppliedStep(step, applied, pending)
 
-    def apply_plan(self, plan: MovePlan, then: MovePlan | None = None) -> AppliedPlan:
-        """Check epoch order, apply the moves this rank's map allows, record them. `then`: the
-        step's next plan, if any (PlanExecutor.run)."""
+    def apply_plan(self, plan: MovePlan) -> AppliedPlan:
+        """Check epoch order, apply the moves this rank's map allows, record them."""
         if plan.epoch != self.epoch + 1:
             raise PlanOrderError(f"rank {self.rank}: plan {plan.epoch} arrived after plan "
                                  f"{self.epoch}; plans apply strictly in epoch order")
@@ -160,7 +158,7 @@ class Worker:
         skip = self.fault_skip.pop(plan.epoch, None)
         if skip is not None and plan.num_moves:
             ok[skip % plan.num_moves] = False  # an unknown bug: counted as applied below
-        outcome = self.executor.run(plan, ok, then)
+        outcome = self.executor.run(plan, ok)
         if self.fault_miss_from is not None and plan.epoch >= self.fault_miss_from:
             self._inject_miss(plan, outcome)
         self.mirror.apply(plan, outcome.done)
