@@ -1,0 +1,70 @@
+"""TieredEngine's step hints and the runtime's answers in a TP group of one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture()
+def runtime() -> Any:
+    import tpkv
+    from tpkv.config import PolicyConfig
+    from tpkv.models.llama import build_model
+    from tpkv.models.tiered import tiered_config
+
+    model = build_model("tiny", seed=0, device="cpu")
+    cfg = tiered_config(model, 1, block_tokens=4, l1_blocks=24, l2_blocks=64,
+                        policy=PolicyConfig(cooldown_s=0.0))
+    rt = tpkv.init(cfg, controller="local", device="cpu")
+    yield rt, model
+    rt.close()
+
+
+def _spy(rt: Any) -> list[tuple[list[str], Any]]:
+    seen: list[tuple[list[str], Any]] = []
+    real = rt.run_step
+
+    def run_step(session_ids: Any, tokens: Any, fn: Any, upcoming: Any = None,
+                 **kw: Any) -> Any:
+        seen.append((list(session_ids), upcoming))
+        return real(session_ids, tokens, fn, upcoming, **kw)
+    rt.run_step = run_step
+    return seen
+
+
+@pytest.mark.parametrize("hint", [True, False])
+def test_a_prefill_names_the_turns_decoding_beside_it_as_upcoming(runtime: Any,
+                                                                   hint: bool) -> None:
+    """While s0 decodes, s1's prefill step tells the controller s0 runs next (so watermark
+    demotions leave it in L1); decode steps of the whole batch name nobody."""
+    from tpkv.models.tiered import TieredEngine
+
+    rt, model = runtime
+    tiered = TieredEngine(rt, model, report_prefill=False, hint_running=hint, max_batch=2)
+    seen = _spy(rt)
+    e = tiered.engine
+    e.add_turn("s0", list(range(9)), 3)
+    e.step()  # s0's prefill: nothing else runs
+    e.add_turn("s1", list(range(20, 27)), 3)
+    e.step()  # s1's prefill while s0 decodes
+    e.step()  # both decode
+    assert [s for s, _ in seen] == [["s0"], ["s1"], ["s0", "s1"]]
+    assert [u for _, u in seen] == ([None, ["s0"], None] if hint else [None, None, None])
+
+
+def test_a_group_of_one_gets_a_copy_of_the_controllers_answer(runtime: Any) -> None:
+    """No wire in a TP group of one, but nothing the caller holds changes when the controller
+    reuses its arrays, and nested containers come back whole."""
+    rt, _ = runtime
+    buf = np.arange(6)
+    got = rt.from_rank0(lambda: {"a": buf, "plans": ({"ids": buf[2:]},), "n": 3}, "test")
+    buf[:] = -1
+    assert got["a"].tolist() == [0, 1, 2, 3, 4, 5]
+    assert got["plans"][0]["ids"].tolist() == [2, 3, 4, 5] and got["n"] == 3
+    with pytest.raises(ValueError, match="boom"):
+        rt.from_rank0(lambda: (_ for _ in ()).throw(ValueError("boom")), "test")
