@@ -25,8 +25,8 @@ def config(tmp_path) -> TpkvConfig:
 
 
 def drive(client: ControllerClient, reps: list[SlotMapReplica], batch: list[str],
-          tokens: list[int]) -> None:
-    res = client.schedule(batch, tokens)
+          tokens: list[int], upcoming: object = None) -> None:
+    res = client.schedule(batch, tokens, upcoming)  # type: ignore[arg-type]
     reports = [r.apply_step(res) for r in reps]
     for i in range(len(res.plans)):
         assert client.commit([rep[i] for rep in reports]).committed
@@ -63,6 +63,8 @@ def test_actor_steps_kill_restart_rebuild(ray_cluster, tmp_path):
         client.open_session(session_id=n, num_tokens=16)
     for n in "abcde":
         drive(client, reps, [n], [1])
+    for upcoming in (["a", "b"], {"a": 1}):  # names soonest first, or names to steps ahead
+        drive(client, reps, ["e"], [0], upcoming)
     with pytest.raises(UnknownSessionError, match="'zz'"):
         client.schedule(["zz"], [1])
     with pytest.raises(PlanOrderError, match="no plan awaits confirmation"):
@@ -70,7 +72,7 @@ def test_actor_steps_kill_restart_rebuild(ray_cluster, tmp_path):
                        for r in range(2)])
     snap = client.snapshot()
     assert snap["restarts"] == 0 and snap["tiers"]["L3"]["used"] > 0
-    assert snap["plan_latency_us"]["count"] == 5  # the refused step is not timed
+    assert snap["plan_latency_us"]["count"] == 7  # the refused step is not timed
 
     ray.kill(handle, no_restart=False)
     snap = wait_for_restart(client)

@@ -107,11 +107,12 @@ def test_a_demotion_goes_out_in_pieces_each_waited_for_alone(monkeypatch) -> Non
     monkeypatch.setattr(ex.engine, "on_gpu", True)
     issued: list[tuple[str, list[int]]] = []
 
-    def pieces(a, b, step):
+    def pieces(a, b, step, after=None):
         issued.extend(("d2h", list(a[k:k + step])) for k in range(0, len(a), step))
         return [_Handle() for _ in range(0, len(a), step)]
     monkeypatch.setattr(ex.engine, "d2h_pieces", pieces)
-    monkeypatch.setattr(ex, "_mark", lambda direction, prev: issued.append(("wait", prev)))
+    monkeypatch.setattr(ex, "_mark", lambda direction, prev, after=None:
+                        issued.append(("wait", prev)))
     monkeypatch.setattr(ex, "_span", lambda *a: None)
     monkeypatch.setattr(ex, "_h2d", lambda src, dst: issued.append(("h2d", list(dst))))
     H, D = int(Tier.HBM), int(Tier.DRAM)
@@ -126,3 +127,53 @@ def test_a_demotion_goes_out_in_pieces_each_waited_for_alone(monkeypatch) -> Non
                   np.array([3, 7]), np.zeros(2), np.array([5, 6]), ("s",))
     ex.run(up, np.ones(2, dtype=bool))
     assert issued == [("wait", None), ("h2d", [7]), ("wait", pieces[2]), ("h2d", [3])]
+
+
+def test_deferred_demotions_go_out_at_flush_or_before_anything_that_needs_them() -> None:
+    """defer_d2h: a plan of demotions only is applied (done) but copied at flush(); a later
+    plan with other moves, a step writing into their L1 slots, or synchronize() flushes first.
+    Bytes are checked after each (on the CPU a copy happens when issued)."""
+    import torch
+
+    from tests.pool_cases import make_engine
+    from tpkv.config import KvGeometry
+    from tpkv.types import MovePlan, Tier
+
+    geo = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
+    ex = PlanExecutor(make_engine(geo, 8, 8, "cpu"), None, timeout_s=5.0, layer_events=False)
+    ex.defer_d2h = True
+    l1 = ex.hbm.tensor.view(ex.hbm.num_slots, -1).view(torch.uint8)
+    for slot in range(8):
+        l1[slot] = 10 + slot
+        ex.host.block_bytes_view(slot)[:] = 0
+    H, D = int(Tier.HBM), int(Tier.DRAM)
+
+    def plan(epoch: int, moves: list[tuple[int, int, int, int, int]]) -> MovePlan:
+        b, st, ss, dt, ds = (np.array(c) for c in zip(*moves))
+        return MovePlan(epoch, b, st, ss, dt, ds, np.zeros(len(moves)), b, ("s",))
+
+    def run(p: MovePlan) -> np.ndarray:
+        return ex.run(p, np.ones(p.num_moves, dtype=bool)).done
+
+    assert run(plan(1, [(0, H, 0, D, 0), (1, H, 1, D, 1)])).all()
+    assert len(ex.deferred) == 1 and (ex.host.block_bytes_view(0) == 0).all()
+    ex.flush()
+    assert not ex.deferred
+    assert (ex.host.block_bytes_view(0) == 10).all() and (ex.host.block_bytes_view(1) == 11).all()
+
+    run(plan(2, [(2, H, 2, D, 2)]))  # deferred, then a plan that promotes: flushed first
+    run(plan(3, [(5, D, 5, H, 6)]))
+    assert not ex.deferred and (ex.host.block_bytes_view(2) == 12).all()
+
+    run(plan(4, [(3, H, 3, D, 3)]))
+    ex.fence_compute(np.array([7]))  # fresh slot 7: not the deferred one's
+    assert len(ex.deferred) == 1
+    ex.fence_compute(np.array([3, 7]))  # new K/V into L1 slot 3: its demotion goes out first
+    assert not ex.deferred and (ex.host.block_bytes_view(3) == 13).all()
+
+    run(plan(5, [(4, H, 4, D, 4)]))
+    ex.synchronize()
+    assert not ex.deferred and (ex.host.block_bytes_view(4) == 14).all()
+    ex.defer_d2h = False
+    run(plan(6, [(7, H, 7, D, 7)]))  # off: issued at once
+    assert not ex.deferred and (ex.host.block_bytes_view(7) == 17).all()

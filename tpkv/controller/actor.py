@@ -240,10 +240,13 @@ class ControllerClient:
         return answer["ok"]
 
     def schedule(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
-                 upcoming: Mapping[str, int] | None = None) -> StepResult:
+                 upcoming: Mapping[str, int] | Sequence[str] | None = None) -> StepResult:
+        """Controller.schedule; `upcoming` as it takes it: names to steps ahead, or names
+        soonest first."""
         d = self.call("schedule", session_ids=list(session_ids),
                       num_new_tokens=np.asarray(num_new_tokens, dtype=np.int64),
-                      upcoming=dict(upcoming or {}))
+                      upcoming=dict(upcoming) if isinstance(upcoming, Mapping)
+                      else list(upcoming or ()))
         return StepResult.from_dict(d)
 
     def commit(self, results: Sequence[MoveResult]) -> CommitOutcome:

@@ -84,8 +84,10 @@ class PagedEngine:
     Low level: `prefill` / `decode_step` with block tables given by the caller. High level:
     `add_turn` then `step()` until `has_work` is False; block tables then come from `schedule`
     (default: a LocalScheduler over the whole pool), `wait` blocks until the step's blocks are in
-    L1 (default: nothing to wait for), `report` receives a StepReport, `release` frees a closed
-    session's blocks. Under TP every rank runs the same calls; the model's hooks do the rest.
+    L1 (default: nothing to wait for), `launched` runs once the step's forward is queued on the
+    device and before its tokens are read back (the host is free while the device computes),
+    `report` receives a StepReport, `release` frees a closed session's blocks. Under TP every
+    rank runs the same calls; the model's hooks do the rest.
 
     `cuda_graphs` (default: on for one rank on a GPU) replays decode steps, and with
     `paged_attention_sdpa` a one-session turn after cached tokens (up to 512 new tokens), from
@@ -94,7 +96,8 @@ class PagedEngine:
 
     def __init__(self, model: Llama, hbm_tensor: Tensor, *, schedule: ScheduleFn | None = None,
                  wait: WaitFn | None = None, report: ReportFn | None = None,
-                 release: ReleaseFn | None = None, attention: AttentionImpl = paged_attention_ref,
+                 release: ReleaseFn | None = None, launched: Callable[[], None] | None = None,
+                 attention: AttentionImpl = paged_attention_ref,
                  max_batch: int = 64, max_prefill_tokens: int = 8192,
                  eos_token_id: int | None = None, scheduler_seed: int | None = None,
                  cuda_graphs: bool | None = None) -> None:
@@ -120,6 +123,7 @@ class PagedEngine:
         self.schedule: ScheduleFn = schedule
         self.wait: WaitFn = wait or (lambda tables: None)
         self.report: ReportFn = report or (lambda step_report: None)
+        self.launched: Callable[[], None] = launched or (lambda: None)
         self.release: ReleaseFn = release or (lambda session: None)
         self.attention = attention
         if cuda_graphs is None:  # default: on a GPU, for one rank (TP collectives run eagerly)
@@ -259,6 +263,7 @@ class PagedEngine:
             attn = PagedAttention(self.pool, meta, self.attention)
             logits = self.model(token_ids, meta.positions, attn, meta.last_rows)  # [B, vocab]
             block_mass, nb = attn.block_mass, -(-np.asarray(seq_lens) // self.block_tokens)
+        self.launched()
         tokens = logits.argmax(dim=-1).tolist()
         mass: tuple[np.ndarray, ...] = tuple(np.zeros(0, dtype=np.float32) for _ in seqs)
         if block_mass is not None:

@@ -107,9 +107,12 @@ class TieredEngine:
         # schedule_plan and schedule_apply for its last attempt), wait (until its blocks are in
         # L1), forward (+ sampling), report (to the controller).
         self.last_times: dict[str, float] = {}
+        # A step's demotion-only plans are issued once its forward is launched (they free L1
+        # for later steps; nothing in this one reads them): their host time runs beside it.
+        rt.worker.executor.defer_d2h = True
         self.engine = PagedEngine(model, rt.worker.hbm.tensor, schedule=self.schedule,
                                   wait=self.wait, report=self.report, release=self.release,
-                                  **engine_kwargs)
+                                  launched=rt.worker.executor.flush, **engine_kwargs)
         self.block_tokens = self.engine.block_tokens
 
     # ---- the engine's four hooks ------------------------------------------------------------

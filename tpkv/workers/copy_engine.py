@@ -88,11 +88,13 @@ class CopyEngine:
         stream (so KV written by compute is complete before it is copied)."""
         return self._copy("d2h", np.asarray(hbm_slots), np.asarray(host_slots))[0]
 
-    def d2h_pieces(self, hbm_slots: np.ndarray, host_slots: np.ndarray, piece_blocks: int
-                   ) -> list[CopyHandle]:
+    def d2h_pieces(self, hbm_slots: np.ndarray, host_slots: np.ndarray, piece_blocks: int,
+                   after: torch.cuda.Event | None = None) -> list[CopyHandle]:
         """d2h() in pieces of piece_blocks blocks, in order on one stream, a handle each (one
-        check of the slots and one pointer computation for all)."""
-        return self._copy("d2h", np.asarray(hbm_slots), np.asarray(host_slots), piece_blocks)
+        check of the slots and one pointer computation for all). `after`: the compute they
+        must follow, when not all of what the current stream holds now."""
+        return self._copy("d2h", np.asarray(hbm_slots), np.asarray(host_slots), piece_blocks,
+                          after)
 
     def h2d(self, host_slots: np.ndarray, hbm_slots: np.ndarray) -> CopyHandle:
         """L2 -> L1: hbm_slots[i] <- host_slots[i]. Consumers wait on the handle's event."""
@@ -117,7 +119,8 @@ class CopyEngine:
     # ---- internals ----------------------------------------------------------------------------
 
     def _copy(self, direction: str, hbm_slots: np.ndarray, host_slots: np.ndarray,
-              piece_blocks: int = 0) -> list[CopyHandle]:
+              piece_blocks: int = 0, after: torch.cuda.Event | None = None
+              ) -> list[CopyHandle]:
         hbm_slots = hbm_slots.astype(np.int64, copy=False).reshape(-1)
         host_slots = host_slots.astype(np.int64, copy=False).reshape(-1)
         if len(hbm_slots) != len(host_slots):
@@ -135,7 +138,10 @@ class CopyEngine:
                 self._copy_torch(direction, hbm_slots, host_slots)
             return [CopyHandle(n, n * self.block_bytes, method, direction)]
         stream = self.streams[direction]
-        stream.wait_stream(torch.cuda.current_stream(self.hbm.device))
+        if after is not None:
+            stream.wait_event(after)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.hbm.device))
         src, dst = self._endpoints(direction, hbm_slots, host_slots)
         step = piece_blocks if piece_blocks > 0 else n
         handles = []

@@ -48,6 +48,18 @@ class _Demotion:
 
 
 @dataclass
+class _Deferred:
+    """An L1 -> L2 batch applied (the maps say the blocks are in L2) but not yet issued: it
+    goes out at flush(), after `after` (compute queued before it was applied) on the GPU."""
+
+    src: np.ndarray  # L1 slots it reads
+    dst: np.ndarray  # L2 slots it writes
+    after: torch.cuda.Event | None
+    prev_h2d: CopyHandle | None  # the L2 -> L1 batch before its plan (may read its L2 slots)
+    out: ExecOutcome
+
+
+@dataclass
 class ExecOutcome:
     """What one plan did on this rank: moves done (mask over the plan), L3 read misses, bytes."""
 
@@ -126,6 +138,12 @@ class PlanExecutor:
         self.events: list[torch.cuda.Event | None] = [None] * g.num_layers
         self.spills: list[_Spill] = []
         self.num_failed_spills = 0
+        # defer_d2h: a plan of demotions only is applied but its copies wait for flush(),
+        # which the engine calls once it has launched the step's forward (their host time then
+        # runs beside the forward instead of before it). Anything that could touch their slots
+        # first flushes them.
+        self.defer_d2h = False
+        self.deferred: list[_Deferred] = []
 
     # ---- one plan --------------------------------------------------------------------------
     def run(self, plan: MovePlan, ok: np.ndarray) -> ExecOutcome:
@@ -136,6 +154,9 @@ class PlanExecutor:
         pick = {k: np.flatnonzero(ok & plan.mask(Tier(s), Tier(d)))
                 for k, (s, d) in {"d2h": (HBM, DRAM), "h2d": (DRAM, HBM), "spill": (DRAM, SSD),
                                   "load": (SSD, DRAM)}.items()}
+        demotions_only = len(pick["d2h"]) == int(ok.sum())
+        if self.deferred and not (self.defer_d2h and demotions_only):
+            self.flush()
         prev_d2h, prev_h2d = self.last["d2h"], self.last["h2d"]
         block_bytes = self.hbm.block_bytes
         self.wait_spills(deadline)  # only those already done: their manifests are committed
@@ -153,17 +174,15 @@ class PlanExecutor:
 
         def d2h(i: np.ndarray) -> None:
             self.wait_spills(deadline, slots=plan.dst_slot[i])
-            start = self._mark("d2h", prev_h2d)
             src, dst = plan.src_slot[i], plan.dst_slot[i]
-            step = max(1, DEMOTION_PIECE_BYTES // block_bytes)
-            handles = self.engine.d2h_pieces(src, dst, step)
-            self.last["d2h"] = handles[-1]
-            if self.engine.on_gpu:
-                for k, handle in enumerate(handles):
-                    part = slice(k * step, (k + 1) * step)
-                    self.demotions.append(_Demotion(handle, np.sort(src[part]),
-                                                    np.sort(dst[part])))
-            self._span(out, "d2h", start)
+            if self.defer_d2h and demotions_only:
+                after = None
+                if self.engine.on_gpu:
+                    after = torch.cuda.Event()
+                    after.record(torch.cuda.current_stream(self.hbm.device))
+                self.deferred.append(_Deferred(src, dst, after, prev_h2d, out))
+            else:
+                self._demote(src, dst, prev_h2d, out)
             out.done[i], out.bytes_d2h = True, len(i) * block_bytes
 
         # A plan's moves touch disjoint slots (PlanBuilder), so either direction may go first:
@@ -196,13 +215,39 @@ class PlanExecutor:
         out.host_ns = time.perf_counter_ns() - started
         return out
 
-    def _mark(self, direction: str, prev: CopyHandle | None) -> torch.cuda.Event | None:
-        """Order `direction`'s stream after compute and after the previous batch the other way;
-        on the GPU return a timing event recorded there (the start of this batch)."""
+    def flush(self) -> None:
+        """Issue the deferred L1 -> L2 batches, oldest first."""
+        pending, self.deferred = self.deferred, []
+        for d in pending:
+            self._demote(d.src, d.dst, d.prev_h2d, d.out, d.after)
+
+    def _demote(self, src: np.ndarray, dst: np.ndarray, prev_h2d: CopyHandle | None,
+                out: ExecOutcome, after: torch.cuda.Event | None = None) -> None:
+        """Issue an L1 -> L2 batch in pieces, each kept (with its slots) until it is done; after
+        `prev_h2d` (the L2 -> L1 batch before its plan) and `after` (the compute it must follow;
+        default: all compute queued now)."""
+        start = self._mark("d2h", prev_h2d, after)
+        step = max(1, DEMOTION_PIECE_BYTES // self.hbm.block_bytes)
+        handles = self.engine.d2h_pieces(src, dst, step, after)
+        self.last["d2h"] = handles[-1]
+        if self.engine.on_gpu:
+            for k, handle in enumerate(handles):
+                part = slice(k * step, (k + 1) * step)
+                self.demotions.append(_Demotion(handle, np.sort(src[part]), np.sort(dst[part])))
+        self._span(out, "d2h", start)
+
+    def _mark(self, direction: str, prev: CopyHandle | None,
+              after: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
+        """Order `direction`'s stream after compute (all queued now, or `after`) and after the
+        previous batch the other way; on the GPU return a timing event recorded there (the
+        start of this batch)."""
         if not self.engine.on_gpu:
             return None
         stream = self.engine.streams[direction]
-        stream.wait_stream(torch.cuda.current_stream(self.hbm.device))
+        if after is not None:
+            stream.wait_event(after)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.hbm.device))
         if prev is not None and prev.event is not None:
             stream.wait_event(prev.event)
         start = torch.cuda.Event(enable_timing=True)
@@ -387,7 +432,11 @@ class PlanExecutor:
 
     def fence_compute(self, fresh_l1_slots: np.ndarray) -> None:
         """Make the current stream wait for the L1 -> L2 batches that empty any of the L1 slots
-        the engine writes new K/V into (the step's fresh slots); no wait when none does."""
+        the engine writes new K/V into (the step's fresh slots); no wait when none does.
+        Deferred batches that read one of them go out first."""
+        fresh = np.asarray(fresh_l1_slots, dtype=np.int64)
+        if any(_meets(np.sort(d.src), fresh) for d in self.deferred):
+            self.flush()
         handle = self._demotion_into(fresh_l1_slots, None)
         if handle is not None and handle.event is not None:
             torch.cuda.current_stream(self.hbm.device).wait_event(handle.event)
@@ -431,7 +480,9 @@ class PlanExecutor:
         wait_handle(self.last["h2d"], time.monotonic() + self.timeout_s, "synchronize h2d")
 
     def synchronize(self) -> None:
-        """Wait on the host for every copy and background spill issued (bounded)."""
+        """Wait on the host for every copy (deferred ones issued first) and background spill
+        (bounded)."""
+        self.flush()
         deadline = time.monotonic() + self.timeout_s
         for direction, handle in self.last.items():
             wait_handle(handle, deadline, f"synchronize {direction}")
