@@ -13,7 +13,7 @@ from tpkv.controller.plankernels import (
     LRU,
     LRUK,
     candidates,
-    coldest_first,
+    coldest_candidates,
     not_on,
     record_choices,
     split_by_tier,
@@ -61,23 +61,35 @@ def test_select_victims_is_the_prefix_of_a_full_sort() -> None:
 
 
 
-def test_coldest_first_is_select_victims() -> None:
-    """The heap selection gives select_victims' indices, ties, -0.0 and sizes of 0 included;
-    it declines keys with a NaN (numpy sorts those last; the planner falls back)."""
+def test_coldest_candidates_is_candidates_then_select_victims() -> None:
+    """The one-pass selection gives select_victims' order of candidates()' keys, ties (equal
+    run ticks, no attention) and -0.0 included; it declines keys with a NaN (numpy sorts those
+    last; the planner falls back)."""
     rng = np.random.default_rng(11)
     for trial in range(400):
-        n = int(rng.integers(0, 400 if trial % 4 else 5000))
-        primary = (rng.random(n) if trial % 3 == 0
-                   else rng.integers(0, 20, n).astype(np.float64))
-        if trial % 7 == 0 and n:
-            primary[: n // 2] = -0.0
-        secondary = rng.integers(-1, 10, n).astype(np.float64)
-        sizes = rng.integers(0, 50, n).astype(np.int64)
-        need = int(rng.integers(-2, 4000))
-        picked, ok = coldest_first(primary, secondary, sizes, need)
-        assert ok and np.array_equal(picked, select_victims(primary, secondary, sizes, need))
-    _, ok = coldest_first(np.array([1.0, np.nan]), np.zeros(2), np.ones(2, dtype=np.int64), 2)
+        n = int(rng.integers(0, 400 if trial % 4 else 8000))
+        kind = (HEAT, LRU, LRUK)[trial % 3]
+        forbid = [rng.random(n) < 0.2, (rng.random(n) < 0.1) if trial % 2 else
+                  np.zeros(0, dtype=bool), np.zeros(0, dtype=bool)]
+        count = rng.integers(0, 60 if trial % 5 else 3, n).astype(np.int32)
+        attn_sum = (rng.random(n) * 10 if trial % 3 == 0 else
+                    np.where(rng.random(n) < 0.5, -0.0, 0.0))
+        length = rng.integers(0, 70, n).astype(np.int64)
+        tick = 1000
+        first = rng.integers(-1, tick if trial % 2 else 20, n).astype(np.int32)
+        kth = np.minimum(first, rng.integers(-1, tick, n)).astype(np.int32)
+        need = int(rng.integers(-2, 4000 if trial % 7 else 1 << 20))
+        keys = (*forbid, count, kind, attn_sum, length, first, kth, tick, 1.5, 2.0)
+        cand, primary, secondary, sizes = candidates(*keys)
+        units, ok = coldest_candidates(*keys, need)
+        assert ok and np.array_equal(units, cand[select_victims(primary, secondary, sizes,
+                                                                need)])
+    one = np.ones(2, dtype=np.int32)
+    _, ok = coldest_candidates(*[np.zeros(0, dtype=bool)] * 3, one, HEAT,
+                               np.array([1.0, np.nan]), np.ones(2, dtype=np.int64), one, one,
+                               5, 1.0, 1.0, 2)
     assert not ok
+
 
 def test_tier_filters_match_numpy_masks() -> None:
     """split_by_tier and not_on keep the rows' order, as the masks they replace do."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpkv.controller.kernels import move_rows, plan_arrays
+from tpkv.controller.kernels import emptied_sessions, move_rows, plan_arrays
 from tpkv.controller.sessions import SessionTable, add_counts
 from tpkv.controller.table import DRAM, HBM, NONE, SSD, BlockTable, SlotStack
 from tpkv.types import MovePlan
@@ -153,8 +153,10 @@ class PlanBuilder:
         if not self.left_l3:
             return []
         sess = self.left_l3[0] if len(self.left_l3) == 1 else np.concatenate(self.left_l3)
-        gone = set(sess[self.s.counts[SSD + 1][sess] == 0].tolist())
-        return sorted(gone.difference(self.ssd_dropped))
+        gone = emptied_sessions(sess, self.s.counts[SSD + 1], self.s.plan_local)
+        if len(gone) == 0:
+            return []
+        return sorted(set(gone.tolist()).difference(self.ssd_dropped))
 
     def drop_lists(self) -> list[np.ndarray]:
         return [np.concatenate(d) if d else np.zeros(0, dtype=np.int64) for d in self.drops]

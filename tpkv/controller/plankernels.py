@@ -7,7 +7,8 @@ tiers). Results are those of the numpy code, bit for bit: the float keys are com
 same operations in the same order (numba does not contract a * b + c without fastmath).
 The forbid-flag test is written out in each loop: as a call to a jitted helper (inlined or
 not) it made the candidate scan 5x slower. No numba sort (each costs seconds of compile time):
-coldest_first selects through a heap written out here (policy.select_victims is its reference).
+coldest_candidates selects through a heap written out here (candidates and
+policy.select_victims are its reference).
 """
 
 from __future__ import annotations
@@ -57,61 +58,114 @@ def candidates(f0: A, f1: A, f2: A, count: A, kind: int, attn_sum: A, length: A,
 
 
 @_jit
-def coldest_first(primary: A, secondary: A, sizes: A, need: int) -> tuple[A, bool]:
-    """policy.select_victims without numpy's partition and lexsort (a chain of calls that
-    costs 2x as much with cold caches, as on a rebuild step): the indices of the coldest units
-    in (primary, secondary, index) order until their sizes reach `need` (all if they do not),
-    from a min-heap built in O(n) and popped once per victim. False if a key is NaN (numpy
-    orders those otherwise): the caller then uses select_victims. One loop sifts for both the
-    build and the pops (a helper function doubled the compile time)."""
-    n = len(primary)
-    out = np.empty(n, dtype=np.int64)
-    if need <= 0 or n == 0:
-        return out[:0].copy(), True
-    heap = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        if primary[i] != primary[i] or secondary[i] != secondary[i]:  # NaN
-            return out[:0].copy(), False
-        heap[i] = i
-    k = total = 0
-    m = n
-    build = n // 2 - 1  # heapify from here down to 0, then pop
-    while True:
-        if build >= 0:
-            i = build
-            build -= 1
-        else:
-            if m == 0 or total >= need:
-                break
-            out[k] = heap[0]
-            total += sizes[heap[0]]
+def coldest_candidates(f0: A, f1: A, f2: A, count: A, kind: int, attn_sum: A, length: A,
+                       first_run: A, kth_run: A, tick: int, w_attn: float, w_recency: float,
+                       need: int) -> tuple[A, bool]:
+    """`candidates`, then policy.select_victims on their keys, in one pass over the candidates:
+    the sessions candidates() gives, coldest first in (primary, secondary, session) order,
+    until their block counts reach `need` (all if they do not). False if a key is NaN (numpy
+    orders those otherwise): the caller then runs candidates() and select_victims.
+
+    The key of each candidate (computed as candidates() does, so the same floats; the tests
+    hold the two together) goes into a max-heap of the coldest seen so far, which keeps only
+    those that reach `need` without one to spare: once they do, a warmer candidate costs one
+    comparison. A rebuild wants a few dozen to a few hundred sessions of 1-7K candidates, so
+    this writes no key arrays over every candidate, and does less than heapifying them all
+    and popping each victim (numpy's partition and lexsort before that: 2x slower again with
+    cold caches). The heap is emptied warmest first into its own back. One loop sifts down
+    for the pass and the emptying (a helper function doubled the compile time)."""
+    n = len(count)
+    cand = np.empty(n, dtype=np.int64)
+    k = 0
+    for s in range(n):
+        if count[s] > 0 and not ((len(f0) > 0 and f0[s]) or (len(f1) > 0 and f1[s])
+                                 or (len(f2) > 0 and f2[s])):
+            cand[k] = s
             k += 1
+    # Candidates that entered the heap, in the order they did (so by session: the last key).
+    kp = np.empty(k, dtype=np.float64)
+    ks = np.empty(k, dtype=np.float64)
+    kz = np.empty(k, dtype=np.int64)
+    ku = np.empty(k, dtype=np.int64)
+    heap = np.empty(k, dtype=np.int64)  # of their positions in kp, ks, kz, ku
+    if need <= 0 or k == 0:
+        return ku[:0].copy(), True
+    m = total = 0  # the heap is heap[:m]; total: the blocks they hold
+    entered = 0
+    i = 0  # the next candidate
+    out = -1  # once every candidate was seen: how many sessions the answer holds
+    while True:
+        if out < 0 and m > 0 and total - kz[heap[0]] >= need:
+            total -= kz[heap[0]]  # the warmest is not needed: the last entry replaces it
             m -= 1
-            if m == 0:
+            x = heap[m]
+        elif i < k:
+            if i + PREFETCH_AHEAD < k:  # its session record (run history, block count)
+                prefetch(first_run, cand[i + PREFETCH_AHEAD])
+            s = cand[i]
+            i += 1
+            last, kth = np.float64(first_run[s]), np.float64(kth_run[s])
+            if kind == HEAT:
+                mean_attn = attn_sum[s] / max(length[s], 1)
+                since = max(tick - last, 0.0) + 1.0
+                px, sx = w_attn * mean_attn + w_recency / since, kth
+            elif kind == LRU:
+                px, sx = last, kth
+            else:
+                px, sx = kth, last
+            if px != px or sx != sx:  # NaN
+                return ku[:0].copy(), False
+            if total >= need:
+                y = heap[0]  # it entered before: s goes first only with smaller keys
+                if not (px < kp[y] or (px == kp[y] and sx < ks[y])):
+                    continue
+            x = entered
+            entered += 1
+            kp[x], ks[x], kz[x], ku[x] = px, sx, count[s], s
+            j = m  # sift x up from a new last entry
+            m += 1
+            while j > 0:
+                up = (j - 1) // 2
+                y = heap[up]
+                if not (kp[y] < px or (kp[y] == px and (
+                        ks[y] < sx or (ks[y] == sx and y < x)))):
+                    break
+                heap[j] = y
+                j = up
+            heap[j] = x
+            total += kz[x]
+            continue
+        else:
+            if out < 0:
+                out = m
+            if m <= 1:
                 break
-            heap[0] = heap[m]
-            i = 0
-        x = heap[i]  # sift heap[i] down the first m entries, keyed (primary, secondary, index)
-        px, sx = primary[x], secondary[x]
+            m -= 1  # the warmest left goes after the colder ones
+            x = heap[m]
+            heap[m] = heap[0]
+        px, sx = kp[x], ks[x]  # sift x down from the root of heap[:m]
+        j = 0
         while True:
-            c = 2 * i + 1
+            c = 2 * j + 1
             if c >= m:
                 break
             y = heap[c]
             if c + 1 < m:
                 z = heap[c + 1]
-                if primary[z] < primary[y] or (primary[z] == primary[y] and (
-                        secondary[z] < secondary[y] or (secondary[z] == secondary[y]
-                                                        and z < y))):
+                if kp[y] < kp[z] or (kp[y] == kp[z] and (
+                        ks[y] < ks[z] or (ks[y] == ks[z] and y < z))):
                     c += 1
                     y = z
-            if not (primary[y] < px or (primary[y] == px and (
-                    secondary[y] < sx or (secondary[y] == sx and y < x)))):
+            if not (px < kp[y] or (px == kp[y] and (
+                    sx < ks[y] or (sx == ks[y] and x < y)))):
                 break
-            heap[i] = y
-            i = c
-        heap[i] = x
-    return out[:k].copy(), True
+            heap[j] = y
+            j = c
+        heap[j] = x
+    units = np.empty(out, dtype=np.int64)
+    for j in range(out):
+        units[j] = ku[heap[j]]
+    return units, True
 
 
 @_jit

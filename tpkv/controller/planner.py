@@ -15,7 +15,7 @@ from tpkv.controller.plankernels import (
     LRU,
     LRUK,
     candidates,
-    coldest_first,
+    coldest_candidates,
     not_on,
     prefetch_rows,
     split_by_tier,
@@ -165,12 +165,13 @@ def _order(ctx: PlanContext, b: PlanBuilder, tier: int, need: int, forbid: Forbi
             ctx.orders[tier] = (built, units)
             if held >= need:
                 return units
-    cand, primary, secondary, sizes = candidates(
-        *forbid, count, _KIND[p.kind], s.attn_sum, s.arena.length, s.run_hist[0],
-        s.run_hist[-1], ctx.tick, p.w_attn, p.w_recency)
+    keys = (*forbid, count, _KIND[p.kind], s.attn_sum, s.arena.length, s.run_hist[0],
+            s.run_hist[-1], ctx.tick, p.w_attn, p.w_recency)
     want = need * (ORDER_TTL if cache else 1)
-    picked, ok = coldest_first(primary, secondary, sizes, want)
-    units = cand[picked if ok else select_victims(primary, secondary, sizes, want)]
+    units, ok = coldest_candidates(*keys, want)
+    if not ok:  # a NaN key: numpy's order of it
+        cand, primary, secondary, sizes = candidates(*keys)
+        units = cand[select_victims(primary, secondary, sizes, want)]
     if cache:
         ctx.orders[tier] = (ctx.tick, units)
     return units
