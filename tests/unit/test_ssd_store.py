@@ -513,6 +513,65 @@ def test_drop_session_removes_this_ranks_files_and_the_manifest(tmp_path: Path) 
     assert stores[1].drop_session("never-written") == 0
 
 
+def test_a_drop_in_the_background_comes_before_anything_later_about_the_session(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """drop_session_later returns before the files go; its room is free at once, and a read,
+    an index query, a write or a listing after it sees the session gone (the write starts a
+    fresh segment: no old record comes back)."""
+    import threading
+
+    geo = geometry(SMALL)
+    (store,) = make_stores(tmp_path, geo)
+    rng = np.random.default_rng(16)
+    old = random_blocks(rng, geo, 3)
+    store.write_blocks("s", np.arange(3), old)
+    assert store.commit_manifest("s")
+    release = threading.Event()
+    real_drop = store._drop
+    monkeypatch.setattr(store, "_drop", lambda *a: release.wait(5) and real_drop(*a))
+    store.drop_session_later("s")
+    assert store.usage_bytes() == 0  # counted free at once
+    assert segment_path(tmp_path, "s", 0).exists()  # the delete waits on `release`
+    release.set()
+    assert store.committed_indices("s").tolist() == []
+    assert not store.read_blocks("s", np.arange(3), empty_out(geo, 3)).any()
+    new = random_blocks(rng, geo, 1)
+    store.write_blocks("s", np.array([2]), new)
+    assert store.commit_manifest("s")
+    assert store.session_indices("s").tolist() == [2]
+    out = empty_out(geo, 1)
+    assert store.read_blocks("s", np.array([2]), out).all() and np.array_equal(out[0], new[0])
+    store.drop_session_later("s")
+    assert store.list_sessions() == [] and not segment_path(tmp_path, "s", 0).exists()
+    store.close()
+
+
+def test_a_failed_background_drop_makes_later_calls_miss_or_fail_then_retries(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the background delete fails, the next write about the session fails (a spill is then
+    forgotten), and drop_session deletes the files."""
+    from tpkv.errors import SsdIoError
+    from tpkv.workers import ssd_store
+
+    geo = geometry(SMALL)
+    (store,) = make_stores(tmp_path, geo)
+    rng = np.random.default_rng(17)
+    store.write_blocks("s", np.arange(2), random_blocks(rng, geo, 2))
+    assert store.commit_manifest("s")
+    real = ssd_store.unlink_missing_ok
+
+    def broken(path: str) -> None:
+        raise OSError(errno.EIO, "injected")
+    monkeypatch.setattr(ssd_store, "unlink_missing_ok", broken)
+    store.drop_session_later("s")
+    with pytest.raises(SsdIoError, match="dropping session"):
+        store.write_blocks("s", np.array([5]), random_blocks(rng, geo, 1))
+    monkeypatch.setattr(ssd_store, "unlink_missing_ok", real)
+    store.drop_session("s")
+    assert store.list_sessions() == [] and not segment_path(tmp_path, "s", 0).exists()
+    store.close()
+
+
 def test_restart_sees_complete_sessions_and_ignores_incomplete_ones(tmp_path: Path) -> None:
     geo = geometry(ALIGNED, tp_size=2)
     stores = make_stores(tmp_path, geo)

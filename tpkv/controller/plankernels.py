@@ -21,13 +21,9 @@ HEAT, LRU, LRUK = 0, 1, 2  # PolicyConfig.kind
 
 
 @_jit
-def candidates(f0: A, f1: A, f2: A, count: A, kind: int, attn_sum: A, length: A,
-               first_run: A, kth_run: A, tick: int, w_attn: float,
-               w_recency: float) -> tuple[A, A, A, A]:
-    """Sessions set in none of the forbid flags f0..f2 (an empty array: not used) with
-    count > 0 on the tier, with their eviction keys (policy.eviction_keys_of: heat = w_attn *
-    mean attention + w_recency / (1 + ticks since the latest run); the K-th latest run breaks
-    ties) and their block counts there."""
+def _unforbidden(f0: A, f1: A, f2: A, count: A) -> A:
+    """Sessions with count > 0 set in none of the forbid flags f0..f2 (an empty array: not
+    used), ascending."""
     n = len(count)
     cand = np.empty(n, dtype=np.int64)
     k = 0
@@ -36,6 +32,19 @@ def candidates(f0: A, f1: A, f2: A, count: A, kind: int, attn_sum: A, length: A,
                                  or (len(f2) > 0 and f2[s])):
             cand[k] = s
             k += 1
+    return cand[:k]
+
+
+@_jit
+def candidates(f0: A, f1: A, f2: A, count: A, kind: int, attn_sum: A, length: A,
+               first_run: A, kth_run: A, tick: int, w_attn: float,
+               w_recency: float) -> tuple[A, A, A, A]:
+    """Sessions set in none of the forbid flags f0..f2 (an empty array: not used) with
+    count > 0 on the tier, with their eviction keys (policy.eviction_keys_of: heat = w_attn *
+    mean attention + w_recency / (1 + ticks since the latest run); the K-th latest run breaks
+    ties) and their block counts there."""
+    cand = _unforbidden(f0, f1, f2, count)
+    k = len(cand)
     primary = np.empty(k, dtype=np.float64)
     secondary = np.empty(k, dtype=np.float64)
     sizes = np.empty(k, dtype=np.int64)
@@ -54,7 +63,7 @@ def candidates(f0: A, f1: A, f2: A, count: A, kind: int, attn_sum: A, length: A,
             primary[i], secondary[i] = last, kth
         else:
             primary[i], secondary[i] = kth, last
-    return cand[:k].copy(), primary, secondary, sizes
+    return cand.copy(), primary, secondary, sizes
 
 
 @_jit
@@ -74,14 +83,8 @@ def coldest_candidates(f0: A, f1: A, f2: A, count: A, kind: int, attn_sum: A, le
     and popping each victim (numpy's partition and lexsort before that: 2x slower again with
     cold caches). The heap is emptied warmest first into its own back. One loop sifts down
     for the pass and the emptying (a helper function doubled the compile time)."""
-    n = len(count)
-    cand = np.empty(n, dtype=np.int64)
-    k = 0
-    for s in range(n):
-        if count[s] > 0 and not ((len(f0) > 0 and f0[s]) or (len(f1) > 0 and f1[s])
-                                 or (len(f2) > 0 and f2[s])):
-            cand[k] = s
-            k += 1
+    cand = _unforbidden(f0, f1, f2, count)
+    k = len(cand)
     # Candidates that entered the heap, in the order they did (so by session: the last key).
     kp = np.empty(k, dtype=np.float64)
     ks = np.empty(k, dtype=np.float64)

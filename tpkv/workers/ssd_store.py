@@ -110,6 +110,10 @@ class SsdStore:
                 f"{self.record_bytes}-byte record plus its {ALIGN_BYTES}-byte header")
         self._backend = select_backend(config)
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix=f"tpkv-l3-r{rank}")
+        # drop_session_later: one thread deletes sessions' files in the order asked; any later
+        # call about such a session waits for its delete first (_await_drop).
+        self._janitor = ThreadPoolExecutor(1, thread_name_prefix=f"tpkv-l3-drop-r{rank}")
+        self._dropping: dict[str, Future[int]] = {}  # session hash (hex) -> its pending delete
         self._lock = threading.Lock()  # guards the usage accounting
         self._stripes = [threading.Lock() for _ in range(_NUM_LOCK_STRIPES)]
         self._io = SegmentIo(self.block_bytes)
@@ -146,6 +150,7 @@ class SsdStore:
         if len(indices) == 0:
             return 0
         paths = self._paths(sid)
+        self._await_drop(paths)
         with self._stripe(paths):
             try:
                 self._check_dir(paths.dir, create=True)
@@ -175,6 +180,7 @@ class SsdStore:
         hits = np.zeros(len(indices), dtype=bool)
         if len(indices):
             try:
+                self._await_drop(self._paths(sid))
                 self._read_session(sid, indices, out, hits)
             except FileNotFoundError as exc:
                 log.debug("L3 rank %d: session %s not on disk: %s", self.rank, sid, exc)
@@ -197,6 +203,7 @@ class SsdStore:
         """Mark a session complete if every rank's commit exists and all agree on the indices."""
         sid = validate_session_id(session_id)
         paths = self._paths(sid)
+        self._await_drop(paths)
         if not self._check_dir(paths.dir, create=False):
             return False
         commits: list[CommitRecord] = []
@@ -227,6 +234,7 @@ class SsdStore:
 
     def list_sessions(self) -> list[str]:
         """Ids of sessions this rank can serve: valid manifest, agreeing commit, whole segment."""
+        self._await_drops()
         found: list[str] = []
         for sub in self._fanout_dirs():
             with os.scandir(sub) as entries:
@@ -253,6 +261,7 @@ class SsdStore:
         """Sorted logical indices this rank can serve for a session (empty if none)."""
         sid = validate_session_id(session_id)
         try:
+            self._await_drop(self._paths(sid))
             return np.unique(self._view(self._paths(sid), sid)[0].logical_indices)
         except (SsdError, OSError):
             return np.zeros(0, dtype=np.int64)
@@ -261,7 +270,9 @@ class SsdStore:
         """Sorted logical indices in this rank's own commit of a session (empty if none): what
         it wrote, whether or not the manifest (every rank's writes) covers them yet."""
         try:
-            commit = self._own_commit(self._paths(validate_session_id(session_id)))
+            paths = self._paths(validate_session_id(session_id))
+            self._await_drop(paths)
+            commit = self._own_commit(paths)
         except (SsdError, OSError):
             return np.zeros(0, dtype=np.int64)
         return np.unique(commit.logical_indices)
@@ -270,6 +281,24 @@ class SsdStore:
         """Delete the manifest and this rank's files of a session; return the bytes freed."""
         sid = validate_session_id(session_id)
         paths = self._paths(sid)
+        try:
+            self._await_drop(paths)
+        except SsdIoError as exc:  # the files are still there: this delete tries again
+            log.warning("%s", exc)
+        return self._drop(sid, paths)
+
+    def drop_session_later(self, session_id: str) -> None:
+        """drop_session on a background thread, so that the caller (a step) does not wait for
+        the file system (on the H200's disk, deleting a loaded-back session's segment held a
+        step for ~100 ms). Its room counts as free at once; every later call about the session
+        waits for the delete first, list_sessions and close for all of them."""
+        sid = validate_session_id(session_id)
+        paths = self._paths(sid)
+        with self._lock:
+            self._usage_total -= self._usage.pop(paths.hex, 0)
+            self._dropping[paths.hex] = self._janitor.submit(self._drop, sid, paths)
+
+    def _drop(self, sid: str, paths: _Paths) -> int:
         with self._stripe(paths):
             if self._check_dir(paths.dir, create=False):
                 segment, commit = paths.segment(self.rank), paths.commit(self.rank)
@@ -288,7 +317,34 @@ class SsdStore:
         return freed
 
     def close(self) -> None:
+        self._janitor.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+
+    def _await_drop(self, paths: _Paths) -> None:
+        """Wait for a pending drop_session_later of this session; SsdIoError if it failed (its
+        files may still be there: reads miss, writes fail, and a drop_session retries)."""
+        with self._lock:
+            fut = self._dropping.get(paths.hex)
+        if fut is None:
+            return
+        try:
+            fut.result()
+        finally:
+            with self._lock:
+                if self._dropping.get(paths.hex) is fut:
+                    del self._dropping[paths.hex]
+
+    def _await_drops(self) -> None:
+        with self._lock:
+            pending = list(self._dropping.values())
+        for fut in pending:
+            try:
+                fut.result()
+            except SsdIoError as exc:
+                log.warning("%s", exc)
+        with self._lock:
+            for key in [k for k, f in self._dropping.items() if f.done()]:
+                del self._dropping[key]
 
     def __enter__(self) -> SsdStore:
         return self

@@ -129,8 +129,8 @@ class Worker:
             if gone:
                 self.executor.wait_spills(time.monotonic() + self.config.wait_timeout_s,
                                           names=set(gone))
-            for name in gone:
-                self.store.drop_session(name)
+            for name in gone:  # in the background: later calls about them wait for it
+                self.store.drop_session_later(name)
         self.executor.fence_compute(step.fresh_slots)
         self.tick = step.tick
         self.last_applied = applied
