@@ -164,10 +164,11 @@ class PlanExecutor:
         def h2d(i: np.ndarray) -> None:
             # In groups by the demotion piece each copy must wait for (none first): a copy
             # into slots a demotion is emptying starts once that piece is out, not all of it.
-            start = None
+            start = None  # of the first group: the span covers them all
             for after, rows in self._demotion_groups(plan.dst_slot[i], plan.src_slot[i]):
                 mark = self._mark("h2d", after)
-                start = start or mark
+                if start is None:
+                    start = mark
                 self._h2d(plan.src_slot[i[rows]], plan.dst_slot[i[rows]])
             self._span(out, "h2d", start)
             out.done[i], out.bytes_h2d = True, len(i) * block_bytes
