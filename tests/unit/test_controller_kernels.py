@@ -42,6 +42,19 @@ def test_candidates_match_the_policy_keys(kind: str) -> None:
     assert np.array_equal(sizes, count[want])
 
 
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 64, 67])
+def test_candidates_of_any_length(n: int) -> None:
+    """The candidate filter goes 8 sessions at a time, then the rest: every length, 3 flags."""
+    rng = np.random.default_rng(n)
+    forbid = [rng.random(n) < 0.3 for _ in range(3)]
+    count = rng.integers(0, 2, n).astype(np.int32)
+    zeros = np.zeros(n, dtype=np.int64)
+    cand = candidates(*forbid, count, LRU, zeros.astype(np.float64), zeros, zeros.astype(np.int32),
+                      zeros.astype(np.int32), 0, 1.0, 1.0)[0]
+    want = np.flatnonzero(~(forbid[0] | forbid[1] | forbid[2]) & (count > 0))
+    assert np.array_equal(cand, want)
+
+
 def test_select_victims_is_the_prefix_of_a_full_sort() -> None:
     """Its partial sort (only keys at or below the k-th smallest) gives what sorting every key
     by (primary, secondary, index) and cutting at `need` gives."""
