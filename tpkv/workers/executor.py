@@ -161,19 +161,21 @@ class PlanExecutor:
         block_bytes = self.hbm.block_bytes
         self.wait_spills(deadline)  # only those already done: their manifests are committed
 
-        def h2d(i: np.ndarray) -> None:
+        # A plan's moves touch disjoint slots (PlanBuilder), so either direction may go first:
+        # the promotions, which a resume waits for; the demotion pieces follow at once on their
+        # own stream (a next plan's promotions into the slots they empty wait for each piece).
+        if len(i := pick["h2d"]):
             # In groups by the demotion piece each copy must wait for (none first): a copy
             # into slots a demotion is emptying starts once that piece is out, not all of it.
             start = None  # of the first group: the span covers them all
-            for after, rows in self._demotion_groups(plan.dst_slot[i], plan.src_slot[i]):
-                mark = self._mark("h2d", after)
+            for piece, rows in self._demotion_groups(plan.dst_slot[i], plan.src_slot[i]):
+                mark = self._mark("h2d", piece)
                 if start is None:
                     start = mark
                 self._h2d(plan.src_slot[i[rows]], plan.dst_slot[i[rows]])
             self._span(out, "h2d", start)
             out.done[i], out.bytes_h2d = True, len(i) * block_bytes
-
-        def d2h(i: np.ndarray) -> None:
+        if len(i := pick["d2h"]):
             self.wait_spills(deadline, slots=plan.dst_slot[i])
             src, dst = plan.src_slot[i], plan.dst_slot[i]
             if self.defer_d2h and demotions_only:
@@ -185,13 +187,6 @@ class PlanExecutor:
             else:
                 self._demote(src, dst, prev_h2d, out)
             out.done[i], out.bytes_d2h = True, len(i) * block_bytes
-
-        # A plan's moves touch disjoint slots (PlanBuilder), so either direction may go first:
-        # the promotions, which a resume waits for; the demotion pieces follow at once on their
-        # own stream (a next plan's promotions into the slots they empty wait for each piece).
-        for issue, rows in ((h2d, pick["h2d"]), (d2h, pick["d2h"])):
-            if len(rows):
-                issue(rows)
         jobs: list[tuple[str, np.ndarray, Future[Any]]] = []
         if self.store is None:
             if len(pick["spill"]) or len(pick["load"]):
@@ -444,16 +439,11 @@ class PlanExecutor:
 
     def _demotion_into(self, l1_slots: np.ndarray, l2_slots: np.ndarray | None
                        ) -> CopyHandle | None:
-        """The newest L1 -> L2 batch still running that reads one of `l1_slots` or writes one
+        """The newest L1 -> L2 piece still running that reads one of `l1_slots` or writes one
         of `l2_slots` (the d2h stream runs in order: waiting for it waits for all before it)."""
-        while self.demotions and self.demotions[0].handle.done():
-            self.demotions.popleft()
         l1 = np.asarray(l1_slots, dtype=np.int64)
-        l2 = None if l2_slots is None else np.asarray(l2_slots, dtype=np.int64)
-        for d in reversed(self.demotions):
-            if _meets(d.l1, l1) or (l2 is not None and _meets(d.l2, l2)):
-                return d.handle
-        return None
+        l2 = np.full(len(l1), -1, dtype=np.int64) if l2_slots is None else l2_slots  # no slot
+        return self._demotion_groups(l1, l2)[-1][0]
 
     def _demotion_groups(self, l1_slots: np.ndarray, l2_slots: np.ndarray
                          ) -> list[tuple[CopyHandle | None, np.ndarray]]:

@@ -260,9 +260,10 @@ class SsdStore:
     def session_indices(self, session_id: str) -> np.ndarray:
         """Sorted logical indices this rank can serve for a session (empty if none)."""
         sid = validate_session_id(session_id)
+        paths = self._paths(sid)
         try:
-            self._await_drop(self._paths(sid))
-            return np.unique(self._view(self._paths(sid), sid)[0].logical_indices)
+            self._await_drop(paths)
+            return np.unique(self._view(paths, sid)[0].logical_indices)
         except (SsdError, OSError):
             return np.zeros(0, dtype=np.int64)
 
@@ -323,28 +324,29 @@ class SsdStore:
     def _await_drop(self, paths: _Paths) -> None:
         """Wait for a pending drop_session_later of this session; SsdIoError if it failed (its
         files may still be there: reads miss, writes fail, and a drop_session retries)."""
+        self._await_drop_of(paths.hex)
+
+    def _await_drop_of(self, key: str) -> None:
         with self._lock:
-            fut = self._dropping.get(paths.hex)
+            fut = self._dropping.get(key)
         if fut is None:
             return
         try:
             fut.result()
         finally:
             with self._lock:
-                if self._dropping.get(paths.hex) is fut:
-                    del self._dropping[paths.hex]
+                if self._dropping.get(key) is fut:
+                    del self._dropping[key]
 
     def _await_drops(self) -> None:
+        """Wait for every pending drop_session_later (a failed one is logged)."""
         with self._lock:
-            pending = list(self._dropping.values())
-        for fut in pending:
+            keys = list(self._dropping)
+        for key in keys:
             try:
-                fut.result()
+                self._await_drop_of(key)
             except SsdIoError as exc:
                 log.warning("%s", exc)
-        with self._lock:
-            for key in [k for k, f in self._dropping.items() if f.done()]:
-                del self._dropping[key]
 
     def __enter__(self) -> SsdStore:
         return self
