@@ -60,8 +60,12 @@ class Sizes:
     l1_reuse: str = "oldest"
     # PolicyConfig.l2_reuse: "oldest" gives an L3 load L2 slots whose spill is long done.
     l2_reuse: str = "oldest"
+    # SsdConfig.reads_first: spills pause between 16 MiB pieces while a resume reads L3.
+    reads_first: int = 1
     seed: int = 0
-    # 1: cProfile the resume steps (host time by function, in the config's "profile_top")
+    # 1: cProfile the resume steps (host time by function, in the config's "profile_top");
+    # 2: the decode steps, those with tier traffic and those without apart ("profile_traffic_top",
+    # "profile_quiet_top", ms per step)
     profile: int = 0
 
 
@@ -141,6 +145,13 @@ def main() -> None:
         print("== (d) transformers, DynamicCache(offloading=True)", flush=True)
         results["d"] = run_hf(sizes, contexts, device)
         print(json.dumps(summary_line(results["d"])), flush=True)
+    # Again at the end: ratios use the first, this says whether it held through the run.
+    head["ceilings_gbps_end"] = end = ceilings(device, ssd_root)
+    print("ceilings at the end (GB/s):", {k: round(v, 2) for k, v in end.items()}, flush=True)
+    moved = {k: round(end[k] / ceil[k], 2) for k in ceil if abs(end[k] / ceil[k] - 1) > 0.1}
+    if moved:
+        print(f"warning: ceilings moved by more than 10% during the run (end / start): {moved}",
+              flush=True)
     out = write(args.out, head, results, started)
     print(json.dumps(out["ratios"], indent=1))
     if not args.ssd_dir:

@@ -68,12 +68,12 @@ def ceilings(device: torch.device, ssd_root: str) -> dict[str, float]:
 
 def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool,
                layer_events: int = 1, l1_reuse: str = "newest",
-               l2_reuse: str = "newest") -> TpkvConfig:
+               l2_reuse: str = "newest", reads_first: bool = True) -> TpkvConfig:
     g = model.kv_geometry(tp_size=1, block_tokens=block_tokens)
     bb = g.block_bytes
     l2 = max(s.l2_bytes, bb)
     l3 = (SsdConfig(root=str(Path(s.ssd_root) / f"l3-{s.key}"), budget_bytes=s.l3_bytes,
-                    o_direct=cuda, io_threads=8 if cuda else 2)
+                    o_direct=cuda, io_threads=8 if cuda else 2, reads_first=reads_first)
           if s.ssd_root else SsdConfig())
     # Automatic pins off: at these sizes 10% of all blocks is about the whole L1 budget.
     extra: dict[str, Any] = {"prefill_tokens_per_s": _SLOW_PREFILL} if s.always_load else {}
@@ -93,7 +93,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
     cuda = device.type == "cuda"
     model = model_for(sizes.model, device)
     cfg = config_for(s, model, sizes.block_tokens, cuda, sizes.layer_events,
-                     sizes.l1_reuse, sizes.l2_reuse)
+                     sizes.l1_reuse, sizes.l2_reuse, bool(sizes.reads_first))
     bt, bb = sizes.block_tokens, cfg.geometry.block_bytes
     l1_blocks = cfg.l1.slots(cfg.geometry)
     longest = max(contexts) + (sizes.rounds - 1) * (sizes.user_tokens + sizes.gen_tokens) + 1
@@ -112,6 +112,9 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         r = Rounds(tiered, sizes, contexts, bb, ceil).run()
         eng = rt.worker.engine  # how well the slot placement let copies merge into runs
         r["copy_blocks"], r["copy_descriptors"] = dict(eng.num_blocks), dict(eng.num_descriptors)
+        gate = getattr(rt.worker.store, "_gate", None)
+        if gate is not None:  # spill pieces that waited for a resume's reads (reads_first)
+            r["l3_write_pauses"] = gate.num_pauses
     finally:
         rt.close()
         gc.collect()
@@ -121,6 +124,15 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
               "l3_gib": s.l3_bytes / GiB if s.ssd_root else 0.0, "max_batch": max_batch,
               "block_bytes": bb, "wall_s": round(time.perf_counter() - t_start, 1)})
     return r
+
+
+def _top(stats: pstats.Stats, n: int, unit: str, rows: int = 40) -> list[dict[str, Any]]:
+    """The functions with the most own time, per one of the n profiled steps."""
+    top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:rows]  # type: ignore
+    return [{"fn": f"{Path(f).name}:{line}({name})", "calls": v[1],
+             f"tottime_{unit}": round(v[2] * 1e3 / n, 4),
+             f"cumtime_{unit}": round(v[3] * 1e3 / n, 4)}
+            for (f, line, name), v in top]
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -140,7 +152,11 @@ class Rounds:
         self.failures: list[str] = []
         self.held_after_fill = 0
         self.traffic: list[dict[str, Any]] = []  # decode steps with moves: parts and copies
-        self.profile = cProfile.Profile() if getattr(sizes, "profile", 0) else None
+        mode = getattr(sizes, "profile", 0)
+        self.profile = cProfile.Profile() if mode == 1 else None
+        # mode 2: each decode step profiled alone, then added to the traffic or the quiet sum
+        self.step_stats: dict[str, tuple[pstats.Stats | None, int]] | None = (
+            {"traffic": (None, 0), "quiet": (None, 0)} if mode == 2 else None)
 
     def run(self) -> dict[str, Any]:
         sizes, names = self.sizes, [f"s{i}" for i in range(len(self.contexts))]
@@ -179,12 +195,25 @@ class Rounds:
             profiled = self.profile is not None and rnd > 0 and kind == "prefill"
             if profiled:  # the host side of a resume: its schedule and wait, not the forward
                 e.schedule, e.wait = self._profiled(self.tiered.schedule, self.tiered.wait)
+            step_prof = (cProfile.Profile() if self.step_stats is not None and rnd > 0
+                         and kind == "decode" else None)
             t0 = time.perf_counter()
-            e.step()
+            if step_prof is not None:
+                step_prof.runcall(e.step)
+            else:
+                e.step()
             ms = (time.perf_counter() - t0) * 1e3
             if profiled:
                 e.schedule, e.wait = self.tiered.schedule, self.tiered.wait
             moved = {k: st.moves[k] - moves0[k] for k in st.moves}
+            if step_prof is not None and self.step_stats is not None:
+                key = "traffic" if any(moved.values()) else "quiet"
+                acc, n = self.step_stats[key]
+                if acc is None:
+                    acc = pstats.Stats(step_prof)
+                else:
+                    acc.add(step_prof)
+                self.step_stats[key] = (acc, n + 1)
             tokens += batch
             if kind == "decode":
                 self.steps.append((ms, any(moved.values()), batch))
@@ -260,14 +289,12 @@ class Rounds:
                 k: _pct([r[k] for r in self.traffic if k in r], 50)
                 for k in self.traffic[-1] if k.endswith("_ms")}
         if self.profile is not None:
-            stats = pstats.Stats(self.profile)
-            rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:40]  # type: ignore
-            n = max(1, sum(1 for r in self.resumes))
-            out["profile_top"] = [
-                {"fn": f"{Path(f).name}:{line}({name})", "calls": v[1],
-                 "tottime_ms_per_resume": round(v[2] * 1e3 / n, 4),
-                 "cumtime_ms_per_resume": round(v[3] * 1e3 / n, 4)}
-                for (f, line, name), v in rows]
+            out["profile_top"] = _top(pstats.Stats(self.profile), max(1, len(self.resumes)),
+                                      "ms_per_resume")
+        for key, (acc, n) in (self.step_stats or {}).items():
+            if acc is not None:
+                out[f"profile_{key}_steps"] = n
+                out[f"profile_{key}_top"] = _top(acc, n, "ms_per_step")
         for src in ("l1", "l2", "l3", "recompute"):
             rs = [r for r in self.resumes if r["source"] == src]
             if not rs:

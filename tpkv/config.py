@@ -199,6 +199,9 @@ class SsdConfig:
     io_threads: int = 4
     high_watermark: float = 0.90
     low_watermark: float = 0.75
+    # Writes (spills) go out in pieces and pause between them while this rank reads (a resume
+    # waits for its reads, not for spills; the disk splits its bandwidth between the two).
+    reads_first: bool = True
 
     def __post_init__(self) -> None:
         _check_positive("L3 budget_bytes", self.budget_bytes)

@@ -332,6 +332,50 @@ def test_large_batches_are_few_syscalls_and_aligned_buffers_are_not_copied(
             np.testing.assert_array_equal(got, want)
 
 
+def test_writes_pause_between_pieces_while_a_read_is_in_flight(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """reads_first: a write goes out in pieces and waits before each while this rank reads; it
+    finishes, bit-exact, once the read ends (and after _PAUSE_MAX_S a piece if reads never end);
+    with reads_first off it never waits."""
+    import threading
+
+    from tpkv.workers import ssd_segment, ssd_store
+
+    geo = geometry(ALIGNED)
+    record = geo.block_bytes + PAGE
+    monkeypatch.setattr(ssd_segment, "WRITE_PIECE_BYTES", 3 * record)  # 10 blocks: 4 pieces
+    monkeypatch.setattr(ssd_store, "_PAUSE_MAX_S", 30.0)
+    pieces: list[int] = []
+    real_pwritev = os.pwritev
+    monkeypatch.setattr(ssd_backend.os, "pwritev",
+                        lambda fd, bufs, off: pieces.append(off) or real_pwritev(fd, bufs, off))
+    (store,) = make_stores(tmp_path, geo, o_direct=False)
+    rng = np.random.default_rng(31)
+    blocks = random_blocks(rng, geo, 10, aligned=True)
+    with store._gate.reading():  # a read in flight
+        fut = store.submit_write("s", np.arange(10), blocks)
+        threading.Event().wait(0.3)
+        assert not fut.done() and store._gate.num_pauses == 1
+        assert pieces == [0]  # the segment header only: the first piece waits
+    assert fut.result(timeout=30) > 0
+    assert len(pieces) == 1 + 4  # header, then 3 + 3 + 3 + 1 records
+    assert store.commit_manifest("s")
+    out = empty_out(geo, 10, aligned=True)
+    assert store.read_blocks("s", np.arange(10), out).all()
+    for got, want in zip(out, blocks):
+        np.testing.assert_array_equal(got, want)
+    # Reads that never end hold each piece back at most _PAUSE_MAX_S.
+    monkeypatch.setattr(ssd_store, "_PAUSE_MAX_S", 0.01)
+    with store._gate.reading():
+        assert store.write_blocks("t", np.arange(10), blocks) > 0
+    assert store._gate.num_pauses == 1 + 4
+    store.close()
+    (plain,) = make_stores(tmp_path / "plain", geo, o_direct=False, reads_first=False)
+    assert plain._gate is None
+    assert plain.write_blocks("s", np.arange(10), blocks) > 0
+    plain.close()
+
+
 def test_write_protocol_fsyncs_before_each_rename(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     events: list[tuple[str, ...]] = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from tpkv.workers.ssd_format import (
 log = logging.getLogger(__name__)
 
 STAGE_BYTES = 32 << 20  # most payload bytes staged through the aligned buffer per syscall
+# With a pause between writes (SsdConfig.reads_first): the most bytes one pwritev carries, so that
+# a read waits behind at most this much of a spill per writing thread.
+WRITE_PIECE_BYTES = 16 << 20
 _IOVECS_PER_RECORD = 3  # header, payload, padding
 
 
@@ -80,9 +83,13 @@ class SegmentIo:
     def _staged(self, f: BlockFile, bufs: Sequence[np.ndarray]) -> list[bool]:
         return [f.direct and not is_direct_capable(b) for b in bufs]
 
-    def _chunk_end(self, start: int, staged: Sequence[bool]) -> tuple[int, int]:
-        """End of the chunk from `start`: at most IOV_MAX iovecs and STAGE_BYTES staged."""
+    def _chunk_end(self, start: int, staged: Sequence[bool],
+                   max_bytes: int | None = None) -> tuple[int, int]:
+        """End of the chunk from `start`: at most IOV_MAX iovecs, STAGE_BYTES staged and
+        max_bytes of records (at least one record)."""
         max_records = max(1, IOV_MAX // _IOVECS_PER_RECORD)
+        if max_bytes is not None:
+            max_records = min(max_records, max(1, max_bytes // self.record_bytes))
         end, num_staged = start, 0
         while end < len(staged) and end - start < max_records:
             if staged[end]:
@@ -94,12 +101,16 @@ class SegmentIo:
 
     def write_records(self, f: BlockFile, ident: SegmentIdentity, indices: np.ndarray,
                       blocks: Sequence[np.ndarray], first_record_no: int,
-                      offset_bytes: int) -> None:
-        """One record per block, contiguous from offset_bytes, numbered from first_record_no."""
+                      offset_bytes: int, pause: Callable[[], None] | None = None) -> None:
+        """One record per block, contiguous from offset_bytes, numbered from first_record_no.
+        With `pause`, in pieces of WRITE_PIECE_BYTES, calling pause() before each."""
         staged = self._staged(f, blocks)
         start = 0
         while start < len(blocks):
-            end, num_staged = self._chunk_end(start, staged)
+            end, num_staged = self._chunk_end(start, staged,
+                                              None if pause is None else WRITE_PIECE_BYTES)
+            if pause is not None:
+                pause()
             num = end - start
             scratch = self.buffer("scratch", num * ALIGN_BYTES + num_staged * self.padded_bytes)
             crcs = crc_many(blocks[start:end])
