@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.e2e_run import Setting, ceilings, run_tiered  # noqa: E402
+from bench.e2e_run import Setting, ceilings, rerate, run_tiered  # noqa: E402
 from tpkv.config import GiB  # noqa: E402
 
 
@@ -145,13 +145,21 @@ def main() -> None:
         print("== (d) transformers, DynamicCache(offloading=True)", flush=True)
         results["d"] = run_hf(sizes, contexts, device)
         print(json.dumps(summary_line(results["d"])), flush=True)
-    # Again at the end: ratios use the first, this says whether it held through the run.
+    # Again at the end: the link and the disk move between minutes (the disk by 10-20%). A
+    # ceiling is what they can do, so the resumes are held against the faster of the two.
+    head["ceilings_gbps_start"] = dict(ceil)
     head["ceilings_gbps_end"] = end = ceilings(device, ssd_root)
     print("ceilings at the end (GB/s):", {k: round(v, 2) for k, v in end.items()}, flush=True)
     moved = {k: round(end[k] / ceil[k], 2) for k in ceil if abs(end[k] / ceil[k] - 1) > 0.1}
     if moved:
         print(f"warning: ceilings moved by more than 10% during the run (end / start): {moved}",
               flush=True)
+    if any(end[k] > ceil[k] for k in ceil):
+        best = {k: max(ceil[k], end[k]) for k in ceil}
+        head["ceilings_gbps"] = best
+        for key, r in results.items():
+            if key not in ("d", "e"):
+                rerate(r, best)
     out = write(args.out, head, results, started)
     print(json.dumps(out["ratios"], indent=1))
     if not args.ssd_dir:

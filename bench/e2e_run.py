@@ -232,12 +232,11 @@ class Rounds:
                else "l1")
         resume_ms = ms if src in ("recompute", "l1") else 1e3 * st.resume_s[src][-1]
         b2, b3 = moved["l2_l1"] * self.bb, moved["l3_l2"] * self.bb
-        ceiling_ms = None
-        if src in ("l2", "l3") and "h2d" in self.ceil:
-            ceiling_ms = 1e3 * (b2 / (self.ceil["h2d"] * 1e9) + b3 / (self.ceil["disk_read"] * 1e9))
+        ceil_ms = (ceiling_ms(b2, b3, self.ceil) if src in ("l2", "l3") and "h2d" in self.ceil
+                   else None)
         self.resumes.append({"session": session, "source": src, "resume_ms": round(resume_ms, 3),
                              "ttft_ms": round(ms, 3), "bytes_l2_l1": b2, "bytes_l3_l2": b3,
-                             "ceiling_ms": None if ceiling_ms is None else round(ceiling_ms, 3),
+                             "ceiling_ms": None if ceil_ms is None else round(ceil_ms, 3),
                              **self._parts(), "trace": self.tiered.last_trace})
 
     def _profiled(self, *fns: Any) -> list[Any]:
@@ -295,19 +294,39 @@ class Rounds:
             if acc is not None:
                 out[f"profile_{key}_steps"] = n
                 out[f"profile_{key}_top"] = _top(acc, n, "ms_per_step")
-        for src in ("l1", "l2", "l3", "recompute"):
-            rs = [r for r in self.resumes if r["source"] == src]
-            if not rs:
-                continue
-            vals = [r["resume_ms"] for r in rs]
-            out["resumes_by_source"][src] = len(rs)
-            out[f"resume_ms_p50_{src}"] = _pct(vals, 50)
-            out[f"resume_ms_p99_{src}"] = _pct(vals, 99)
-            out[f"ttft_ms_p50_{src}"] = _pct([r["ttft_ms"] for r in rs], 50)
-            ratio = [r["resume_ms"] / r["ceiling_ms"] for r in rs if r["ceiling_ms"]]
-            if ratio:
-                out["resume_vs_ceiling"][src] = _pct(ratio, 50)
-                out[f"ceiling_ms_p50_{src}"] = _pct([r["ceiling_ms"] for r in rs], 50)
-        resumed = [r["resume_ms"] for r in self.resumes]
-        out["resume_ms_p50"], out["resume_ms_p99"] = _pct(resumed, 50), _pct(resumed, 99)
+        out.update(resume_summary(self.resumes))
         return out
+
+
+def ceiling_ms(bytes_l2_l1: int, bytes_l3_l2: int, ceil: dict[str, float]) -> float:
+    """(e) for one resume: its bytes at the measured speeds, the disk read then the copy."""
+    return 1e3 * (bytes_l2_l1 / (ceil["h2d"] * 1e9) + bytes_l3_l2 / (ceil["disk_read"] * 1e9))
+
+
+def resume_summary(resumes: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per source tier: count, resume and first-token percentiles, ratio to the ceiling."""
+    out: dict[str, Any] = {"resumes_by_source": {}, "resume_vs_ceiling": {}}
+    for src in ("l1", "l2", "l3", "recompute"):
+        rs = [r for r in resumes if r["source"] == src]
+        if not rs:
+            continue
+        vals = [r["resume_ms"] for r in rs]
+        out["resumes_by_source"][src] = len(rs)
+        out[f"resume_ms_p50_{src}"] = _pct(vals, 50)
+        out[f"resume_ms_p99_{src}"] = _pct(vals, 99)
+        out[f"ttft_ms_p50_{src}"] = _pct([r["ttft_ms"] for r in rs], 50)
+        ratio = [r["resume_ms"] / r["ceiling_ms"] for r in rs if r["ceiling_ms"]]
+        if ratio:
+            out["resume_vs_ceiling"][src] = _pct(ratio, 50)
+            out[f"ceiling_ms_p50_{src}"] = _pct([r["ceiling_ms"] for r in rs], 50)
+    resumed = [r["resume_ms"] for r in resumes]
+    out["resume_ms_p50"], out["resume_ms_p99"] = _pct(resumed, 50), _pct(resumed, 99)
+    return out
+
+
+def rerate(result: dict[str, Any], ceil: dict[str, float]) -> None:
+    """Hold a configuration's resumes against other ceilings (in place)."""
+    for r in result.get("resume_records", []):
+        if r.get("ceiling_ms") is not None:
+            r["ceiling_ms"] = round(ceiling_ms(r["bytes_l2_l1"], r["bytes_l3_l2"], ceil), 3)
+    result.update(resume_summary(result.get("resume_records", [])))
