@@ -250,10 +250,12 @@ def main() -> None:
             w.cpu_us, w.prepare_us = [], []
             rebuilds = dict(c.order_rebuilds)
             ab: dict[bool, list[np.ndarray]] = {True: [], False: []}
+            ab_cpu: dict[bool, list[float]] = {True: [], False: []}
             if args.ab:
                 for i in range(0, args.steps, 50):
                     w.prepare = (i // 50) % 2 == 0
                     ab[w.prepare].append(w.run(min(50, args.steps - i)))
+                    ab_cpu[w.prepare] += w.cpu_us[-len(ab[w.prepare][-1]):]
                 lat = np.concatenate(ab[True] + ab[False])
                 w.prepare = True
             else:
@@ -299,6 +301,8 @@ def main() -> None:
                     a = np.concatenate(ab[on])
                     run[f"schedule_p50_us_{name}"] = float(np.percentile(a, 50))
                     run[f"schedule_p99_us_{name}"] = float(np.percentile(a, 99))
+                    run[f"schedule_cpu_p50_us_{name}"] = float(np.percentile(ab_cpu[on], 50))
+                    run[f"schedule_cpu_p99_us_{name}"] = float(np.percentile(ab_cpu[on], 99))
             if digest is not None:
                 run["results_sha256"] = digest
             run.update(count_calls(w, 100))  # after the timed runs (not in digest or events)
