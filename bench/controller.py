@@ -1,6 +1,7 @@
 """Controller benchmark: schedule() latency for a 1024-session step at 1M and 10M tracked blocks.
 
     python bench/controller.py [--sizes 1000000 10000000] [--steps 1000] [--no-actor] [--digest]
+                               [--no-prepare | --ab]
 
 CPU only. Builds a population through schedule() itself (prefill steps, demotions and spills
 happen on the way), runs until no tier drains any more (the bulk load leaves L1 and L2 above
@@ -13,6 +14,12 @@ time, each run records the thread CPU time of schedule() and, from 100 more step
 cProfile, the calls per step (all, and numpy's): measures that a machine shared with other work
 disturbs less. With --digest, each run also records a sha256 over every StepResult (outside the
 timed region), to check that a faster controller returns exactly what the slower one did.
+
+Between steps the loop calls Controller.prepare(), as the engine does after launching a
+forward and the actor after replying: it runs off the critical path, and is timed on its own
+(prepare_p50_us, prepare_p99_us), never inside the schedule numbers. --no-prepare leaves it
+out; --ab alternates 50-step blocks with and without it in one process (schedule_*_prepared,
+schedule_*_unprepared). The results (and their hash) are the same in every mode.
 """
 
 from __future__ import annotations
@@ -110,6 +117,8 @@ class Workload:
         self.nxt: list[str] = []
         self.hasher: hashlib._Hash | None = None  # set: every StepResult is digested
         self.cpu_us: list[float] = []  # thread CPU time of each schedule() call
+        self.prepare = True  # call Controller.prepare() between steps (timed apart)
+        self.prepare_us: list[float] = []  # wall time of each prepare() call
 
     def run(self, steps: int, use_handles: bool = True, swap: int = SWAP) -> np.ndarray:
         """schedule() latencies in us (Python's GC stays on, as it would in the actor)."""
@@ -124,6 +133,10 @@ class Workload:
             ids = (np.array([self.handles[n] for n in self.batch], dtype=np.int64)
                    if use_handles else self.batch)
             upcoming = {n: 1 for n in self.nxt}
+            if self.prepare:  # between steps, off the critical path: not in `lat`
+                start = time.perf_counter_ns()
+                c.prepare()
+                self.prepare_us.append((time.perf_counter_ns() - start) / 1e3)
             cpu = time.thread_time_ns()
             start = time.perf_counter_ns()
             res = c.schedule(ids, ones, upcoming)
@@ -199,6 +212,11 @@ def main() -> None:
     ap.add_argument("--no-actor", action="store_true")
     ap.add_argument("--digest", action="store_true",
                     help="record a sha256 over every StepResult of each run")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--no-prepare", action="store_true",
+                      help="never call Controller.prepare() between steps")
+    mode.add_argument("--ab", action="store_true",
+                      help="timed steps in 50-step blocks alternately with and without prepare()")
     ap.add_argument("--max-moves", type=int, default=PolicyConfig().max_moves_per_step,
                     help="PolicyConfig.max_moves_per_step")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "controller.json"))
@@ -215,6 +233,7 @@ def main() -> None:
             c, names = populate(n, d)
             build_s = time.perf_counter() - t0
             w = Workload(c, names)
+            w.prepare = not args.no_prepare
             if args.digest:
                 w.hasher = hashlib.sha256()
             # The bulk load leaves L1 and L2 above their high marks. Drain them as a bulk load
@@ -228,9 +247,22 @@ def main() -> None:
                 warm += 50
             c.config = config
             w.run(200)
-            w.cpu_us = []
-            lat = w.run(args.steps)
+            w.cpu_us, w.prepare_us = [], []
+            rebuilds = dict(c.order_rebuilds)
+            ab: dict[bool, list[np.ndarray]] = {True: [], False: []}
+            ab_cpu: dict[bool, list[float]] = {True: [], False: []}
+            if args.ab:
+                for i in range(0, args.steps, 50):
+                    w.prepare = (i // 50) % 2 == 0
+                    ab[w.prepare].append(w.run(min(50, args.steps - i)))
+                    ab_cpu[w.prepare] += w.cpu_us[-len(ab[w.prepare][-1]):]
+                lat = np.concatenate(ab[True] + ab[False])
+                w.prepare = True
+            else:
+                lat = w.run(args.steps)
             cpu = np.array(w.cpu_us)
+            prep = np.array(w.prepare_us)
+            rebuilds = {k: v - rebuilds.get(k, 0) for k, v in c.order_rebuilds.items()}
             lat_names = w.run(max(args.steps // 4, 50), use_handles=False)
             lat_decode = w.run(max(args.steps // 4, 50), swap=0)
             digest = w.hasher.hexdigest() if w.hasher is not None else None
@@ -244,6 +276,10 @@ def main() -> None:
                 "schedule_max_us": float(lat.max()),
                 "schedule_cpu_p50_us": float(np.percentile(cpu, 50)),
                 "schedule_cpu_p99_us": float(np.percentile(cpu, 99)),
+                "prepare": ("alternate 50-step blocks" if args.ab else
+                            "off" if args.no_prepare else
+                            "between steps, off the critical path, timed apart"),
+                "eviction_order_rebuilds": rebuilds,
                 "schedule_p50_us_by_name": float(np.percentile(lat_names, 50)),
                 "decode_only_p50_us": float(np.percentile(lat_decode, 50)),
                 "decode_only_p99_us": float(np.percentile(lat_decode, 99)),
@@ -257,6 +293,16 @@ def main() -> None:
                 "tiers": {k: snap["tiers"][k]["used"] for k in ("L1", "L2", "L3")},
                 "events": dict(collections.Counter(e["kind"] for e in c.events)),
                 "build_s": round(build_s, 1), "warmup_steps": warm, "steps": args.steps}
+            if len(prep):
+                run["prepare_p50_us"] = float(np.percentile(prep, 50))
+                run["prepare_p99_us"] = float(np.percentile(prep, 99))
+            for on, name in ((True, "prepared"), (False, "unprepared")):
+                if ab[on]:
+                    a = np.concatenate(ab[on])
+                    run[f"schedule_p50_us_{name}"] = float(np.percentile(a, 50))
+                    run[f"schedule_p99_us_{name}"] = float(np.percentile(a, 99))
+                    run[f"schedule_cpu_p50_us_{name}"] = float(np.percentile(ab_cpu[on], 50))
+                    run[f"schedule_cpu_p99_us_{name}"] = float(np.percentile(ab_cpu[on], 99))
             if digest is not None:
                 run["results_sha256"] = digest
             run.update(count_calls(w, 100))  # after the timed runs (not in digest or events)

@@ -17,6 +17,8 @@ from tpkv.controller.plankernels import (
     not_on,
     record_choices,
     split_by_tier,
+    unit_keys,
+    walk_prepared,
 )
 from tpkv.controller.policy import eviction_keys_of, select_victims
 
@@ -158,3 +160,73 @@ def test_record_choices_costs_are_resume_costs_bit_for_bit() -> None:
     assert np.array_equal(choice[sess[has]], redo[has].astype(np.int8))
     assert (choice[sess[~has]] == -1).all()
     assert np.array_equal(load_out[sess[has]], want_load[has].astype(np.float32))
+
+
+def test_walk_prepared_is_coldest_candidates_of_the_table_now() -> None:
+    """An order prepared on one state (plankernels.coldest_candidates without flags, keys from
+    unit_keys), walked after some sessions changed (keys, counts; they are the stale ones) with
+    the step's flags, gives coldest_candidates on the new state exactly, or declines; it
+    declines only when the answer may lie past the prefix. The scratch marks end all zero."""
+    rng = np.random.default_rng(13)
+    empty = np.zeros(0, dtype=bool)
+    walked = 0
+    for trial in range(600):
+        n = int(rng.integers(1, 300 if trial % 4 else 4000))
+        kind = (HEAT, LRU, LRUK)[trial % 3]
+        tick = 1000
+        count = np.where(rng.random(n) < 0.3, 0, rng.integers(1, 60, n)).astype(np.int32)
+        attn_sum = (rng.random(n) * 10 if trial % 3 == 0 else
+                    np.where(rng.random(n) < 0.5, -0.0, 0.0))
+        length = rng.integers(0, 70, n).astype(np.int64)
+        first = rng.integers(-1, tick if trial % 2 else 20, n).astype(np.int32)
+        kth = np.minimum(first, rng.integers(-1, tick, n)).astype(np.int32)
+        size = int(rng.integers(1, 3000 if trial % 5 else 1 << 20))
+        prefix, ok = coldest_candidates(empty, empty, empty, count, kind, attn_sum, length,
+                                        first, kth, tick, 1.5, 2.0, size)
+        assert ok
+        primary, secondary = unit_keys(prefix, kind, attn_sum, length, first, kth, tick, 1.5,
+                                       2.0)
+        complete = int(count[prefix].sum()) < size
+        # The step: some sessions change (run, attention, blocks in or out, opened, closed).
+        stale = rng.choice(n, int(rng.integers(0, min(n, 40) + 1))).astype(np.int64)
+        count, attn_sum, first = count.copy(), attn_sum.copy(), first.copy()
+        for s in stale.tolist():
+            what = int(rng.integers(0, 4))
+            if what == 0:
+                count[s] = int(rng.integers(0, 60))
+            elif what == 1:
+                attn_sum[s] += float(rng.random() * 5)
+            elif what == 2:
+                first[s] = int(rng.integers(-1, tick))
+        lower = rng.random(n) < 0.5  # counts of other sessions may go down (moves out, drops)
+        lower[stale] = False
+        count[lower] = np.minimum(count[lower], rng.integers(0, 60, int(lower.sum())))
+        forbid = [rng.random(n) < 0.2, (rng.random(n) < 0.1) if trial % 2 else empty, empty]
+        need = int(rng.integers(-2, 4000 if trial % 7 else 1 << 20))
+        keys = (*forbid, count, kind, attn_sum, length, first, kth, tick, 1.5, 2.0)
+        mark = np.zeros(n, dtype=np.uint8)
+        units, ok = walk_prepared(prefix, primary, secondary, complete, stale, mark, *keys, need)
+        assert not mark.any()
+        want, _ = coldest_candidates(*keys, need)
+        if ok:
+            walked += 1
+            assert np.array_equal(units, want), trial
+        else:
+            assert not complete
+    assert walked > 200
+
+
+def test_unit_keys_are_the_candidates_keys() -> None:
+    rng = np.random.default_rng(17)
+    n, tick = 500, 1000
+    empty = np.zeros(0, dtype=bool)
+    count = rng.integers(0, 3, n).astype(np.int32)
+    attn_sum = rng.random(n) * 10
+    length = rng.integers(0, 70, n).astype(np.int64)
+    first = rng.integers(-1, tick, n).astype(np.int32)
+    kth = np.minimum(first, rng.integers(-1, tick, n)).astype(np.int32)
+    for kind in (HEAT, LRU, LRUK):
+        cand, primary, secondary, _ = candidates(empty, empty, empty, count, kind, attn_sum,
+                                                 length, first, kth, tick, 1.5, 2.0)
+        p, s = unit_keys(cand, kind, attn_sum, length, first, kth, tick, 1.5, 2.0)
+        assert np.array_equal(p, primary) and np.array_equal(s, secondary)

@@ -246,3 +246,76 @@ def test_hysteresis_does_not_oscillate_under_rotation(make_config, fake_clock, k
         # no demotion until the tier, drained at step a, would pass high again
         assert used_after[a] + entered[a + 1:b + 1].sum() > high
     assert len(demote_steps) <= entered.sum() / (high - low) + 1
+
+
+def _prepared_run(cfg: dict, make_config, seed: int, mode: str, length: int = 80) -> World:
+    """program(seed) with Controller.prepare() 0-2 times before each operation: never,
+    as predicted, or forced on random tiers with random prefix sizes (so that prefixes often
+    stop short and stale sessions matter)."""
+    w = World(cfg, make_config, FakeClock())
+    rng = np.random.default_rng(seed + 1)
+    for o in program(seed, length):
+        for _ in range(int(rng.integers(0, 3)) if mode != "never" else 0):
+            if mode == "predicted":
+                w.c.prepare()
+            else:
+                w.c.prepare(force={t: int(rng.integers(1, 60)) for t in (0, 1, 2)
+                                   if rng.random() < 0.8})
+        w.apply(o)
+    return w
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(configs, st.integers(0, 2**32 - 1))
+def test_prepare_between_operations_changes_no_result(make_config, cfg, seed):
+    """Eviction orders prepared between steps give every step exactly what it gives without
+    them: the same StepResults and errors, in every mode."""
+    runs = [_prepared_run(cfg, make_config, seed, mode) for mode in ("never", "predicted",
+                                                                      "forced")]
+    assert runs[0].trace == runs[1].trace == runs[2].trace
+    assert not runs[0].c.order_rebuilds.get("prepared")
+    if runs[2].c.order_rebuilds.get("prepared"):
+        event("a forced prepared order was walked")
+    if runs[1].c.order_rebuilds.get("prepared"):
+        event("a predicted prepared order was walked")
+
+
+@pytest.mark.parametrize("cfg", [dict(l1=12, l2=10, l3=24),
+                                 dict(l1=16, l2=12, l3=10, kind="lru"),
+                                 dict(l1=10, l2=16, l3=40, kind="lruk", max_moves_per_step=3)])
+def test_prepared_orders_are_walked_and_change_nothing(make_config, cfg):
+    """Fixed seeds where steps do walk prepared orders (forced and predicted), against runs
+    that never prepare."""
+    walked = {"predicted": 0, "forced": 0}
+    for seed in range(12):
+        base = _prepared_run(cfg, make_config, seed, "never", 120).trace
+        for mode in walked:
+            w = _prepared_run(cfg, make_config, seed, mode, 120)
+            assert w.trace == base, (seed, mode)
+            walked[mode] += w.c.order_rebuilds.get("prepared", 0)
+    assert walked["forced"] > 0
+    assert walked["predicted"] > 0
+
+
+def test_prepare_is_idempotent(make_config):
+    """A second prepare() before the step keeps the first's orders (and adds none); a step
+    consumes them; without a step that asked a tier for victims there is nothing to do."""
+    w = World(dict(l1=12, l2=10, l3=24), make_config, FakeClock())
+    c = w.c
+    c.prepare()
+    assert c.prepared is None  # no tier was asked for victims yet
+    for o in program(3, 200):
+        w.apply(o)
+        c.prepare()
+        first = c.prepared
+        if first is None:
+            continue
+        tiers = {t: tuple(a.copy() if isinstance(a, np.ndarray) else a for a in v)
+                 for t, v in first.tiers.items()}
+        c.prepare()
+        assert c.prepared is first and set(first.tiers) == set(tiers)
+        for t, v in tiers.items():
+            for a, b in zip(v, first.tiers[t]):
+                assert np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+    assert c.order_rebuilds.get("prepared", 0) > 0

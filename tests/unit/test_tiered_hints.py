@@ -68,3 +68,29 @@ def test_a_group_of_one_gets_a_copy_of_the_controllers_answer(runtime: Any) -> N
     assert got["plans"][0]["ids"].tolist() == [2, 3, 4, 5] and got["n"] == 3
     with pytest.raises(ValueError, match="boom"):
         rt.from_rank0(lambda: (_ for _ in ()).throw(ValueError("boom")), "test")
+
+
+def test_the_controller_prepares_once_each_forward_is_launched(runtime: Any) -> None:
+    """TieredEngine's `launched` hook (after the deferred copies) has the in-process controller
+    prepare the next step (Controller.prepare), once per step, between its schedule calls."""
+    from tpkv.models.tiered import TieredEngine
+
+    rt, model = runtime
+    calls: list[str] = []
+    ctl = rt.controller
+    real_prepare, real_schedule = ctl.prepare, ctl.schedule
+
+    def prepare() -> None:
+        calls.append("prepare")
+        real_prepare()
+
+    def schedule(*args: Any, **kw: Any) -> Any:
+        calls.append("schedule")
+        return real_schedule(*args, **kw)
+    ctl.prepare, ctl.schedule = prepare, schedule
+    tiered = TieredEngine(rt, model, report_prefill=False, max_batch=2)
+    e = tiered.engine
+    e.add_turn("s0", list(range(9)), 3)
+    for _ in range(3):
+        e.step()
+    assert calls == ["schedule", "prepare"] * 3

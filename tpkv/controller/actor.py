@@ -74,6 +74,7 @@ class ControllerActor:
                   "tp_size": g.tp_size})
         self._dashboard_error: str | None = None
         self._dashboard_task: asyncio.Task[None] | None = None
+        self._prepare_task: asyncio.Task[None] | None = None  # held: the loop keeps weak refs
         try:  # Ray runs an async actor's __init__ on its event loop: serve from there
             self._dashboard_task = asyncio.get_running_loop().create_task(self._serve())
         except RuntimeError:  # no loop yet (older Ray): the first async call starts it
@@ -109,10 +110,24 @@ class ControllerActor:
             args = decode(payload)
             if not isinstance(args, dict):
                 raise errors.WireFormatError("request must be a map of arguments")
-            return encode({"ok": self._dispatch(method, args)})
+            answer = encode({"ok": self._dispatch(method, args)})
+            if method == "schedule":  # the next step's work, once this reply is on its way
+                self._prepare_task = asyncio.get_running_loop().create_task(self._prepare())
+            return answer
         except errors.TpkvError as exc:
             message = str(exc.args[0]) if exc.args else str(exc)  # KeyError's str() quotes
             return encode({"error": type(exc).__name__, "message": message})
+
+    async def _prepare(self) -> None:
+        """Controller.prepare() after a step's reply: it runs while the engine computes, off
+        the critical path (a request that comes meanwhile waits for it, well under a step).
+        Yields first, so the reply goes out before it. Never fails a call: the next schedule
+        does the work itself if this did not."""
+        await asyncio.sleep(0)
+        try:
+            self.ctl.prepare()
+        except Exception:  # optional work: log it, the step scans as before
+            log.exception("Controller.prepare failed")
 
     async def ping(self) -> int:
         return self.ctl.restarts

@@ -140,6 +140,13 @@ class PlanBuilder:
         self.drops.append([])
         self.epoch += 1
 
+    def moved_sessions(self) -> np.ndarray:
+        """Sessions of the rows moved so far in this step (with repeats): the only sessions
+        whose block count on a tier grew during the step."""
+        parts = [self.t.session[rows] for rows in self.plan_rows]
+        parts.append(self.buffers[1][:self._n])
+        return np.concatenate(parts).astype(np.int64)
+
     def left_l3_sessions(self) -> np.ndarray:
         """Sessions that moved blocks out of L3 in this step."""
         if not self.left_l3:

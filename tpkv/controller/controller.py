@@ -17,6 +17,7 @@ from tpkv.controller.batchtable import BatchTable
 from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.cost import RateMeter
 from tpkv.controller.messages import CommitOutcome, StepResult
+from tpkv.controller.planner import PlanContext, PreparedOrders, prepare_orders
 from tpkv.controller.policy import auto_pin_threshold, fold_access
 from tpkv.controller.sessions import SessionTable
 from tpkv.controller.step import Upcoming, schedule_step
@@ -83,6 +84,9 @@ class Controller:
         self.pending: deque[PendingPlan] = deque()
         self.draining: dict[int, bool] = {Tier.HBM: False, Tier.DRAM: False, Tier.SSD: False}
         self.eviction_orders: dict[int, tuple[int, np.ndarray]] = {}  # planner cache, per tier
+        self.order_asks: dict[int, tuple[int, int]] = {}  # per tier: tick, blocks (planner)
+        self.prepared: PreparedOrders | None = None  # by prepare(), for the next step
+        self.order_rebuilds: dict[str, int] = {}  # rebuilds from a prepared order, scanned
         self.pin_threshold = math.inf
         self._pin_dirty = False
         self._pin_tick = -(1 << 40)
@@ -144,6 +148,7 @@ class Controller:
             raise BadRequestError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         s = self.sessions.open(session_id, self.tick)
         self.sessions.pending[s] = num_tokens
+        self._changed(s)
         return self.sessions.handle(s)
 
     def extend_session(self, session_id: str, num_tokens: int) -> None:
@@ -163,6 +168,7 @@ class Controller:
         self.outbox_released.append(T.ids(rows))
         T.release_rows(rows)
         S.close(s, self.tick)
+        self._changed(s)
         self.outbox_closed.append(session_id)
         self.event("close", session=session_id, blocks=len(rows))
         self.maybe_check()
@@ -212,11 +218,35 @@ class Controller:
         policy.prefetch_steps). Returns block tables, fresh slots and 0..3 plans."""
         started = time.perf_counter_ns()
         self.require_ready()
-        if self.tick >= _TICK_LIMIT:
-            self._rebase_ticks()
-        result = schedule_step(self, session_ids, num_new_tokens, upcoming)
+        try:
+            if self.tick >= _TICK_LIMIT:
+                self._rebase_ticks()
+            result = schedule_step(self, session_ids, num_new_tokens, upcoming)
+        finally:
+            self.prepared = None  # for this step only (or a refused one: made again)
         self.latency_us.append((time.perf_counter_ns() - started) / 1e3)
         return result
+
+    def prepare(self, force: Mapping[int, int] | None = None) -> None:
+        """Work the next schedule() would otherwise do first, done now: call it between steps,
+        while the host waits (the engine after launching a forward, the actor after replying).
+        Makes the eviction orders that step is likely to rebuild (planner.PreparedOrders):
+        each tier's coldest sessions as the table is now, ranked at the next tick. The step
+        still applies what only it knows (its batch, the sessions it forbids, the blocks it
+        wants, anything changed since), so its result is exactly what it would be without
+        this call, however often it is called; calls after the first before the next step do
+        nothing new. Optional: without it, schedule() scans as before. `force` (tests): tiers
+        to prepare whatever the prediction, each with a prefix of at least that many blocks."""
+        if self.awaiting_rebuild or not (self.order_asks or force):
+            return
+        ctx = PlanContext(self.config.policy, self.marks, self.l3_enabled, self.tick + 1, 0.0,
+                          self.pin_threshold, orders=self.eviction_orders, asked=self.order_asks)
+        self.prepared = prepare_orders(ctx, self.sessions, self.prepared, force)
+
+    def _changed(self, s: int) -> None:
+        """Session s's eviction key or blocks may have changed outside a step."""
+        if self.prepared is not None:
+            self.prepared.changed.append(s)
 
     def finish_step(self, b: PlanBuilder) -> dict[str, Any]:
         """Keep the step's plans as pending; return its plans, drops, and what happened
@@ -272,6 +302,7 @@ class Controller:
         rows = S.rows(s)[start:start + len(values)]
         T.attn[rows] += values.astype(np.float32)
         S.attn_sum[s] += float(values.sum())
+        self._changed(s)
         self._pin_dirty = True
 
     def report_prefill(self, num_tokens: int, seconds: float) -> None:
@@ -318,6 +349,7 @@ class Controller:
     def rebuild(self, slot_maps: Sequence[Mapping[str, Any]],
                 ssd_manifests: Mapping[str, Sequence[int] | np.ndarray]) -> dict[str, Any]:
         """After a restart: rebuild the table from every rank's slot map and the SSD manifests."""
+        self.prepared = None
         summary = recovery.rebuild(self, slot_maps, ssd_manifests)
         self.maybe_check()
         return summary
@@ -351,6 +383,7 @@ class Controller:
             self.check_integrity()
 
     def _rebase_ticks(self) -> None:
+        self.prepared = None
         shift = self.tick - (1 << 20)
         T, S = self.table, self.sessions
         for arr in (T.last_tick, T.hist, S.run_hist):

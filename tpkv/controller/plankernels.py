@@ -334,3 +334,113 @@ def not_on(rows: A, tier: A, t: int) -> A:
             out[k] = rows[i]
             k += 1
     return out[:k].copy()
+
+
+@_jit
+def unit_keys(units: A, kind: int, attn_sum: A, length: A, first_run: A, kth_run: A,
+              tick: int, w_attn: float, w_recency: float) -> tuple[A, A]:
+    """The eviction keys (primary, secondary) of `units` at `tick`, computed as candidates()
+    and coldest_candidates() compute them (the same floats)."""
+    k = len(units)
+    primary = np.empty(k, dtype=np.float64)
+    secondary = np.empty(k, dtype=np.float64)
+    for i in range(k):
+        s = units[i]
+        last, kth = np.float64(first_run[s]), np.float64(kth_run[s])
+        if kind == HEAT:
+            mean_attn = attn_sum[s] / max(length[s], 1)
+            since = max(tick - last, 0.0) + 1.0
+            primary[i], secondary[i] = w_attn * mean_attn + w_recency / since, kth
+        elif kind == LRU:
+            primary[i], secondary[i] = last, kth
+        else:
+            primary[i], secondary[i] = kth, last
+    return primary, secondary
+
+
+@_jit
+def walk_prepared(units: A, primary: A, secondary: A, complete: bool, stale: A, mark: A,
+                  f0: A, f1: A, f2: A, count: A, kind: int, attn_sum: A, length: A,
+                  first_run: A, kth_run: A, tick: int, w_attn: float, w_recency: float,
+                  need: int) -> tuple[A, bool]:
+    """coldest_candidates(f0, f1, f2, count, ..., need), the same sessions in the same order,
+    from an order prepared before the step (Controller.prepare): `units`, the coldest sessions
+    with blocks on the tier as the table was then, in (primary, secondary, session) order with
+    their keys at `tick`; `complete` if they are all such sessions. Sessions whose keys or
+    block counts may have changed since (`stale`, repeats allowed: the batch, sessions moved
+    in this step, attention reported...) are skipped in `units` and merged in with their keys
+    as they are now; every other session's key and eligibility it had then, except the
+    counts and flags, which are read now. False when the answer may lie past the prepared
+    prefix (or a stale key is NaN, or too many are eligible): the caller then runs
+    coldest_candidates. `mark` is scratch over sessions, all zero on entry and on return."""
+    n = len(units)
+    out = np.empty(0, dtype=np.int64)
+    if need <= 0:
+        return out, True
+    ns = len(stale)
+    xs = np.empty(ns, dtype=np.int64)  # eligible stale sessions, sorted by key (insertion)
+    xp = np.empty(ns, dtype=np.float64)
+    xq = np.empty(ns, dtype=np.float64)
+    nx = 0
+    ok = True
+    for i in range(ns):
+        s = stale[i]
+        if mark[s] != 0:
+            continue
+        mark[s] = 1
+        if not ok or count[s] <= 0 or (len(f0) > 0 and f0[s]) or (len(f1) > 0 and f1[s]) or (
+                len(f2) > 0 and f2[s]):
+            continue
+        if nx >= 256:  # not the case this is for: leave it to the full scan
+            ok = False
+            continue
+        last, kth = np.float64(first_run[s]), np.float64(kth_run[s])
+        if kind == HEAT:
+            mean_attn = attn_sum[s] / max(length[s], 1)
+            since = max(tick - last, 0.0) + 1.0
+            px, sx = w_attn * mean_attn + w_recency / since, kth
+        elif kind == LRU:
+            px, sx = last, kth
+        else:
+            px, sx = kth, last
+        if px != px or sx != sx:  # NaN: numpy's order
+            ok = False
+            continue
+        j = nx
+        while j > 0 and (px < xp[j - 1] or (px == xp[j - 1] and (
+                sx < xq[j - 1] or (sx == xq[j - 1] and s < xs[j - 1])))):
+            xs[j], xp[j], xq[j] = xs[j - 1], xp[j - 1], xq[j - 1]
+            j -= 1
+        xs[j], xp[j], xq[j] = s, px, sx
+        nx += 1
+    if ok:
+        out = np.empty(n + nx, dtype=np.int64)
+        k = total = 0
+        i = j = 0
+        while total < need:
+            while i < n:
+                s = units[i]
+                if mark[s] == 0 and count[s] > 0 and not (
+                        (len(f0) > 0 and f0[s]) or (len(f1) > 0 and f1[s]) or (
+                        len(f2) > 0 and f2[s])):
+                    break
+                i += 1
+            if i == n and not complete:  # past the prefix: sessions not prepared may be next
+                ok = False
+                break
+            if i < n and (j == nx or primary[i] < xp[j] or (primary[i] == xp[j] and (
+                    secondary[i] < xq[j] or (secondary[i] == xq[j] and units[i] < xs[j])))):
+                s = units[i]
+                i += 1
+            elif j < nx:
+                s = xs[j]
+                j += 1
+            else:
+                break  # every candidate: fewer blocks than asked
+            out[k] = s
+            k += 1
+            total += count[s]
+        out = out[:k].copy()
+    for i in range(ns):
+        mark[stale[i]] = 0
+    return out, ok

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,10 +21,14 @@ from tpkv.controller.plankernels import (
     prefetch_rows,
     split_by_tier,
     still_cold,
+    unit_keys,
+    walk_prepared,
 )
 from tpkv.controller.policy import select_victims, watermark_excess
+from tpkv.controller.sessions import SessionTable
 from tpkv.controller.table import DRAM, HBM, SSD
 
+_NO_SESSIONS = np.zeros(0, dtype=np.int64)
 MAX_PHASES = 3  # L3 -> L2, then L2 -> L1 into slots a demotion freed; a third phase for slack
 _TIER_COL = {HBM: 1, DRAM: 2, SSD: 3}
 
@@ -54,6 +59,12 @@ class PlanContext:
     # prefill that delays no other session); 0: spill whatever must leave L2.
     l3_load_s_per_block: float = 0.0
     recompute_s_per_block: float = 0.0
+    # Orders prepared between steps (Controller.prepare), for this step's tick, or None; and
+    # the sessions whose keys may differ from theirs (the batch, those changed since).
+    prepared: PreparedOrders | None = None
+    stale: np.ndarray = field(default_factory=lambda: _NO_SESSIONS)
+    asked: dict[int, tuple[int, int]] = field(default_factory=dict)  # see _order
+    rebuilds: dict[str, int] = field(default_factory=dict)  # from a prepared order, scanned
 
 
 def plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray:
@@ -158,6 +169,8 @@ def _order(ctx: PlanContext, b: PlanBuilder, tier: int, need: int, forbid: Forbi
     worth is kept and reused, less sessions that ran since or left: choosing victims then
     costs O(victims) a step, not O(sessions)."""
     s, p, count = b.s, ctx.policy, b.s.counts[_TIER_COL[tier]]
+    if cache:  # the step and blocks it asked for (what prepare_orders goes by)
+        ctx.asked[tier] = (ctx.tick, need)
     if cache and tier in ctx.orders:
         built, units = ctx.orders[tier]
         if ctx.tick - built <= ORDER_TTL:
@@ -165,16 +178,104 @@ def _order(ctx: PlanContext, b: PlanBuilder, tier: int, need: int, forbid: Forbi
             ctx.orders[tier] = (built, units)
             if held >= need:
                 return units
-    keys = (*forbid, count, _KIND[p.kind], s.attn_sum, s.arena.length, s.run_hist[0],
+    keys: _Keys = (*forbid, count, _KIND[p.kind], s.attn_sum, s.arena.length, s.run_hist[0],
             s.run_hist[-1], ctx.tick, p.w_attn, p.w_recency)
     want = need * (ORDER_TTL if cache else 1)
-    units, ok = coldest_candidates(*keys, want)
+    units, ok = _prepared_walk(ctx, b, tier, keys, want)
+    how = "prepared" if ok else "scanned"
+    ctx.rebuilds[how] = ctx.rebuilds.get(how, 0) + 1
+    if not ok:
+        units, ok = coldest_candidates(*keys, want)
     if not ok:  # a NaN key: numpy's order of it
         cand, primary, secondary, sizes = candidates(*keys)
         units = cand[select_victims(primary, secondary, sizes, want)]
     if cache:
         ctx.orders[tier] = (ctx.tick, units)
     return units
+
+
+@dataclass
+class PreparedOrders:
+    """Eviction orders made between steps (Controller.prepare) for the step at `tick`: per
+    tier, the coldest sessions with blocks there, as the table was then, in the order _order
+    ranks them at `tick` (keys of `params`: kind, w_attn, w_recency), with their keys, and
+    whether that is every such session. What only the step knows (the sessions it forbids, the
+    blocks it wants, counts after its own moves) is applied when the order is used: a rebuild
+    in the step walks the prepared prefix (plankernels.walk_prepared) instead of scanning
+    every session, and gets the same sessions in the same order, or runs the scan when the
+    prefix does not reach. `changed`: sessions whose keys may have changed since (attention
+    reported, opened, closed)."""
+
+    tick: int
+    params: tuple[int, float, float]
+    tiers: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, bool]]
+    changed: list[int] = field(default_factory=list)
+    mark: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint8))
+
+
+def _params(p: PolicyConfig) -> tuple[int, float, float]:
+    return _KIND[p.kind], float(p.w_attn), float(p.w_recency)
+
+
+# coldest_candidates' arguments but the last: forbid flags, counts, kind, attention sums,
+# lengths, latest and K-th latest runs, tick, w_attn, w_recency
+_Keys = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, np.ndarray, np.ndarray,
+              np.ndarray, np.ndarray, int, float, float]
+
+
+def _prepared_walk(ctx: PlanContext, b: PlanBuilder, tier: int, keys: _Keys,
+                   want: int) -> tuple[np.ndarray, bool]:
+    """coldest_candidates(*keys, want) from the prepared order of `tier`, if there is one for
+    this step; (_, False) where the caller must scan (no order, or one that does not reach)."""
+    prep = ctx.prepared
+    if (prep is None or prep.tick != ctx.tick or tier not in prep.tiers
+            or prep.params != _params(ctx.policy)):
+        return _NO_SESSIONS, False
+    units, primary, secondary, complete = prep.tiers[tier]
+    stale = np.concatenate([ctx.stale, b.moved_sessions()])
+    if len(prep.mark) < b.s.capacity:
+        prep.mark = np.zeros(b.s.capacity, dtype=np.uint8)
+    return walk_prepared(units, primary, secondary, complete, stale, prep.mark, *keys, want)
+
+
+def prepare_orders(ctx: PlanContext, s: SessionTable, prepared: PreparedOrders | None,
+                   force: Mapping[int, int] | None = None) -> PreparedOrders:
+    """The orders the step at ctx.tick is likely to rebuild (see PreparedOrders): a tier's,
+    where the step before it asked that tier for victims (ctx.asked: they come in runs of
+    steps, while a tier drains) and its cached order will be past ORDER_TTL then, or what is
+    left of it (sessions with blocks there that did not run since) is under twice the blocks
+    that step asked for. Each prefix holds 2 * ORDER_TTL times those blocks, twice what a
+    rebuild for as many wants. Keeps what `prepared` holds for this tick already. `force`
+    (tests): prepare these tiers, prefixes of at least this many blocks, whatever the step
+    before asked."""
+    p = ctx.policy
+    params = _params(p)
+    if prepared is None or prepared.tick != ctx.tick or prepared.params != params:
+        prepared = PreparedOrders(ctx.tick, params, {})
+    first, kth = s.run_hist[0], s.run_hist[-1]
+    todo = ({t: (ctx.tick - 1, n) for t, n in force.items()} if force is not None
+            else ctx.asked)
+    for tier, (asked, need) in todo.items():
+        if tier in prepared.tiers or asked != ctx.tick - 1 or need <= 0:
+            continue
+        count = s.counts[_TIER_COL[tier]]
+        size = 2 * need * ORDER_TTL if force is None else need
+        if tier in ctx.orders and force is None:
+            built, units = ctx.orders[tier]
+            if ctx.tick - built <= ORDER_TTL:
+                _, held = still_cold(units, _NO_FLAGS, _NO_FLAGS, _NO_FLAGS, count, first, built)
+                if held >= 2 * need:
+                    continue  # the step will most likely take its victims from the cache
+        units, ok = coldest_candidates(_NO_FLAGS, _NO_FLAGS, _NO_FLAGS, count, params[0],
+                                       s.attn_sum, s.arena.length, first, kth, ctx.tick,
+                                       params[1], params[2], size)
+        if not ok:
+            continue  # a NaN key: the step scans
+        primary, secondary = unit_keys(units, params[0], s.attn_sum, s.arena.length, first,
+                                       kth, ctx.tick, params[1], params[2])
+        complete = int(count[units].sum()) < size
+        prepared.tiers[tier] = (units, primary, secondary, complete)
+    return prepared
 
 
 def _coldest(ctx: PlanContext, b: PlanBuilder, tier: int, need: int, forbid: Forbid,

@@ -69,9 +69,13 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         g, rates = ctl.config.geometry, ctl.rates
         load_s, recompute_s = block_costs(g.block_bytes, g.block_tokens, rates.h2d_bytes_per_s,
                                           rates.ssd_read_bytes_per_s, rates.prefill_tokens_per_s)
+        prep = ctl.prepared
+        stale = (np.concatenate([batch, np.asarray(prep.changed, dtype=np.int64)])
+                 if prep is not None and prep.tick == tick else _EMPTY)
         ctx = PlanContext(pol, ctl.marks, ctl.l3_enabled, tick, ctl.now_s(), ctl.pin_threshold,
                           ctl.draining, ctl.eviction_orders,
-                          load_s if pol.spill == "cost" else 0.0, recompute_s)
+                          load_s if pol.spill == "cost" else 0.0, recompute_s,
+                          prep, stale, ctl.order_asks, ctl.order_rebuilds)
         lost = plan_step(ctx, b, needs).astype(np.int64)
     fresh_old = (np.concatenate([recompute, lost]).astype(np.int64) if len(recompute) or len(lost)
                  else _EMPTY)

@@ -245,6 +245,25 @@ class TpkvRuntime:
             rebuild_controller(self)
             return fn()
 
+    def prepare_controller(self) -> None:
+        """Rank 0, in-process controller: Controller.prepare() now, while the device runs the
+        step's forward (the engine calls this once it is launched): the next schedule finds
+        its eviction orders made. Skipped when the controller is busy (a commit in the
+        background) or remote (the Ray actor prepares after each reply by itself); optional
+        work, so a failure is logged, not raised."""
+        prepare = getattr(self.controller, "prepare", None)
+        if prepare is None:
+            return
+        if self._lock is not None and not self._lock.acquire(blocking=False):
+            return
+        try:
+            prepare()
+        except Exception:
+            log.exception("Controller.prepare failed")
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+
     def advise(self, method: str, *args: Any, **kwargs: Any) -> None:
         """A rank-0-only call whose loss costs nothing but accuracy (attention mass, prefill
         speed): while the controller is restarting it is dropped, not raised on one rank."""

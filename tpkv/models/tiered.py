@@ -109,11 +109,18 @@ class TieredEngine:
         self.last_times: dict[str, float] = {}
         # A step's demotion-only plans are issued once its forward is launched (they free L1
         # for later steps; nothing in this one reads them): their host time runs beside it.
+        # Then the controller prepares the next step's eviction orders (Controller.prepare).
         rt.worker.executor.defer_d2h = True
         self.engine = PagedEngine(model, rt.worker.hbm.tensor, schedule=self.schedule,
                                   wait=self.wait, report=self.report, release=self.release,
-                                  launched=rt.worker.executor.flush, **engine_kwargs)
+                                  launched=self.launched, **engine_kwargs)
         self.block_tokens = self.engine.block_tokens
+
+    def launched(self) -> None:
+        """The step's forward is queued on the device: issue its deferred demotions, then let
+        the controller do the next step's work while the device computes."""
+        self.rt.worker.executor.flush()
+        self.rt.prepare_controller()
 
     # ---- the engine's four hooks ------------------------------------------------------------
     def schedule(self, session_ids: Sequence[str], num_new_tokens: Sequence[int]) -> StepResult:
