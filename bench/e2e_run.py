@@ -237,6 +237,7 @@ class Rounds:
         self.resumes.append({"session": session, "source": src, "resume_ms": round(resume_ms, 3),
                              "ttft_ms": round(ms, 3), "bytes_l2_l1": b2, "bytes_l3_l2": b3,
                              "ceiling_ms": None if ceil_ms is None else round(ceil_ms, 3),
+                             "moved": moved,
                              **self._parts(), "trace": self.tiered.last_trace})
 
     def _profiled(self, *fns: Any) -> list[Any]:
