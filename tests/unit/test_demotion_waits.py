@@ -177,3 +177,46 @@ def test_deferred_demotions_go_out_at_flush_or_before_anything_that_needs_them()
     ex.defer_d2h = False
     run(plan(6, [(7, H, 7, D, 7)]))  # off: issued at once
     assert not ex.deferred and (ex.host.block_bytes_view(7) == 17).all()
+
+
+def test_demotions_nothing_later_in_the_step_needs_wait_for_the_plans_promotions(
+        monkeypatch) -> None:
+    """A resume's plan promotes into free slots and demotes to make room for later steps: when
+    no later plan of the step (nor its new K/V) fills an L1 slot the demotions empty, they wait
+    for the plan's promotions (the resume's copies then have the link alone); when one does,
+    or the caller does not say (later_l1 None), they wait only for the batch before the plan."""
+    from tests.pool_cases import make_engine
+    from tpkv.config import KvGeometry
+    from tpkv.types import MovePlan, Tier
+
+    geo = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
+    ex = PlanExecutor(make_engine(geo, 8, 8, "cpu"), None, timeout_s=5.0, layer_events=False)
+    monkeypatch.setattr(ex.engine, "on_gpu", True)
+    marks: list[tuple[str, object]] = []
+    promotions: list[_Handle] = []
+
+    def h2d(src, dst):
+        promotions.append(_Handle())
+        ex.last["h2d"] = promotions[-1]
+    monkeypatch.setattr(ex, "_h2d", h2d)
+    monkeypatch.setattr(ex, "_mark", lambda direction, prev, after=None:
+                        marks.append((direction, prev)))
+    monkeypatch.setattr(ex, "_span", lambda *a: None)
+    monkeypatch.setattr(ex.engine, "d2h_pieces", lambda a, b, step, after=None: [_Handle()])
+    H, D = int(Tier.HBM), int(Tier.DRAM)
+
+    def resume(epoch: int) -> MovePlan:  # block 1 up into free L1 slot 5; block 0 down from 2
+        moves = [(0, H, 2, D, 0), (1, D, 1, H, 5)]
+        b, st, ss, dt, ds = (np.array(c) for c in zip(*moves))
+        return MovePlan(epoch, b, st, ss, dt, ds, np.zeros(2), b, ("s",))
+
+    before = _Handle()
+    ex.last["h2d"] = before
+    ex.run(resume(1), np.ones(2, dtype=bool), later_l1=np.array([6, 7]))
+    assert marks == [("h2d", None), ("d2h", promotions[-1])]
+    for later in (np.array([2, 7]), None):  # slot 2 is filled later in the step / not known
+        marks.clear()
+        ex.last["h2d"] = before
+        ex.demotions.clear()
+        ex.run(resume(2), np.ones(2, dtype=bool), later_l1=later)
+        assert marks == [("h2d", None), ("d2h", before)]

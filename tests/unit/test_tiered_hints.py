@@ -94,3 +94,47 @@ def test_the_controller_prepares_once_each_forward_is_launched(runtime: Any) -> 
     for _ in range(3):
         e.step()
     assert calls == ["schedule", "prepare"] * 3
+
+
+def test_each_plan_is_told_the_l1_slots_the_rest_of_its_step_fills(runtime: Any) -> None:
+    """Worker.apply_step gives each plan the L1 slots that later plans of the step promote into
+    and the step's new K/V slots (PlanExecutor.run then lets demotions nobody later in the step
+    waits for follow the plan's promotions). Sessions are pushed out of a 24-block L1 and
+    resumed, so some steps carry more than one plan."""
+    from tpkv.models.tiered import TieredEngine
+    from tpkv.types import Tier
+
+    rt, model = runtime
+    ex, worker = rt.worker.executor, rt.worker
+    calls: list[tuple[Any, Any]] = []
+    real_run, real_apply = ex.run, worker.apply_step
+    steps: list[Any] = []
+
+    def run(plan: Any, ok: Any, later_l1: Any = None) -> Any:
+        calls.append((plan, later_l1))
+        return real_run(plan, ok, later_l1)
+
+    def apply_step(step: Any) -> Any:
+        steps.append((step, len(calls)))
+        return real_apply(step)
+    ex.run, worker.apply_step = run, apply_step
+    tiered = TieredEngine(rt, model, report_prefill=False, max_batch=2)
+    e = tiered.engine
+    for turn in range(3):
+        for s in range(4):
+            e.add_turn(f"s{s}", list(range(10 * s, 10 * s + 20)), 2)
+            while e.has_work:
+                e.step()
+    multi = 0
+    for step, first in steps:
+        plans = calls[first:first + len(step.plans)]
+        assert [p for p, _ in plans] == list(step.plans)
+        for i, (_, later) in enumerate(plans):
+            want = set(np.asarray(step.fresh_slots).tolist())
+            for p in step.plans[i + 1:]:
+                want |= set(p.dst_slot[p.mask(Tier.DRAM, Tier.HBM)].tolist())
+            assert set(np.asarray(later).tolist()) == want
+        multi += len(step.plans) > 1 and any(
+            p.mask(Tier.DRAM, Tier.HBM).any() for p in step.plans[1:])
+    assert multi > 0  # some step promoted in a later plan
+    assert tiered.stats.resume_s["l2"]  # and sessions did come back from L2

@@ -146,8 +146,14 @@ class PlanExecutor:
         self.deferred: list[_Deferred] = []
 
     # ---- one plan --------------------------------------------------------------------------
-    def run(self, plan: MovePlan, ok: np.ndarray) -> ExecOutcome:
-        """Issue every move in `ok`; copies L1 <-> L2 may still run on return, SSD I/O is done."""
+    def run(self, plan: MovePlan, ok: np.ndarray, later_l1: np.ndarray | None = None
+            ) -> ExecOutcome:
+        """Issue every move in `ok`; copies L1 <-> L2 may still run on return, SSD I/O is done.
+
+        `later_l1`: the L1 slots the rest of the step fills (later plans' promotions, the
+        step's new K/V), where the caller knows them. When the plan's demotions empty none of
+        them, nothing in the step waits for those demotions: they start once the plan's
+        promotions are done, so a resume's copies have the link to themselves."""
         started = time.perf_counter_ns()
         out = ExecOutcome(done=np.zeros(plan.num_moves, dtype=bool))
         deadline = time.monotonic() + self.timeout_s
@@ -185,7 +191,10 @@ class PlanExecutor:
                     after.record(torch.cuda.current_stream(self.hbm.device))
                 self.deferred.append(_Deferred(src, dst, after, prev_h2d, out))
             else:
-                self._demote(src, dst, prev_h2d, out)
+                after_promotions = (len(pick["h2d"]) > 0 and later_l1 is not None
+                                    and not _meets(np.sort(src), np.sort(later_l1)))
+                # Waiting for this plan's promotions also waits for prev_h2d (one stream).
+                self._demote(src, dst, self.last["h2d"] if after_promotions else prev_h2d, out)
             out.done[i], out.bytes_d2h = True, len(i) * block_bytes
         jobs: list[tuple[str, np.ndarray, Future[Any]]] = []
         if self.store is None:

@@ -113,9 +113,14 @@ class Worker:
         """Apply a step in the documented order; start its confirmation; return at once."""
         self.mirror.release(step.released_block_ids)
         applied = []
+        # Per plan: the L1 slots the rest of the step fills (see PlanExecutor.run).
+        later = [np.asarray(step.fresh_slots, dtype=np.int64)]
+        for plan in reversed(step.plans[1:]):
+            later.append(np.concatenate([later[-1],
+                                         plan.dst_slot[plan.mask(Tier.DRAM, Tier.HBM)]]))
         for i, plan in enumerate(step.plans):
             self.mirror.drop(step.drops[i] if i < len(step.drops) else _NO_IDS)
-            applied.append(self.apply_plan(plan))
+            applied.append(self.apply_plan(plan, later[len(step.plans) - 1 - i]))
         self.mirror.drop(step.drops[-1] if step.drops else _NO_IDS)
         names = [step.session_ids[i] for i in step.fresh_session_idx.tolist()]
         lost = self.mirror.add_fresh(step.fresh_block_ids, step.fresh_slots, names,
@@ -145,8 +150,9 @@ class Worker:
                        else PendingConfirm.local(rows))
         return AppliedStep(step, applied, pending)
 
-    def apply_plan(self, plan: MovePlan) -> AppliedPlan:
-        """Check epoch order, apply the moves this rank's map allows, record them."""
+    def apply_plan(self, plan: MovePlan, later_l1: np.ndarray | None = None) -> AppliedPlan:
+        """Check epoch order, apply the moves this rank's map allows, record them. `later_l1`:
+        the L1 slots later plans of the step and its new K/V fill (PlanExecutor.run)."""
         if plan.epoch != self.epoch + 1:
             raise PlanOrderError(f"rank {self.rank}: plan {plan.epoch} arrived after plan "
                                  f"{self.epoch}; plans apply strictly in epoch order")
@@ -158,7 +164,7 @@ class Worker:
         skip = self.fault_skip.pop(plan.epoch, None)
         if skip is not None and plan.num_moves:
             ok[skip % plan.num_moves] = False  # an unknown bug: counted as applied below
-        outcome = self.executor.run(plan, ok)
+        outcome = self.executor.run(plan, ok, later_l1)
         if self.fault_miss_from is not None and plan.epoch >= self.fault_miss_from:
             self._inject_miss(plan, outcome)
         self.mirror.apply(plan, outcome.done)
