@@ -181,10 +181,11 @@ def test_deferred_demotions_go_out_at_flush_or_before_anything_that_needs_them()
 
 def test_demotions_nothing_later_in_the_step_needs_wait_for_the_plans_promotions(
         monkeypatch) -> None:
-    """A resume's plan promotes into free slots and demotes to make room for later steps: when
-    no later plan of the step (nor its new K/V) fills an L1 slot the demotions empty, they wait
-    for the plan's promotions (the resume's copies then have the link alone); when one does,
-    or the caller does not say (later_l1 None), they wait only for the batch before the plan."""
+    """A resume's plan promotes into free slots and demotes to make room for later steps: the
+    demotions that empty no L1 slot a later plan of the step (or its new K/V) fills wait for
+    the plan's promotions (the resume's copies then have the link alone); those that empty one
+    go first and wait only for the batch before the plan, as all do when the caller does not
+    say (later_l1 None)."""
     from tests.pool_cases import make_engine
     from tpkv.config import KvGeometry
     from tpkv.types import MovePlan, Tier
@@ -220,3 +221,15 @@ def test_demotions_nothing_later_in_the_step_needs_wait_for_the_plans_promotions
         ex.demotions.clear()
         ex.run(resume(2), np.ones(2, dtype=bool), later_l1=later)
         assert marks == [("h2d", None), ("d2h", before)]
+    # Both kinds in one plan: those a later plan needs go first, beside the promotions.
+    issued: list[list[int]] = []
+    monkeypatch.setattr(ex.engine, "d2h_pieces", lambda a, b, step, after=None:
+                        issued.append(a.tolist()) or [_Handle()])
+    moves = [(0, H, 2, D, 0), (2, H, 3, D, 2), (1, D, 1, H, 5)]
+    b, st, ss, dt, ds = (np.array(c) for c in zip(*moves))
+    marks.clear()
+    ex.last["h2d"] = before
+    ex.run(MovePlan(3, b, st, ss, dt, ds, np.zeros(3), b, ("s",)), np.ones(3, dtype=bool),
+           later_l1=np.array([3]))
+    assert issued == [[3], [2]]
+    assert marks == [("h2d", None), ("d2h", before), ("d2h", promotions[-1])]

@@ -151,9 +151,9 @@ class PlanExecutor:
         """Issue every move in `ok`; copies L1 <-> L2 may still run on return, SSD I/O is done.
 
         `later_l1`: the L1 slots the rest of the step fills (later plans' promotions, the
-        step's new K/V), where the caller knows them. When the plan's demotions empty none of
-        them, nothing in the step waits for those demotions: they start once the plan's
-        promotions are done, so a resume's copies have the link to themselves."""
+        step's new K/V), where the caller knows them. Demotions of a plan with promotions that
+        empty none of them are for later steps: they start once the plan's promotions are
+        done, so a resume's copies do not share the link with them."""
         started = time.perf_counter_ns()
         out = ExecOutcome(done=np.zeros(plan.num_moves, dtype=bool))
         deadline = time.monotonic() + self.timeout_s
@@ -190,11 +190,17 @@ class PlanExecutor:
                     after = torch.cuda.Event()
                     after.record(torch.cuda.current_stream(self.hbm.device))
                 self.deferred.append(_Deferred(src, dst, after, prev_h2d, out))
+            elif len(pick["h2d"]) and later_l1 is not None:
+                # Those that empty a slot filled later in the step go now, beside this plan's
+                # promotions; the rest wait for the promotions (which come after prev_h2d on
+                # one stream), so that a resume's copies do not share the link with them.
+                needed = np.isin(src, later_l1)
+                if needed.any():
+                    self._demote(src[needed], dst[needed], prev_h2d, out)
+                if not needed.all():
+                    self._demote(src[~needed], dst[~needed], self.last["h2d"], out)
             else:
-                after_promotions = (len(pick["h2d"]) > 0 and later_l1 is not None
-                                    and not _meets(np.sort(src), np.sort(later_l1)))
-                # Waiting for this plan's promotions also waits for prev_h2d (one stream).
-                self._demote(src, dst, self.last["h2d"] if after_promotions else prev_h2d, out)
+                self._demote(src, dst, prev_h2d, out)
             out.done[i], out.bytes_d2h = True, len(i) * block_bytes
         jobs: list[tuple[str, np.ndarray, Future[Any]]] = []
         if self.store is None:
