@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import cProfile
 import gc
+import os
 import pstats
 import time
 from dataclasses import dataclass
@@ -126,9 +127,14 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
     return r
 
 
-def _top(stats: pstats.Stats, n: int, unit: str, rows: int = 40) -> list[dict[str, Any]]:
-    """The functions with the most own time, per one of the n profiled steps."""
-    top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:rows]  # type: ignore
+def _top(stats: pstats.Stats, n: int, unit: str, rows: int = 40,
+         tpkv_only: bool = False) -> list[dict[str, Any]]:
+    """The functions with the most own time, per one of the n profiled steps; with tpkv_only,
+    tpkv's own functions with the most time under them (what the tiers add to a step)."""
+    items = stats.stats.items()  # type: ignore[attr-defined]
+    if tpkv_only:
+        items = [kv for kv in items if f"{os.sep}tpkv{os.sep}" in kv[0][0]]
+    top = sorted(items, key=lambda kv: -kv[1][3 if tpkv_only else 2])[:rows]
     return [{"fn": f"{Path(f).name}:{line}({name})", "calls": v[1],
              f"tottime_{unit}": round(v[2] * 1e3 / n, 4),
              f"cumtime_{unit}": round(v[3] * 1e3 / n, 4)}
@@ -295,6 +301,7 @@ class Rounds:
             if acc is not None:
                 out[f"profile_{key}_steps"] = n
                 out[f"profile_{key}_top"] = _top(acc, n, "ms_per_step")
+                out[f"profile_{key}_tpkv"] = _top(acc, n, "ms_per_step", 60, tpkv_only=True)
         out.update(resume_summary(self.resumes))
         return out
 

@@ -233,10 +233,13 @@ class TieredEngine:
         batch = set(step.session_ids)
         bb = self.rt.worker.hbm.block_bytes
         for plan in step.plans:
+            if not plan.num_moves:
+                continue
+            # Moves by (source, destination) tier in one pass: code = src * 4 + dst.
+            n = np.bincount(plan.src_tier.astype(np.int64) * 4 + plan.dst_tier, minlength=16)
             for name, (src, dst) in DIRECTIONS.items():
-                n = int(plan.mask(src, dst).sum())
-                self.stats.moves[name] += n
-                self.stats.bytes[name] += n * bb
+                self.stats.moves[name] += int(n[src * 4 + dst])
+                self.stats.bytes[name] += int(n[src * 4 + dst]) * bb
             if plan.num_moves and plan.session_names:
                 ours = [i for i, name in enumerate(plan.session_names) if name in batch]
                 mine = np.isin(plan.session_idx, ours) & (plan.src_tier > plan.dst_tier)

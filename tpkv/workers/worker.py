@@ -234,7 +234,7 @@ class Worker:
     def _note_lost(self, applied: list[AppliedPlan], lost: np.ndarray) -> None:
         """Blocks overwritten here are reported as misses of the latest plan of the step that
         moved them (the controller then drops them); others can only be logged."""
-        for a in reversed(applied):
+        for a in reversed(applied if len(lost) else ()):
             hit = lost[np.isin(lost, a.plan.block_ids)]
             if len(hit):
                 a.misses = np.union1d(a.misses, hit)
