@@ -295,8 +295,9 @@ class Rounds:
                 k: _pct([r[k] for r in self.traffic if k in r], 50)
                 for k in self.traffic[-1] if k.endswith("_ms")}
         if self.profile is not None:
-            out["profile_top"] = _top(pstats.Stats(self.profile), max(1, len(self.resumes)),
-                                      "ms_per_resume")
+            stats, n = pstats.Stats(self.profile), max(1, len(self.resumes))
+            out["profile_top"] = _top(stats, n, "ms_per_resume")
+            out["profile_tpkv"] = _top(stats, n, "ms_per_resume", 60, tpkv_only=True)
         for key, (acc, n) in (self.step_stats or {}).items():
             if acc is not None:
                 out[f"profile_{key}_steps"] = n

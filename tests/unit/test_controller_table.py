@@ -136,3 +136,35 @@ def test_plan_digest_counts_misses_as_none():
                     [0, 0], [0, 1], ("s",))
     assert plan_digest(plan) == slot_map_digest([7, 8], [1, 0], [4, 1])
     assert plan_digest(plan, [7]) == slot_map_digest([7, 8], [-1, 0], [-1, 1])
+
+
+@pytest.mark.parametrize("reuse", ["newest", "oldest"])
+def test_slot_stack_matches_a_list_model_through_many_pushes_pops_and_grows(reuse: str) -> None:
+    """The stack against a plain list (free slots, bottom first): pops hand out the top,
+    pushes go on top ("newest") or under everything free ("oldest", a window that slides down
+    and is moved back up when it runs out of room), grows add new slots on top."""
+    rng = np.random.default_rng(5)
+    s = SlotStack(16, "L2", reuse=reuse)
+    model = list(range(15, -1, -1))  # bottom first, as stack[:top]
+    used: list[int] = []
+    for _ in range(3000):
+        op = rng.integers(0, 10)
+        if op < 4 and model:
+            n = int(rng.integers(1, len(model) + 1))
+            got = s.pop(n).tolist()
+            want = model[len(model) - n:][::-1]
+            del model[len(model) - n:]
+            assert got == want
+            used += got
+        elif op < 9 and used:
+            k = int(rng.integers(1, len(used) + 1))
+            back = [used.pop(int(rng.integers(0, len(used)))) for _ in range(k)]
+            s.push(np.array(back, dtype=np.int32))
+            group = sorted(back, reverse=True)
+            model = group + model if reuse == "oldest" and model else model + group
+        elif op == 9 and s.size < 200:
+            old = s.size
+            s.grow(old + int(rng.integers(1, 8)))
+            model = list(range(s.size - 1, old - 1, -1)) + model
+        assert s.top == len(model) and s.stack[:s.top].tolist() == model
+        assert s.size == len(model) + len(used)

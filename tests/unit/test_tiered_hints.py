@@ -120,7 +120,7 @@ def test_each_plan_is_told_the_l1_slots_the_rest_of_its_step_fills(runtime: Any)
     ex.run, worker.apply_step = run, apply_step
     tiered = TieredEngine(rt, model, report_prefill=False, max_batch=2)
     e = tiered.engine
-    for turn in range(3):
+    for _turn in range(3):
         for s in range(4):
             e.add_turn(f"s{s}", list(range(10 * s, 10 * s + 20)), 2)
             while e.has_work:
