@@ -27,6 +27,22 @@ _SCAN_AHEAD = 16
 
 
 @_jit
+def _key(kind: int, attn_sum: float, length: int, last: float, kth: float, tick: int,
+         w_attn: float, w_recency: float) -> tuple[float, float]:
+    """A session's eviction keys (primary, secondary) at `tick` (policy.eviction_keys_of:
+    heat = w_attn * mean attention + w_recency / (1 + ticks since the latest run); the K-th
+    latest run breaks ties). Scalars only: every kernel here computes its keys through this
+    one, so they are the same floats everywhere."""
+    if kind == HEAT:
+        mean_attn = attn_sum / max(length, 1)
+        since = max(tick - last, 0.0) + 1.0
+        return w_attn * mean_attn + w_recency / since, kth
+    if kind == LRU:
+        return last, kth
+    return kth, last
+
+
+@_jit
 def _clear_flagged(mask: A, flags: A) -> None:
     """mask[s] = 0 where flags[s] is set (none for an empty `flags`)."""
     if len(flags) > 0:
@@ -80,17 +96,9 @@ def candidates(f0: A, f1: A, f2: A, count: A, kind: int, attn_sum: A, length: A,
         if i + PREFETCH_AHEAD < k:  # its session record (run history, block count)
             prefetch(first_run, cand[i + PREFETCH_AHEAD])
         s = cand[i]
-        last, kth = np.float64(first_run[s]), np.float64(kth_run[s])
         sizes[i] = count[s]
-        if kind == HEAT:
-            mean_attn = attn_sum[s] / max(length[s], 1)
-            since = max(tick - last, 0.0) + 1.0
-            primary[i] = w_attn * mean_attn + w_recency / since
-            secondary[i] = kth
-        elif kind == LRU:
-            primary[i], secondary[i] = last, kth
-        else:
-            primary[i], secondary[i] = kth, last
+        primary[i], secondary[i] = _key(kind, attn_sum[s], length[s], np.float64(first_run[s]),
+                                        np.float64(kth_run[s]), tick, w_attn, w_recency)
     return cand.copy(), primary, secondary, sizes
 
 
@@ -136,15 +144,8 @@ def coldest_candidates(f0: A, f1: A, f2: A, count: A, kind: int, attn_sum: A, le
                 prefetch(attn_sum, cand[i + _SCAN_AHEAD])
             s = cand[i]
             i += 1
-            last, kth = np.float64(first_run[s]), np.float64(kth_run[s])
-            if kind == HEAT:
-                mean_attn = attn_sum[s] / max(length[s], 1)
-                since = max(tick - last, 0.0) + 1.0
-                px, sx = w_attn * mean_attn + w_recency / since, kth
-            elif kind == LRU:
-                px, sx = last, kth
-            else:
-                px, sx = kth, last
+            px, sx = _key(kind, attn_sum[s], length[s], np.float64(first_run[s]),
+                          np.float64(kth_run[s]), tick, w_attn, w_recency)
             if px != px or sx != sx:  # NaN
                 return ku[:0].copy(), False
             if total >= need:
@@ -346,15 +347,8 @@ def unit_keys(units: A, kind: int, attn_sum: A, length: A, first_run: A, kth_run
     secondary = np.empty(k, dtype=np.float64)
     for i in range(k):
         s = units[i]
-        last, kth = np.float64(first_run[s]), np.float64(kth_run[s])
-        if kind == HEAT:
-            mean_attn = attn_sum[s] / max(length[s], 1)
-            since = max(tick - last, 0.0) + 1.0
-            primary[i], secondary[i] = w_attn * mean_attn + w_recency / since, kth
-        elif kind == LRU:
-            primary[i], secondary[i] = last, kth
-        else:
-            primary[i], secondary[i] = kth, last
+        primary[i], secondary[i] = _key(kind, attn_sum[s], length[s], np.float64(first_run[s]),
+                                        np.float64(kth_run[s]), tick, w_attn, w_recency)
     return primary, secondary
 
 
@@ -394,15 +388,8 @@ def walk_prepared(units: A, primary: A, secondary: A, complete: bool, stale: A, 
         if nx >= 256:  # not the case this is for: leave it to the full scan
             ok = False
             continue
-        last, kth = np.float64(first_run[s]), np.float64(kth_run[s])
-        if kind == HEAT:
-            mean_attn = attn_sum[s] / max(length[s], 1)
-            since = max(tick - last, 0.0) + 1.0
-            px, sx = w_attn * mean_attn + w_recency / since, kth
-        elif kind == LRU:
-            px, sx = last, kth
-        else:
-            px, sx = kth, last
+        px, sx = _key(kind, attn_sum[s], length[s], np.float64(first_run[s]),
+                      np.float64(kth_run[s]), tick, w_attn, w_recency)
         if px != px or sx != sx:  # NaN: numpy's order
             ok = False
             continue
