@@ -62,6 +62,9 @@ class Sizes:
     l2_reuse: str = "oldest"
     # SsdConfig.reads_first: spills pause between 16 MiB pieces while a resume reads L3.
     reads_first: int = 1
+    # TieredEngine.late_plans: a decode step's watermark demotions applied once its forward
+    # is launched (0: before it, with the step).
+    late_plans: int = 1
     seed: int = 0
     # 1: cProfile the resume steps (host time by function, in the config's "profile_top");
     # 2: the decode steps, those with tier traffic and those without apart ("profile_traffic_top",

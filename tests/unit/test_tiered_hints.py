@@ -114,9 +114,9 @@ def test_each_plan_is_told_the_l1_slots_the_rest_of_its_step_fills(runtime: Any)
         calls.append((plan, later_l1))
         return real_run(plan, ok, later_l1)
 
-    def apply_step(step: Any) -> Any:
+    def apply_step(step: Any, late_ok: bool = False) -> Any:
         steps.append((step, len(calls)))
-        return real_apply(step)
+        return real_apply(step, late_ok)
     ex.run, worker.apply_step = run, apply_step
     tiered = TieredEngine(rt, model, report_prefill=False, max_batch=2)
     e = tiered.engine

@@ -102,15 +102,33 @@ class TpkvRuntime:
 
     # ---- the step ----------------------------------------------------------------------------
     def begin_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
-                   upcoming: Mapping[str, int] | Sequence[str] | None = None) -> StepResult:
+                   upcoming: Mapping[str, int] | Sequence[str] | None = None,
+                   late_ok: bool = False) -> StepResult:
         """Schedule on rank 0, apply the step's plans everywhere, start the confirmation. A
-        controller that restarted (and lost its table) is rebuilt from the ranks first."""
-        return self._recovering(lambda: self._begin_step(session_ids, num_new_tokens, upcoming))
+        controller that restarted (and lost its table) is rebuilt from the ranks first.
+        `late_ok`: plans that only demote other sessions' blocks may wait for apply_late()
+        (Worker.apply_step); the step is then confirmed at the next begin_step."""
+        return self._recovering(
+            lambda: self._begin_step(session_ids, num_new_tokens, upcoming, late_ok))
+
+    def apply_late(self) -> None:
+        """Apply the plans of the step in flight that wait (see begin_step's late_ok)."""
+        self.worker.apply_late()
 
     def _begin_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
-                    upcoming: Mapping[str, int] | Sequence[str] | None) -> StepResult:
+                    upcoming: Mapping[str, int] | Sequence[str] | None,
+                    late_ok: bool = False) -> StepResult:
         if self._applied is not None:
-            self.end_step()
+            late = self._applied.late
+            try:
+                self.end_step()
+            except RankMismatchError as exc:
+                if not late:
+                    raise
+                # Its forward ran long ago and read none of those blocks; every rank has
+                # resynced to the controller's map (end_step), so this step starts from it.
+                log.error("rank %d: the previous step's demotions disagreed: %s", self.rank,
+                          exc)
         if self._restore is not None:
             self._resync(self._restore)
             self._restore = None
@@ -127,7 +145,7 @@ class TpkvRuntime:
             self._resync(answer["resync"])
         step = StepResult.from_dict(answer["step"])
         t1 = time.perf_counter()
-        self._applied = self.worker.apply_step(step)
+        self._applied = self.worker.apply_step(step, late_ok)
         # host seconds of the last step's planning (controller, to every rank) and applying
         self.last_step_times = {"plan": t1 - t0, "apply": time.perf_counter() - t1}
         self.closing.difference_update(step.closed_sessions)
@@ -166,13 +184,17 @@ class TpkvRuntime:
     def run_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
                  fn: Callable[[StepResult], T],
                  upcoming: Mapping[str, int] | Sequence[str] | None = None,
-                 max_retries: int = 2) -> T:
+                 max_retries: int = 2, late_ok: bool = False) -> T:
         """begin_step, fn(step) (the forward pass), end_step; after a mismatch or a miss the
-        step runs again with no new tokens (the first attempt added them) on repaired tiers."""
+        step runs again with no new tokens (the first attempt added them) on repaired tiers.
+        With `late_ok`, a step whose plans wait (begin_step) returns without end_step: it is
+        confirmed at the next begin_step (it has no loads, so no miss can hit its batch)."""
         tokens = np.asarray(num_new_tokens, dtype=np.int64).reshape(-1)
         for attempt in range(max_retries + 1):
-            step = self.begin_step(session_ids, tokens, upcoming)
+            step = self.begin_step(session_ids, tokens, upcoming, late_ok)
             out = fn(step)
+            if self._applied is not None and self._applied.late:
+                return out
             try:
                 if self.end_step():
                     return out

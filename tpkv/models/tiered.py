@@ -111,14 +111,21 @@ class TieredEngine:
         # for later steps; nothing in this one reads them): their host time runs beside it.
         # Then the controller prepares the next step's eviction orders (Controller.prepare).
         rt.worker.executor.defer_d2h = True
+        # A step whose plans only demote other sessions' blocks (the watermark's, in a decode
+        # step) is applied in two parts: its new blocks before the forward, its plans (maps,
+        # checks, copies, the confirmation's start) once the forward is launched; it is
+        # confirmed at the next step (TpkvRuntime.run_step's late_ok).
+        self.late_plans = True
         self.engine = PagedEngine(model, rt.worker.hbm.tensor, schedule=self.schedule,
                                   wait=self.wait, report=self.report, release=self.release,
                                   launched=self.launched, **engine_kwargs)
         self.block_tokens = self.engine.block_tokens
 
     def launched(self) -> None:
-        """The step's forward is queued on the device: issue its deferred demotions, then let
-        the controller do the next step's work while the device computes."""
+        """The step's forward is queued on the device: apply its plans that waited for this
+        (late_plans), issue its deferred demotions, then let the controller do the next
+        step's work while the device computes."""
+        self.rt.apply_late()
         self.rt.worker.executor.flush()
         self.rt.prepare_controller()
 
@@ -140,7 +147,7 @@ class TieredEngine:
 
         retries = self.rt.num_retries
         step = self.rt.run_step(session_ids, num_new_tokens, attempt, self._upcoming(session_ids),
-                                max_retries=self.max_retries)
+                                max_retries=self.max_retries, late_ok=self.late_plans)
         self.stats.retries += self.rt.num_retries - retries
         self.stats.steps += 1
         self._resume = (started, _TIER_NAME[farthest]) if farthest != Tier.HBM else None

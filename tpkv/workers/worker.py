@@ -60,6 +60,10 @@ class AppliedStep:
     step: StepResult
     plans: list[AppliedPlan]
     pending: PendingConfirm | None = None
+    # Its plans wait for Worker.apply_late (after the step's forward is launched); `late`
+    # stays set once they are applied: the step is confirmed at the next one.
+    waiting: bool = False
+    late: bool = False
 
 
 @dataclass
@@ -107,11 +111,63 @@ class Worker:
         self.tick = 0
         self.fault_skip: dict[int, int] = {}  # tests: epoch -> index of a move to skip silently
         self.fault_miss_from: int | None = None  # tests: first L3 read from this epoch misses
+        self.late: AppliedStep | None = None  # a step whose plans wait (apply_step's late_ok)
+        self.num_late = 0  # steps whose plans waited so
 
     # ---- the step loop ---------------------------------------------------------------------
-    def apply_step(self, step: StepResult) -> AppliedStep:
-        """Apply a step in the documented order; start its confirmation; return at once."""
-        self.mirror.release(step.released_block_ids)
+    def apply_step(self, step: StepResult, late_ok: bool = False) -> AppliedStep:
+        """Apply a step in the documented order; start its confirmation; return at once.
+
+        With `late_ok`, a step whose plans only demote blocks of sessions outside its batch,
+        out of L1 slots its new K/V does not take, and drops nothing (the watermark's
+        demotions in a decode step) gets its new blocks at once but its plans later: at
+        apply_late(), which the engine calls once the step's forward is launched (the plans'
+        host time then runs beside the forward), or at the next call that needs this rank's
+        map whole. Nothing the step's forward reads or writes depends on them."""
+        self.apply_late()
+        if late_ok and self._may_wait(step):
+            self.mirror.release(step.released_block_ids)
+            lost = self._add_fresh(step)
+            if not len(lost):  # as expected: the plans can wait
+                self._after_plans(step)
+                self.last_applied = []
+                self.num_late += 1
+                self.late = AppliedStep(step, [], None, waiting=True, late=True)
+                return self.late
+            applied = self._apply_plans(step)  # this rank held blocks in those slots
+        else:
+            self.mirror.release(step.released_block_ids)
+            applied = self._apply_plans(step)
+            lost = self._add_fresh(step)
+        self._note_lost(applied, lost)
+        self._after_plans(step)
+        return self._confirm(AppliedStep(step, applied, None))
+
+    def apply_late(self) -> None:
+        """Apply the plans of a step applied with late_ok, if they still wait, and start its
+        confirmation (finish() collects it as any other)."""
+        if self.late is None:
+            return
+        late, self.late = self.late, None
+        late.plans = self._apply_plans(late.step)
+        late.waiting = False
+        self._confirm(late)
+
+    def _may_wait(self, step: StepResult) -> bool:
+        if not step.plans or any(len(d) for d in step.drops):
+            return False
+        batch = set(step.session_ids)
+        fresh = np.sort(np.asarray(step.fresh_slots, dtype=np.int64))
+        for plan in step.plans:
+            if not plan.num_moves:
+                continue
+            if not plan.mask(Tier.HBM, Tier.DRAM).all() or not batch.isdisjoint(
+                    plan.session_names) or bool(np.isin(plan.src_slot, fresh).any()):
+                return False
+        return True
+
+    def _apply_plans(self, step: StepResult) -> list[AppliedPlan]:
+        """The step's plans and drops in order."""
         applied = []
         # Per plan: the L1 slots the rest of the step fills (see PlanExecutor.run).
         later = [np.asarray(step.fresh_slots, dtype=np.int64)]
@@ -122,10 +178,16 @@ class Worker:
             self.mirror.drop(step.drops[i] if i < len(step.drops) else _NO_IDS)
             applied.append(self.apply_plan(plan, later[len(step.plans) - 1 - i]))
         self.mirror.drop(step.drops[-1] if step.drops else _NO_IDS)
+        self.last_applied = applied
+        return applied
+
+    def _add_fresh(self, step: StepResult) -> np.ndarray:
         names = [step.session_ids[i] for i in step.fresh_session_idx.tolist()]
-        lost = self.mirror.add_fresh(step.fresh_block_ids, step.fresh_slots, names,
+        return self.mirror.add_fresh(step.fresh_block_ids, step.fresh_slots, names,
                                      step.fresh_logical)
-        self._note_lost(applied, lost)
+
+    def _after_plans(self, step: StepResult) -> None:
+        """What follows the plans and the new blocks: tokens, closed sessions, the fence."""
         self.mirror.tokens.update(zip(step.session_ids, step.num_tokens.tolist()))
         for name in step.closed_sessions:
             self.mirror.tokens.pop(name, None)
@@ -138,17 +200,18 @@ class Worker:
                 self.store.drop_session_later(name)
         self.executor.fence_compute(step.fresh_slots)
         self.tick = step.tick
-        self.last_applied = applied
-        with_moves = [a for a in applied if a.plan.num_moves]
-        pending = None
+
+    def _confirm(self, applied: AppliedStep) -> AppliedStep:
+        """Start the step's confirmation (none without moves)."""
+        with_moves = [a for a in applied.plans if a.plan.num_moves]
         if with_moves:  # digests and the all-gather run on the confirmation thread
             def rows() -> tuple[np.ndarray, np.ndarray]:
                 return (np.asarray([a.row() for a in with_moves], dtype=np.int64),
                         np.asarray([[a.plan.epoch, a.plan.num_moves, plan_digest(a.plan), 0]
                                     for a in with_moves], dtype=np.int64))
-            pending = (self.confirmer.start(rows) if self.confirmer
-                       else PendingConfirm.local(rows))
-        return AppliedStep(step, applied, pending)
+            applied.pending = (self.confirmer.start(rows) if self.confirmer
+                               else PendingConfirm.local(rows))
+        return applied
 
     def apply_plan(self, plan: MovePlan, later_l1: np.ndarray | None = None) -> AppliedPlan:
         """Check epoch order, apply the moves this rank's map allows, record them. `later_l1`:
@@ -177,6 +240,7 @@ class Worker:
 
     def finish(self, applied: AppliedStep) -> StepReport:
         """Wait (bounded) for the step's confirmation; report where ranks disagree."""
+        self.apply_late()
         p = applied.pending
         gathered: np.ndarray | None = np.zeros((self.world_size, 0, ROW), dtype=np.int64)
         expected = np.zeros((0, ROW), dtype=np.int64)
@@ -208,6 +272,7 @@ class Worker:
     # ---- the slot map ----------------------------------------------------------------------
     def slot_map(self) -> dict[str, Any]:
         """This rank's map in the form Controller.rebuild takes (and slot_map() gives)."""
+        self.apply_late()
         out = self.mirror.export()
         out.update(rank=self.rank, epoch=self.epoch, tick=self.tick)
         return out
@@ -215,6 +280,7 @@ class Worker:
     def resync(self, slot_map: dict[str, Any]) -> np.ndarray:
         """Take the controller's map; move bytes this rank holds elsewhere to where it says.
         Returns the ids of blocks this rank could not restore (their bytes are zeros here)."""
+        self.apply_late()  # the map has their moves: none may come after it
         relocation = self.mirror.restore(slot_map)
         self.epoch = int(slot_map["epoch"])
         self.tick = int(slot_map.get("tick", self.tick))
@@ -223,6 +289,9 @@ class Worker:
         return self.executor.relocate(relocation)
 
     def close(self) -> None:
+        # Plans still waiting are not applied: that would start a confirmation (a collective)
+        # while closing, perhaps after a failure; the blocks' bytes stay where they are.
+        self.late = None
         if self.confirmer is not None:
             self.confirmer.close()
         self.executor.synchronize()
