@@ -144,6 +144,9 @@ class PlanExecutor:
         # first flushes them.
         self.defer_d2h = False
         self.deferred: list[_Deferred] = []
+        # Set while plans applied after the forward was launched run (Worker.apply_late): an
+        # event recorded before that forward, which their copies wait for instead of it.
+        self.compute_mark: torch.cuda.Event | None = None
 
     # ---- one plan --------------------------------------------------------------------------
     def run(self, plan: MovePlan, ok: np.ndarray, later_l1: np.ndarray | None = None
@@ -185,8 +188,8 @@ class PlanExecutor:
             self.wait_spills(deadline, slots=plan.dst_slot[i])
             src, dst = plan.src_slot[i], plan.dst_slot[i]
             if self.defer_d2h and demotions_only:
-                after = None
-                if self.engine.on_gpu:
+                after = self.compute_mark
+                if after is None and self.engine.on_gpu:
                     after = torch.cuda.Event()
                     after.record(torch.cuda.current_stream(self.hbm.device))
                 self.deferred.append(_Deferred(src, dst, after, prev_h2d, out))

@@ -113,6 +113,7 @@ class Worker:
         self.fault_miss_from: int | None = None  # tests: first L3 read from this epoch misses
         self.late: AppliedStep | None = None  # a step whose plans wait (apply_step's late_ok)
         self.num_late = 0  # steps whose plans waited so
+        self._late_mark: torch.cuda.Event | None = None  # compute queued before their forward
 
     # ---- the step loop ---------------------------------------------------------------------
     def apply_step(self, step: StepResult, late_ok: bool = False) -> AppliedStep:
@@ -133,6 +134,9 @@ class Worker:
                 self.last_applied = []
                 self.num_late += 1
                 self.late = AppliedStep(step, [], None, waiting=True, late=True)
+                if self.executor.engine.on_gpu:  # their copies need not wait for the forward
+                    self._late_mark = torch.cuda.Event()
+                    self._late_mark.record(torch.cuda.current_stream(self.hbm.device))
                 return self.late
             applied = self._apply_plans(step)  # this rank held blocks in those slots
         else:
@@ -149,7 +153,11 @@ class Worker:
         if self.late is None:
             return
         late, self.late = self.late, None
-        late.plans = self._apply_plans(late.step)
+        self.executor.compute_mark, self._late_mark = self._late_mark, None
+        try:
+            late.plans = self._apply_plans(late.step)
+        finally:
+            self.executor.compute_mark = None
         late.waiting = False
         self._confirm(late)
 
