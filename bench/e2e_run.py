@@ -246,6 +246,11 @@ class Rounds:
                              "ttft_ms": round(ms, 3), "bytes_l2_l1": b2, "bytes_l3_l2": b3,
                              "ceiling_ms": None if ceil_ms is None else round(ceil_ms, 3),
                              "moved": moved,
+                             # host ms its L3 reads waited for spills (into L2 slots still
+                             # being written to disk, or of the session itself)
+                             "spill_wait_ms": round(sum(
+                                 a.outcome.spill_wait_ns for a in
+                                 self.tiered.rt.worker.last_applied) / 1e6, 3),
                              **self._parts(), "trace": self.tiered.last_trace})
 
     def _profiled(self, *fns: Any) -> list[Any]:

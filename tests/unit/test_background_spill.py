@@ -139,3 +139,20 @@ def test_a_session_read_in_chunks_comes_back_bit_exact(tmp_path: Path,
     for k in range(n):
         assert np.array_equal(ex.host.block_bytes_view(int(dst[k])), want[k])
     store.close()
+
+
+def test_a_load_into_slots_a_spill_still_reads_waits_and_says_how_long(tmp_path: Path) -> None:
+    """An L3 read into an L2 slot a running spill still reads starts once the spill is done,
+    and the plan's outcome counts that wait (spill_wait_ns, in the e2e's resume records)."""
+    ex, store, gate = _setup(tmp_path)
+    ex.hbm.tensor[0].fill_(3.0)
+    ex.run(_plan(1, 0, H, 0, D, 0), np.ones(1, dtype=bool))  # block 0: L1 slot 0 -> L2 slot 0
+    ex.run(_plan(2, 0, D, 0, S, -1), np.ones(1, dtype=bool))  # L2 slot 0 -> L3, held at the gate
+    threading.Timer(0.3, gate.set).start()
+    out = ex.run(_plan(3, 0, S, -1, D, 0), np.ones(1, dtype=bool))  # back into L2 slot 0
+    assert out.done.all() and not out.misses.size and gate.is_set()
+    assert out.spill_wait_ns >= 0.2e9  # it waited for the spill's write
+    assert (ex.host.block(0) == 3.0).all()  # and read back what was written
+    quick = ex.run(_plan(4, 0, D, 0, H, 0), np.ones(1, dtype=bool))  # no L3 read: no wait
+    assert quick.spill_wait_ns == 0
+    store.close()

@@ -71,6 +71,7 @@ class ExecOutcome:
     bytes_ssd_write: int = 0
     error: str = ""  # the first failure, if a group of moves could not be carried out
     host_ns: int = 0  # host time of the plan (SSD I/O included)
+    spill_wait_ns: int = 0  # of it, waiting for spills before its L3 reads could start
     # (direction, start, stop) of each copy batch on its stream (GPU only)
     timing: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
 
@@ -213,7 +214,9 @@ class PlanExecutor:
             wait_handle(prev_h2d, deadline, f"epoch {plan.epoch} L3 -> L2")
             wait_handle(prev_d2h, deadline, f"epoch {plan.epoch} L3 -> L2")
             names = {plan.session_names[s] for s in set(plan.session_idx[i].tolist())}
+            waited = time.perf_counter_ns()
             self.wait_spills(deadline, slots=plan.dst_slot[i], names=names)
+            out.spill_wait_ns = time.perf_counter_ns() - waited
             jobs += self._ssd_jobs(plan, i, "read", deadline)
         self._collect(plan, jobs, out, deadline)
         # Spills only after the plan's reads: a resume waits for its reads, never for the
