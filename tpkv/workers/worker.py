@@ -162,7 +162,7 @@ class Worker:
         self._confirm(late)
 
     def _may_wait(self, step: StepResult) -> bool:
-        if not step.plans or any(len(d) for d in step.drops):
+        if not any(p.num_moves for p in step.plans) or any(len(d) for d in step.drops):
             return False
         batch = set(step.session_ids)
         fresh = np.sort(np.asarray(step.fresh_slots, dtype=np.int64))
