@@ -245,9 +245,10 @@ class TieredEngine:
             # Moves by (source, destination) tier in one pass: code = src * 4 + dst.
             n = np.bincount(plan.src_tier.astype(np.int64) * 4 + plan.dst_tier, minlength=16)
             for name, (src, dst) in DIRECTIONS.items():
-                self.stats.moves[name] += int(n[src * 4 + dst])
-                self.stats.bytes[name] += int(n[src * 4 + dst]) * bb
-            if plan.num_moves and plan.session_names:
+                moves = int(n[src * 4 + dst])
+                self.stats.moves[name] += moves
+                self.stats.bytes[name] += moves * bb
+            if plan.session_names:
                 ours = [i for i, name in enumerate(plan.session_names) if name in batch]
                 mine = np.isin(plan.session_idx, ours) & (plan.src_tier > plan.dst_tier)
                 if mine.any():
