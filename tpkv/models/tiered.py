@@ -127,6 +127,8 @@ class TieredEngine:
         step's work while the device computes."""
         self.rt.apply_late()
         self.rt.worker.executor.flush()
+        if self.last_trace is not None:  # with the copies issued only now
+            self.last_trace.spans = self._spans()
         self.rt.prepare_controller()
 
     # ---- the engine's four hooks ------------------------------------------------------------
@@ -154,10 +156,13 @@ class TieredEngine:
         self.last_times = {"schedule": time.perf_counter() - started,
                            **{f"schedule_{k}": v for k, v in self.rt.last_step_times.items()}}
         if t0 is not None:
-            self.last_trace = StepTrace(t0, [(i, *span) for i, a in
-                                             enumerate(self.rt.worker.last_applied)
-                                             for span in a.outcome.timing])
+            self.last_trace = StepTrace(t0, self._spans())
         return step
+
+    def _spans(self) -> list[tuple[int, str, Any, Any]]:
+        """(plan, direction, start, stop) of the copy batches of the plans applied last."""
+        return [(i, *span) for i, a in enumerate(self.rt.worker.last_applied)
+                for span in a.outcome.timing]
 
     def _upcoming(self, session_ids: Sequence[str]) -> list[str] | None:
         """With hint_running: the turns decoding now that are not in this step (a prefill's):
