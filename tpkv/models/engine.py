@@ -22,6 +22,7 @@ from tpkv.models.paged import (
     check_tables,
     paged_attention_ref,
 )
+from tpkv.models.readback import HostReadback
 from tpkv.models.scheduler import LocalScheduler, StepTables
 from tpkv.models.tp import tp_info
 
@@ -129,6 +130,8 @@ class PagedEngine:
         if cuda_graphs is None:  # default: on a GPU, for one rank (TP collectives run eagerly)
             cuda_graphs = hbm_tensor.device.type == "cuda" and tp_info(model)[1] == 1
         self.graphs = DecodeGraphs(model, hbm_tensor, attention) if cuda_graphs else None
+        # tokens and attention mass read back past the copy engines' queues (tier copies)
+        self.readback = HostReadback(hbm_tensor.device)
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         self.eos_token_id = eos_token_id
         self.seqs: dict[str, Seq] = {}
@@ -264,10 +267,10 @@ class PagedEngine:
             logits = self.model(token_ids, meta.positions, attn, meta.last_rows)  # [B, vocab]
             block_mass, nb = attn.block_mass, -(-np.asarray(seq_lens) // self.block_tokens)
         self.launched()
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = self.readback.tolist(logits.argmax(dim=-1))
         mass: tuple[np.ndarray, ...] = tuple(np.zeros(0, dtype=np.float32) for _ in seqs)
         if block_mass is not None:
-            per_session = block_mass.cpu().numpy()  # [B, NB]
+            per_session = self.readback.numpy(block_mass)  # [B, NB]
             mass = tuple(per_session[i, :nb[i]].copy() for i in range(len(seqs)))
         for seq, token in zip(seqs, tokens):
             seq.num_cached = len(seq.token_ids)
