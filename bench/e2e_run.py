@@ -160,6 +160,7 @@ class Rounds:
         self.failures: list[str] = []
         self.held_after_fill = 0
         self.traffic: list[dict[str, Any]] = []  # decode steps with moves: parts and copies
+        self.quiet_parts: list[dict[str, float]] = []  # decode steps without: parts
         mode = getattr(sizes, "profile", 0)
         self.profile = cProfile.Profile() if mode == 1 else None
         # mode 2: each decode step profiled alone, then added to the traffic or the quiet sum
@@ -228,6 +229,8 @@ class Rounds:
                 if any(moved.values()):
                     self.traffic.append({"step_ms": round(ms, 3), "moved": moved,
                                          **self._parts(), "trace": self.tiered.last_trace})
+                else:
+                    self.quiet_parts.append({"step_ms": round(ms, 3), **self._parts()})
             elif rnd:
                 self._resume(session, ms, moved, st.recompute_tokens > recompute0,
                              {t: len(v) > loads0[t] for t, v in st.resume_s.items()})
@@ -297,10 +300,12 @@ class Rounds:
             "recompute_tokens": st.recompute_tokens, "retries": st.retries,
             "resumes_by_source": {}, "resume_vs_ceiling": {}, "resume_records": self.resumes,
             "traffic_records": self.traffic}
-        if self.traffic:  # where a decode step with tier traffic spends its host time
-            out["traffic_parts_p50_ms"] = {
-                k: _pct([r[k] for r in self.traffic if k in r], 50)
-                for k in self.traffic[-1] if k.endswith("_ms")}
+        # where a decode step with tier traffic spends its host time, and one without
+        for key, recs in (("traffic_parts_p50_ms", self.traffic),
+                          ("quiet_parts_p50_ms", self.quiet_parts)):
+            if recs:
+                out[key] = {k: _pct([r[k] for r in recs if k in r], 50)
+                            for k in recs[-1] if k.endswith("_ms")}
         if self.profile is not None:
             stats, n = pstats.Stats(self.profile), max(1, len(self.resumes))
             out["profile_top"] = _top(stats, n, "ms_per_resume")

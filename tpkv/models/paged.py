@@ -79,10 +79,12 @@ def check_tables(block_tables: Sequence[np.ndarray | Sequence[int]], seq_lens: S
             raise SlotError(f"session {i} of the batch names L1 slots outside 0..{num_slots - 1}"
                             f": {used[(used < 0) | (used >= num_slots)][:8].tolist()}")
     every = np.concatenate([t[:n] for t, n in zip(tables, nb)])
-    if len(np.unique(every)) != len(every):  # tpkv shares no blocks between sessions
-        values, counts = np.unique(every, return_counts=True)
+    # tpkv shares no blocks between sessions. A count per slot (all are in range by now):
+    # np.unique took 0.3-0.9 ms a decode step of 6000 blocks, before the forward; this 20 us.
+    counts = np.bincount(every, minlength=num_slots)
+    if len(every) and counts.max() > 1:
         raise SlotError(f"the batch lists L1 slots more than once: "
-                        f"{values[counts > 1][:8].tolist()}")
+                        f"{np.flatnonzero(counts > 1)[:8].tolist()}")
     return tables, seq, qn, nb
 
 
