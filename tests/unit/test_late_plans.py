@@ -33,6 +33,7 @@ def _run(root: str, late: bool, skip_first_late: bool = False) -> dict[str, Any]
         tiered.late_plans = late
         worker = rt.worker
         seen: list[bool] = []
+        spills: list[int] = []  # L2 -> L3 moves of each late step
         real_apply, real_late = worker.apply_step, worker.apply_late
 
         def apply_step(step: Any, late_ok: bool = False) -> Any:
@@ -40,7 +41,9 @@ def _run(root: str, late: bool, skip_first_late: bool = False) -> dict[str, Any]
             seen.append(applied.late)
             if applied.late:  # nothing of the plans is applied yet
                 assert applied.waiting and not applied.plans and worker.last_applied == []
-                assert all(p.mask(Tier.HBM, Tier.DRAM).all() for p in step.plans)
+                assert all((p.mask(Tier.HBM, Tier.DRAM) | p.mask(Tier.DRAM, Tier.SSD)).all()
+                           for p in step.plans)
+                spills.append(sum(int(p.mask(Tier.DRAM, Tier.SSD).sum()) for p in step.plans))
             return applied
 
         def apply_late() -> None:
@@ -70,7 +73,7 @@ def _run(root: str, late: bool, skip_first_late: bool = False) -> dict[str, Any]
         theirs, here = maps[0]
         assert len(theirs) > 0 and here == theirs
         return {"tokens": tokens, "late": sum(seen), "mismatches": rt.num_mismatches,
-                "moves": dict(tiered.stats.moves)}
+                "moves": dict(tiered.stats.moves), "late_spills": sum(spills)}
     finally:
         rt.close()
 
@@ -80,6 +83,7 @@ def test_late_plans_give_the_tokens_and_maps_of_steps_applied_whole(tmp_path) ->
     late = _run(str(tmp_path / "b"), late=True)
     assert whole["late"] == 0 and late["late"] > 0
     assert late["moves"]["l1_l2"] > 0 and late["moves"]["l2_l1"] > 0
+    assert late["late_spills"] > 0 and late["moves"]["l3_l2"] > 0  # spills waited too
     assert late["tokens"] == whole["tokens"]
     assert late["mismatches"] == whole["mismatches"] == 0
 

@@ -119,9 +119,10 @@ class Worker:
     def apply_step(self, step: StepResult, late_ok: bool = False) -> AppliedStep:
         """Apply a step in the documented order; start its confirmation; return at once.
 
-        With `late_ok`, a step whose plans only demote blocks of sessions outside its batch,
-        out of L1 slots its new K/V does not take, and drops nothing (the watermark's
-        demotions in a decode step) gets its new blocks at once but its plans later: at
+        With `late_ok`, a step whose plans only demote blocks of sessions outside its batch
+        (L1 -> L2 out of slots its new K/V does not take, or L2 -> L3) and drop nothing (the
+        watermarks' demotions and spills in a decode step) gets its new blocks at once but its
+        plans later: at
         apply_late(), which the engine calls once the step's forward is launched (the plans'
         host time then runs beside the forward), or at the next call that needs this rank's
         map whole. Nothing the step's forward reads or writes depends on them."""
@@ -164,13 +165,15 @@ class Worker:
     def _may_wait(self, step: StepResult) -> bool:
         if not any(p.num_moves for p in step.plans) or any(len(d) for d in step.drops):
             return False
-        batch = set(step.session_ids)
+        # sessions the step's forward uses, or whose L3 records it closes or drops
+        keep = {*step.session_ids, *step.closed_sessions, *step.ssd_dropped_sessions}
         fresh = np.sort(np.asarray(step.fresh_slots, dtype=np.int64))
         for plan in step.plans:
             if not plan.num_moves:
                 continue
-            if not plan.mask(Tier.HBM, Tier.DRAM).all() or not batch.isdisjoint(
-                    plan.session_names) or bool(np.isin(plan.src_slot, fresh).any()):
+            down = plan.mask(Tier.HBM, Tier.DRAM)  # demotions, or spills of L2 to L3
+            if not (down | plan.mask(Tier.DRAM, Tier.SSD)).all() or not keep.isdisjoint(
+                    plan.session_names) or bool(np.isin(plan.src_slot[down], fresh).any()):
                 return False
         return True
 
