@@ -111,10 +111,12 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
                               attention=attention)
         tiered.trace = cuda  # device times of each step's copies, for the resume records
         tiered.late_plans = bool(sizes.late_plans)
+        tiered.defer_marks = bool(getattr(sizes, "defer_marks", 1))
         r = Rounds(tiered, sizes, contexts, bb, ceil).run()
         eng = rt.worker.engine  # how well the slot placement let copies merge into runs
         r["copy_blocks"], r["copy_descriptors"] = dict(eng.num_blocks), dict(eng.num_descriptors)
         r["late_steps"] = rt.worker.num_late
+        r["deferred_steps"] = rt.worker.num_deferred
         gate = getattr(rt.worker.store, "_gate", None)
         if gate is not None:  # spill pieces that waited for a resume's reads (reads_first)
             r["l3_write_pauses"] = gate.num_pauses

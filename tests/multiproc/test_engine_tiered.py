@@ -77,7 +77,8 @@ def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
         out = {"got": got, "want": want, "moves": dict(s.moves), "events": events,
                "recompute_tokens": s.recompute_tokens, "retries": s.retries,
                "mismatches": rt.num_mismatches, "steps": s.steps,
-               "commit_refusals": rt.num_commit_refusals, "late": rt.worker.num_late}
+               "commit_refusals": rt.num_commit_refusals, "late": rt.worker.num_late,
+               "deferred": rt.worker.num_deferred}
     except BaseException as exc:
         rt.close(exc)
         raise
@@ -105,6 +106,8 @@ def check(out: dict[str, Any], mode: str = "load") -> None:
         assert out["retries"] == 0, out
     if mode != "recompute":  # decode steps whose demotions were applied after the forward
         assert out["late"] > 0, out["late"]  # launched (Worker.apply_step's late_ok)
+    # ... or planned then (Controller.plan_deferred; on every rank: a collective at TP 2)
+    assert out["deferred"] > 0, out["deferred"]
     if out["events"]:  # rank 0: the controller saw the same
         assert out["events"].get("demote", 0) > 0
         assert out["events"].get("spill" if mode != "recompute" else "drop_l2", 0) > 0

@@ -372,3 +372,29 @@ def test_sessions_that_move_as_a_whole_get_slots_in_runs(make_config, fake_clock
                     blocks += len(s)
                     runs += int(len(s) > 0) + int(((np.diff(s) != 1) | (np.diff(d) != 1)).sum())
     assert blocks > 200 and blocks / runs >= 6, (blocks, runs)
+
+
+def test_deferred_watermark_demotions_are_planned_after_the_step(make_config, fake_clock):
+    """schedule(defer_marks=True): a step that plans only for the L1 watermark gets no plans;
+    plan_deferred() then makes the demotions the step would have made, once."""
+    now, later = Rig(make_config(), fake_clock), Rig(make_config(), fake_clock)
+    for r in (now, later):
+        r.open("a", "b", "c", "d")
+        for n in "abc":
+            r.step([n])
+    res = now.step(["d"])  # 16 > 14.4: 'a' goes down within the step
+    step = later.c.schedule(["d"], [0], None, defer_marks=True)
+    assert step.plans == () and later.c.deferred is not None
+    for r in later.reps:
+        r.apply_step(step, None)
+    deferred = later.c.plan_deferred()
+    assert deferred is not None and deferred.tick == step.tick and not deferred.session_ids
+    reports = [r.apply_step(deferred, None) for r in later.reps]
+    for i in range(len(deferred.plans)):
+        assert later.c.commit([rep[i] for rep in reports]).committed
+    assert moves(deferred, Tier.HBM, Tier.DRAM) == moves(res, Tier.HBM, Tier.DRAM) == 4
+    assert later.where("a") == now.where("a") == ["DRAM"] * 4 and later.where("d") == ["HBM"] * 4
+    assert later.reps[0].digest() == later.c.slot_map()["digest"]
+    assert later.c.plan_deferred() is None  # once
+    step = later.c.schedule(["a"], [0], None, defer_marks=True)  # a load: planned in the step
+    assert moves(step, Tier.DRAM, Tier.HBM) == 4 and later.c.deferred is None

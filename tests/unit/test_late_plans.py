@@ -1,6 +1,8 @@
 """Steps whose plans only demote other sessions' blocks are applied after their forward is
-launched (Worker.apply_step's late_ok) and confirmed at the next step: the tokens are those of
-steps applied whole, and a late plan the ranks disagree on is repaired by a resync."""
+launched (Worker.apply_step's late_ok), and steps that would plan only for the L1 watermark
+have the controller plan those demotions then (defer_marks, Controller.plan_deferred); both are
+confirmed at the next step. The tokens are those of steps applied whole, and a late or deferred
+plan the ranks disagree on is repaired by a resync."""
 
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ torch = pytest.importorskip("torch")
 from tpkv.types import Tier  # noqa: E402
 
 
-def _run(root: str, late: bool, skip_first_late: bool = False) -> dict[str, Any]:
+def _run(root: str, late: bool, skip: str | None = None, defer: bool = True) -> dict[str, Any]:
     """The tiered engine test's workload and tiers (L1 of 32 blocks, L2 of 16, L3), returns
-    always loaded; a check of every step's application and of the maps at the end."""
+    always loaded; a check of every step's application and of the maps at the end. `skip`:
+    "late" or "deferred": the first such plan's first move is skipped on the rank (a bug)."""
     import tpkv
     from tests.multiproc.test_engine_tiered import BT, L1_BLOCKS, L2_BLOCKS, drive
     from tpkv.config import PolicyConfig
@@ -30,11 +33,13 @@ def _run(root: str, late: bool, skip_first_late: bool = False) -> dict[str, Any]
     rt = tpkv.init(cfg, controller="local", device="cpu")
     try:
         tiered = TieredEngine(rt, model, report_prefill=False)
-        tiered.late_plans = late
+        tiered.late_plans, tiered.defer_marks = late, defer
         worker = rt.worker
         seen: list[bool] = []
         spills: list[int] = []  # L2 -> L3 moves of each late step
+        deferred: list[int] = []  # moves of each deferred step
         real_apply, real_late = worker.apply_step, worker.apply_late
+        real_deferred = worker.apply_deferred
 
         def apply_step(step: Any, late_ok: bool = False) -> Any:
             applied = real_apply(step, late_ok)
@@ -46,17 +51,35 @@ def _run(root: str, late: bool, skip_first_late: bool = False) -> dict[str, Any]
                 spills.append(sum(int(p.mask(Tier.DRAM, Tier.SSD).sum()) for p in step.plans))
             return applied
 
-        def apply_late() -> None:
-            step = None if worker.late is None else worker.late.step
-            skip = skip_first_late and step is not None and worker.num_late == 1
-            if skip:
-                worker.fault_skip[step.plans[0].epoch] = 0  # a rank's bug, once
-            real_late()
-            for plan in (step.plans if step is not None and not skip else ()):
-                tier, slot = worker.mirror.where(plan.block_ids)  # applied as planned
+        def applied_as_planned(step: Any) -> None:
+            for plan in step.plans:
+                tier, slot = worker.mirror.where(plan.block_ids)
                 np.testing.assert_array_equal(tier, plan.dst_tier)
                 np.testing.assert_array_equal(slot, plan.dst_slot)
+
+        def apply_late() -> None:
+            step = None if worker.late is None else worker.late.step
+            bug = skip == "late" and step is not None and sum(seen) == 1
+            if bug:
+                worker.fault_skip[step.plans[0].epoch] = 0  # a rank's bug, once
+            real_late()
+            if step is not None and not bug:
+                applied_as_planned(step)
+
+        def apply_deferred(step: Any) -> Any:
+            assert not step.session_ids and not len(step.fresh_block_ids)  # plans only
+            assert all((p.mask(Tier.HBM, Tier.DRAM) | p.mask(Tier.DRAM, Tier.SSD)).all()
+                       for p in step.plans)  # only down
+            bug = skip == "deferred" and not deferred
+            if bug:
+                worker.fault_skip[step.plans[0].epoch] = 0
+            deferred.append(step.num_moves)
+            out = real_deferred(step)
+            if not bug:
+                applied_as_planned(step)
+            return out
         worker.apply_step, worker.apply_late = apply_step, apply_late
+        worker.apply_deferred = apply_deferred
         maps: list[tuple[dict[int, tuple[int, int]], dict[int, tuple[int, int]]]] = []
         real_close = tiered.engine.close_session
 
@@ -73,23 +96,34 @@ def _run(root: str, late: bool, skip_first_late: bool = False) -> dict[str, Any]
         theirs, here = maps[0]
         assert len(theirs) > 0 and here == theirs
         return {"tokens": tokens, "late": sum(seen), "mismatches": rt.num_mismatches,
-                "moves": dict(tiered.stats.moves), "late_spills": sum(spills)}
+                "moves": dict(tiered.stats.moves), "late_spills": sum(spills),
+                "deferred": len(deferred), "deferred_moves": sum(deferred)}
     finally:
         rt.close()
 
 
 def test_late_plans_give_the_tokens_and_maps_of_steps_applied_whole(tmp_path) -> None:
     whole = _run(str(tmp_path / "a"), late=False)
-    late = _run(str(tmp_path / "b"), late=True)
-    assert whole["late"] == 0 and late["late"] > 0
+    late = _run(str(tmp_path / "b"), late=True, defer=False)
+    assert whole["late"] == 0 and whole["deferred"] == 0
+    assert late["late"] > 0 and late["deferred"] == 0
     assert late["moves"]["l1_l2"] > 0 and late["moves"]["l2_l1"] > 0
     assert late["late_spills"] > 0 and late["moves"]["l3_l2"] > 0  # spills waited too
     assert late["tokens"] == whole["tokens"]
     assert late["mismatches"] == whole["mismatches"] == 0
 
 
-def test_a_late_plan_the_rank_got_wrong_is_resynced_and_the_tokens_stay(tmp_path) -> None:
+def test_deferred_watermark_plans_give_the_tokens_and_maps_of_steps_planned_whole(
+        tmp_path) -> None:
     whole = _run(str(tmp_path / "a"), late=False)
-    bad = _run(str(tmp_path / "b"), late=True, skip_first_late=True)
-    assert bad["late"] > 0 and bad["mismatches"] == 1
+    both = _run(str(tmp_path / "b"), late=True, defer=True)
+    assert both["deferred"] > 0 and both["deferred_moves"] > 0
+    assert both["tokens"] == whole["tokens"] and both["mismatches"] == 0
+
+
+@pytest.mark.parametrize("kind", ["late", "deferred"])
+def test_a_late_plan_the_rank_got_wrong_is_resynced_and_the_tokens_stay(tmp_path, kind) -> None:
+    whole = _run(str(tmp_path / "a"), late=False)
+    bad = _run(str(tmp_path / "b"), late=True, skip=kind, defer=kind == "deferred")
+    assert bad[kind] > 0 and bad["mismatches"] == 1
     assert bad["tokens"] == whole["tokens"]

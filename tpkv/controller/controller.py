@@ -17,10 +17,10 @@ from tpkv.controller.batchtable import BatchTable
 from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.cost import RateMeter
 from tpkv.controller.messages import CommitOutcome, StepResult
-from tpkv.controller.planner import PlanContext, PreparedOrders, prepare_orders
+from tpkv.controller.planner import PlanContext, PreparedOrders, StepNeeds, prepare_orders
 from tpkv.controller.policy import auto_pin_threshold, fold_access
 from tpkv.controller.sessions import SessionTable
-from tpkv.controller.step import Upcoming, schedule_step
+from tpkv.controller.step import Upcoming, plan_deferred_step, schedule_step
 from tpkv.controller.table import PIN_EXPLICIT, SSD, BlockTable
 from tpkv.errors import (
     BadRequestError,
@@ -86,6 +86,9 @@ class Controller:
         self.eviction_orders: dict[int, tuple[int, np.ndarray]] = {}  # planner cache, per tier
         self.order_asks: dict[int, tuple[int, int]] = {}  # per tier: tick, blocks (planner)
         self.prepared: PreparedOrders | None = None  # by prepare(), for the next step
+        # (tick, needs) of a step whose watermark demotions schedule(defer_marks=True) left
+        # for plan_deferred(); None when there are none
+        self.deferred: tuple[int, StepNeeds] | None = None
         self.order_rebuilds: dict[str, int] = {}  # rebuilds from a prepared order, scanned
         self.pin_threshold = math.inf
         self._pin_dirty = False
@@ -212,20 +215,36 @@ class Controller:
     # ---- steps -----------------------------------------------------------------------------
     def schedule(self, session_ids: Sequence[str] | np.ndarray,
                  num_new_tokens: Sequence[int] | np.ndarray,
-                 upcoming: Upcoming = None) -> StepResult:
+                 upcoming: Upcoming = None, defer_marks: bool = False) -> StepResult:
         """Plan one step: `session_ids` run and add num_new_tokens[i] tokens each; `upcoming`
         maps sessions expected soon to the steps until they run (prefetched within
-        policy.prefetch_steps). Returns block tables, fresh slots and 0..3 plans."""
+        policy.prefetch_steps). Returns block tables, fresh slots and 0..3 plans.
+
+        `defer_marks`: a step that needs no move of its own and plans only because L1 is
+        above its high watermark gets no plans; plan_deferred() makes those demotions once
+        the caller has launched the step's forward (a later schedule() makes them otherwise)."""
         started = time.perf_counter_ns()
         self.require_ready()
+        self.deferred = None
         try:
             if self.tick >= _TICK_LIMIT:
                 self._rebase_ticks()
-            result = schedule_step(self, session_ids, num_new_tokens, upcoming)
+            result = schedule_step(self, session_ids, num_new_tokens, upcoming, defer_marks)
         finally:
             self.prepared = None  # for this step only (or a refused one: made again)
         self.latency_us.append((time.perf_counter_ns() - started) / 1e3)
         return result
+
+    def plan_deferred(self) -> StepResult | None:
+        """The watermark demotions the last schedule(defer_marks=True) left out, planned now
+        against the table as it stands (None when there are none, or L1 is below its mark
+        by now): a StepResult of the same tick with plans (and their drops) only. Apply it
+        like a step; its moves take no block of that step's batch."""
+        self.require_ready()
+        deferred, self.deferred = self.deferred, None
+        if deferred is None or deferred[0] != self.tick:
+            return None
+        return plan_deferred_step(self, deferred[1])
 
     def prepare(self, force: Mapping[int, int] | None = None) -> None:
         """Work the next schedule() would otherwise do first, done now: call it between steps,
@@ -248,9 +267,10 @@ class Controller:
         if self.prepared is not None:
             self.prepared.changed.append(s)
 
-    def finish_step(self, b: PlanBuilder) -> dict[str, Any]:
+    def finish_step(self, b: PlanBuilder, between: bool = False) -> dict[str, Any]:
         """Keep the step's plans as pending; return its plans, drops, and what happened
-        since the last step (closed sessions, lost blocks) for the StepResult."""
+        since the last step (closed sessions, lost blocks) for the StepResult. `between`:
+        plans made after the step (plan_deferred): only theirs."""
         for plan, rows in zip(b.plans, b.plan_rows):
             self.pending.append(PendingPlan(plan, rows))
         self.next_epoch = b.epoch
@@ -258,6 +278,12 @@ class Controller:
         keep = len(b.buffers[0]) <= 16 * self.config.policy.max_moves_per_step
         self.move_buffers = b.buffers if keep else None
         drops = b.drop_lists()
+        if between:  # plans only: what happened since goes with the next step
+            for e in b.events:
+                self.event(**e)  # type: ignore[arg-type]
+            self.maybe_check()
+            return {"plans": tuple(b.plans), "drops": tuple(drops), "ssd_dropped_sessions":
+                    tuple(self.sessions.name(s) for s in b.ssd_dropped)}
         if self.outbox_lost:
             lost = np.concatenate(self.outbox_lost)
             lost = lost[self.table.rows_of(lost)[1]]  # not those of sessions closed since

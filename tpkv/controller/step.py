@@ -25,7 +25,8 @@ Upcoming = Mapping[str, int] | Sequence[str] | None
 
 
 def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
-                  num_new_tokens: Sequence[int] | np.ndarray, upcoming: Upcoming) -> StepResult:
+                  num_new_tokens: Sequence[int] | np.ndarray, upcoming: Upcoming,
+                  defer_marks: bool = False) -> StepResult:
     """Controller.schedule: every check first (a refused step changes nothing), then the step."""
     S, T, pol = ctl.sessions, ctl.table, ctl.config.policy
     bt = ctl.config.geometry.block_tokens
@@ -65,18 +66,10 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     needs = StepNeeds(batch, want, len(recompute) + new_total, up)
     lost = _EMPTY
     if _needs_planning(ctl, needs):
-        ctl.refresh_pin_threshold()
-        g, rates = ctl.config.geometry, ctl.rates
-        load_s, recompute_s = block_costs(g.block_bytes, g.block_tokens, rates.h2d_bytes_per_s,
-                                          rates.ssd_read_bytes_per_s, rates.prefill_tokens_per_s)
-        prep = ctl.prepared
-        stale = (np.concatenate([batch, np.asarray(prep.changed, dtype=np.int64)])
-                 if prep is not None and prep.tick == tick else _EMPTY)
-        ctx = PlanContext(pol, ctl.marks, ctl.l3_enabled, tick, ctl.now_s(), ctl.pin_threshold,
-                          ctl.draining, ctl.eviction_orders,
-                          load_s if pol.spill == "cost" else 0.0, recompute_s,
-                          prep, stale, ctl.order_asks, ctl.order_rebuilds)
-        lost = plan_step(ctx, b, needs).astype(np.int64)
+        if defer_marks and _l1_mark_only(ctl, needs):
+            ctl.deferred = (tick, needs)  # Controller.plan_deferred, once the forward runs
+        else:
+            lost = _plan(ctl, b, needs, tick)
     fresh_old = (np.concatenate([recompute, lost]).astype(np.int64) if len(recompute) or len(lost)
                  else _EMPTY)
     slots = T.free[HBM].pop(len(fresh_old) + new_total)
@@ -103,6 +96,39 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         fresh_slots=slots.astype(np.int64), fresh_session_idx=fresh_pos,
         fresh_logical=fresh_logical, recompute_session_idx=rc_pos, recompute_start=rc_start,
         recompute_stop=rc_stop, **ctl.finish_step(b))
+
+
+def _plan(ctl: Controller, b: PlanBuilder, needs: StepNeeds, tick: int) -> np.ndarray:
+    """plan_step with the controller's context; the rows it dropped (recomputed)."""
+    pol = ctl.config.policy
+    ctl.refresh_pin_threshold()
+    g, rates = ctl.config.geometry, ctl.rates
+    load_s, recompute_s = block_costs(g.block_bytes, g.block_tokens, rates.h2d_bytes_per_s,
+                                      rates.ssd_read_bytes_per_s, rates.prefill_tokens_per_s)
+    prep = ctl.prepared
+    stale = (np.concatenate([needs.batch, np.asarray(prep.changed, dtype=np.int64)])
+             if prep is not None and prep.tick == tick else _EMPTY)
+    ctx = PlanContext(pol, ctl.marks, ctl.l3_enabled, tick, ctl.now_s(), ctl.pin_threshold,
+                      ctl.draining, ctl.eviction_orders,
+                      load_s if pol.spill == "cost" else 0.0, recompute_s,
+                      prep, stale, ctl.order_asks, ctl.order_rebuilds)
+    return plan_step(ctx, b, needs).astype(np.int64)
+
+
+def plan_deferred_step(ctl: Controller, needs: StepNeeds) -> StepResult | None:
+    """Controller.plan_deferred: the L1 watermark's demotions of a step that left them out,
+    its batch (and the sessions it named upcoming) shielded as in the step, none of its new
+    blocks still to place. None when L1 is no longer above its mark."""
+    needs = StepNeeds(needs.batch, _EMPTY, 0, needs.upcoming)
+    too_many = len(ctl.pending) + MAX_PHASES > ctl.config.policy.max_pending_plans
+    if too_many or not _needs_planning(ctl, needs):  # (the next schedule() then decides)
+        return None
+    b = PlanBuilder(ctl.table, ctl.sessions, ctl.next_epoch, ctl.now_s(), ctl.check_invariants,
+                    ctl.move_buffers)
+    _plan(ctl, b, needs, ctl.tick)
+    return StepResult(tick=ctl.tick, session_ids=(), num_tokens=_EMPTY,
+                      block_offsets=np.zeros(1, dtype=np.int64),
+                      block_table=np.zeros(0, dtype=np.int32), **ctl.finish_step(b, True))
 
 
 def _upcoming(ctl: Controller, upcoming: Upcoming, batch: np.ndarray) -> np.ndarray:
@@ -213,6 +239,19 @@ def _needs_planning(ctl: Controller, needs: StepNeeds) -> bool:
         return True
     up = needs.upcoming
     return bool(len(up) and (S.counts[1][up] < S.arena.length[up]).any())
+
+
+def _l1_mark_only(ctl: Controller, needs: StepNeeds) -> bool:
+    """_needs_planning holds only because L1 is above its high watermark: the step itself
+    needs no move (nothing to load, room for its new blocks, no tier draining, L2 below its
+    mark, nothing upcoming to prefetch)."""
+    T, S = ctl.table, ctl.sessions
+    if len(needs.want_l1) or T.num_free(HBM) < needs.num_fresh or any(ctl.draining.values()):
+        return False
+    if ctl.l3_enabled and T.used(DRAM) > ctl.marks[DRAM][0] * T.slots(DRAM):
+        return False
+    up = needs.upcoming
+    return not (len(up) and (S.counts[1][up] < S.arena.length[up]).any())
 
 
 def _place_fresh(ctl: Controller, rows: np.ndarray, slots: np.ndarray) -> None:

@@ -52,6 +52,7 @@ class TpkvRuntime:
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="tpkv-commit")
         self._commits: list[Future[CommitOutcome]] = []
         self._applied: Any = None
+        self._deferred = False  # the step in flight left its watermark demotions for apply_late
         self._refused = False
         self.num_retries = 0
         self.last_step_times: dict[str, float] = {}
@@ -103,21 +104,41 @@ class TpkvRuntime:
     # ---- the step ----------------------------------------------------------------------------
     def begin_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
                    upcoming: Mapping[str, int] | Sequence[str] | None = None,
-                   late_ok: bool = False) -> StepResult:
+                   late_ok: bool = False, defer_marks: bool = False) -> StepResult:
         """Schedule on rank 0, apply the step's plans everywhere, start the confirmation. A
         controller that restarted (and lost its table) is rebuilt from the ranks first.
         `late_ok`: plans that only demote other sessions' blocks may wait for apply_late()
-        (Worker.apply_step); the step is then confirmed at the next begin_step."""
+        (Worker.apply_step); the step is then confirmed at the next begin_step.
+        `defer_marks` (with late_ok; an in-process controller): a step that plans only for the
+        L1 watermark is scheduled without those demotions; apply_late() has the controller
+        plan them and applies them (Controller.plan_deferred)."""
         return self._recovering(
-            lambda: self._begin_step(session_ids, num_new_tokens, upcoming, late_ok))
+            lambda: self._begin_step(session_ids, num_new_tokens, upcoming, late_ok,
+                                     defer_marks))
 
-    def apply_late(self) -> None:
-        """Apply the plans of the step in flight that wait (see begin_step's late_ok)."""
+    def apply_late(self) -> StepResult | None:
+        """Once the step's forward is launched (a collective when the step deferred its
+        watermark demotions): apply its plans that wait (begin_step's late_ok), or plan and
+        apply the demotions it deferred (defer_marks); returns the latter's StepResult (the
+        step is then confirmed at the next begin_step), else None."""
         self.worker.apply_late()
+        if not self._deferred:
+            return None
+        self._deferred = False
+        answer = self._recovering(lambda: self.from_rank0(
+            lambda: _as_dict(self._call("plan_deferred")), "deferred watermark plans"))
+        if answer is None:
+            return None
+        step = StepResult.from_dict(answer)
+        if self._applied is not None:  # the step itself moved nothing: nothing to confirm
+            self.end_step()
+        self._applied = self.worker.apply_deferred(step)
+        return step
 
     def _begin_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
                     upcoming: Mapping[str, int] | Sequence[str] | None,
-                    late_ok: bool = False) -> StepResult:
+                    late_ok: bool = False, defer_marks: bool = False) -> StepResult:
+        self._deferred = False
         if self._applied is not None:
             late = self._applied.late
             try:
@@ -135,15 +156,20 @@ class TpkvRuntime:
 
         def plan() -> dict[str, Any]:
             resync = self._resync_if_commit_failed()
+            # only an in-process controller plans between calls (the Ray client lacks it)
+            defer = defer_marks and late_ok and hasattr(self.controller, "plan_deferred")
             step = self._call("schedule", list(session_ids),
-                              np.asarray(num_new_tokens, dtype=np.int64).reshape(-1), upcoming)
-            return {"step": step.to_dict(), "resync": resync}
+                              np.asarray(num_new_tokens, dtype=np.int64).reshape(-1), upcoming,
+                              **({"defer_marks": True} if defer else {}))
+            return {"step": step.to_dict(), "resync": resync,
+                    "deferred": defer and getattr(self.controller, "deferred", None) is not None}
 
         t0 = time.perf_counter()
         answer = self.from_rank0(plan, "plans of a step")
         if answer["resync"] is not None:
             self._resync(answer["resync"])
         step = StepResult.from_dict(answer["step"])
+        self._deferred = bool(answer["deferred"])
         t1 = time.perf_counter()
         self._applied = self.worker.apply_step(step, late_ok)
         # host seconds of the last step's planning (controller, to every rank) and applying
@@ -184,14 +210,14 @@ class TpkvRuntime:
     def run_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
                  fn: Callable[[StepResult], T],
                  upcoming: Mapping[str, int] | Sequence[str] | None = None,
-                 max_retries: int = 2, late_ok: bool = False) -> T:
+                 max_retries: int = 2, late_ok: bool = False, defer_marks: bool = False) -> T:
         """begin_step, fn(step) (the forward pass), end_step; after a mismatch or a miss the
         step runs again with no new tokens (the first attempt added them) on repaired tiers.
         With `late_ok`, a step whose plans wait (begin_step) returns without end_step: it is
         confirmed at the next begin_step (it has no loads, so no miss can hit its batch)."""
         tokens = np.asarray(num_new_tokens, dtype=np.int64).reshape(-1)
         for attempt in range(max_retries + 1):
-            step = self.begin_step(session_ids, tokens, upcoming, late_ok)
+            step = self.begin_step(session_ids, tokens, upcoming, late_ok, defer_marks)
             out = fn(step)
             if self._applied is not None and self._applied.late:
                 return out
@@ -402,6 +428,10 @@ class TpkvRuntime:
         self._check_commits(wait=True)
         self._refused = False
         return dict(self._call("resync"))
+
+
+def _as_dict(step: StepResult | None) -> dict[str, Any] | None:
+    return None if step is None else step.to_dict()
 
 
 def _detached(obj: Any) -> Any:

@@ -116,6 +116,10 @@ class TieredEngine:
         # checks, copies, the confirmation's start) once the forward is launched; it is
         # confirmed at the next step (TpkvRuntime.run_step's late_ok).
         self.late_plans = True
+        # With late_plans: a step that would plan only for the L1 watermark is scheduled
+        # without those demotions; the controller plans them once the forward is launched
+        # (Controller.plan_deferred) and they are applied as late plans are.
+        self.defer_marks = True
         self.engine = PagedEngine(model, rt.worker.hbm.tensor, schedule=self.schedule,
                                   wait=self.wait, report=self.report, release=self.release,
                                   launched=self.launched, **engine_kwargs)
@@ -123,9 +127,11 @@ class TieredEngine:
 
     def launched(self) -> None:
         """The step's forward is queued on the device: apply its plans that waited for this
-        (late_plans), issue its deferred demotions, then let the controller do the next
-        step's work while the device computes."""
-        self.rt.apply_late()
+        (late_plans) or the watermark demotions it left out (defer_marks), issue its deferred
+        demotions, then let the controller do the next step's work while the device computes."""
+        deferred = self.rt.apply_late()
+        if deferred is not None:
+            self._count(deferred)
         self.rt.worker.executor.flush()
         if self.last_trace is not None:  # with the copies issued only now
             self.last_trace.spans = self._spans()
@@ -149,7 +155,8 @@ class TieredEngine:
 
         retries = self.rt.num_retries
         step = self.rt.run_step(session_ids, num_new_tokens, attempt, self._upcoming(session_ids),
-                                max_retries=self.max_retries, late_ok=self.late_plans)
+                                max_retries=self.max_retries, late_ok=self.late_plans,
+                                defer_marks=self.defer_marks)
         self.stats.retries += self.rt.num_retries - retries
         self.stats.steps += 1
         self._resume = (started, _TIER_NAME[farthest]) if farthest != Tier.HBM else None

@@ -113,7 +113,9 @@ class Worker:
         self.fault_miss_from: int | None = None  # tests: first L3 read from this epoch misses
         self.late: AppliedStep | None = None  # a step whose plans wait (apply_step's late_ok)
         self.num_late = 0  # steps whose plans waited so
+        self.num_deferred = 0  # steps whose watermark demotions were planned after them
         self._late_mark: torch.cuda.Event | None = None  # compute queued before their forward
+        self._step_mark: torch.cuda.Event | None = None  # that of the last step (late_ok)
 
     # ---- the step loop ---------------------------------------------------------------------
     def apply_step(self, step: StepResult, late_ok: bool = False) -> AppliedStep:
@@ -127,6 +129,9 @@ class Worker:
         host time then runs beside the forward), or at the next call that needs this rank's
         map whole. Nothing the step's forward reads or writes depends on them."""
         self.apply_late()
+        if late_ok and self.executor.engine.on_gpu:  # compute queued before the forward
+            self._step_mark = torch.cuda.Event()  # (apply_deferred's copies wait for it)
+            self._step_mark.record(torch.cuda.current_stream(self.hbm.device))
         if late_ok and self._may_wait(step):
             self.mirror.release(step.released_block_ids)
             lost = self._add_fresh(step)
@@ -135,9 +140,7 @@ class Worker:
                 self.last_applied = []
                 self.num_late += 1
                 self.late = AppliedStep(step, [], None, waiting=True, late=True)
-                if self.executor.engine.on_gpu:  # their copies need not wait for the forward
-                    self._late_mark = torch.cuda.Event()
-                    self._late_mark.record(torch.cuda.current_stream(self.hbm.device))
+                self._late_mark = self._step_mark  # their copies need not wait for the forward
                 return self.late
             applied = self._apply_plans(step)  # this rank held blocks in those slots
         else:
@@ -161,6 +164,22 @@ class Worker:
             self.executor.compute_mark = None
         late.waiting = False
         self._confirm(late)
+
+    def apply_deferred(self, step: StepResult) -> AppliedStep:
+        """Apply the plans the controller made after the step in flight was scheduled (the
+        watermark demotions it deferred: Controller.plan_deferred), once its forward is
+        launched; their copies wait for the compute queued before that forward, not for it.
+        Start their confirmation; the step counts as late (confirmed at the next one)."""
+        self.apply_late()
+        self.mirror.release(step.released_block_ids)
+        self.executor.compute_mark = self._step_mark
+        try:
+            applied = self._apply_plans(step)
+        finally:
+            self.executor.compute_mark = None
+        self._after_plans(step)
+        self.num_deferred += 1
+        return self._confirm(AppliedStep(step, applied, None, late=True))
 
     def _may_wait(self, step: StepResult) -> bool:
         if not any(p.num_moves for p in step.plans) or any(len(d) for d in step.drops):
