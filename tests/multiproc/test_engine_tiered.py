@@ -104,9 +104,9 @@ def check(out: dict[str, Any], mode: str = "load") -> None:
         assert out["retries"] >= 1 and out["recompute_tokens"] > 0, out
     else:  # ("load" may still recompute blocks the planner dropped when L2 was full)
         assert out["retries"] == 0, out
-    if mode != "recompute":  # decode steps whose demotions were applied after the forward
-        assert out["late"] > 0, out["late"]  # launched (Worker.apply_step's late_ok)
-    # ... or planned then (Controller.plan_deferred; on every rank: a collective at TP 2)
+    # decode steps whose watermark moves were planned (Controller.plan_deferred; on every
+    # rank: a collective at TP 2) and applied once the forward was launched (tests/unit/
+    # test_late_plans.py has the steps that plan them but apply them then: late_ok)
     assert out["deferred"] > 0, out["deferred"]
     if out["events"]:  # rank 0: the controller saw the same
         assert out["events"].get("demote", 0) > 0

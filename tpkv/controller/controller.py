@@ -220,9 +220,10 @@ class Controller:
         maps sessions expected soon to the steps until they run (prefetched within
         policy.prefetch_steps). Returns block tables, fresh slots and 0..3 plans.
 
-        `defer_marks`: a step that needs no move of its own and plans only because L1 is
-        above its high watermark gets no plans; plan_deferred() makes those demotions once
-        the caller has launched the step's forward (a later schedule() makes them otherwise)."""
+        `defer_marks`: a step that needs no move of its own and plans only for the
+        watermarks (a tier above its high mark, or draining to its low mark) gets no plans;
+        plan_deferred() makes those moves once the caller has launched the step's forward (a
+        later schedule() makes them otherwise)."""
         started = time.perf_counter_ns()
         self.require_ready()
         self.deferred = None
@@ -236,10 +237,10 @@ class Controller:
         return result
 
     def plan_deferred(self) -> StepResult | None:
-        """The watermark demotions the last schedule(defer_marks=True) left out, planned now
-        against the table as it stands (None when there are none, or L1 is below its mark
-        by now): a StepResult of the same tick with plans (and their drops) only. Apply it
-        like a step; its moves take no block of that step's batch."""
+        """The watermark moves the last schedule(defer_marks=True) left out (demotions, spills),
+        planned now against the table as it stands (None when there are none, or no tier
+        needs them by now): a StepResult of the same tick with plans (and their drops) only.
+        Apply it like a step; its moves take no block of that step's batch."""
         self.require_ready()
         deferred, self.deferred = self.deferred, None
         if deferred is None or deferred[0] != self.tick:

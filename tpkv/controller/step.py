@@ -66,7 +66,7 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     needs = StepNeeds(batch, want, len(recompute) + new_total, up)
     lost = _EMPTY
     if _needs_planning(ctl, needs):
-        if defer_marks and _l1_mark_only(ctl, needs):
+        if defer_marks and _watermarks_only(ctl, needs):
             ctl.deferred = (tick, needs)  # Controller.plan_deferred, once the forward runs
         else:
             lost = _plan(ctl, b, needs, tick)
@@ -116,9 +116,9 @@ def _plan(ctl: Controller, b: PlanBuilder, needs: StepNeeds, tick: int) -> np.nd
 
 
 def plan_deferred_step(ctl: Controller, needs: StepNeeds) -> StepResult | None:
-    """Controller.plan_deferred: the L1 watermark's demotions of a step that left them out,
-    its batch (and the sessions it named upcoming) shielded as in the step, none of its new
-    blocks still to place. None when L1 is no longer above its mark."""
+    """Controller.plan_deferred: the watermarks' demotions (and spills) of a step that left
+    them out, its batch (and the sessions it named upcoming) shielded as in the step, none of
+    its new blocks still to place. None when no tier needs them any more."""
     needs = StepNeeds(needs.batch, _EMPTY, 0, needs.upcoming)
     too_many = len(ctl.pending) + MAX_PHASES > ctl.config.policy.max_pending_plans
     if too_many or not _needs_planning(ctl, needs):  # (the next schedule() then decides)
@@ -241,14 +241,12 @@ def _needs_planning(ctl: Controller, needs: StepNeeds) -> bool:
     return bool(len(up) and (S.counts[1][up] < S.arena.length[up]).any())
 
 
-def _l1_mark_only(ctl: Controller, needs: StepNeeds) -> bool:
-    """_needs_planning holds only because L1 is above its high watermark: the step itself
-    needs no move (nothing to load, room for its new blocks, no tier draining, L2 below its
-    mark, nothing upcoming to prefetch)."""
+def _watermarks_only(ctl: Controller, needs: StepNeeds) -> bool:
+    """_needs_planning holds only for the watermarks (L1 or L2 above its high mark, or a
+    tier still draining towards its low mark): the step itself needs no move (nothing to
+    load, room in L1 for its new blocks, nothing upcoming to prefetch)."""
     T, S = ctl.table, ctl.sessions
-    if len(needs.want_l1) or T.num_free(HBM) < needs.num_fresh or any(ctl.draining.values()):
-        return False
-    if ctl.l3_enabled and T.used(DRAM) > ctl.marks[DRAM][0] * T.slots(DRAM):
+    if len(needs.want_l1) or T.num_free(HBM) < needs.num_fresh:
         return False
     up = needs.upcoming
     return not (len(up) and (S.counts[1][up] < S.arena.length[up]).any())

@@ -110,8 +110,8 @@ class TpkvRuntime:
         `late_ok`: plans that only demote other sessions' blocks may wait for apply_late()
         (Worker.apply_step); the step is then confirmed at the next begin_step.
         `defer_marks` (with late_ok; an in-process controller): a step that plans only for the
-        L1 watermark is scheduled without those demotions; apply_late() has the controller
-        plan them and applies them (Controller.plan_deferred)."""
+        watermarks is scheduled without those moves; apply_late() has the controller plan
+        them and applies them (Controller.plan_deferred)."""
         return self._recovering(
             lambda: self._begin_step(session_ids, num_new_tokens, upcoming, late_ok,
                                      defer_marks))

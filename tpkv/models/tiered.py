@@ -116,7 +116,7 @@ class TieredEngine:
         # checks, copies, the confirmation's start) once the forward is launched; it is
         # confirmed at the next step (TpkvRuntime.run_step's late_ok).
         self.late_plans = True
-        # With late_plans: a step that would plan only for the L1 watermark is scheduled
+        # With late_plans: a step that would plan only for the watermarks is scheduled
         # without those demotions; the controller plans them once the forward is launched
         # (Controller.plan_deferred) and they are applied as late plans are.
         self.defer_marks = True
