@@ -375,8 +375,9 @@ def test_sessions_that_move_as_a_whole_get_slots_in_runs(make_config, fake_clock
 
 
 def test_deferred_watermark_demotions_are_planned_after_the_step(make_config, fake_clock):
-    """schedule(defer_marks=True): a step that plans only for the L1 watermark gets no plans;
-    plan_deferred() then makes the demotions the step would have made, once."""
+    """schedule(defer_marks=True): a step that plans only for the L1 watermark gets no plans,
+    a step that loads gets only its loads; plan_deferred() then makes the demotions the step
+    would have made, once."""
     now, later = Rig(make_config(), fake_clock), Rig(make_config(), fake_clock)
     for r in (now, later):
         r.open("a", "b", "c", "d")
@@ -396,5 +397,19 @@ def test_deferred_watermark_demotions_are_planned_after_the_step(make_config, fa
     assert later.where("a") == now.where("a") == ["DRAM"] * 4 and later.where("d") == ["HBM"] * 4
     assert later.reps[0].digest() == later.c.slot_map()["digest"]
     assert later.c.plan_deferred() is None  # once
-    step = later.c.schedule(["a"], [0], None, defer_marks=True)  # a load: planned in the step
-    assert moves(step, Tier.DRAM, Tier.HBM) == 4 and later.c.deferred is None
+    # a load: planned in the step, the watermark's demotions (of 'b' now) after it
+    res = now.step(["a"])
+    step = later.c.schedule(["a"], [0], None, defer_marks=True)
+    assert moves(step, Tier.DRAM, Tier.HBM) == moves(res, Tier.DRAM, Tier.HBM) == 4
+    assert moves(step, Tier.HBM, Tier.DRAM) == 0 and moves(res, Tier.HBM, Tier.DRAM) == 4
+    reports = [r.apply_step(step, None) for r in later.reps]
+    for i in range(len(step.plans)):
+        assert later.c.commit([rep[i] for rep in reports]).committed
+    deferred = later.c.plan_deferred()
+    assert deferred is not None and moves(deferred, Tier.HBM, Tier.DRAM) == 4
+    assert moves(deferred, Tier.DRAM, Tier.HBM) == 0
+    reports = [r.apply_step(deferred, None) for r in later.reps]
+    for i in range(len(deferred.plans)):
+        assert later.c.commit([rep[i] for rep in reports]).committed
+    assert later.where("b") == now.where("b") == ["DRAM"] * 4
+    assert later.reps[0].digest() == later.c.slot_map()["digest"]

@@ -65,17 +65,17 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     want, recompute = _demand(ctl, b, batch, missing)
     needs = StepNeeds(batch, want, len(recompute) + new_total, up)
     lost = _EMPTY
-    if _needs_planning(ctl, needs):
-        if defer_marks and _watermarks_only(ctl, needs):
-            ctl.deferred = (tick, needs)  # Controller.plan_deferred, once the forward runs
-        else:
-            lost = _plan(ctl, b, needs, tick)
+    planning = _needs_planning(ctl, needs)
+    if planning and not (defer_marks and _watermarks_only(ctl, needs)):
+        lost = _plan(ctl, b, needs, tick, "step" if defer_marks else "all")
     fresh_old = (np.concatenate([recompute, lost]).astype(np.int64) if len(recompute) or len(lost)
                  else _EMPTY)
     slots = T.free[HBM].pop(len(fresh_old) + new_total)
     _place_fresh(ctl, fresh_old, slots[:len(fresh_old)])
     new_rows, new_pos, new_ids, new_logical = _alloc_new(ctl, batch, n_new, nb_before,
                                                          slots[len(fresh_old):])
+    if defer_marks and planning and _marks_due(ctl):  # the watermarks' moves: after the
+        ctl.deferred = (tick, needs)  # forward is launched (Controller.plan_deferred)
     offsets, table = ctl.batch_table.build(S, T, batch, nb_after, sum_after)
     if ctl.check_invariants:
         rows, _ = S.arena.gather(batch)
@@ -98,8 +98,10 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         recompute_stop=rc_stop, **ctl.finish_step(b))
 
 
-def _plan(ctl: Controller, b: PlanBuilder, needs: StepNeeds, tick: int) -> np.ndarray:
-    """plan_step with the controller's context; the rows it dropped (recomputed)."""
+def _plan(ctl: Controller, b: PlanBuilder, needs: StepNeeds, tick: int,
+          part: str = "all") -> np.ndarray:
+    """plan_step with the controller's context (PlanContext.part: what to plan); the rows it
+    dropped (recomputed)."""
     pol = ctl.config.policy
     ctl.refresh_pin_threshold()
     g, rates = ctl.config.geometry, ctl.rates
@@ -111,7 +113,7 @@ def _plan(ctl: Controller, b: PlanBuilder, needs: StepNeeds, tick: int) -> np.nd
     ctx = PlanContext(pol, ctl.marks, ctl.l3_enabled, tick, ctl.now_s(), ctl.pin_threshold,
                       ctl.draining, ctl.eviction_orders,
                       load_s if pol.spill == "cost" else 0.0, recompute_s,
-                      prep, stale, ctl.order_asks, ctl.order_rebuilds)
+                      prep, stale, ctl.order_asks, ctl.order_rebuilds, part)
     return plan_step(ctx, b, needs).astype(np.int64)
 
 
@@ -121,11 +123,11 @@ def plan_deferred_step(ctl: Controller, needs: StepNeeds) -> StepResult | None:
     its new blocks still to place. None when no tier needs them any more."""
     needs = StepNeeds(needs.batch, _EMPTY, 0, needs.upcoming)
     too_many = len(ctl.pending) + MAX_PHASES > ctl.config.policy.max_pending_plans
-    if too_many or not _needs_planning(ctl, needs):  # (the next schedule() then decides)
+    if too_many or not _marks_due(ctl):  # (the next schedule() then decides)
         return None
     b = PlanBuilder(ctl.table, ctl.sessions, ctl.next_epoch, ctl.now_s(), ctl.check_invariants,
                     ctl.move_buffers)
-    _plan(ctl, b, needs, ctl.tick)
+    _plan(ctl, b, needs, ctl.tick, "marks")
     return StepResult(tick=ctl.tick, session_ids=(), num_tokens=_EMPTY,
                       block_offsets=np.zeros(1, dtype=np.int64),
                       block_table=np.zeros(0, dtype=np.int32), **ctl.finish_step(b, True))
@@ -239,6 +241,14 @@ def _needs_planning(ctl: Controller, needs: StepNeeds) -> bool:
         return True
     up = needs.upcoming
     return bool(len(up) and (S.counts[1][up] < S.arena.length[up]).any())
+
+
+def _marks_due(ctl: Controller) -> bool:
+    """A tier is above its high watermark, or still draining towards its low one."""
+    T = ctl.table
+    if any(ctl.draining.values()) or T.used(HBM) > ctl.marks[HBM][0] * T.slots(HBM):
+        return True
+    return ctl.l3_enabled and T.used(DRAM) > ctl.marks[DRAM][0] * T.slots(DRAM)
 
 
 def _watermarks_only(ctl: Controller, needs: StepNeeds) -> bool:
