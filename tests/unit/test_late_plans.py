@@ -127,3 +127,43 @@ def test_a_late_plan_the_rank_got_wrong_is_resynced_and_the_tokens_stay(tmp_path
     bad = _run(str(tmp_path / "b"), late=True, skip=kind, defer=kind == "deferred")
     assert bad[kind] > 0 and bad["mismatches"] == 1
     assert bad["tokens"] == whole["tokens"]
+
+
+def test_deferred_plans_wait_for_the_steps_own_moves_to_be_confirmed(tmp_path) -> None:
+    """run_step whose fn is the forward (it calls apply_late before run_step's end_step): a
+    step that loads keeps its watermarks' moves for a later step instead of applying them
+    beside its own unconfirmed ones; steps without moves of their own apply them in fn."""
+    import tpkv
+    from tpkv.models.llama import build_model
+    from tpkv.models.tiered import tiered_config
+
+    model = build_model("tiny", seed=0, device="cpu")
+    cfg = tiered_config(model, 1, block_tokens=4, l1_blocks=16, l2_blocks=64)
+    rt = tpkv.init(cfg, controller="local", device="cpu")
+    try:
+        got: list[Any] = []
+
+        def forward(step: Any) -> Any:
+            got.append(rt.apply_late())
+            return step
+
+        def run(name: str, tokens: int) -> Any:
+            return rt.run_step([name], [tokens], forward, late_ok=True, defer_marks=True)
+
+        for name in "abcd":  # 4 blocks each: L1 of 16 goes past its high mark (14.4) at 'd'
+            rt.open_session(name)
+            run(name, 16)
+        down = got[-1]  # 'd' loads nothing: the demotion of 'a' (the coldest) came in fn
+        assert down is not None and not down.session_ids
+        assert set(down.plans[0].session_names) == {"a"}
+        assert down.num_moves == 4 and all(p.mask(Tier.HBM, Tier.DRAM).all() for p in down.plans)
+        step = run("a", 0)  # loads 'a' back: L1 full again, but its own moves come first
+        assert step.num_moves == 4 and got[-1] is None
+        run("b", 0)  # no load: the watermark's demotion now (the coldest session not running)
+        assert got[-1] is not None and got[-1].num_moves == 4
+        rt.end_step()
+        m, mine = rt.controller_slot_map(), rt.worker.slot_map()
+        assert np.array_equal(np.asarray(m["tiers"]), np.asarray(mine["tiers"]))
+        assert np.array_equal(np.asarray(m["slots"]), np.asarray(mine["slots"]))
+    finally:
+        rt.close()

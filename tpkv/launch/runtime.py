@@ -125,12 +125,17 @@ class TpkvRuntime:
         if not self._deferred:
             return None
         self._deferred = False
+        own = self._applied
+        if own is not None and (own.plans or own.pending is not None):
+            # the step's own moves are not confirmed yet (run_step's fn is the forward, or
+            # its plans waited): the next schedule() plans the watermarks' moves instead
+            return None
         answer = self._recovering(lambda: self.from_rank0(
             lambda: _as_dict(self._call("plan_deferred")), "deferred watermark plans"))
         if answer is None:
             return None
         step = StepResult.from_dict(answer)
-        if self._applied is not None:  # the step itself moved nothing: nothing to confirm
+        if own is not None:  # the step moved nothing: nothing to confirm
             self.end_step()
         self._applied = self.worker.apply_deferred(step)
         return step
