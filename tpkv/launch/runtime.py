@@ -138,6 +138,14 @@ class TpkvRuntime:
         if own is not None:  # the step moved nothing: nothing to confirm
             self.end_step()
         self._applied = self.worker.apply_deferred(step)
+        if self.world_size == 1:
+            # Its confirmation is local: confirm and commit it now, while the device computes,
+            # not in the next step's schedule (whose controller call waited for the commit).
+            try:
+                self.end_step()
+            except RankMismatchError as exc:  # every rank resynced; the forward read none
+                log.error("rank %d: the deferred watermark plans disagreed: %s", self.rank, exc)
+            self._check_commits(wait=True)
         return step
 
     def _begin_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
