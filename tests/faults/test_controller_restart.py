@@ -41,6 +41,8 @@ def test_tokens_after_controller_restarts_equal_a_run_without_fault(
         def schedule_with_kills(session_ids: Any, num_new_tokens: Any) -> Any:
             num_calls[0] += 1
             if num_calls[0] in kill_at_steps:
+                if rt._applied is not None:  # a step confirmed at the next one (late plans)
+                    rt.end_step()
                 rt._check_commits(wait=True)  # the last step's commit has reached the old one
                 rt.worker.executor.synchronize()  # background spills: their manifests too
                 fresh = Controller(cfg, restarts=len(summaries) + 1, awaiting_rebuild=True)
