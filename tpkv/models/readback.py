@@ -78,7 +78,7 @@ class HostReadback:
         buf = self._room(nbytes)
         stream = torch.cuda.current_stream(self.device)
         words = nbytes // 4
-        with copy_kernel._cupy_stream(stream):
+        with copy_kernel.cupy_stream(stream):
             grid = max(1, min(MAX_CTAS, -(-words // THREADS)))
             _kernel()((grid,), (THREADS,),
                       (np.uint64(t.data_ptr()), np.uint64(buf.data_ptr()), np.int64(words)))

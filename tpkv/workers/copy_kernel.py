@@ -59,7 +59,7 @@ def _kernel() -> Any:
     return cupy.RawKernel(_SOURCE, "tpkv_copy_blocks")
 
 
-def _cupy_stream(stream: torch.cuda.Stream) -> Any:
+def cupy_stream(stream: torch.cuda.Stream) -> Any:
     import cupy
 
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
@@ -88,7 +88,7 @@ def launch(src_ptrs: np.ndarray, dst_ptrs: np.ndarray, block_bytes: int,
         raise ValueError(f"kernel copy needs block_bytes % 16 == 0, got {block_bytes}")
     words = block_bytes // 16
     ctas_per_block = max(1, -(-words // words_per_cta))
-    with _cupy_stream(stream):
+    with cupy_stream(stream):
         ptrs = cupy.asarray(np.stack([np.asarray(src_ptrs, dtype=np.uint64),
                                       np.asarray(dst_ptrs, dtype=np.uint64)]))
         items = n * ctas_per_block
