@@ -60,6 +60,7 @@ def _kernel() -> Any:
 
 
 def cupy_stream(stream: torch.cuda.Stream) -> Any:
+    """The torch stream as a CuPy stream (`with` it: CuPy launches go on that stream)."""
     import cupy
 
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
