@@ -43,7 +43,8 @@ def _kernel() -> Any:
 
 class HostReadback:
     """Reads small device tensors into host memory: `mapped` (SM writes) when the GPU and CuPy
-    allow it, `pinned` (a copy-engine copy into pinned memory) or `.cpu()` otherwise.
+    allow it, `.cpu()` otherwise (`pinned`, a copy-engine copy into pinned memory, is there for
+    bench/readback_probe.py to compare).
 
     One pinned buffer (cudaHostAlloc: with unified addressing, kernels write to it by its host
     address), reused: each result is copied out of it before the next read.
