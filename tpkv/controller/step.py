@@ -66,7 +66,7 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     needs = StepNeeds(batch, want, len(recompute) + new_total, up)
     lost = _EMPTY
     planning = _needs_planning(ctl, needs)
-    if planning and not (defer_marks and _watermarks_only(ctl, needs)):
+    if planning and (not defer_marks or _own_needs(ctl, needs)):
         lost = _plan(ctl, b, needs, tick, "step" if defer_marks else "all")
     fresh_old = (np.concatenate([recompute, lost]).astype(np.int64) if len(recompute) or len(lost)
                  else _EMPTY)
@@ -232,34 +232,26 @@ def _demand(ctl: Controller, b: PlanBuilder, batch: np.ndarray,
 
 
 def _needs_planning(ctl: Controller, needs: StepNeeds) -> bool:
+    return _own_needs(ctl, needs) or _marks_due(ctl, needs.num_fresh)
+
+
+def _own_needs(ctl: Controller, needs: StepNeeds) -> bool:
+    """The step itself needs moves: blocks to load, room in L1 for its new blocks, or
+    upcoming sessions to prefetch (what the watermarks want aside)."""
     T, S = ctl.table, ctl.sessions
-    if len(needs.want_l1) or T.num_free(HBM) < needs.num_fresh or any(ctl.draining.values()):
-        return True
-    if T.used(HBM) + needs.num_fresh > ctl.marks[HBM][0] * T.slots(HBM):
-        return True
-    if ctl.l3_enabled and T.used(DRAM) > ctl.marks[DRAM][0] * T.slots(DRAM):
+    if len(needs.want_l1) or T.num_free(HBM) < needs.num_fresh:
         return True
     up = needs.upcoming
     return bool(len(up) and (S.counts[1][up] < S.arena.length[up]).any())
 
 
-def _marks_due(ctl: Controller) -> bool:
-    """A tier is above its high watermark, or still draining towards its low one."""
+def _marks_due(ctl: Controller, num_fresh: int = 0) -> bool:
+    """A tier is above its high watermark (L1 with `num_fresh` new blocks more), or still
+    draining towards its low one."""
     T = ctl.table
-    if any(ctl.draining.values()) or T.used(HBM) > ctl.marks[HBM][0] * T.slots(HBM):
+    if any(ctl.draining.values()) or T.used(HBM) + num_fresh > ctl.marks[HBM][0] * T.slots(HBM):
         return True
     return ctl.l3_enabled and T.used(DRAM) > ctl.marks[DRAM][0] * T.slots(DRAM)
-
-
-def _watermarks_only(ctl: Controller, needs: StepNeeds) -> bool:
-    """_needs_planning holds only for the watermarks (L1 or L2 above its high mark, or a
-    tier still draining towards its low mark): the step itself needs no move (nothing to
-    load, room in L1 for its new blocks, nothing upcoming to prefetch)."""
-    T, S = ctl.table, ctl.sessions
-    if len(needs.want_l1) or T.num_free(HBM) < needs.num_fresh:
-        return False
-    up = needs.upcoming
-    return not (len(up) and (S.counts[1][up] < S.arena.length[up]).any())
 
 
 def _place_fresh(ctl: Controller, rows: np.ndarray, slots: np.ndarray) -> None:
