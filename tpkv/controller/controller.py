@@ -279,12 +279,19 @@ class Controller:
         keep = len(b.buffers[0]) <= 16 * self.config.policy.max_moves_per_step
         self.move_buffers = b.buffers if keep else None
         drops = b.drop_lists()
+        for e in b.events:
+            self.event(**e)  # type: ignore[arg-type]
         if between:  # plans only: what happened since goes with the next step
-            for e in b.events:
-                self.event(**e)  # type: ignore[arg-type]
-            self.maybe_check()
-            return {"plans": tuple(b.plans), "drops": tuple(drops), "ssd_dropped_sessions":
-                    tuple(self.sessions.name(s) for s in b.ssd_dropped)}
+            out = {"plans": tuple(b.plans), "drops": tuple(drops), "ssd_dropped_sessions":
+                   tuple(self.sessions.name(s) for s in b.ssd_dropped)}
+        else:
+            out = self._with_outbox(b, drops)
+        self.maybe_check()
+        return out
+
+    def _with_outbox(self, b: PlanBuilder, drops: list[np.ndarray]) -> dict[str, Any]:
+        """A step's plans and drops with what happened since the last step (closed sessions,
+        lost blocks, L3 files to delete); empties the outboxes."""
         if self.outbox_lost:
             lost = np.concatenate(self.outbox_lost)
             lost = lost[self.table.rows_of(lost)[1]]  # not those of sessions closed since
@@ -300,8 +307,6 @@ class Controller:
             if s is not None and S.counts[SSD + 1][s] == 0 and name not in ssd_dropped:
                 ssd_dropped.append(name)
         self.l3_emptied = [S.name(s) for s in b.emptied_l3()]
-        for e in b.events:
-            self.event(**e)  # type: ignore[arg-type]
         released = self.outbox_released
         out = {"plans": tuple(b.plans), "drops": tuple(drops),
                "released_block_ids": (np.concatenate(released) if released
@@ -311,7 +316,6 @@ class Controller:
         self.outbox_released, self.outbox_lost = [], []
         self.outbox_closed, self.outbox_ssd_dropped = [], []
         self.table.end_l3_step(len(self.l3_emptied))
-        self.maybe_check()
         return out
 
     def report_attention(self, session_id: str, mass: Sequence[float] | np.ndarray,
