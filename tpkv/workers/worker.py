@@ -114,8 +114,9 @@ class Worker:
         self.late: AppliedStep | None = None  # a step whose plans wait (apply_step's late_ok)
         self.num_late = 0  # steps whose plans waited so
         self.num_deferred = 0  # steps whose watermark demotions were planned after them
-        self._late_mark: torch.cuda.Event | None = None  # compute queued before their forward
-        self._step_mark: torch.cuda.Event | None = None  # that of the last step (late_ok)
+        # compute queued before the last step's forward (late_ok): what plans applied after
+        # that forward was launched (apply_late, apply_deferred) wait for instead of it
+        self._step_mark: torch.cuda.Event | None = None
 
     # ---- the step loop ---------------------------------------------------------------------
     def apply_step(self, step: StepResult, late_ok: bool = False) -> AppliedStep:
@@ -124,13 +125,13 @@ class Worker:
         With `late_ok`, a step whose plans only demote blocks of sessions outside its batch
         (L1 -> L2 out of slots its new K/V does not take, or L2 -> L3) and drop nothing (the
         watermarks' demotions and spills in a decode step) gets its new blocks at once but its
-        plans later: at
-        apply_late(), which the engine calls once the step's forward is launched (the plans'
-        host time then runs beside the forward), or at the next call that needs this rank's
-        map whole. Nothing the step's forward reads or writes depends on them."""
+        plans later: at apply_late(), which the engine calls once the step's forward is
+        launched (the plans' host time then runs beside the forward), or at the next call
+        that needs this rank's map whole. Nothing the step's forward reads or writes depends
+        on them."""
         self.apply_late()
-        if late_ok and self.executor.engine.on_gpu:  # compute queued before the forward
-            self._step_mark = torch.cuda.Event()  # (apply_deferred's copies wait for it)
+        if late_ok and self.executor.engine.on_gpu:
+            self._step_mark = torch.cuda.Event()
             self._step_mark.record(torch.cuda.current_stream(self.hbm.device))
         if late_ok and self._may_wait(step):
             self.mirror.release(step.released_block_ids)
@@ -140,7 +141,6 @@ class Worker:
                 self.last_applied = []
                 self.num_late += 1
                 self.late = AppliedStep(step, [], None, waiting=True, late=True)
-                self._late_mark = self._step_mark  # their copies need not wait for the forward
                 return self.late
             applied = self._apply_plans(step)  # this rank held blocks in those slots
         else:
@@ -157,11 +157,7 @@ class Worker:
         if self.late is None:
             return
         late, self.late = self.late, None
-        self.executor.compute_mark, self._late_mark = self._late_mark, None
-        try:
-            late.plans = self._apply_plans(late.step)
-        finally:
-            self.executor.compute_mark = None
+        late.plans = self._apply_plans_after_mark(late.step)
         late.waiting = False
         self._confirm(late)
 
@@ -172,14 +168,19 @@ class Worker:
         Start their confirmation; the step counts as late (confirmed at the next one)."""
         self.apply_late()
         self.mirror.release(step.released_block_ids)
-        self.executor.compute_mark = self._step_mark
-        try:
-            applied = self._apply_plans(step)
-        finally:
-            self.executor.compute_mark = None
+        applied = self._apply_plans_after_mark(step)
         self._after_plans(step)
         self.num_deferred += 1
         return self._confirm(AppliedStep(step, applied, None, late=True))
+
+    def _apply_plans_after_mark(self, step: StepResult) -> list[AppliedPlan]:
+        """_apply_plans once the step's forward is launched: its copies wait for the compute
+        queued before that forward (the step mark), not for the forward."""
+        self.executor.compute_mark = self._step_mark
+        try:
+            return self._apply_plans(step)
+        finally:
+            self.executor.compute_mark = None
 
     def _may_wait(self, step: StepResult) -> bool:
         if not any(p.num_moves for p in step.plans) or any(len(d) for d in step.drops):
