@@ -141,28 +141,28 @@ class TpkvRuntime:
         if self.world_size == 1:
             # Its confirmation is local: confirm and commit it now, while the device computes,
             # not in the next step's schedule (whose controller call waited for the commit).
-            try:
-                self.end_step()
-            except RankMismatchError as exc:  # every rank resynced; the forward read none
-                log.error("rank %d: the deferred watermark plans disagreed: %s", self.rank, exc)
+            self._end_late_step()
             self._check_commits(wait=True)
         return step
+
+    def _end_late_step(self) -> None:
+        """end_step for a step whose plans were applied after its forward was launched (late
+        or deferred): a disagreement has resynced every rank (end_step) and is logged, not
+        raised, for that forward read none of those blocks."""
+        try:
+            self.end_step()
+        except RankMismatchError as exc:
+            log.error("rank %d: the plans applied after a forward disagreed: %s", self.rank, exc)
 
     def _begin_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
                     upcoming: Mapping[str, int] | Sequence[str] | None,
                     late_ok: bool = False, defer_marks: bool = False) -> StepResult:
         self._deferred = False
         if self._applied is not None:
-            late = self._applied.late
-            try:
+            if self._applied.late:  # this step starts from the resynced map if they disagreed
+                self._end_late_step()
+            else:
                 self.end_step()
-            except RankMismatchError as exc:
-                if not late:
-                    raise
-                # Its forward ran long ago and read none of those blocks; every rank has
-                # resynced to the controller's map (end_step), so this step starts from it.
-                log.error("rank %d: the previous step's demotions disagreed: %s", self.rank,
-                          exc)
         if self._restore is not None:
             self._resync(self._restore)
             self._restore = None
