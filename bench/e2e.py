@@ -65,8 +65,8 @@ class Sizes:
     # TieredEngine.late_plans: a decode step's watermark demotions applied once its forward
     # is launched (0: before it, with the step).
     late_plans: int = 1
-    # TieredEngine.defer_marks: with late plans, a step that would plan only for the L1
-    # watermark leaves it to the controller once its forward is launched (0: in the step).
+    # TieredEngine.defer_marks: with late plans, the watermarks' moves are planned (and
+    # applied) once a step's forward is launched, not with the step (0: with the step).
     defer_marks: int = 1
     seed: int = 0
     # 1: cProfile the resume steps (host time by function, in the config's "profile_top");
