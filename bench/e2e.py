@@ -68,6 +68,9 @@ class Sizes:
     # TieredEngine.defer_marks: with late plans, the watermarks' moves are planned (and
     # applied) once a step's forward is launched, not with the step (0: with the step).
     defer_marks: int = 1
+    # PolicyConfig.keep_l2_copies: a promoted block keeps its L2 copy, so demoting it again
+    # (unwritten) copies nothing (0: every demotion copies).
+    keep_l2: int = 1
     seed: int = 0
     # 1: cProfile the resume steps (host time by function, in the config's "profile_top");
     # 2: the decode steps, those with tier traffic and those without apart ("profile_traffic_top",

@@ -69,7 +69,8 @@ def ceilings(device: torch.device, ssd_root: str) -> dict[str, float]:
 
 def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool,
                layer_events: int = 1, l1_reuse: str = "newest",
-               l2_reuse: str = "newest", reads_first: bool = True) -> TpkvConfig:
+               l2_reuse: str = "newest", reads_first: bool = True,
+               keep_l2: bool = True) -> TpkvConfig:
     g = model.kv_geometry(tp_size=1, block_tokens=block_tokens)
     bb = g.block_bytes
     l2 = max(s.l2_bytes, bb)
@@ -80,7 +81,7 @@ def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool,
     extra: dict[str, Any] = {"prefill_tokens_per_s": _SLOW_PREFILL} if s.always_load else {}
     policy = PolicyConfig(cooldown_s=0.0, auto_pin_fraction=0.0, spill=s.spill,
                           l1_reuse=l1_reuse, l2_reuse=l2_reuse,  # type: ignore[arg-type]
-                          **extra)
+                          keep_l2_copies=keep_l2, **extra)
     return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=s.l1_bytes // bb),
                       l2=HostConfig(budget_bytes=l2, arena_bytes=min(l2, GiB) // bb * bb),
                       l3=l3, policy=policy, wait_timeout_s=300.0,
@@ -94,7 +95,8 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
     cuda = device.type == "cuda"
     model = model_for(sizes.model, device)
     cfg = config_for(s, model, sizes.block_tokens, cuda, sizes.layer_events,
-                     sizes.l1_reuse, sizes.l2_reuse, bool(sizes.reads_first))
+                     sizes.l1_reuse, sizes.l2_reuse, bool(sizes.reads_first),
+                     bool(sizes.keep_l2))
     bt, bb = sizes.block_tokens, cfg.geometry.block_bytes
     l1_blocks = cfg.l1.slots(cfg.geometry)
     longest = max(contexts) + (sizes.rounds - 1) * (sizes.user_tokens + sizes.gen_tokens) + 1
@@ -299,6 +301,8 @@ class Rounds:
             "step_ms_traffic_vs_quiet": round(float(np.median(busy) / np.median(quiet)), 3)
             if busy and quiet else None,
             "moves": dict(st.moves), "bytes": dict(st.bytes),
+            # L1 -> L2 moves into the L2 copy a block kept since its promotion: no bytes moved
+            "kept_moves": st.kept_moves,
             "recompute_tokens": st.recompute_tokens, "retries": st.retries,
             "resumes_by_source": {}, "resume_vs_ceiling": {}, "resume_records": self.resumes,
             "traffic_records": self.traffic}

@@ -257,6 +257,10 @@ class PolicyConfig:
     # The same for L2: "oldest" gives an L3 load slots whose spill (a background disk write that
     # read them) is long done, not those a spill just emptied, which the load must wait for.
     l2_reuse: Literal["newest", "oldest"] = "newest"
+    # A block promoted L2 -> L1 keeps its L2 copy while it is not written (a full block never
+    # is), so demoting it again copies nothing. Kept copies give their L2 slots back, coldest
+    # first, whenever L2 has no other free slot; they never push a session out of L2.
+    keep_l2_copies: bool = True
     # Controller knobs (checked by tpkv.controller when it starts):
     max_moves_per_step: int = 512  # watermark moves per step (bounds copy time); demand uncapped
     prefetch_max_blocks: int = 1024  # speculative promotions per step

@@ -30,6 +30,8 @@ _PLAN_DTYPES = {
 }
 _PLAN_FIELDS = tuple((name, np.dtype(_PLAN_DTYPES[name])) for name in _PLAN_ARRAYS)
 _MAX_TIER = int(Tier.SSD)  # plan tiers are HBM (0) .. SSD
+_NO_KEPT = np.zeros(0, dtype=np.bool_)  # a plan that keeps no move
+_NO_KEPT.setflags(write=False)
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,10 @@ class MovePlan:
     Move i takes block `block_ids[i]` from (src_tier, src_slot) to (dst_tier, dst_slot). For SSD
     ends the slot is unused (-1): the record is addressed by (session_names[session_idx[i]],
     logical_idx[i]), which every move carries so workers can name what they write.
+
+    `kept[i]` (L1 -> L2 moves only): the L2 slot still holds this block's bytes from the
+    promotion that brought it into L1, and the block has not been written since, so the move
+    copies nothing; only the maps change. Empty (the default) when no move is kept.
     """
 
     epoch: int
@@ -50,6 +56,7 @@ class MovePlan:
     session_idx: np.ndarray
     logical_idx: np.ndarray
     session_names: tuple[str, ...] = ()
+    kept: np.ndarray = field(default_factory=lambda: _NO_KEPT)
 
     def __post_init__(self) -> None:
         # Tens of microseconds for hundreds of moves: no copy of arrays that already have the
@@ -67,6 +74,16 @@ class MovePlan:
             arr.setflags(write=False)
             put(self, name, arr)
         put(self, "session_names", tuple(self.session_names))
+        kept = np.ascontiguousarray(self.kept, dtype=np.bool_).reshape(-1)
+        if not kept.any():
+            kept = _NO_KEPT
+        elif len(kept) != n:
+            raise WireFormatError(f"plan array kept has {len(kept)} entries, expected 0 or {n}")
+        elif ((self.src_tier[kept] != int(Tier.HBM)) | (self.dst_tier[kept] != int(Tier.DRAM))
+              ).any():
+            raise WireFormatError("plan keeps a move that is not L1 -> L2")
+        kept.setflags(write=False)
+        put(self, "kept", kept)
         if self.epoch < 0:
             raise WireFormatError(f"plan epoch must be >= 0, got {self.epoch}")
         if n == 0:
@@ -89,7 +106,7 @@ class MovePlan:
     def trusted(cls, epoch: int, block_ids: np.ndarray, src_tier: np.ndarray,
                 src_slot: np.ndarray, dst_tier: np.ndarray, dst_slot: np.ndarray,
                 session_idx: np.ndarray, logical_idx: np.ndarray,
-                session_names: tuple[str, ...]) -> MovePlan:
+                session_names: tuple[str, ...], kept: np.ndarray | None = None) -> MovePlan:
         """A plan the controller built itself (PlanBuilder): its arrays are fresh, 1-D, of one
         length and in the wire dtypes, and its moves valid by construction, so nothing is
         checked (tens of microseconds a plan). Plans from anywhere else, a decoded message
@@ -102,6 +119,11 @@ class MovePlan:
             arr.setflags(write=False)
             put(plan, name, arr)
         put(plan, "session_names", session_names)
+        if kept is None or not kept.any():
+            kept = _NO_KEPT
+        else:
+            kept.setflags(write=False)
+        put(plan, "kept", kept)
         return plan
 
     @classmethod
@@ -116,17 +138,27 @@ class MovePlan:
     def mask(self, src: Tier, dst: Tier) -> np.ndarray:
         return (self.src_tier == src) & (self.dst_tier == dst)
 
+    def kept_mask(self) -> np.ndarray:
+        """kept as one flag per move (all False when the plan keeps none)."""
+        return self.kept if len(self.kept) else np.zeros(self.num_moves, dtype=np.bool_)
+
+    @property
+    def num_kept(self) -> int:
+        return int(np.count_nonzero(self.kept))
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {name: getattr(self, name) for name in _PLAN_ARRAYS}
         out["epoch"] = self.epoch
         out["session_names"] = list(self.session_names)
+        if len(self.kept):
+            out["kept"] = self.kept.astype(np.uint8)
         return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MovePlan:
         try:
             return cls(epoch=int(d["epoch"]), session_names=tuple(d["session_names"]),
-                       **{name: d[name] for name in _PLAN_ARRAYS})
+                       kept=d.get("kept", _NO_KEPT), **{name: d[name] for name in _PLAN_ARRAYS})
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise WireFormatError(f"plan message is missing or mistypes a field: {exc}") from exc
 

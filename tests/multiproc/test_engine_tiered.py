@@ -51,7 +51,8 @@ def reference(model: Llama) -> Turns:
 def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
                 device: str = "cpu") -> dict[str, Any]:
     """One rank: the reference run, then the tiered run (mode "load": resuming always loads;
-    "recompute": always recomputes; "miss": loads, and the first L3 read on rank 0 misses)."""
+    "recompute": always recomputes; "miss": loads, and the first L3 read on rank 0 misses;
+    "kept": an L2 that holds every block, so demotions of promoted blocks are kept moves)."""
     import tpkv
     from tpkv.models.tiered import TieredEngine, tiered_config
 
@@ -60,7 +61,8 @@ def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
     rate = 1e12 if mode == "recompute" else 10.0  # prefill tokens/s the cost model assumes
     policy = PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=rate)
     cfg = tiered_config(model, world, block_tokens=BT, l1_blocks=L1_BLOCKS,
-                        l2_blocks=L2_BLOCKS, ssd_root=ssd_root, policy=policy)
+                        l2_blocks=4 * L2_BLOCKS if mode == "kept" else L2_BLOCKS,
+                        ssd_root=ssd_root, policy=policy)
     rt = tpkv.init(cfg, controller="local", device=device)
     try:
         model = apply_tp(model, rank, world)
@@ -78,7 +80,7 @@ def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
                "recompute_tokens": s.recompute_tokens, "retries": s.retries,
                "mismatches": rt.num_mismatches, "steps": s.steps,
                "commit_refusals": rt.num_commit_refusals, "late": rt.worker.num_late,
-               "deferred": rt.worker.num_deferred}
+               "deferred": rt.worker.num_deferred, "kept": s.kept_moves}
     except BaseException as exc:
         rt.close(exc)
         raise
@@ -132,6 +134,32 @@ def test_tp1_tiered_engine_gives_the_tokens_of_a_large_l1(tmp_path, monkeypatch,
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     check(tiered_rank(0, 1, str(tmp_path / "l3"), mode), mode)
+
+
+def check_kept(out: dict[str, Any]) -> None:
+    """Same tokens as the reference with L1 <-> L2 traffic only, and demotions that copied
+    nothing (MovePlan.kept) among it: the L2 copies they went back to held the right bytes."""
+    assert out["want"] and out["got"] == out["want"]
+    moves = out["moves"]
+    assert moves["l2_l1"] > 0 and moves["l2_l3"] == 0, moves
+    assert out["kept"] > 0 and out["mismatches"] == 0 and out["retries"] == 0, out
+
+
+@pytest.mark.timeout(60)
+def test_tp1_kept_l2_copies_give_the_tokens_of_a_large_l1(tmp_path, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    check_kept(tiered_rank(0, 1, str(tmp_path / "l3"), "kept"))
+
+
+@pytest.mark.timeout(90)
+def test_tp2_kept_l2_copies_give_the_tokens_of_a_large_l1(tmp_path):
+    results = run_ranks(tiered_rank, 2, str(tmp_path / "l3"), "kept", timeout_s=80)
+    assert sorted(results) == [0, 1], results
+    for r in (0, 1):
+        assert results[r]["ok"], results[r].get("trace")
+        check_kept(results[r])
+    assert results[0]["kept"] == results[1]["kept"]
 
 
 @pytest.mark.timeout(60)

@@ -29,12 +29,22 @@ from tpkv.types import MoveResult, Tier, encode
 
 GOLDEN = Path(__file__).parent / "data" / "controller_golden.json"
 WRITE = os.environ.get("TPKV_GOLDEN_WRITE") == "1"
-SMALL = {"a": dict(l1=12, l2=10, l3=24), "b": dict(l1=8, l2=6, l3=0),
-         "c": dict(l1=16, l2=12, l3=10, kind="lru"),
-         "d": dict(l1=10, l2=16, l3=40, kind="lruk", max_moves_per_step=3)}
-BUSY = {"heat": dict(l1=1536, l2=1200, l3=6000, max_moves_per_step=96, prefetch_max_blocks=64),
-        "lru": dict(l1=1024, l2=900, l3=0, kind="lru", max_moves_per_step=512),
-        "lruk": dict(l1=1280, l2=1600, l3=3000, kind="lruk", max_moves_per_step=40)}
+# The first cases were recorded before L2 kept copies of promoted blocks; they run with that
+# off (keep_l2_copies=False), and must still give the same results. The "+kept" cases run with
+# it on (the default), recorded when it came.
+_OFF = dict(keep_l2_copies=False)
+SMALL = {"a": dict(l1=12, l2=10, l3=24, **_OFF), "b": dict(l1=8, l2=6, l3=0, **_OFF),
+         "c": dict(l1=16, l2=12, l3=10, kind="lru", **_OFF),
+         "d": dict(l1=10, l2=16, l3=40, kind="lruk", max_moves_per_step=3, **_OFF),
+         "a+kept": dict(l1=12, l2=10, l3=24), "b+kept": dict(l1=8, l2=6, l3=0),
+         "d+kept": dict(l1=10, l2=16, l3=40, kind="lruk", max_moves_per_step=3)}
+BUSY = {"heat": dict(l1=1536, l2=1200, l3=6000, max_moves_per_step=96, prefetch_max_blocks=64,
+                     **_OFF),
+        "lru": dict(l1=1024, l2=900, l3=0, kind="lru", max_moves_per_step=512, **_OFF),
+        "lruk": dict(l1=1280, l2=1600, l3=3000, kind="lruk", max_moves_per_step=40, **_OFF),
+        "heat+kept": dict(l1=1536, l2=1200, l3=6000, max_moves_per_step=96,
+                          prefetch_max_blocks=64),
+        "lru+kept": dict(l1=1024, l2=900, l3=0, kind="lru", max_moves_per_step=512)}
 
 
 def digest_step(h: Any, res: StepResult) -> None:

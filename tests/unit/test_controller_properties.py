@@ -61,7 +61,7 @@ class World:
         self.c = Controller(self.cfg, clock, check_invariants=True)
         l1, l2 = self.c.table.slots(Tier.HBM), self.c.table.slots(Tier.DRAM)
         self.slots = {int(Tier.HBM): l1, int(Tier.DRAM): l2}
-        self.reps = [SlotMapReplica(r, l1, l2) for r in range(2)]
+        self.reps = [SlotMapReplica(r, l1, l2, self.cfg.geometry.block_tokens) for r in range(2)]
         self.unconfirmed: deque = deque()
         self.lag = 0
         self.miss_next = -1

@@ -13,7 +13,7 @@ class Rig:
 
     def __init__(self, config, clock, l1=16, l2=32):
         self.c = Controller(config, clock, check_invariants=True)
-        self.reps = [SlotMapReplica(r, l1, l2) for r in range(2)]
+        self.reps = [SlotMapReplica(r, l1, l2, config.geometry.block_tokens) for r in range(2)]
 
     def step(self, batch, tokens=None, upcoming=None, misses=None, commit=True):
         res = self.c.schedule(batch, tokens or [0] * len(batch), upcoming)
@@ -413,3 +413,98 @@ def test_deferred_watermark_demotions_are_planned_after_the_step(make_config, fa
         assert later.c.commit([rep[i] for rep in reports]).committed
     assert later.where("b") == now.where("b") == ["DRAM"] * 4
     assert later.reps[0].digest() == later.c.slot_map()["digest"]
+
+
+def kept(res):
+    return sum(p.num_kept for p in res.plans)
+
+
+def test_a_promoted_block_keeps_its_l2_copy_and_goes_back_without_a_copy(rig):
+    """Round robin over four sessions in an L1 that holds three: once every session has been
+    promoted, each demotion goes back into the L2 slots its blocks came from (MovePlan.kept:
+    no copy); the replicas check that those slots still hold the blocks' current bytes."""
+    rig.open("a", "b", "c", "d")
+    for n in "abcd":
+        rig.step([n])
+    t = rig.c.table
+    assert t.num_kept == 0
+    rig.step(["a"])  # a comes back from L2 and keeps its copy there; b (never promoted) copies
+    assert t.num_kept == 4 and t.num_free(Tier.DRAM) == t.free[Tier.DRAM].top + 4
+    # b and c push out c and d, never promoted (copies); d pushes out a, which kept its copy
+    for n, want in zip("bcd", (0, 0, 4)):
+        res = rig.step([n])
+        assert moves(res, Tier.HBM, Tier.DRAM) == 4 and kept(res) == want, n
+    res = rig.step(["a"])  # the coldest, b, was promoted one step ago: its demotion is kept
+    assert moves(res, Tier.HBM, Tier.DRAM) == 4 and kept(res) == 4
+    plan = res.plans[0]
+    down = plan.mask(Tier.HBM, Tier.DRAM)
+    assert plan.kept_mask()[down].all() and not plan.kept_mask()[~down].any()
+    assert rig.where("b") == ["DRAM"] * 4
+    snap = rig.c.snapshot()
+    assert snap["tiers"]["L2"]["kept_copies"] == t.num_kept
+
+
+def test_a_block_written_after_its_promotion_is_copied_when_demoted(rig):
+    """A session whose last block is part full: the step that appends to it drops that block's
+    kept copy (the L2 bytes are stale), so its next demotion copies it; full blocks stay kept."""
+    rig.open("a", "b", "c", "d", tokens=14)  # 3 full blocks and one of 2 tokens
+    for n in "abcd":
+        rig.step([n])
+    for n in "abcd":
+        rig.step([n])  # every session promoted once: each keeps 4 copies
+    t = rig.c.table
+    res = rig.step(["a"], [1])  # a (promoted, all kept) gets a token in its last block
+    assert rig.where("a") == ["HBM"] * 4
+    s = rig.c.sessions.lookup("a")
+    rows = rig.c.sessions.rows(s)
+    assert (t.kept_of(rows[:3]) >= 0).all() and t.kept_of(rows[3:]).tolist() == [-1]
+    for n in "bcd":
+        res = rig.step([n])
+        if rig.where("a")[0] == "DRAM":
+            break
+    assert rig.where("a") == ["DRAM"] * 4
+    plan = next(p for p in res.plans if p.num_moves)
+    mine = np.isin(plan.block_ids, t.ids(rows))
+    assert sorted(plan.logical_idx[mine & plan.kept_mask()].tolist()) == [0, 1, 2]
+    assert plan.logical_idx[mine & ~plan.kept_mask()].tolist() == [3]
+
+
+def test_kept_copies_give_their_slots_back_before_anything_leaves_l2(make_config, fake_clock):
+    """L1 + L2 hold every block only if the kept copies give their L2 slots back: they are
+    freed (coldest first) whenever L2 has no other free slot; no block is dropped."""
+    rig = Rig(make_config(l1=8, l2=8, l3=0), fake_clock, l1=8, l2=8)
+    rig.open(*"abcdef", tokens=8)  # 2 blocks each: 12 blocks, L1 (6 below its mark) + L2 hold 14
+    t = rig.c.table
+    reclaimed = 0
+    for n in "abcdef" * 3:
+        full = t.free[Tier.DRAM].top == 0 and t.num_kept > 0  # only kept copies left free
+        res = rig.step([n])
+        if full and moves(res, Tier.HBM, Tier.DRAM) > kept(res):
+            reclaimed += 1  # copies that needed L2 slots: kept copies gave theirs
+        assert t.used(Tier.NONE) == 0, f"a block was dropped at {n}"
+        assert t.used(Tier.DRAM) + t.free[Tier.DRAM].top + t.num_kept == 8
+    assert reclaimed >= 6 and t.num_kept > 0
+    assert not any(e["kind"].startswith("drop") for e in rig.c.events)
+
+
+def test_resync_frees_every_kept_copy(rig):
+    rig.open("a", "b", "c", "d")
+    for n in "abcda":
+        rig.step([n])
+    assert rig.c.table.num_kept == 4
+    full = rig.c.resync()
+    for r in rig.reps:
+        r.restore(full)
+    t = rig.c.table
+    assert t.num_kept == 0 and t.free[Tier.DRAM].top == 32 - t.used(Tier.DRAM)
+    res = rig.step(["b"])
+    assert kept(res) == 0
+    rig.c.check_integrity()
+
+
+def test_without_keep_l2_copies_every_demotion_copies(make_config, fake_clock):
+    rig = Rig(make_config(keep_l2_copies=False), fake_clock)
+    rig.open("a", "b", "c", "d")
+    for n in "abcdabcd":
+        assert kept(rig.step([n])) == 0
+    assert rig.c.table.num_kept == 0

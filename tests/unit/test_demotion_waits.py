@@ -233,3 +233,28 @@ def test_demotions_nothing_later_in_the_step_needs_wait_for_the_plans_promotions
            later_l1=np.array([3]))
     assert issued == [[3], [2]]
     assert marks == [("h2d", None), ("d2h", before), ("d2h", promotions[-1])]
+
+
+def test_a_kept_demotion_copies_nothing() -> None:
+    """MovePlan.kept: the L2 slot holds the block's bytes already (its copy from the promotion,
+    unchanged since), so the executor issues no copy for it; the move counts as done."""
+    from tests.pool_cases import make_engine
+    from tpkv.config import KvGeometry
+    from tpkv.types import MovePlan, Tier
+
+    geo = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
+    ex = PlanExecutor(make_engine(geo, 8, 8, "cpu"), None, timeout_s=5.0, layer_events=False)
+    import torch
+
+    l1 = ex.hbm.tensor.view(ex.hbm.num_slots, -1).view(torch.uint8)
+    l1[0], l1[1] = 7, 8
+    ex.host.block_bytes_view(0)[:] = 5  # the kept copy (here different, to see a copy)
+    H, D = int(Tier.HBM), int(Tier.DRAM)
+    b, st, ss, dt, ds = (np.array(c) for c in zip((0, H, 0, D, 0), (1, H, 1, D, 1)))
+    plan = MovePlan(1, b, st, ss, dt, ds, np.zeros(2), b, ("s",), kept=np.array([True, False]))
+    out = ex.run(plan, np.ones(2, dtype=bool))
+    ex.flush()
+    ex.engine.synchronize()
+    assert out.done.all() and out.bytes_d2h == ex.hbm.block_bytes  # one block copied
+    assert (ex.host.block_bytes_view(0) == 5).all()  # the kept slot was not written
+    assert (ex.host.block_bytes_view(1) == 8).all()

@@ -133,3 +133,19 @@ def test_fast_header_still_checks_payload_and_dtype():
         decode(msgpack.packb(msgpack.ExtType(1, msgpack.packb(["<X9", [1]]) + b"\0" * 8)))
     with pytest.raises(WireFormatError):  # a shape cut short
         decode(msgpack.packb(msgpack.ExtType(1, b"\x92\xa3<i8\x92\x01")))
+
+
+def test_kept_moves_round_trip_and_only_l1_to_l2_may_be_kept():
+    plan = make_plan()
+    kept = np.array([True, False, True, False, False])
+    plan = MovePlan(**{**plan.__dict__, "kept": kept})
+    back = decode_plan(encode_plan(plan))
+    assert back.kept_mask().tolist() == kept.tolist() and back.num_kept == 2
+    assert make_plan().num_kept == 0 and len(make_plan().kept) == 0  # none kept: not sent
+    assert "kept" not in make_plan().to_dict()
+    with pytest.raises(WireFormatError, match="kept has 2 entries"):
+        MovePlan(**{**make_plan().__dict__, "kept": np.array([True, False])})
+    up = MovePlan(1, [3], [1], [4], [0], [7], [0], [0], ("s",), kept=np.array([False]))
+    assert up.num_kept == 0
+    with pytest.raises(WireFormatError, match="not L1 -> L2"):
+        MovePlan(1, [3], [1], [4], [0], [7], [0], [0], ("s",), kept=np.array([True]))

@@ -7,6 +7,7 @@ import numpy as np
 from tpkv.controller.kernels import emptied_sessions, move_rows, plan_arrays
 from tpkv.controller.sessions import SessionTable, add_counts
 from tpkv.controller.table import DRAM, HBM, NONE, SSD, BlockTable, SlotStack
+from tpkv.errors import TierFullError
 from tpkv.types import MovePlan
 
 _NO_OWNER = np.zeros(0, dtype=np.int32)  # the owner map of L3, which has none
@@ -15,9 +16,10 @@ _NO_STACK = SlotStack(0, "L3")  # nor free slots
 
 def _phase_buffers(n: int) -> list[np.ndarray]:
     """Moves of one phase as kernels.move_rows writes them: rows, sessions, source slots,
-    destination slots, source tiers, destination tiers (the slots and tiers in wire dtypes)."""
+    destination slots, source tiers, destination tiers (the slots and tiers in wire dtypes),
+    then whether each move is kept (MovePlan.kept: no copy), which PlanBuilder.move writes."""
     return [np.empty(n, dtype=d) for d in (np.int64, np.int32, np.int64, np.int64, np.int8,
-                                           np.int8)]
+                                           np.int8, np.bool_)]
 
 
 def group_sorted(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -55,6 +57,9 @@ class PlanBuilder:
         self.events: list[dict[str, object]] = []
         self.touched = np.zeros(0, dtype=bool)  # sessions changed this phase (made on first use)
         self._held: dict[int, list[np.ndarray]] = {HBM: [], DRAM: []}
+        # (rows, L2 slots) of this phase's promotions: the slots become the rows' kept copies
+        # when the phase ends (BlockTable.keep_copies), instead of free slots
+        self._to_keep: list[tuple[np.ndarray, np.ndarray]] = []
         self._n = 0  # moves of the current phase, in the buffers below
         # The last step's buffers when given (`buffers`): they grew to what a step needs, and
         # growing them again each step cost a concatenate per buffer. Scratch only: plan arrays
@@ -76,15 +81,48 @@ class PlanBuilder:
 
     def move(self, rows: np.ndarray, src: int, dst: int) -> None:
         """Move `rows`, all on tier `src` and none moved yet in this phase, to tier `dst`,
-        assigning destination slots; their source slots are held back until the phase ends."""
+        assigning destination slots; their source slots are held back until the phase ends.
+        A demotion of a block with a kept L2 copy goes back into that slot and copies nothing;
+        the others take free L2 slots, and kept copies are given back when there are too few."""
         n = len(rows)
         if n == 0:
             return
         t = self.t
         assert not self.check or (t.tier[rows] == src).all(), "move: a row is not on its source"
-        stack = t.free[dst] if dst != SSD else _NO_STACK
-        if n > stack.top and dst != SSD:
-            stack.pop(n)  # raises TierFullError
+        if dst == DRAM:
+            has = t.kept_of(rows) >= 0 if src == HBM and t.num_kept else None
+            need = n - (int(np.count_nonzero(has)) if has is not None else 0)
+            stack = t.free[DRAM]
+            room = stack.top + t.num_kept - (n - need)  # free, and kept copies of others
+            if need > room:
+                raise TierFullError(f"L2 needs {need} slots, {stack.top} free and "
+                                    f"{room - stack.top} kept copies of other blocks of "
+                                    f"{stack.size}")
+            if has is not None and need < n:
+                kept = rows[has]
+                slots = t.take_kept(kept)
+                self._move(rows[~has], src, dst)
+                self._move(kept, src, dst, slots)
+                return
+        self._move(rows, src, dst)
+
+    def _move(self, rows: np.ndarray, src: int, dst: int,
+              kept_slots: np.ndarray | None = None) -> None:
+        """move() once the destination slots are settled: taken from the free stack, or, with
+        `kept_slots`, the rows' own kept L2 copies (the moves are marked kept)."""
+        n = len(rows)
+        if n == 0:
+            return
+        t = self.t
+        if kept_slots is not None:  # as a stack whose top (the end) is the first row's slot
+            stack = SlotStack(0, "kept L2 copies")
+            stack.stack, stack.top = kept_slots[::-1].astype(np.int32), n
+        else:
+            stack = t.free[dst] if dst != SSD else _NO_STACK
+            if dst == DRAM and n > stack.top:
+                t.reclaim_kept(n - stack.top)
+            if n > stack.top and dst != SSD:
+                stack.pop(n)  # raises TierFullError
         if len(self.touched) == 0:
             self.touched = np.zeros(self.s.capacity, dtype=bool)
         at = self._n
@@ -95,9 +133,13 @@ class PlanBuilder:
         move_rows(rows, src, dst, stack.stack, stack.top, t.session, t.tier, t.slot,
                   t.owner.get(src, _NO_OWNER), t.owner.get(dst, _NO_OWNER), counts[src + 1],
                   counts[dst + 1], self.touched, self.s.dirty, self.s.clean, t.demoted_at,
-                  self.now_s, at, *self.buffers)
-        stack.top -= n if dst != SSD else 0
-        if src != SSD:
+                  self.now_s, at, *self.buffers[:6])
+        self.buffers[6][at:at + n] = kept_slots is not None
+        if kept_slots is None:
+            stack.top -= n if dst != SSD else 0
+        if src == DRAM and dst == HBM and t.keep_copies:
+            self._to_keep.append((self.buffers[0][at:at + n], self.buffers[2][at:at + n]))
+        elif src != SSD:
             self._held[src].append(self.buffers[2][at:at + n])  # their old slots
         else:
             self.left_l3.append(self.buffers[1][at:at + n].copy())
@@ -121,20 +163,30 @@ class PlanBuilder:
             if held:
                 self.t.free[tier].push(held[0] if len(held) == 1 else np.concatenate(held))
                 held.clear()
+        for rows, slots in self._to_keep:  # promoted: their L2 slots hold their bytes still
+            here = self.t.tier[rows] == HBM  # (not dropped again in this phase)
+            if here.all():
+                self.t.keep(rows, slots)
+            else:
+                self.t.keep(rows[here], slots[here])
+                self.t.free[DRAM].push(slots[~here])
+        self._to_keep.clear()
         if self._n == 0:
             return
-        b_rows, b_sess, b_src_slot, b_dst_slot, b_src_tier, b_dst_tier = self.buffers
+        b_rows, b_sess, b_src_slot, b_dst_slot, b_src_tier, b_dst_tier, b_kept = self.buffers
         (rows, ids, src_tier, src_slot, dst_tier, dst_slot, session_idx, logical,
          order) = plan_arrays(self._n, b_rows, b_sess, b_src_slot, b_dst_slot, b_src_tier,
                               b_dst_tier, self.t.gen, self.t.logical, self.t.in_flight,
                               self.s.plan_local)  # in_flight until the plan is confirmed
+        kept = b_kept[:self._n].copy() if b_kept[:self._n].any() else None
         self._n = 0
         names = self.s.names
         # Built here, so trusted (MovePlan.trusted); with checks on, validated as a plan from
         # outside would be.
         make = MovePlan if self.check else MovePlan.trusted
         plan = make(self.epoch, ids, src_tier, src_slot, dst_tier, dst_slot, session_idx, logical,
-                    tuple([names[i] for i in order.tolist()]))  # type: ignore[misc]
+                    tuple([names[i] for i in order.tolist()]),  # type: ignore[misc]
+                    **({} if kept is None else {"kept": kept}))
         self.plans.append(plan)
         self.plan_rows.append(rows)
         self.drops.append([])

@@ -107,6 +107,7 @@ def resync(ctl: Controller) -> dict[str, Any]:
     """After a mismatch: the full map for workers to restore; pending plans are superseded."""
     ctl.require_ready()
     out = slot_map(ctl)
+    ctl.table.clear_kept()  # what a rank's L2 slots hold is no longer vouched for
     ctl.pending.clear()
     ctl.table.in_flight[:] = 0
     ctl.committed_epoch = ctl.next_epoch - 1

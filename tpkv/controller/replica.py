@@ -24,8 +24,16 @@ class SlotMapReplica:
     slot is occupied or vacated by the same plan. Torch-free; the tests use it as a fake worker.
     """
 
-    def __init__(self, rank: int, l1_slots: int, l2_slots: int) -> None:
+    def __init__(self, rank: int, l1_slots: int, l2_slots: int,
+                 block_tokens: int | None = None) -> None:
         self.rank = rank
+        # With block_tokens: what each L1/L2 slot holds, as (block id, version), a version
+        # being one content of a block (bumped when a step writes it), so that a kept move (no
+        # copy) is checked to find its block's current bytes in the L2 slot.
+        self.block_tokens = block_tokens
+        self.version: dict[int, int] = {}
+        self.content: dict[tuple[int, int], tuple[int, int]] = {}
+        self.named: dict[tuple[str, int], int] = {}  # (session, logical) -> block id
         self.where: dict[int, tuple[int, int, str, int]] = {}
         self.pools = {int(Tier.HBM): np.full(l1_slots, -1, dtype=np.int64),
                       int(Tier.DRAM): np.full(l2_slots, -1, dtype=np.int64)}
@@ -54,6 +62,8 @@ class SlotMapReplica:
             if old is not None and old[0] != Tier.NONE:
                 raise ContractError(f"fresh block {bid} still has a copy at {old[:2]}")
             self._put(bid, int(Tier.HBM), slot, name, logical)
+        if self.block_tokens is not None:
+            self._written(result)
         for name, tokens in zip(result.session_ids, result.num_tokens.tolist()):
             self.tokens[name] = tokens
         for name in (*result.closed_sessions, *result.ssd_dropped_sessions):
@@ -82,12 +92,20 @@ class SlotMapReplica:
                                     f"or vacated in the same plan {plan.epoch}")
             if st == Tier.SSD and lg not in self.records.get(name, set()):
                 raise ContractError(f"block {bid}: no L3 record {name}/{lg} to read")
+        kept = plan.kept_mask()
+        for bid, ds, k in zip(plan.block_ids.tolist(), plan.dst_slot.tolist(), kept.tolist()):
+            now = (bid, self.version.get(bid, 0))
+            if k and self.block_tokens is not None and self.content.get((1, ds)) != now:
+                raise ContractError(f"block {bid}: kept move into L2 slot {ds}, which holds "
+                                    f"{self.content.get((1, ds))}, not its bytes {now}")
         for bid in plan.block_ids.tolist():
             self._vacate(bid)
         for bid, dt, ds, si, lg in zip(plan.block_ids.tolist(), plan.dst_tier.tolist(),
                                        plan.dst_slot.tolist(), plan.session_idx.tolist(),
                                        plan.logical_idx.tolist()):
             self._put(bid, dt, ds, plan.session_names[si], lg)
+            if dt != Tier.SSD:  # a copy brings the block's bytes (a kept move finds them)
+                self.content[(dt, ds)] = (bid, self.version.get(bid, 0))
         # A miss (bad CRC, short read) leaves the slot map as planned, with unusable bytes in the
         # destination; the controller drops the block in the next step (drops[0]).
         miss = np.asarray(sorted(int(x) for x in misses), dtype=np.int64)
@@ -127,8 +145,34 @@ class SlotMapReplica:
             self._put(int(bid), int(t), int(s), names[si], int(lg))
         self.tokens = {str(k): int(v) for k, v in slot_map["session_tokens"].items()}
         self.epoch = int(slot_map["epoch"])
+        self.content.clear()  # nothing in the pools is vouched for after a restore
+        for bid, (tier, slot, _, _) in self.where.items():
+            if tier == Tier.HBM:
+                self.content[(tier, slot)] = (bid, self.version.get(bid, 0))
+
+    def _written(self, result: StepResult) -> None:
+        """Bump the version of every block the step writes: new blocks, the last block of a
+        session that gets tokens when it was partly filled, and every block from the start of
+        a recomputed range on (the engine feeds the session again from there)."""
+        bt = self.block_tokens
+        assert bt is not None
+        bump = list(result.fresh_block_ids.tolist())
+        for name, after in zip(result.session_ids, result.num_tokens.tolist()):
+            before = self.tokens.get(name, 0)
+            if after > before and before % bt:
+                bump.append(self.named[(name, before // bt)])
+        for pos, start in zip(result.recompute_session_idx.tolist(),
+                              result.recompute_start.tolist()):
+            name = result.session_ids[pos]
+            bump += [b for (n, lg), b in self.named.items() if n == name and lg >= start]
+        for bid in bump:
+            self.version[bid] = self.version.get(bid, 0) + 1
+            tier, slot, _, _ = self.where[bid]
+            if tier == Tier.HBM:
+                self.content[(tier, slot)] = (bid, self.version[bid])
 
     def _put(self, bid: int, tier: int, slot: int, name: str, logical: int) -> None:
+        self.named[(name, logical)] = bid
         if tier in self.pools:
             if self.pools[tier][slot] >= 0:
                 raise ContractError(f"block {bid}: slot {slot} of tier {tier} is taken by "
@@ -147,7 +191,9 @@ class SlotMapReplica:
     def _forget(self, bid: int) -> None:
         if bid in self.where:
             self._vacate(bid)
-            del self.where[bid]
+            _, _, name, logical = self.where.pop(bid)
+            if self.named.get((name, logical)) == bid:
+                del self.named[(name, logical)]
 
     def _drop(self, block_ids: np.ndarray) -> None:
         for bid in block_ids.tolist():

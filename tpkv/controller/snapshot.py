@@ -33,6 +33,8 @@ def _tiers(ctl: Controller) -> dict[str, Any]:
                      "occupancy": _num(used / slots) if slots else None, "high_watermark": high,
                      "low_watermark": low, "draining": bool(ctl.draining[tier]),
                      "enabled": tier != Tier.SSD or ctl.l3_enabled}
+    # L2 slots holding copies of L1 blocks (counted in "free": given back on demand)
+    out["L2"]["kept_copies"] = T.num_kept
     out["none"] = {"blocks": T.used(Tier.NONE)}
     return out
 

@@ -60,6 +60,7 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     # ---- the step is valid: from here on the table changes -------------------------------------
     ctl.tick += 1
     tick = ctl.tick
+    tokens_before = S.tokens[batch] if T.keep_copies else None
     start_runs(batch, tokens, tick, S.tokens, S.pending, S.runs, S.run_hist, S.clean)
     b = PlanBuilder(T, S, ctl.next_epoch, ctl.now_s(), ctl.check_invariants, ctl.move_buffers)
     want, recompute = _demand(ctl, b, batch, missing)
@@ -90,12 +91,32 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         fresh_pos = np.concatenate([old_pos, new_pos])
         fresh_logical = np.concatenate([old_logical, new_logical])
         rc_pos, rc_start, rc_stop = _ranges(old_pos, old_logical)
+    if tokens_before is not None and T.num_kept:
+        _drop_written_copies(ctl, batch, tokens_before, tokens, rc_pos, rc_start)
     return StepResult(
         tick=tick, session_ids=_names(ctl, session_ids, batch), num_tokens=tokens,
         block_offsets=offsets, block_table=table, fresh_block_ids=fresh_ids,
         fresh_slots=slots.astype(np.int64), fresh_session_idx=fresh_pos,
         fresh_logical=fresh_logical, recompute_session_idx=rc_pos, recompute_start=rc_start,
         recompute_stop=rc_stop, **ctl.finish_step(b))
+
+
+def _drop_written_copies(ctl: Controller, batch: np.ndarray, before: np.ndarray,
+                         after: np.ndarray, rc_pos: np.ndarray, rc_start: np.ndarray) -> None:
+    """The L2 copies kept of blocks this step writes are stale: the last block of a session
+    that gets tokens, when it was partly filled, and every block from a recomputed range on
+    (the engine feeds the session again from there). Free them."""
+    S = ctl.sessions
+    bt = ctl.config.geometry.block_tokens
+    grows = (after > before) & (before % bt != 0)
+    parts = []
+    if grows.any():
+        s = batch[grows]
+        parts.append(S.arena.arena[S.arena.start[s] + before[grows] // bt])
+    for pos, start in zip(rc_pos.tolist(), rc_start.tolist()):
+        parts.append(S.arena.rows(int(batch[pos]))[start:])
+    if parts:
+        ctl.table.drop_kept(np.concatenate(parts).astype(np.int64))
 
 
 def _plan(ctl: Controller, b: PlanBuilder, needs: StepNeeds, tick: int,

@@ -106,8 +106,10 @@ class BlockTable:
     demoted_at: np.ndarray  # float32
 
     def __init__(self, l1_slots: int, l2_slots: int, l3_capacity: int, lru_k: int,
-                 capacity: int, l1_reuse: str = "newest", l2_reuse: str = "newest") -> None:
+                 capacity: int, l1_reuse: str = "newest", l2_reuse: str = "newest",
+                 keep_copies: bool = False) -> None:
         self.l3_capacity = l3_capacity
+        self.keep_copies = keep_copies  # PolicyConfig.keep_l2_copies
         # L3 room not free yet though no block holds it (the files stay until the ranks apply a
         # later step): blocks that left L3 in the step being built, and those of the last step
         # plus a block for the segment header of each session it emptied (end_l3_step). A
@@ -121,6 +123,12 @@ class BlockTable:
         self.owner = {HBM: np.full(l1_slots, -1, dtype=np.int32),
                       DRAM: np.full(l2_slots, -1, dtype=np.int32)}
         self.num_in = np.zeros(4, dtype=np.int64)  # live blocks per TIER_INDEX column
+        # L2 slots kept as copies of L1 blocks: kept[z] is the L2 slot holding the bytes of the
+        # block in L1 slot z (-1: none), neither free nor a block's place. A demotion of such a
+        # block copies nothing; when L2 runs short they are given back first. Indexed by L1 slot,
+        # not by row: 4 bytes per L1 slot instead of per tracked block.
+        self.kept = np.full(l1_slots, -1, dtype=np.int32)
+        self.num_kept = 0
         self.capacity = 0
         self.free_rows = SlotStack(0, "block table")
         self._alloc_arrays(capacity)
@@ -200,9 +208,55 @@ class BlockTable:
         self.l3_held_last, self.l3_held_now = self.l3_held_now + emptied, 0
 
     def num_free(self, tier: int) -> int:
+        """Slots a plan may still fill: on L2 the kept copies count (they are given back on
+        demand, and a demotion of their own block needs no other slot)."""
         if tier == SSD:
             return self.l3_capacity - self.used(SSD) - self.l3_held
-        return self.free[tier].top
+        return self.free[tier].top + (self.num_kept if tier == DRAM else 0)
+
+    # ---- kept L2 copies ------------------------------------------------------------------------
+    def keep(self, rows: np.ndarray, slots: np.ndarray) -> None:
+        """The L2 slots `slots` still hold the bytes of L1 blocks `rows` (just promoted)."""
+        self.kept[self.slot[rows]] = slots
+        self.num_kept += len(rows)
+
+    def kept_of(self, rows: np.ndarray) -> np.ndarray:
+        """The L2 slot kept for each of `rows`, all in L1 (-1 where none)."""
+        return self.kept[self.slot[rows]]
+
+    def take_kept(self, rows: np.ndarray) -> np.ndarray:
+        """Forget the kept copies of `rows` and return their slots (-1 where none, or where a
+        row is not in L1), for the caller to reuse or free."""
+        out = np.full(len(rows), -1, dtype=np.int32)
+        on = self.tier[rows] == HBM
+        z = self.slot[rows[on]]
+        out[on] = self.kept[z]
+        self.kept[z] = -1
+        self.num_kept -= int(np.count_nonzero(out >= 0))
+        return out
+
+    def drop_kept(self, rows: np.ndarray) -> None:
+        """The blocks `rows` are (or may be) written: their L2 copies are stale; free them."""
+        if self.num_kept == 0 or len(rows) == 0:
+            return
+        slots = self.take_kept(np.unique(rows))  # (a row named twice gives its slot once)
+        slots = slots[slots >= 0]
+        if len(slots):
+            self.free[DRAM].push(slots)
+
+    def reclaim_kept(self, n: int) -> None:
+        """Free at least `n` kept L2 copies (all of them if fewer), those of the blocks read
+        longest ago first."""
+        if n <= 0 or self.num_kept == 0:
+            return
+        rows = self.owner[HBM][np.flatnonzero(self.kept >= 0)]
+        if n < len(rows):
+            rows = rows[np.argpartition(self.last_tick[rows], n - 1)[:n]]
+        self.drop_kept(rows)
+
+    def clear_kept(self) -> None:
+        """Free every kept copy (a resync: the workers' L2 bytes are no longer vouched for)."""
+        self.drop_kept(self.owner[HBM][np.flatnonzero(self.kept >= 0)])
 
     # ---- state changes (callers keep per-session counts via the returned old tiers) -----------
     def alloc_rows(self, sessions: np.ndarray, logicals: np.ndarray, tick: int,
@@ -242,6 +296,7 @@ class BlockTable:
                  free_src: bool) -> tuple[np.ndarray, np.ndarray]:
         """Put `rows` at (dst, dst_slots); return their old (tiers, slots). With free_src the old
         L1/L2 slots go back to the free lists now; otherwise the caller frees them later."""
+        self.drop_kept(rows)
         old_tier = self.tier[rows].copy()
         old_slot = self.slot[rows].copy()
         for t in (HBM, DRAM):
@@ -291,6 +346,18 @@ class BlockTable:
             free = stack.stack[:stack.top]
             assert len(np.unique(free)) == len(free), f"{name}: free list has duplicates"
             assert (owner[free] == -1).all(), f"{name}: a free slot is owned"
-            assert len(on) + stack.top <= len(owner), f"{name}: used + free > capacity"
+            extra = 0
+            if t == DRAM:  # kept copies: of live L1 blocks, in slots neither owned nor free
+                at = np.flatnonzero(self.kept >= 0)
+                ks = self.kept[at]
+                extra = len(at)
+                assert extra == self.num_kept, f"kept copies {extra} != count {self.num_kept}"
+                assert (self.owner[HBM][at] >= 0).all(), "an L2 copy kept for a free L1 slot"
+                assert len(np.unique(ks)) == extra, "two kept copies share an L2 slot"
+                assert ((ks >= 0) & (ks < len(owner))).all(), "kept slot range"
+                assert (owner[ks] == -1).all(), "a kept L2 copy sits in an owned slot"
+                assert not np.isin(ks, free).any(), "a kept L2 copy sits in a free slot"
+            assert len(on) + stack.top + extra <= len(owner), f"{name}: used + free > capacity"
             if settled:
-                assert len(on) + stack.top == len(owner), f"{name}: slot neither used nor free"
+                assert len(on) + stack.top + extra == len(owner), \
+                    f"{name}: slot neither used nor free"

@@ -48,6 +48,9 @@ class TierStats:
     retries: int = 0
     moves: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
+    # L1 -> L2 moves into the L2 copy a block kept since its promotion (not in moves/bytes:
+    # they copy nothing)
+    kept_moves: int = 0
     recompute_blocks: int = 0  # blocks the controller asked to recompute
     recompute_tokens: int = 0  # tokens fed again because of them
     resume_s: dict[str, list[float]] = field(
@@ -256,6 +259,9 @@ class TieredEngine:
                 continue
             # Moves by (source, destination) tier in one pass: code = src * 4 + dst.
             n = np.bincount(plan.src_tier.astype(np.int64) * 4 + plan.dst_tier, minlength=16)
+            if kept := plan.num_kept:  # demotions into the L2 copy kept: nothing copied
+                n[int(Tier.HBM) * 4 + int(Tier.DRAM)] -= kept
+                self.stats.kept_moves += kept
             for name, (src, dst) in DIRECTIONS.items():
                 moves = int(n[src * 4 + dst])
                 self.stats.moves[name] += moves

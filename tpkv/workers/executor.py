@@ -164,7 +164,13 @@ class PlanExecutor:
         pick = {k: np.flatnonzero(ok & plan.mask(Tier(s), Tier(d)))
                 for k, (s, d) in {"d2h": (HBM, DRAM), "h2d": (DRAM, HBM), "spill": (DRAM, SSD),
                                   "load": (SSD, DRAM)}.items()}
-        demotions_only = len(pick["d2h"]) == int(ok.sum())
+        if plan.num_kept:  # L2 holds their bytes already: only the maps change
+            kept = ok & plan.kept_mask()
+            out.done[kept] = True
+            pick["d2h"] = np.flatnonzero(ok & plan.mask(Tier.HBM, Tier.DRAM) & ~kept)
+            demotions_only = len(pick["d2h"]) + int(kept.sum()) == int(ok.sum())
+        else:
+            demotions_only = len(pick["d2h"]) == int(ok.sum())
         if self.deferred and not (self.defer_d2h and demotions_only):
             self.flush()
         prev_d2h, prev_h2d = self.last["d2h"], self.last["h2d"]
