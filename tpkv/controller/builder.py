@@ -90,19 +90,24 @@ class PlanBuilder:
         t = self.t
         assert not self.check or (t.tier[rows] == src).all(), "move: a row is not on its source"
         if dst == DRAM:
-            has = t.kept_of(rows) >= 0 if src == HBM and t.num_kept else None
-            need = n - (int(np.count_nonzero(has)) if has is not None else 0)
+            kept: np.ndarray | None = None
+            num_kept = 0
+            if src == HBM and t.num_kept:
+                at = t.slot[rows]  # L1 slots; their kept L2 copies
+                kept = t.kept[at]
+                has = kept >= 0
+                num_kept = int(np.count_nonzero(has))
             stack = t.free[DRAM]
-            room = stack.top + t.num_kept - (n - need)  # free, and kept copies of others
-            if need > room:
-                raise TierFullError(f"L2 needs {need} slots, {stack.top} free and "
+            room = stack.top + t.num_kept - num_kept  # free, and kept copies of other blocks
+            if n - num_kept > room:
+                raise TierFullError(f"L2 needs {n - num_kept} slots, {stack.top} free and "
                                     f"{room - stack.top} kept copies of other blocks of "
                                     f"{stack.size}")
-            if has is not None and need < n:
-                kept = rows[has]
-                slots = t.take_kept(kept)
+            if kept is not None and num_kept:
+                t.kept[at[has]] = -1
+                t.num_kept -= num_kept
                 self._move(rows[~has], src, dst)
-                self._move(kept, src, dst, slots)
+                self._move(rows[has], src, dst, kept[has])
                 return
         self._move(rows, src, dst)
 
@@ -114,15 +119,15 @@ class PlanBuilder:
         if n == 0:
             return
         t = self.t
+        stack = t.free[dst] if dst != SSD else _NO_STACK
         if kept_slots is not None:  # as a stack whose top (the end) is the first row's slot
-            stack = SlotStack(0, "kept L2 copies")
-            stack.stack, stack.top = kept_slots[::-1].astype(np.int32), n
+            slots, top = kept_slots[::-1].astype(np.int32), n
         else:
-            stack = t.free[dst] if dst != SSD else _NO_STACK
             if dst == DRAM and n > stack.top:
                 t.reclaim_kept(n - stack.top)
             if n > stack.top and dst != SSD:
                 stack.pop(n)  # raises TierFullError
+            slots, top = stack.stack, stack.top
         if len(self.touched) == 0:
             self.touched = np.zeros(self.s.capacity, dtype=bool)
         at = self._n
@@ -130,7 +135,7 @@ class PlanBuilder:
             self.buffers = [np.concatenate([b[:at], np.empty(at + 2 * n, dtype=b.dtype)])
                             for b in self.buffers]
         counts = self.s.counts  # [4, S]: tier column + 1 (NONE is column 0)
-        move_rows(rows, src, dst, stack.stack, stack.top, t.session, t.tier, t.slot,
+        move_rows(rows, src, dst, slots, top, t.session, t.tier, t.slot,
                   t.owner.get(src, _NO_OWNER), t.owner.get(dst, _NO_OWNER), counts[src + 1],
                   counts[dst + 1], self.touched, self.s.dirty, self.s.clean, t.demoted_at,
                   self.now_s, at, *self.buffers[:6])

@@ -13,7 +13,13 @@ from tpkv.controller.messages import StepResult
 from tpkv.controller.plankernels import demand_rows, record_choices
 from tpkv.controller.planner import MAX_PHASES, PlanContext, StepNeeds, plan_step
 from tpkv.controller.sessions import SessionTable, add_counts
-from tpkv.controller.stepkernels import alloc_blocks, batch_blocks, outside, start_runs
+from tpkv.controller.stepkernels import (
+    alloc_blocks,
+    batch_blocks,
+    outside,
+    start_runs,
+    written_kept,
+)
 from tpkv.controller.table import DRAM, HBM, NONE, PIN_EXPLICIT, SSD
 from tpkv.errors import BadRequestError, DuplicateSessionError, PlanOrderError, TierFullError
 
@@ -106,17 +112,17 @@ def _drop_written_copies(ctl: Controller, batch: np.ndarray, before: np.ndarray,
     """The L2 copies kept of blocks this step writes are stale: the last block of a session
     that gets tokens, when it was partly filled, and every block from a recomputed range on
     (the engine feeds the session again from there). Free them."""
-    S = ctl.sessions
-    bt = ctl.config.geometry.block_tokens
-    grows = (after > before) & (before % bt != 0)
-    parts = []
-    if grows.any():
-        s = batch[grows]
-        parts.append(S.arena.arena[S.arena.start[s] + before[grows] // bt])
-    for pos, start in zip(rc_pos.tolist(), rc_start.tolist()):
-        parts.append(S.arena.rows(int(batch[pos]))[start:])
-    if parts:
-        ctl.table.drop_kept(np.concatenate(parts).astype(np.int64))
+    S, T = ctl.sessions, ctl.table
+    slots = written_kept(batch, before, after, ctl.config.geometry.block_tokens, S.arena.arena,
+                         S.arena.start, T.tier, T.slot, T.kept)
+    T.num_kept -= len(slots)
+    if len(rc_pos):
+        rows = np.concatenate([S.arena.rows(int(batch[pos]))[start:] for pos, start in
+                               zip(rc_pos.tolist(), rc_start.tolist())])
+        more = T.take_kept(np.unique(rows))
+        slots = np.concatenate([slots, more[more >= 0]])
+    if len(slots):  # one group: freed slots go back in ascending order (SlotStack.push)
+        T.free[DRAM].push(slots)
 
 
 def _plan(ctl: Controller, b: PlanBuilder, needs: StepNeeds, tick: int,
