@@ -245,3 +245,22 @@ def test_handles_name_the_right_sessions_after_reuse(ctl, reps):
     hc = ctl.open_session("c", 4)  # takes the index 'b' had, with a new handle
     assert hc != hb
     assert run(ctl, reps, np.array([ha, hc]), [1, 0]).session_ids == ("a", "c")
+
+
+def test_a_detached_step_equals_its_wire_form_and_shares_no_array(make_config, fake_clock):
+    """StepResult.detached (how a group of one takes a step from its in-process controller)
+    gives what encode + decode would, with arrays the controller never touches again."""
+    c = Controller(make_config(l1=8, l2=32), fake_clock)
+    for n in "abc":
+        c.open_session(n, 12)
+        c.schedule([n], [0])
+    res = c.schedule(["a"], [1])  # back from L2: plans, drops, fresh blocks
+    assert res.plans
+    own = res.detached()
+    wire = StepResult.from_dict(decode(encode(res.to_dict())))
+    assert encode(own.to_dict()) == encode(wire.to_dict())
+    for name, value in own.__dict__.items():
+        if isinstance(value, np.ndarray):
+            assert not np.shares_memory(value, getattr(res, name)), name
+    assert all(not np.shares_memory(a, b) for a, b in zip(own.drops, res.drops))
+    assert own.plans == res.plans and all(not p.block_ids.flags.writeable for p in own.plans)

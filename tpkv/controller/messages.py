@@ -56,6 +56,17 @@ class StepResult:
     def num_moves(self) -> int:
         return sum(p.num_moves for p in self.plans)
 
+    def detached(self) -> StepResult:
+        """The same step with arrays of its own, for a caller in the controller's process
+        (what to_dict + from_dict would give, without either: about 0.3 ms for a resume's
+        step). Plans are shared: their arrays are made for each plan and read-only."""
+        out = object.__new__(StepResult)
+        out.__dict__.update(self.__dict__)
+        for name in _STEP_ARRAYS:
+            out.__dict__[name] = self.__dict__[name].copy()
+        out.__dict__["drops"] = tuple(d.copy() for d in self.drops)
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for f in fields(self):
@@ -85,6 +96,12 @@ class StepResult:
                 **arrays)
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise WireFormatError(f"step result is missing or mistypes a field: {exc}") from exc
+
+
+_STEP_ARRAYS = ("num_tokens", "block_offsets", "block_table", "released_block_ids",
+                "fresh_block_ids", "fresh_slots", "fresh_session_idx", "fresh_logical",
+                "recompute_session_idx", "recompute_start", "recompute_stop")
+assert set(_STEP_ARRAYS) == {f.name for f in fields(StepResult) if f.type == "np.ndarray"}
 
 
 @dataclass(frozen=True)

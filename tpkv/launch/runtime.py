@@ -131,10 +131,10 @@ class TpkvRuntime:
             # its plans waited): the next schedule() plans the watermarks' moves instead
             return None
         answer = self._recovering(lambda: self.from_rank0(
-            lambda: _as_dict(self._call("plan_deferred")), "deferred watermark plans"))
+            lambda: self._answer(self._call("plan_deferred")), "deferred watermark plans"))
         if answer is None:
             return None
-        step = StepResult.from_dict(answer)
+        step = _as_step(answer)
         if own is not None:  # the step moved nothing: nothing to confirm
             self.end_step()
         self._applied = self.worker.apply_deferred(step)
@@ -174,14 +174,14 @@ class TpkvRuntime:
             step = self._call("schedule", list(session_ids),
                               np.asarray(num_new_tokens, dtype=np.int64).reshape(-1), upcoming,
                               **({"defer_marks": True} if defer else {}))
-            return {"step": step.to_dict(), "resync": resync,
+            return {"step": self._answer(step), "resync": resync,
                     "deferred": defer and getattr(self.controller, "deferred", None) is not None}
 
         t0 = time.perf_counter()
         answer = self.from_rank0(plan, "plans of a step")
         if answer["resync"] is not None:
             self._resync(answer["resync"])
-        step = StepResult.from_dict(answer["step"])
+        step = _as_step(answer["step"])
         self._deferred = bool(answer["deferred"])
         t1 = time.perf_counter()
         self._applied = self.worker.apply_step(step, late_ok)
@@ -279,6 +279,13 @@ class TpkvRuntime:
         self.close(exc)
 
     # ---- internals -------------------------------------------------------------------------
+    def _answer(self, step: StepResult | None) -> StepResult | dict[str, Any] | None:
+        """A StepResult as from_rank0 passes it on: a group of one takes a detached copy (no
+        wire form to build and check), larger groups its wire form."""
+        if step is None:
+            return None
+        return step.detached() if self.world_size == 1 else step.to_dict()
+
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """A controller call on rank 0 (one at a time for an in-process controller)."""
         fn = getattr(self.controller, method)
@@ -443,8 +450,8 @@ class TpkvRuntime:
         return dict(self._call("resync"))
 
 
-def _as_dict(step: StepResult | None) -> dict[str, Any] | None:
-    return None if step is None else step.to_dict()
+def _as_step(answer: StepResult | dict[str, Any]) -> StepResult:
+    return answer if isinstance(answer, StepResult) else StepResult.from_dict(answer)
 
 
 def _detached(obj: Any) -> Any:

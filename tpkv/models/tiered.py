@@ -165,6 +165,10 @@ class TieredEngine:
         self._resume = (started, _TIER_NAME[farthest]) if farthest != Tier.HBM else None
         self.last_times = {"schedule": time.perf_counter() - started,
                            **{f"schedule_{k}": v for k, v in self.rt.last_step_times.items()}}
+        issued = [a.outcome.h2d_issued_ns for a in self.rt.worker.last_applied
+                  if a.outcome.h2d_issued_ns]
+        if issued:  # host seconds from the schedule's start to its first copy into L1
+            self.last_times["first_h2d_issue"] = min(issued) / 1e9 - started
         if t0 is not None:
             self.last_trace = StepTrace(t0, self._spans())
         return step

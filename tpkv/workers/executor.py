@@ -23,6 +23,9 @@ from tpkv.workers.ssd_store import SsdStore
 log = logging.getLogger(__name__)
 
 HBM, DRAM, SSD, NONE = int(Tier.HBM), int(Tier.DRAM), int(Tier.SSD), int(Tier.NONE)
+# The moves a plan's executor issues, by (source tier * 4 + destination tier)
+_KINDS = {"d2h": HBM * 4 + DRAM, "h2d": DRAM * 4 + HBM, "spill": DRAM * 4 + SSD,
+          "load": SSD * 4 + DRAM}
 _POLL_S = 0.0001
 _POLL_FINE_S = 0.05
 
@@ -72,6 +75,7 @@ class ExecOutcome:
     error: str = ""  # the first failure, if a group of moves could not be carried out
     host_ns: int = 0  # host time of the plan (SSD I/O included)
     spill_wait_ns: int = 0  # of it, waiting for spills before its L3 reads could start
+    h2d_issued_ns: int = 0  # perf_counter_ns once its first L2 -> L1 copy was issued (0: none)
     # (direction, start, stop) of each copy batch on its stream (GPU only)
     timing: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
 
@@ -161,16 +165,17 @@ class PlanExecutor:
         started = time.perf_counter_ns()
         out = ExecOutcome(done=np.zeros(plan.num_moves, dtype=bool))
         deadline = time.monotonic() + self.timeout_s
-        pick = {k: np.flatnonzero(ok & plan.mask(Tier(s), Tier(d)))
-                for k, (s, d) in {"d2h": (HBM, DRAM), "h2d": (DRAM, HBM), "spill": (DRAM, SSD),
-                                  "load": (SSD, DRAM)}.items()}
-        if plan.num_kept:  # L2 holds their bytes already: only the maps change
+        # One code per move, (src * 4 + dst); a move refused (not ok) or kept gets none of
+        # the four below. Kept: L2 holds the block's bytes already; only the maps change.
+        code = plan.src_tier * np.int8(4) + plan.dst_tier
+        off = ~ok
+        if plan.num_kept:
             kept = ok & plan.kept_mask()
             out.done[kept] = True
-            pick["d2h"] = np.flatnonzero(ok & plan.mask(Tier.HBM, Tier.DRAM) & ~kept)
-            demotions_only = len(pick["d2h"]) + int(kept.sum()) == int(ok.sum())
-        else:
-            demotions_only = len(pick["d2h"]) == int(ok.sum())
+            off |= kept
+        code[off] = -1
+        pick = {k: np.flatnonzero(code == c) for k, c in _KINDS.items()}
+        demotions_only = len(pick["d2h"]) + out.done.sum() == int(ok.sum())
         if self.deferred and not (self.defer_d2h and demotions_only):
             self.flush()
         prev_d2h, prev_h2d = self.last["d2h"], self.last["h2d"]
@@ -189,6 +194,7 @@ class PlanExecutor:
                 if start is None:
                     start = mark
                 self._h2d(plan.src_slot[i[rows]], plan.dst_slot[i[rows]])
+                out.h2d_issued_ns = out.h2d_issued_ns or time.perf_counter_ns()
             self._span(out, "h2d", start)
             out.done[i], out.bytes_h2d = True, len(i) * block_bytes
         if len(i := pick["d2h"]):
