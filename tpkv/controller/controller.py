@@ -22,6 +22,7 @@ from tpkv.controller.policy import auto_pin_threshold, fold_access
 from tpkv.controller.sessions import SessionTable
 from tpkv.controller.step import Upcoming, plan_deferred_step, schedule_step
 from tpkv.controller.table import PIN_EXPLICIT, SSD, BlockTable
+from tpkv.controller.warm import warm_kernels
 from tpkv.errors import (
     BadRequestError,
     ConfigError,
@@ -47,7 +48,8 @@ class Controller:
 
     def __init__(self, config: TpkvConfig, clock: Callable[[], float] = time.monotonic, *,
                  restarts: int = 0, awaiting_rebuild: bool = False,
-                 table_capacity: int | None = None, check_invariants: bool = False) -> None:
+                 table_capacity: int | None = None, check_invariants: bool = False,
+                 warm: bool = True) -> None:
         pol, g = config.policy, config.geometry
         for name in ("max_moves_per_step", "prefetch_max_blocks", "auto_pin_refresh_steps",
                      "max_tracked_blocks", "max_pending_plans"):
@@ -108,6 +110,8 @@ class Controller:
         self.l3_emptied: list[str] = []
         if awaiting_rebuild:
             self.event("restarted", restarts=restarts)
+        if warm:  # compile the kernels now, not in the first steps that need them
+            warm_kernels(config)
 
     # ---- clock, events ---------------------------------------------------------------------
     def now_s(self) -> float:

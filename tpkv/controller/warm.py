@@ -1,0 +1,103 @@
+"""Compile (or load from numba's disk cache) every kernel the controller runs, before it serves.
+
+The controller's hot paths are numba kernels compiled on their first call. Without this, the
+first step that takes a path no earlier step took (the first demotion, the first promotion
+with a kept L2 copy, the first spill...) pays for its compile: up to a second on a fresh
+checkout, in the middle of serving (seen in bench/e2e.py: one resume of the second round).
+`warm_kernels` runs a short scripted workload on a scratch controller with the caller's
+policy and geometry and tiny tiers, once per process and policy: every kernel gets the
+argument types it gets in service. tests/unit/test_warm.py checks that workloads run after it
+compile nothing more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tpkv.config import HbmConfig, HostConfig, SsdConfig, TpkvConfig
+from tpkv.controller.digest import plan_digest
+from tpkv.errors import TpkvError
+from tpkv.types import MoveResult, Tier
+
+if TYPE_CHECKING:
+    from tpkv.controller.messages import StepResult
+
+log = logging.getLogger(__name__)
+
+_WARMED: set[tuple[object, ...]] = set()
+
+
+def _key(config: TpkvConfig) -> tuple[object, ...]:
+    """What decides which kernels (and argument types) a controller uses."""
+    return (dataclasses.astuple(config.policy), config.l3.enabled, config.geometry.tp_size)
+
+
+def warm_kernels(config: TpkvConfig) -> float:
+    """Run the scripted workload once per process and policy; returns the seconds it took
+    (0.0 when this policy was warmed already)."""
+    key = _key(config)
+    if key in _WARMED:
+        return 0.0
+    _WARMED.add(key)
+    started = time.perf_counter()
+    try:
+        _script(config)
+    except TpkvError as exc:  # a workload the tiny tiers refuse: warm what ran (never fatal)
+        log.debug("kernel warm-up stopped early: %s", exc)
+    took = time.perf_counter() - started
+    log.debug("controller kernels warm in %.2f s", took)
+    return took
+
+
+def _script(config: TpkvConfig) -> None:
+    from tpkv.controller.controller import Controller
+
+    g = config.geometry
+    bt, tp, bb = g.block_tokens, g.tp_size, g.block_bytes
+    l3 = (dataclasses.replace(config.l3, budget_bytes=SsdConfig.budget_for(24, g))
+          if config.l3.enabled else config.l3)
+    small = dataclasses.replace(
+        config, l1=HbmConfig(num_blocks=8),
+        l2=HostConfig(budget_bytes=10 * tp * bb, arena_bytes=10 * bb, pin="never"), l3=l3)
+    now = [0.0]
+    c = Controller(small, lambda: now[0], warm=False)
+    names = [f"warm-{i}" for i in range(6)]
+    for n in names:
+        c.open_session(n, 2 * bt + 1)  # three blocks, the last part full
+
+    def confirm(res: StepResult | None, miss: bool = False) -> None:
+        for p in () if res is None else res.plans:
+            reads = p.block_ids[p.src_tier == int(Tier.SSD)]
+            lost = reads[:1] if miss else reads[:0]
+            c.commit([MoveResult(p.epoch, r, p.num_moves, plan_digest(p, lost),
+                                 miss_block_ids=lost) for r in range(tp)])
+
+    for step in range(48):
+        now[0] += 7.0
+        n, other = names[step % 6], names[(step + 3) % 6]
+        batch = [n, other] if step % 5 == 0 else [n]
+        upcoming = {names[(step + 1) % 6]: 1} if step % 3 else [names[(step + 2) % 6]]
+        res = c.schedule(batch, [1 + step % 3] * len(batch), upcoming,
+                         defer_marks=step % 2 == 0)
+        confirm(res, miss=step % 11 == 7)
+        confirm(c.plan_deferred())
+        c.prepare()
+        s = c.sessions.lookup(n)
+        c.report_attention(n, np.linspace(0.0, 1.0, c.sessions.nblocks(s)))
+        if step == 20:
+            c.pin(other, 0, 1)
+        elif step == 26:
+            c.unpin(other)
+        elif step == 30:
+            c.mark_lost(c.table.ids(c.sessions.rows(s))[:1])
+        elif step == 36:
+            c.close_session(names[5])
+            c.open_session(names[5], bt)
+    c.report_prefill(num_tokens=4 * bt, seconds=0.01)
+    c.snapshot()
+    c.resync()
