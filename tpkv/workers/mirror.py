@@ -112,6 +112,8 @@ class SlotMirror:
 
     def drop(self, block_ids: np.ndarray) -> None:
         """The blocks lost their copy (NONE); their slots are free again."""
+        if len(block_ids) == 0:
+            return
         rows, known = self.rows(block_ids)
         if not known.all():
             log.warning("drop of %d blocks this rank does not know", int((~known).sum()))
@@ -121,6 +123,8 @@ class SlotMirror:
 
     def release(self, block_ids: np.ndarray) -> None:
         """Forget the blocks (their session closed)."""
+        if len(block_ids) == 0:
+            return
         rows, known = self.rows(block_ids)
         rows = rows[known]
         self._vacate(rows)

@@ -185,6 +185,8 @@ class Worker:
     def _may_wait(self, step: StepResult) -> bool:
         if not any(p.num_moves for p in step.plans) or any(len(d) for d in step.drops):
             return False
+        if any((p.dst_tier < p.src_tier).any() for p in step.plans):
+            return False  # a promotion (a resume's loads): the forward needs it
         # sessions the step's forward uses, or whose L3 records it closes or drops
         keep = {*step.session_ids, *step.closed_sessions, *step.ssd_dropped_sessions}
         fresh = np.sort(np.asarray(step.fresh_slots, dtype=np.int64))
