@@ -56,8 +56,11 @@ def test_a_spill_returns_at_once_and_a_refill_of_its_slot_waits_for_it(tmp_path:
     # returned (and reported done) while the write still waits for the disk
     assert out.done.all() and len(ex.spills) == 1 and not gate.is_set()
     threading.Timer(0.3, gate.set).start()
-    ex.run(_plan(3, 1, H, 1, D, 0), np.ones(1, dtype=bool))  # refills L2 slot 0: must wait
+    out = ex.run(_plan(3, 1, H, 1, D, 0), np.ones(1, dtype=bool))  # refills L2 slot 0: waits
     assert not ex.spills and gate.is_set()
+    # the wait is not the copy's own time: the controller's rate meter does not see it
+    assert out.blocked_ns >= 0.2e9 and out.host_ns >= out.blocked_ns
+    assert out.elapsed_ns() == out.host_ns - out.blocked_ns < 0.2e9
     assert (host.block(0) == 2.0).all()  # the refill landed
     buf = np.zeros(GEO.block_bytes, dtype=np.uint8)
     assert store.read_blocks("sess", np.array([0]), [buf])[0]  # manifest committed on reap
@@ -152,6 +155,7 @@ def test_a_load_into_slots_a_spill_still_reads_waits_and_says_how_long(tmp_path:
     out = ex.run(_plan(3, 0, S, -1, D, 0), np.ones(1, dtype=bool))  # back into L2 slot 0
     assert out.done.all() and not out.misses.size and gate.is_set()
     assert out.spill_wait_ns >= 0.2e9  # it waited for the spill's write
+    assert out.blocked_ns >= out.spill_wait_ns and out.elapsed_ns() < 0.2e9  # not disk time
     assert (ex.host.block(0) == 3.0).all()  # and read back what was written
     quick = ex.run(_plan(4, 0, D, 0, H, 0), np.ones(1, dtype=bool))  # no L3 read: no wait
     assert quick.spill_wait_ns == 0

@@ -75,6 +75,9 @@ class ExecOutcome:
     error: str = ""  # the first failure, if a group of moves could not be carried out
     host_ns: int = 0  # host time of the plan (SSD I/O included)
     spill_wait_ns: int = 0  # of it, waiting for spills before its L3 reads could start
+    # of it, blocked on other work (spills and earlier copies the plan's moves must follow):
+    # not the plan's own transfer time, so not in what the controller's rate meter sees
+    blocked_ns: int = 0
     h2d_issued_ns: int = 0  # perf_counter_ns once its first L2 -> L1 copy was issued (0: none)
     # (direction, start, stop) of each copy batch on its stream (GPU only)
     timing: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
@@ -82,7 +85,7 @@ class ExecOutcome:
     def elapsed_ns(self) -> int:
         """Host time, or the GPU time of its copies if longer (call once they are done)."""
         gpu_ms = max((a.elapsed_time(b) for _, a, b in self.timing if b.query()), default=0.0)
-        return max(self.host_ns, int(gpu_ms * 1e6))
+        return max(self.host_ns - self.blocked_ns, int(gpu_ms * 1e6))
 
 
 def wait_handle(handle: CopyHandle | None, deadline: float, what: str) -> None:
@@ -198,7 +201,9 @@ class PlanExecutor:
             self._span(out, "h2d", start)
             out.done[i], out.bytes_h2d = True, len(i) * block_bytes
         if len(i := pick["d2h"]):
+            waited = time.perf_counter_ns()
             self.wait_spills(deadline, slots=plan.dst_slot[i])
+            out.blocked_ns += time.perf_counter_ns() - waited
             src, dst = plan.src_slot[i], plan.dst_slot[i]
             if self.defer_d2h and demotions_only:
                 after = self.compute_mark
@@ -223,12 +228,14 @@ class PlanExecutor:
             if len(pick["spill"]) or len(pick["load"]):
                 out.error = f"epoch {plan.epoch}: moves to or from L3, but L3 is disabled here"
         elif len(i := pick["load"]):  # into L2 slots earlier batches may still read or fill
+            blocked = time.perf_counter_ns()
             wait_handle(prev_h2d, deadline, f"epoch {plan.epoch} L3 -> L2")
             wait_handle(prev_d2h, deadline, f"epoch {plan.epoch} L3 -> L2")
             names = {plan.session_names[s] for s in set(plan.session_idx[i].tolist())}
             waited = time.perf_counter_ns()
             self.wait_spills(deadline, slots=plan.dst_slot[i], names=names)
             out.spill_wait_ns = time.perf_counter_ns() - waited
+            out.blocked_ns += time.perf_counter_ns() - blocked
             jobs += self._ssd_jobs(plan, i, "read", deadline)
         self._collect(plan, jobs, out, deadline)
         # Spills only after the plan's reads: a resume waits for its reads, never for the
@@ -236,7 +243,9 @@ class PlanExecutor:
         # between the two (on the H200, reads beside a spill of the same size ran at 1.0 GB/s
         # against the disk's 1.75). The two touch other L2 slots (PlanBuilder).
         if self.store is not None and len(i := pick["spill"]):
+            waited = time.perf_counter_ns()
             wait_handle(prev_d2h, deadline, f"epoch {plan.epoch} L2 -> L3")
+            out.blocked_ns += time.perf_counter_ns() - waited
             for _, part, fut in self._ssd_jobs(plan, i, "write", deadline):
                 name = plan.session_names[int(plan.session_idx[part[0]])]
                 self.spills.append(_Spill(name, plan.epoch, plan.src_slot[part], fut))
