@@ -183,7 +183,6 @@ class PlanExecutor:
             self.flush()
         prev_d2h, prev_h2d = self.last["d2h"], self.last["h2d"]
         block_bytes = self.hbm.block_bytes
-        self.wait_spills(deadline)  # only those already done: their manifests are committed
 
         # A plan's moves touch disjoint slots (PlanBuilder), so either direction may go first:
         # the promotions, which a resume waits for; the demotion pieces follow at once on their
@@ -223,6 +222,11 @@ class PlanExecutor:
             else:
                 self._demote(src, dst, prev_h2d, out)
             out.done[i], out.bytes_d2h = True, len(i) * block_bytes
+        # Spills already done: their manifests are committed (fsyncs: after the copies above
+        # are issued, which a resume waits for; not the plan's own time)
+        waited = time.perf_counter_ns()
+        self.wait_spills(deadline)
+        out.blocked_ns += time.perf_counter_ns() - waited
         jobs: list[tuple[str, np.ndarray, Future[Any]]] = []
         if self.store is None:
             if len(pick["spill"]) or len(pick["load"]):
