@@ -63,6 +63,9 @@ def collect(payload: Mapping[str, Any]) -> list[MetricSpec]:
                              for m in ("high", "low")])
     b.add("tpkv_tier_draining", "gauge", "1 while a tier drains from high to low watermark", t,
           [((k,), int(bool(v.get("draining")))) for k, v in tiers.items()])
+    b.add("tpkv_l2_kept_copies", "gauge",
+          "L2 slots holding copies of L1 blocks (a demotion into one copies nothing)",
+          value=(payload.get("tiers") or {}).get("L2", {}).get("kept_copies"))
     b.add("tpkv_unplaced_blocks", "gauge", "Blocks in no tier (recomputed when next needed)",
           value=(payload.get("tiers") or {}).get("none", {}).get("blocks"))
     b.add("tpkv_sessions", "gauge", "Open sessions", value=payload.get("num_sessions"))
