@@ -66,6 +66,7 @@ GEOMETRY = KvGeometry(num_layers=1, num_kv_heads=2, head_dim=16, dtype="float8_e
 
 
 MAX_MOVES = PolicyConfig().max_moves_per_step
+KEEP = os.environ.get("TPKV_BENCH_KEEP", "1") == "1"
 
 
 def make_config(num_blocks: int, ssd_dir: str) -> TpkvConfig:
@@ -74,7 +75,7 @@ def make_config(num_blocks: int, ssd_dir: str) -> TpkvConfig:
         geometry=GEOMETRY, l1=HbmConfig(num_blocks=L1_SLOTS),
         l2=HostConfig(budget_bytes=max(num_blocks // 4, 4 * L1_SLOTS) * bb * GEOMETRY.tp_size),
         l3=SsdConfig(root=ssd_dir, budget_bytes=SsdConfig.budget_for(num_blocks, GEOMETRY)),
-        policy=PolicyConfig(max_moves_per_step=MAX_MOVES))
+        policy=PolicyConfig(max_moves_per_step=MAX_MOVES, keep_l2_copies=KEEP))
 
 
 def confirm(c: Controller, res: StepResult) -> None:

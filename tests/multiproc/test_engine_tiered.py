@@ -174,12 +174,18 @@ def test_tiered_demo_summarizes_a_short_run(tmp_path, monkeypatch):
     cfg = tiered_config(model, 1, block_tokens=BT, l1_blocks=40, l2_blocks=16,
                         ssd_root=str(tmp_path / "l3"),
                         policy=PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=10.0))
-    wl = WorkloadConfig(num_sessions=8, num_users=4, turns=(2, 3), system_prompt_tokens=8,
+    # 8 users at once: every session's first turn arrives at the start and is prefilled
+    # before any decodes, so their blocks (6-16 each) overflow the 40 of L1 whatever the
+    # steps' times (the workload's clock advances by them; with 4 users the sessions
+    # sometimes ran one after another and nothing moved)
+    wl = WorkloadConfig(num_sessions=8, num_users=8, turns=(2, 3), system_prompt_tokens=8,
                         doc_tokens=(8, 16), user_tokens=(4, 8), gen_tokens=(4, 6),
                         think_s=(0.01, 0.1), ramp_s=0.0, max_session_tokens=64,
                         vocab_size=512)
     with tpkv.init(cfg, controller="local", device="cpu") as rt:
         out = run_tiered_demo(rt, model, wl, seconds=20.0, max_batch=2, report_prefill=False)
     assert out["turns"] > 8 and out["decode_tokens_per_s"] > 0
-    assert out["moves"]["l1_l2"] > 0 and set(out["resume_latency"]) == {"l1", "l2", "l3"}
+    # demoted (with a copy, or into the L2 copy a promoted block kept)
+    assert out["moves"]["l1_l2"] + out["kept_moves"] > 0, (out["moves"], out["kept_moves"])
+    assert set(out["resume_latency"]) == {"l1", "l2", "l3"}
     assert sum(out["tiers"]["blocks"].values()) >= 0

@@ -470,21 +470,31 @@ def test_a_block_written_after_its_promotion_is_copied_when_demoted(rig):
 
 
 def test_kept_copies_give_their_slots_back_before_anything_leaves_l2(make_config, fake_clock):
-    """L1 + L2 hold every block only if the kept copies give their L2 slots back: they are
-    freed (coldest first) whenever L2 has no other free slot; no block is dropped."""
-    rig = Rig(make_config(l1=8, l2=8, l3=0), fake_clock, l1=8, l2=8)
-    rig.open(*"abcdef", tokens=8)  # 2 blocks each: 12 blocks, L1 (6 below its mark) + L2 hold 14
-    t = rig.c.table
-    reclaimed = 0
-    for n in "abcdef" * 3:
-        full = t.free[Tier.DRAM].top == 0 and t.num_kept > 0  # only kept copies left free
-        res = rig.step([n])
-        if full and moves(res, Tier.HBM, Tier.DRAM) > kept(res):
-            reclaimed += 1  # copies that needed L2 slots: kept copies gave theirs
+    """Kept copies are made while L2 has room to spare, and give their slots back when L2
+    has no other free slot: here L2 holds every block only if the copies of a pinned session
+    (which stays in L1) go; nothing is dropped. A promotion keeps no more copies than L2's
+    free slots beyond its reserve (BlockTable.keep_reserve)."""
+    rig = Rig(make_config(l1=8, l2=12, l3=0, l2_marks=(0.99, 0.9)), fake_clock, l1=8, l2=12)
+    rig.open(*"abcd", tokens=8)  # 2 blocks each: 16 in all, L1 holds 6 below its mark
+    for n in "abcda":  # a goes down to L2 and comes back with its copies kept
+        rig.step([n])
+    t, S = rig.c.table, rig.c.sessions
+    a = S.rows(S.lookup("a"))
+    assert (t.kept_of(a) >= 0).all() and t.num_kept == 2 and t.keep_reserve == 1
+    rig.c.pin("a")
+    rig.open(*"efgh", tokens=8)
+    for n in "efghbcdefgh":
+        rig.step([n])
         assert t.used(Tier.NONE) == 0, f"a block was dropped at {n}"
-        assert t.used(Tier.DRAM) + t.free[Tier.DRAM].top + t.num_kept == 8
-    assert reclaimed >= 6 and t.num_kept > 0
+        assert t.used(Tier.DRAM) + t.free[Tier.DRAM].top + t.num_kept == 12
+    assert rig.where("a") == ["HBM"] * 2 and (t.kept_of(a) == -1).all()  # given back
+    assert t.used(Tier.DRAM) == 10
     assert not any(e["kind"].startswith("drop") for e in rig.c.events)
+    before = t.num_kept
+    free = t.free[Tier.DRAM].top
+    res = rig.step(["b"])  # back from L2 (2 blocks) into an L2 with `free` slots free
+    assert moves(res, Tier.DRAM, Tier.HBM) == 2
+    assert t.num_kept - before <= max(0, free + kept(res) - t.keep_reserve)
 
 
 def test_resync_frees_every_kept_copy(rig):

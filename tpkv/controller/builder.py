@@ -170,11 +170,18 @@ class PlanBuilder:
                 held.clear()
         for rows, slots in self._to_keep:  # promoted: their L2 slots hold their bytes still
             here = self.t.tier[rows] == HBM  # (not dropped again in this phase)
-            if here.all():
+            # Copies are kept only while L2 has room to spare: under pressure they would be
+            # given back at once (BlockTable.keep_reserve)
+            room = self.t.free[DRAM].top - self.t.keep_reserve
+            if not here.all() or room < len(rows):
+                take = np.flatnonzero(here)[:max(room, 0)]
+                rest = np.ones(len(rows), dtype=bool)
+                rest[take] = False
+                self.t.free[DRAM].push(slots[rest])
+                rows, slots = rows[take], slots[take]
+            if len(rows):
                 self.t.keep(rows, slots)
-            else:
-                self.t.keep(rows[here], slots[here])
-                self.t.free[DRAM].push(slots[~here])
+                self.s.kept_last[self.t.session[rows]] = True
         self._to_keep.clear()
         if self._n == 0:
             return

@@ -78,6 +78,7 @@ class SessionTable:
     run_hist: np.ndarray
     attn_sum: np.ndarray
     clean: np.ndarray
+    kept_last: np.ndarray
     counts: np.ndarray
     choice: np.ndarray
     load_s: np.ndarray
@@ -120,6 +121,10 @@ class SessionTable:
         # An L1 slot of a block changed since the batch table (BatchTable): moves set it for
         # sessions of any step, the table reads it for the whole batch; dense, it stays cached.
         grow("dirty", np.bool_, True)
+        # A block of it was promoted keeping its L2 copy since it last got tokens: the step
+        # that next writes its last block looks whether that block's copy is stale
+        # (stepkernels.written_kept); the others skip the lookup.
+        grow("kept_last", np.bool_, False)
         self._grow_hot(capacity)
         self.arena.grow_sessions(capacity, self._hot["length"], self._hot["start"])
         self.names.extend([None] * (capacity - len(self.names)))

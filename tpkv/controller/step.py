@@ -114,7 +114,7 @@ def _drop_written_copies(ctl: Controller, batch: np.ndarray, before: np.ndarray,
     (the engine feeds the session again from there). Free them."""
     S, T = ctl.sessions, ctl.table
     slots = written_kept(batch, before, after, ctl.config.geometry.block_tokens, S.arena.arena,
-                         S.arena.start, T.tier, T.slot, T.kept)
+                         S.arena.start, T.tier, T.slot, T.kept, S.kept_last)
     T.num_kept -= len(slots)
     if len(rc_pos):
         rows = np.concatenate([S.arena.rows(int(batch[pos]))[start:] for pos, start in

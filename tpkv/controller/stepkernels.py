@@ -151,18 +151,24 @@ def alloc_blocks(batch: A, n_new: A, first: A, free_rows: A, free_top: int, slot
 
 @_jit
 def written_kept(batch: A, before: A, after: A, block_tokens: int, arena: A, start: A,
-                 tier: A, slot: A, kept: A) -> A:
+                 tier: A, slot: A, kept: A, kept_last: A) -> A:
     """The L2 copies kept (BlockTable.kept, by L1 slot) of the blocks a step appends to: the
     last block of each session that gets tokens, when it was part full (`before`, `after`:
     its tokens before and after the step). They are stale once the step writes: forgotten
-    here; returns their L2 slots, for the caller to free."""
+    here; returns their L2 slots, for the caller to free. Only sessions flagged `kept_last`
+    (a block of theirs promoted since they last got tokens) are looked at: one flag each,
+    instead of three lookups in tables of a million rows; their flag is cleared."""
     n = len(batch)
     out = np.empty(n, dtype=np.int32)
     k = 0
     for i in range(n):
+        s = batch[i]
         b = before[i]
-        if after[i] > b and b % block_tokens != 0:
-            r = arena[start[batch[i]] + b // block_tokens]
+        if not kept_last[s] or after[i] <= b:
+            continue
+        kept_last[s] = False
+        if b % block_tokens != 0:
+            r = arena[start[s] + b // block_tokens]
             if tier[r] == 0:  # (in L1, as every block of the batch is by now)
                 z = slot[r]
                 if kept[z] >= 0:

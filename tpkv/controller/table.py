@@ -129,6 +129,10 @@ class BlockTable:
         # not by row: 4 bytes per L1 slot instead of per tracked block.
         self.kept = np.full(l1_slots, -1, dtype=np.int32)
         self.num_kept = 0
+        # A promotion keeps its L2 slots as copies only while this many other L2 slots stay
+        # free: a full L2 would give them back at once, each time scanning every L1 slot for
+        # the coldest (bench/controller.py: p99 1.1 -> 3-4.5 ms a step without this).
+        self.keep_reserve = l2_slots // 8
         self.capacity = 0
         self.free_rows = SlotStack(0, "block table")
         self._alloc_arrays(capacity)

@@ -336,6 +336,7 @@ def run_tiered_demo(rt: TpkvRuntime, model: Llama, workload_cfg: Any, seconds: f
               for tier, v in s.resume_s.items()}
     return {"wall_s": time.perf_counter() - started, "steps": s.steps, "turns": turns,
             "tiers": tier_summary(rt), "moves": dict(s.moves), "bytes": dict(s.bytes),
-            "resume_latency": resume, "recompute_tokens": s.recompute_tokens,
-            "retries": s.retries, "decode_tokens": decode_tokens,
+            "kept_moves": s.kept_moves, "resume_latency": resume,
+            "recompute_tokens": s.recompute_tokens, "retries": s.retries,
+            "decode_tokens": decode_tokens,
             "decode_tokens_per_s": decode_tokens / decode_s if decode_s else 0.0}
