@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict, deque
+from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +88,16 @@ class ExecOutcome:
         """Host time, or the GPU time of its copies if longer (call once they are done)."""
         gpu_ms = max((a.elapsed_time(b) for _, a, b in self.timing if b.query()), default=0.0)
         return max(self.host_ns - self.blocked_ns, int(gpu_ms * 1e6))
+
+
+@contextmanager
+def _blocked(out: ExecOutcome) -> Iterator[None]:
+    """Count the time inside as the plan's time blocked on other work (ExecOutcome.blocked_ns)."""
+    started = time.perf_counter_ns()
+    try:
+        yield
+    finally:
+        out.blocked_ns += time.perf_counter_ns() - started
 
 
 def wait_handle(handle: CopyHandle | None, deadline: float, what: str) -> None:
@@ -200,9 +212,8 @@ class PlanExecutor:
             self._span(out, "h2d", start)
             out.done[i], out.bytes_h2d = True, len(i) * block_bytes
         if len(i := pick["d2h"]):
-            waited = time.perf_counter_ns()
-            self.wait_spills(deadline, slots=plan.dst_slot[i])
-            out.blocked_ns += time.perf_counter_ns() - waited
+            with _blocked(out):
+                self.wait_spills(deadline, slots=plan.dst_slot[i])
             src, dst = plan.src_slot[i], plan.dst_slot[i]
             if self.defer_d2h and demotions_only:
                 after = self.compute_mark
@@ -224,22 +235,20 @@ class PlanExecutor:
             out.done[i], out.bytes_d2h = True, len(i) * block_bytes
         # Spills already done: their manifests are committed (fsyncs: after the copies above
         # are issued, which a resume waits for; not the plan's own time)
-        waited = time.perf_counter_ns()
-        self.wait_spills(deadline)
-        out.blocked_ns += time.perf_counter_ns() - waited
+        with _blocked(out):
+            self.wait_spills(deadline)
         jobs: list[tuple[str, np.ndarray, Future[Any]]] = []
         if self.store is None:
             if len(pick["spill"]) or len(pick["load"]):
                 out.error = f"epoch {plan.epoch}: moves to or from L3, but L3 is disabled here"
         elif len(i := pick["load"]):  # into L2 slots earlier batches may still read or fill
-            blocked = time.perf_counter_ns()
-            wait_handle(prev_h2d, deadline, f"epoch {plan.epoch} L3 -> L2")
-            wait_handle(prev_d2h, deadline, f"epoch {plan.epoch} L3 -> L2")
-            names = {plan.session_names[s] for s in set(plan.session_idx[i].tolist())}
-            waited = time.perf_counter_ns()
-            self.wait_spills(deadline, slots=plan.dst_slot[i], names=names)
-            out.spill_wait_ns = time.perf_counter_ns() - waited
-            out.blocked_ns += time.perf_counter_ns() - blocked
+            with _blocked(out):
+                wait_handle(prev_h2d, deadline, f"epoch {plan.epoch} L3 -> L2")
+                wait_handle(prev_d2h, deadline, f"epoch {plan.epoch} L3 -> L2")
+                names = {plan.session_names[s] for s in set(plan.session_idx[i].tolist())}
+                waited = time.perf_counter_ns()
+                self.wait_spills(deadline, slots=plan.dst_slot[i], names=names)
+                out.spill_wait_ns = time.perf_counter_ns() - waited
             jobs += self._ssd_jobs(plan, i, "read", deadline)
         self._collect(plan, jobs, out, deadline)
         # Spills only after the plan's reads: a resume waits for its reads, never for the
@@ -247,9 +256,8 @@ class PlanExecutor:
         # between the two (on the H200, reads beside a spill of the same size ran at 1.0 GB/s
         # against the disk's 1.75). The two touch other L2 slots (PlanBuilder).
         if self.store is not None and len(i := pick["spill"]):
-            waited = time.perf_counter_ns()
-            wait_handle(prev_d2h, deadline, f"epoch {plan.epoch} L2 -> L3")
-            out.blocked_ns += time.perf_counter_ns() - waited
+            with _blocked(out):
+                wait_handle(prev_d2h, deadline, f"epoch {plan.epoch} L2 -> L3")
             for _, part, fut in self._ssd_jobs(plan, i, "write", deadline):
                 name = plan.session_names[int(plan.session_idx[part[0]])]
                 self.spills.append(_Spill(name, plan.epoch, plan.src_slot[part], fut))

@@ -185,17 +185,19 @@ class Worker:
     def _may_wait(self, step: StepResult) -> bool:
         if not any(p.num_moves for p in step.plans) or any(len(d) for d in step.drops):
             return False
+        # Only moves down may wait (L1 -> L2 demotions, L2 -> L3 spills): a promotion (a
+        # resume's loads) is what the forward needs
         if any((p.dst_tier < p.src_tier).any() for p in step.plans):
-            return False  # a promotion (a resume's loads): the forward needs it
+            return False
         # sessions the step's forward uses, or whose L3 records it closes or drops
         keep = {*step.session_ids, *step.closed_sessions, *step.ssd_dropped_sessions}
         fresh = np.sort(np.asarray(step.fresh_slots, dtype=np.int64))
         for plan in step.plans:
             if not plan.num_moves:
                 continue
-            down = plan.mask(Tier.HBM, Tier.DRAM)  # demotions, or spills of L2 to L3
-            if not (down | plan.mask(Tier.DRAM, Tier.SSD)).all() or not keep.isdisjoint(
-                    plan.session_names) or bool(np.isin(plan.src_slot[down], fresh).any()):
+            down = plan.mask(Tier.HBM, Tier.DRAM)  # out of L1 slots (the rest go to L3)
+            if not keep.isdisjoint(plan.session_names) or bool(
+                    np.isin(plan.src_slot[down], fresh).any()):
                 return False
         return True
 
