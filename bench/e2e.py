@@ -71,6 +71,9 @@ class Sizes:
     # PolicyConfig.keep_l2_copies: a promoted block keeps its L2 copy, so demoting it again
     # (unwritten) copies nothing (0: every demotion copies).
     keep_l2: int = 1
+    # CopyEngine.dma_split: "count" spreads a batch over the DMA sub-streams by descriptors
+    # (merged runs on one stream); "bytes" by equal bytes (bench/resume_copy.py).
+    dma_split: str = "count"
     seed: int = 0
     # 1: cProfile the resume steps (host time by function, in the config's "profile_top");
     # 2: the decode steps, those with tier traffic and those without apart ("profile_traffic_top",

@@ -114,6 +114,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         tiered.trace = cuda  # device times of each step's copies, for the resume records
         tiered.late_plans = bool(sizes.late_plans)
         tiered.defer_marks = bool(sizes.defer_marks)
+        rt.worker.engine.dma_split = getattr(sizes, "dma_split", "count")
         r = Rounds(tiered, sizes, contexts, bb, ceil).run()
         eng = rt.worker.engine  # how well the slot placement let copies merge into runs
         r["copy_blocks"], r["copy_descriptors"] = dict(eng.num_blocks), dict(eng.num_descriptors)

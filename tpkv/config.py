@@ -261,6 +261,10 @@ class PolicyConfig:
     # is), so demoting it again copies nothing. Kept copies give their L2 slots back, coldest
     # first, whenever L2 has no other free slot; they never push a session out of L2.
     keep_l2_copies: bool = True
+    # A move into L1 that needs room may take the L1 slots that demotions of the same plan
+    # empty (workers copy those out first): a resume into a full L1 is one plan, not a plan
+    # of demotions then one of promotions (False: the promotions wait for the next plan).
+    refill_same_plan: bool = True
     # Controller knobs (checked by tpkv.controller when it starts):
     max_moves_per_step: int = 512  # watermark moves per step (bounds copy time); demand uncapped
     prefetch_max_blocks: int = 1024  # speculative promotions per step

@@ -258,3 +258,36 @@ def test_a_kept_demotion_copies_nothing() -> None:
     assert out.done.all() and out.bytes_d2h == ex.hbm.block_bytes  # one block copied
     assert (ex.host.block_bytes_view(0) == 5).all()  # the kept slot was not written
     assert (ex.host.block_bytes_view(1) == 8).all()
+
+
+def test_demotions_out_of_slots_the_plan_refills_go_before_its_promotions() -> None:
+    """A plan may promote into the L1 slot its own demotion empties (PlanBuilder.free_vacated):
+    that demotion is issued first, so the block's bytes reach L2 before the promotion's bytes
+    replace them; the other demotions still follow the promotions."""
+    from tests.pool_cases import make_engine
+    from tpkv.config import KvGeometry
+    from tpkv.types import MovePlan, Tier
+
+    geo = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
+    ex = PlanExecutor(make_engine(geo, 8, 8, "cpu"), None, timeout_s=5.0, layer_events=False)
+    calls: list[tuple[str, list[int]]] = []
+    real_h2d, real_d2h = ex.engine.h2d, ex.engine.d2h_pieces
+    ex.engine.h2d = lambda src, dst: calls.append(("h2d", dst.tolist())) or real_h2d(src, dst)
+    ex.engine.d2h_pieces = lambda src, dst, *a: (calls.append(("d2h", src.tolist()))
+                                                 or real_d2h(src, dst, *a))
+    import torch
+
+    l1 = ex.hbm.tensor.view(ex.hbm.num_slots, -1).view(torch.uint8)
+    l1[0], l1[1] = 7, 8
+    ex.host.block_bytes_view(2)[:] = 9
+    H, D = int(Tier.HBM), int(Tier.DRAM)
+    # block 0: L1 0 -> L2 0; block 1: L1 1 -> L2 1; block 2: L2 2 -> L1 0 (the slot 0 emptied)
+    b, st, ss, dt, ds = (np.array(c) for c in zip((0, H, 0, D, 0), (1, H, 1, D, 1),
+                                                   (2, D, 2, H, 0)))
+    out = ex.run(MovePlan(1, b, st, ss, dt, ds, np.zeros(3), b, ("s",)), np.ones(3, dtype=bool),
+                 later_l1=np.zeros(0, dtype=np.int64))
+    ex.engine.synchronize()
+    assert calls == [("d2h", [0]), ("h2d", [0]), ("d2h", [1])]
+    assert out.done.all() and out.bytes_d2h == 2 * ex.hbm.block_bytes
+    assert (ex.host.block_bytes_view(0) == 7).all() and (ex.host.block_bytes_view(1) == 8).all()
+    assert (l1[0] == 9).all()

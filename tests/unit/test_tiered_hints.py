@@ -10,8 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 
-@pytest.fixture()
-def runtime() -> Any:
+def _open(**policy: Any) -> Any:
     import tpkv
     from tpkv.config import PolicyConfig
     from tpkv.models.llama import build_model
@@ -19,8 +18,22 @@ def runtime() -> Any:
 
     model = build_model("tiny", seed=0, device="cpu")
     cfg = tiered_config(model, 1, block_tokens=4, l1_blocks=24, l2_blocks=64,
-                        policy=PolicyConfig(cooldown_s=0.0))
-    rt = tpkv.init(cfg, controller="local", device="cpu")
+                        policy=PolicyConfig(cooldown_s=0.0, **policy))
+    return tpkv.init(cfg, controller="local", device="cpu"), model
+
+
+@pytest.fixture()
+def runtime() -> Any:
+    rt, model = _open()
+    yield rt, model
+    rt.close()
+
+
+@pytest.fixture()
+def runtime_two_plans() -> Any:
+    """Promotions into slots a demotion empties wait for the next plan (refill_same_plan off):
+    resumes into a full L1 take two plans."""
+    rt, model = _open(refill_same_plan=False)
     yield rt, model
     rt.close()
 
@@ -96,7 +109,8 @@ def test_the_controller_prepares_once_each_forward_is_launched(runtime: Any) -> 
     assert calls == ["schedule", "prepare"] * 3
 
 
-def test_each_plan_is_told_the_l1_slots_the_rest_of_its_step_fills(runtime: Any) -> None:
+def test_each_plan_is_told_the_l1_slots_the_rest_of_its_step_fills(runtime_two_plans: Any
+                                                                   ) -> None:
     """Worker.apply_step gives each plan the L1 slots that later plans of the step promote into
     and the step's new K/V slots (PlanExecutor.run then lets demotions nobody later in the step
     waits for follow the plan's promotions). Sessions are pushed out of a 24-block L1 and
@@ -104,7 +118,7 @@ def test_each_plan_is_told_the_l1_slots_the_rest_of_its_step_fills(runtime: Any)
     from tpkv.models.tiered import TieredEngine
     from tpkv.types import Tier
 
-    rt, model = runtime
+    rt, model = runtime_two_plans
     ex, worker = rt.worker.executor, rt.worker
     calls: list[tuple[Any, Any]] = []
     real_run, real_apply = ex.run, worker.apply_step
@@ -138,3 +152,41 @@ def test_each_plan_is_told_the_l1_slots_the_rest_of_its_step_fills(runtime: Any)
             p.mask(Tier.DRAM, Tier.HBM).any() for p in step.plans[1:])
     assert multi > 0  # some step promoted in a later plan
     assert tiered.stats.resume_s["l2"]  # and sessions did come back from L2
+
+
+def _resume_workload(rt: Any, model: Any) -> tuple[list[tuple[str, tuple[int, ...]]], int, int]:
+    """Sessions pushed out of a 24-block L1 and resumed: (every finished turn, steps whose
+    promotions span more than one plan, promotions in all)."""
+    from tpkv.models.tiered import TieredEngine
+    from tpkv.types import Tier
+
+    split = promoted = 0
+    real = rt.worker.apply_step
+
+    def apply_step(step: Any, late_ok: bool = False) -> Any:
+        nonlocal split, promoted
+        ups = [int(p.mask(Tier.DRAM, Tier.HBM).sum()) for p in step.plans]
+        split += sum(n > 0 for n in ups) > 1
+        promoted += sum(ups)
+        return real(step, late_ok)
+    rt.worker.apply_step = apply_step
+    e = TieredEngine(rt, model, report_prefill=False, max_batch=2).engine
+    done = []
+    for _turn in range(3):
+        for s in range(4):
+            e.add_turn(f"s{s}", list(range(10 * s, 10 * s + 20)), 2)
+            while e.has_work:
+                done += [(f.session, f.token_ids) for f in e.step()]
+    return done, split, promoted
+
+
+def test_a_resume_into_a_full_l1_is_one_plan_with_the_same_outputs(
+        runtime: Any, runtime_two_plans: Any) -> None:
+    """refill_same_plan (the default): the promotions of a resume fill the L1 slots the same
+    plan's demotions empty, so no step spreads its promotions over two plans; the model's
+    tokens are those of the two-plan run, where they do."""
+    one, split_one, up_one = _resume_workload(*runtime)
+    two, split_two, up_two = _resume_workload(*runtime_two_plans)
+    assert split_two > 0 and up_two > 0  # the workload does resume into a full L1
+    assert split_one == 0 and up_one > 0
+    assert one == two

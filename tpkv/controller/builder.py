@@ -36,9 +36,12 @@ class PlanBuilder:
 
     A slot vacated by a move is held back until its phase ends, so no slot is the source of one
     move and the destination of another in the same plan: workers may run a plan's moves in any
-    order. A later phase (the next epoch) may reuse it, since plans are applied in order. A drop
-    (a block loses its only copy; no data moves) frees its slot at once. Drops are reported per
-    position: `drops[i]` apply before plan i, `drops[len(plans)]` after the last plan.
+    order. A later phase (the next epoch) may reuse it, since plans are applied in order. The
+    one exception, free_vacated(L1): moves into L1 later in the phase may fill the L1 slots its
+    demotions empty (workers issue those demotions first and order the copies into their slots
+    after them). A drop (a block loses its only copy; no data moves) frees its slot at once.
+    Drops are reported per position: `drops[i]` apply before plan i, `drops[len(plans)]` after
+    the last plan.
     """
 
     def __init__(self, table: BlockTable, sessions: SessionTable, first_epoch: int,
@@ -162,6 +165,15 @@ class PlanBuilder:
                                       free_src=True)
         self._count(rows, old_tier, NONE)
         self.drops[-1].append(self.t.ids(rows))
+
+    def free_vacated(self, tier: int) -> None:
+        """Free now the slots of `tier` that moves of this phase vacated (L1 only: workers copy
+        a plan's demotions out of L1 slots before its promotions into them)."""
+        assert tier == HBM, "only L1 slots may be filled in the plan that empties them"
+        held = self._held[tier]
+        if held:
+            self.t.free[tier].push(held[0] if len(held) == 1 else np.concatenate(held))
+            held.clear()
 
     def end_phase(self) -> None:
         for tier, held in self._held.items():

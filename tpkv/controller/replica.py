@@ -21,7 +21,8 @@ class SlotMapReplica:
 
     It applies a StepResult in the documented order and checks, per plan: epochs in order,
     every source is where the map says, moves only between adjacent tiers, and no destination
-    slot is occupied or vacated by the same plan. Torch-free; the tests use it as a fake worker.
+    slot is occupied or vacated by the same plan, but for L1 slots the plan's own moves empty
+    (PlanBuilder.free_vacated). Torch-free; the tests use it as a fake worker.
     """
 
     def __init__(self, rank: int, l1_slots: int, l2_slots: int,
@@ -87,7 +88,9 @@ class SlotMapReplica:
                                     f"says {self.where.get(bid)}")
             if abs(dt - st) != 1:
                 raise ContractError(f"block {bid}: move {st} -> {dt} skips a tier")
-            if dt != Tier.SSD and ((dt, ds) in vacated or self.pools[dt][ds] >= 0):
+            if dt == Tier.HBM and (dt, ds) in vacated:
+                pass  # an L1 slot the plan empties, then fills (PlanBuilder.free_vacated)
+            elif dt != Tier.SSD and ((dt, ds) in vacated or self.pools[dt][ds] >= 0):
                 raise ContractError(f"block {bid}: destination slot {ds} of tier {dt} is busy "
                                     f"or vacated in the same plan {plan.epoch}")
             if st == Tier.SSD and lg not in self.records.get(name, set()):

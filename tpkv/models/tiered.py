@@ -102,6 +102,10 @@ class TieredEngine:
         self.opened: set[str] = set()
         self.stats = TierStats()
         self._resume: tuple[float, str] | None = None
+        # A resume's end on the GPU, timed on the device (wait() no longer holds the forward
+        # back for it): (tier, host seconds from its schedule to the clock event, clock event,
+        # event after its copies), resolved into stats.resume_s once the step is reported.
+        self._resume_timing: tuple[str, float, Any, Any] | None = None
         # trace = True (GPU): each step keeps the device times of its copies (last_trace).
         self.trace = False
         self.last_trace: StepTrace | None = None
@@ -144,6 +148,7 @@ class TieredEngine:
     def schedule(self, session_ids: Sequence[str], num_new_tokens: Sequence[int]) -> StepResult:
         started = time.perf_counter()
         t0 = self._clock_event()
+        self._resume_timing = None  # of a step whose forward failed
         for s in session_ids:
             if s not in self.opened:
                 self.rt.open_session(s)
@@ -189,10 +194,11 @@ class TieredEngine:
                  if q.session not in now]
         return names or None
 
-    def _clock_event(self) -> Any:
-        """With `trace` on the GPU: an event on an idle stream, recorded now (the step's zero)."""
+    def _clock_event(self, always: bool = False) -> Any:
+        """With `trace` (or `always`) on the GPU: a timing event on an idle stream, recorded
+        now (the device's clock at this host moment)."""
         device = self.rt.worker.hbm.device
-        if not self.trace or device.type != "cuda":
+        if not (self.trace or always) or device.type != "cuda":
             return None
         import torch
 
@@ -203,16 +209,32 @@ class TieredEngine:
         return event
 
     def wait(self, tables: StepTables) -> None:
+        """The forward waits on the device for the step's copies into L1 (no host wait). A
+        resume ends when they are done on the device: on the GPU an event after them and a
+        clock event recorded now time it (resolved at report()); on the CPU they are done."""
         t0 = time.perf_counter()
         self.rt.worker.wait_all()
-        if self._resume is not None:  # the resume ends when its copies are done on the device
+        if self._resume is not None:
             started, tier = self._resume
-            self.rt.worker.executor.synchronize_h2d()
-            self.stats.resume_s[tier].append(time.perf_counter() - started)
+            engine = self.rt.worker.executor.engine
+            if engine.on_gpu:
+                import torch
+
+                done = torch.cuda.Event(enable_timing=True)
+                done.record(engine.streams["h2d"])  # after every copy issued so far
+                now = time.perf_counter()
+                self._resume_timing = (tier, now - started, self._clock_event(always=True), done)
+            else:
+                self.stats.resume_s[tier].append(time.perf_counter() - started)
         self.last_times["wait"] = time.perf_counter() - t0
 
     def report(self, r: StepReport) -> None:
         self.last_times["forward"] = r.forward_s
+        if self._resume_timing is not None:  # its forward, which waited for it, is done
+            tier, offset, clock, done = self._resume_timing
+            self._resume_timing = None
+            done.synchronize()
+            self.stats.resume_s[tier].append(offset + clock.elapsed_time(done) / 1e3)
         t0 = time.perf_counter()
         try:
             self._report(r)

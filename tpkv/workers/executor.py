@@ -196,9 +196,20 @@ class PlanExecutor:
         prev_d2h, prev_h2d = self.last["d2h"], self.last["h2d"]
         block_bytes = self.hbm.block_bytes
 
-        # A plan's moves touch disjoint slots (PlanBuilder), so either direction may go first:
-        # the promotions, which a resume waits for; the demotion pieces follow at once on their
-        # own stream (a next plan's promotions into the slots they empty wait for each piece).
+        # A plan's moves touch disjoint slots (PlanBuilder), but for L1 slots its demotions
+        # empty and its promotions fill (PlanBuilder.free_vacated): those demotions go first,
+        # in pieces the promotions into their slots wait for on the GPU (on the CPU copies are
+        # done when issued). Then the promotions, which a resume waits for; the other demotion
+        # pieces follow at once on their own stream (a next plan's promotions into the slots
+        # they empty wait for each piece).
+        if len(pick["h2d"]) and len(i := pick["d2h"]):
+            refill = np.isin(plan.src_slot[i], plan.dst_slot[pick["h2d"]])
+            if refill.any():
+                i, pick["d2h"] = i[refill], i[~refill]
+                with _blocked(out):
+                    self.wait_spills(deadline, slots=plan.dst_slot[i])
+                self._demote(plan.src_slot[i], plan.dst_slot[i], prev_h2d, out)
+                out.done[i], out.bytes_d2h = True, len(i) * block_bytes
         if len(i := pick["h2d"]):
             # In groups by the demotion piece each copy must wait for (none first): a copy
             # into slots a demotion is emptying starts once that piece is out, not all of it.
@@ -232,7 +243,8 @@ class PlanExecutor:
                     self._demote(src[~needed], dst[~needed], self.last["h2d"], out)
             else:
                 self._demote(src, dst, prev_h2d, out)
-            out.done[i], out.bytes_d2h = True, len(i) * block_bytes
+            out.done[i] = True
+            out.bytes_d2h += len(i) * block_bytes
         # Spills already done: their manifests are committed (fsyncs: after the copies above
         # are issued, which a resume waits for; not the plan's own time)
         with _blocked(out):
@@ -519,10 +531,6 @@ class PlanExecutor:
         cuts = np.flatnonzero(np.diff(dep[order])) + 1
         return [(None if dep[g[0]] < 0 else self.demotions[int(dep[g[0]])].handle, g)
                 for g in np.split(order, cuts)]
-
-    def synchronize_h2d(self) -> None:
-        """Wait on the host for the copies into L1 issued so far (bounded)."""
-        wait_handle(self.last["h2d"], time.monotonic() + self.timeout_s, "synchronize h2d")
 
     def synchronize(self) -> None:
         """Wait on the host for every copy (deferred ones issued first) and background spill

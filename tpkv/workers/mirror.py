@@ -11,6 +11,7 @@ import numpy as np
 
 from tpkv.controller.digest import slot_map_digest
 from tpkv.types import MovePlan, Tier
+from tpkv.workers.mirrorkernels import check_moves
 from tpkv.workers.slots import SlotAllocator
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class SlotMirror:
         self.names: list[str] = []
         self._name_idx: dict[str, int] = {}
         self.tokens: dict[str, int] = {}
+        self._count = (np.zeros(l1.num_slots, np.int64), np.zeros(l2.num_slots, np.int64))
 
     # ---- lookups ---------------------------------------------------------------------------
     def rows(self, block_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -87,19 +89,14 @@ class SlotMirror:
     # ---- checks and updates ----------------------------------------------------------------
     def check(self, plan: MovePlan) -> np.ndarray:
         """Mask of the moves this rank can apply: the block is where the plan says it starts,
-        and an L1/L2 destination is free here and not named twice in the plan."""
-        tier, slot = self.where(plan.block_ids)
-        src_pooled = plan.src_tier != SSD
-        ok = (tier == plan.src_tier) & (~src_pooled | (slot == plan.src_slot))
-        for t, owner in self.owner.items():
-            to = np.flatnonzero(plan.dst_tier == t)
-            if len(to) == 0:
-                continue
-            dst = plan.dst_slot[to]
-            inside = (dst >= 0) & (dst < len(owner))
-            ok[to] &= inside & _named_once(dst)
-            ok[to[inside]] &= owner[dst[inside]] < 0
-        return ok
+        and an L1/L2 destination is free here and not named twice in the plan; an L1
+        destination may also be a slot that a move of this plan this rank applies empties
+        (PlanBuilder.free_vacated: the executor copies that block out first)."""
+        o1, o2 = self.owner[HBM], self.owner[DRAM]
+        if len(self._count[0]) != len(o1) or len(self._count[1]) != len(o2):
+            self._count = (np.zeros(len(o1), np.int64), np.zeros(len(o2), np.int64))
+        return check_moves(self.ids, self.tier, self.slot, plan.block_ids, plan.src_tier,
+                           plan.src_slot, plan.dst_tier, plan.dst_slot, o1, o2, *self._count)
 
     def apply(self, plan: MovePlan, done: np.ndarray) -> None:
         """Record the moves in `done` (a mask over the plan's moves) as applied."""
@@ -235,10 +232,3 @@ class SlotMirror:
             new[:len(old)] = old
             setattr(self, name, new)
 
-
-def _named_once(values: np.ndarray) -> np.ndarray:
-    """Mask of the entries whose value no other entry has (a sort; np.unique with counts took
-    5x as long for a resume's 800 moves)."""
-    s = np.sort(values)
-    twice = s[1:][s[1:] == s[:-1]]
-    return np.ones(len(values), dtype=bool) if len(twice) == 0 else ~np.isin(values, twice)

@@ -1,0 +1,63 @@
+"""The rank's plan check (SlotMirror.check) as one compiled pass: it runs before a plan's first
+copy is issued, on every resume's critical path (~0.2 ms as a dozen numpy calls on 700 moves,
+a few microseconds here)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from tpkv.types import Tier
+
+_HBM, _DRAM, _SSD, _NONE = int(Tier.HBM), int(Tier.DRAM), int(Tier.SSD), int(Tier.NONE)
+_ROW_MASK = (1 << 32) - 1  # a block id is (generation << 32) | row (tpkv.controller.table)
+
+
+@njit(cache=True, nogil=True)
+def check_moves(ids: np.ndarray, tier: np.ndarray, slot: np.ndarray, block_ids: np.ndarray,
+                src_tier: np.ndarray, src_slot: np.ndarray, dst_tier: np.ndarray,
+                dst_slot: np.ndarray, owner1: np.ndarray, owner2: np.ndarray,
+                count1: np.ndarray, count2: np.ndarray) -> np.ndarray:
+    """Mask of the moves this rank can apply (SlotMirror.check). count1 / count2: zeroed
+    scratch of the L1 / L2 pool sizes, zero again on return."""
+    n = len(block_ids)
+    ok = np.empty(n, dtype=np.bool_)
+    n1, n2 = len(owner1), len(owner2)
+    for i in range(n):  # the block is where the plan says it starts
+        b = block_ids[i]
+        row = b & _ROW_MASK
+        t, s = _NONE, -1
+        if b >= 0 and row < len(ids) and ids[row] == b:
+            t, s = tier[row], slot[row]
+        ok[i] = t == src_tier[i] and (src_tier[i] == _SSD or s == src_slot[i])
+    for i in range(n):  # how often each pooled destination is named
+        d = dst_slot[i]
+        if dst_tier[i] == _HBM and 0 <= d < n1:
+            count1[d] += 1
+        elif dst_tier[i] == _DRAM and 0 <= d < n2:
+            count2[d] += 1
+    for i in range(n):  # L2 first: whether a demotion is applied decides its L1 slot
+        if dst_tier[i] == _DRAM:
+            d = dst_slot[i]
+            ok[i] = ok[i] and 0 <= d < n2 and count2[d] == 1 and owner2[d] < 0
+    for i in range(n):
+        d = dst_slot[i]
+        if dst_tier[i] == _DRAM and 0 <= d < n2:
+            count2[d] = 0
+    for i in range(n):  # L1 slots this plan empties here: marked apart from the counts
+        if ok[i] and src_tier[i] == _HBM and 0 <= src_slot[i] < n1:
+            count1[src_slot[i]] += n + 1
+    for i in range(n):
+        if dst_tier[i] == _HBM:
+            d = dst_slot[i]
+            if not (0 <= d < n1):
+                ok[i] = False
+                continue
+            named, emptied = count1[d] % (n + 1), count1[d] > n
+            ok[i] = ok[i] and named == 1 and (owner1[d] < 0 or emptied)
+    for i in range(n):
+        if dst_tier[i] == _HBM and 0 <= dst_slot[i] < n1:
+            count1[dst_slot[i]] = 0
+        if src_tier[i] == _HBM and 0 <= src_slot[i] < n1:
+            count1[src_slot[i]] = 0
+    return ok
