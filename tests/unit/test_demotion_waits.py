@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tpkv.workers.executor import PlanExecutor, _Demotion, _meets
+from tpkv.workers.executor import PlanExecutor, _meets
 
 
 @dataclass
@@ -19,10 +19,12 @@ class _Handle:
 
 
 def _executor(*batches: tuple[list[int], list[int], bool]) -> tuple[PlanExecutor, list[_Handle]]:
-    ex = PlanExecutor.__new__(PlanExecutor)  # only the demotion list is used here
+    ex = PlanExecutor.__new__(PlanExecutor)  # only the demotion tracking is used here
+    ex.demotions, ex._serial = deque(), 0
+    ex.piece_of = (np.full(64, -1, dtype=np.int64), np.full(64, -1, dtype=np.int64))
     handles = [_Handle(done) for _, _, done in batches]
-    ex.demotions = deque(_Demotion(h, np.sort(np.asarray(l1)), np.sort(np.asarray(l2)))
-                         for h, (l1, l2, _) in zip(handles, batches))
+    for h, (l1, l2, _) in zip(handles, batches):
+        ex.track(h, np.asarray(l1, dtype=np.int64), np.asarray(l2, dtype=np.int64))
     return ex, handles
 
 
@@ -262,8 +264,9 @@ def test_a_kept_demotion_copies_nothing() -> None:
 
 def test_demotions_out_of_slots_the_plan_refills_go_before_its_promotions() -> None:
     """A plan may promote into the L1 slot its own demotion empties (PlanBuilder.free_vacated):
-    that demotion is issued first, so the block's bytes reach L2 before the promotion's bytes
-    replace them; the other demotions still follow the promotions."""
+    the promotions into other slots go first, then that demotion, then the promotion into its
+    slot, so the block's bytes reach L2 before the promotion's bytes replace them; the other
+    demotions still follow the promotions."""
     from tests.pool_cases import make_engine
     from tpkv.config import KvGeometry
     from tpkv.types import MovePlan, Tier
@@ -280,14 +283,50 @@ def test_demotions_out_of_slots_the_plan_refills_go_before_its_promotions() -> N
     l1 = ex.hbm.tensor.view(ex.hbm.num_slots, -1).view(torch.uint8)
     l1[0], l1[1] = 7, 8
     ex.host.block_bytes_view(2)[:] = 9
+    ex.host.block_bytes_view(3)[:] = 6
     H, D = int(Tier.HBM), int(Tier.DRAM)
-    # block 0: L1 0 -> L2 0; block 1: L1 1 -> L2 1; block 2: L2 2 -> L1 0 (the slot 0 emptied)
+    # block 0: L1 0 -> L2 0; block 1: L1 1 -> L2 1; block 2: L2 2 -> L1 0 (the slot 0 emptied);
+    # block 3: L2 3 -> L1 5 (free)
     b, st, ss, dt, ds = (np.array(c) for c in zip((0, H, 0, D, 0), (1, H, 1, D, 1),
-                                                   (2, D, 2, H, 0)))
-    out = ex.run(MovePlan(1, b, st, ss, dt, ds, np.zeros(3), b, ("s",)), np.ones(3, dtype=bool),
+                                                   (2, D, 2, H, 0), (3, D, 3, H, 5)))
+    out = ex.run(MovePlan(1, b, st, ss, dt, ds, np.zeros(4), b, ("s",)), np.ones(4, dtype=bool),
                  later_l1=np.zeros(0, dtype=np.int64))
     ex.engine.synchronize()
-    assert calls == [("d2h", [0]), ("h2d", [0]), ("d2h", [1])]
+    assert calls == [("h2d", [5]), ("d2h", [0]), ("h2d", [0]), ("d2h", [1])]
     assert out.done.all() and out.bytes_d2h == 2 * ex.hbm.block_bytes
+    assert out.bytes_h2d == 2 * ex.hbm.block_bytes
     assert (ex.host.block_bytes_view(0) == 7).all() and (ex.host.block_bytes_view(1) == 8).all()
-    assert (l1[0] == 9).all()
+    assert (l1[0] == 9).all() and (l1[5] == 6).all()
+
+
+def test_a_promotion_into_a_slot_its_plan_empties_waits_for_that_piece(monkeypatch) -> None:
+    """On the GPU (forced here, one block a piece): the plan's promotion into a free slot waits
+    for nothing and goes first; the one into the slot its demotion empties waits for the
+    piece that copies that slot out."""
+    from tests.pool_cases import make_engine
+    from tpkv.config import KvGeometry
+    from tpkv.types import MovePlan, Tier
+    from tpkv.workers import executor as E
+
+    geo = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
+    ex = PlanExecutor(make_engine(geo, 8, 8, "cpu"), None, timeout_s=5.0, layer_events=False)
+    monkeypatch.setattr(E, "DEMOTION_PIECE_BYTES", ex.hbm.block_bytes)
+    monkeypatch.setattr(ex.engine, "on_gpu", True)
+    issued: list[tuple[str, object]] = []
+    handles: list[_Handle] = []
+
+    def pieces(a, b, step, after=None):
+        issued.extend(("d2h", list(a[k:k + step])) for k in range(0, len(a), step))
+        handles.extend(_Handle() for _ in range(0, len(a), step))
+        return handles[-len(range(0, len(a), step)):]
+    monkeypatch.setattr(ex.engine, "d2h_pieces", pieces)
+    monkeypatch.setattr(ex, "_mark", lambda direction, prev, after=None:
+                        issued.append(("wait", prev)))
+    monkeypatch.setattr(ex, "_span", lambda *a: None)
+    monkeypatch.setattr(ex, "_h2d", lambda src, dst: issued.append(("h2d", list(dst))))
+    H, D = int(Tier.HBM), int(Tier.DRAM)
+    moves = [(0, H, 1, D, 0), (1, D, 1, H, 1), (2, D, 2, H, 6)]  # block 1 refills L1 slot 1
+    b, st, ss, dt, ds = (np.array(c) for c in zip(*moves))
+    ex.run(MovePlan(1, b, st, ss, dt, ds, np.zeros(3), b, ("s",)), np.ones(3, dtype=bool))
+    assert issued == [("wait", None), ("h2d", [6]), ("wait", None), ("d2h", [1]),
+                      ("wait", handles[0]), ("h2d", [1])]

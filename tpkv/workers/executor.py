@@ -44,12 +44,11 @@ class _Spill:
 
 @dataclass
 class _Demotion:
-    """A piece of an L1 -> L2 batch that may still run: the L1 slots it reads and the L2 slots
-    it writes."""
+    """A piece of an L1 -> L2 batch that may still run, and its serial number (the slots it
+    reads and writes carry it in PlanExecutor's per-slot piece maps)."""
 
     handle: CopyHandle
-    l1: np.ndarray
-    l2: np.ndarray
+    serial: int
 
 
 @dataclass
@@ -155,6 +154,11 @@ class PlanExecutor:
         self.layers_per_copy = min(g.num_layers, max(1, -(-layer_chunk_bytes // g.layer_bytes)))
         self.last: dict[str, CopyHandle | None] = {"h2d": None, "d2h": None}
         self.demotions: deque[_Demotion] = deque()  # L1 -> L2 batches, oldest first
+        # Per L1 / L2 slot: the serial of the newest piece that read / wrote it (-1: none);
+        # a serial below the oldest running piece's is of a piece long done.
+        self.piece_of = (np.full(self.hbm.num_slots, -1, dtype=np.int64),
+                         np.full(self.host.num_slots, -1, dtype=np.int64))
+        self._serial = 0
         self.events: list[torch.cuda.Event | None] = [None] * g.num_layers
         self.spills: list[_Spill] = []
         self.num_failed_spills = 0
@@ -197,31 +201,28 @@ class PlanExecutor:
         block_bytes = self.hbm.block_bytes
 
         # A plan's moves touch disjoint slots (PlanBuilder), but for L1 slots its demotions
-        # empty and its promotions fill (PlanBuilder.free_vacated): those demotions go first,
-        # in pieces the promotions into their slots wait for on the GPU (on the CPU copies are
-        # done when issued). Then the promotions, which a resume waits for; the other demotion
-        # pieces follow at once on their own stream (a next plan's promotions into the slots
-        # they empty wait for each piece).
-        if len(pick["h2d"]) and len(i := pick["d2h"]):
-            refill = np.isin(plan.src_slot[i], plan.dst_slot[pick["h2d"]])
-            if refill.any():
-                i, pick["d2h"] = i[refill], i[~refill]
+        # empty and its promotions fill (PlanBuilder.free_vacated). The promotions go first,
+        # which a resume waits for: those into other slots, then those demotions (in pieces),
+        # then the promotions into their slots, which wait for their pieces on the GPU (on the
+        # CPU copies are done when issued). The other demotion pieces follow on their own
+        # stream (a next plan's promotions into the slots they empty wait for each piece).
+        up = pick["h2d"]
+        refill = up[:0]
+        if len(up) and len(i := pick["d2h"]):
+            emptied = np.isin(plan.src_slot[i], plan.dst_slot[up])
+            refill, pick["d2h"] = i[emptied], i[~emptied]
+        if len(up):
+            into = np.isin(plan.dst_slot[up], plan.src_slot[refill]) if len(refill) else None
+            start = self._promote(plan, up if into is None else up[~into], out)
+            if into is not None:
                 with _blocked(out):
-                    self.wait_spills(deadline, slots=plan.dst_slot[i])
-                self._demote(plan.src_slot[i], plan.dst_slot[i], prev_h2d, out)
-                out.done[i], out.bytes_d2h = True, len(i) * block_bytes
-        if len(i := pick["h2d"]):
-            # In groups by the demotion piece each copy must wait for (none first): a copy
-            # into slots a demotion is emptying starts once that piece is out, not all of it.
-            start = None  # of the first group: the span covers them all
-            for piece, rows in self._demotion_groups(plan.dst_slot[i], plan.src_slot[i]):
-                mark = self._mark("h2d", piece)
-                if start is None:
-                    start = mark
-                self._h2d(plan.src_slot[i[rows]], plan.dst_slot[i[rows]])
-                out.h2d_issued_ns = out.h2d_issued_ns or time.perf_counter_ns()
+                    self.wait_spills(deadline, slots=plan.dst_slot[refill])
+                self._demote(plan.src_slot[refill], plan.dst_slot[refill], prev_h2d, out)
+                out.done[refill], out.bytes_d2h = True, len(refill) * block_bytes
+                second = self._promote(plan, up[into], out)
+                start = second if start is None else start
             self._span(out, "h2d", start)
-            out.done[i], out.bytes_h2d = True, len(i) * block_bytes
+            out.done[up], out.bytes_h2d = True, len(up) * block_bytes
         if len(i := pick["d2h"]):
             with _blocked(out):
                 self.wait_spills(deadline, slots=plan.dst_slot[i])
@@ -277,6 +278,22 @@ class PlanExecutor:
         out.host_ns = time.perf_counter_ns() - started
         return out
 
+    def _promote(self, plan: MovePlan, i: np.ndarray, out: ExecOutcome
+                 ) -> torch.cuda.Event | None:
+        """Issue the plan's L2 -> L1 moves `i` in groups by the demotion piece each must wait
+        for (none first): a copy into slots a demotion is emptying starts once that piece is
+        out, not all of it. Returns the start event of the first group (GPU)."""
+        start = None
+        if not len(i):
+            return start
+        for piece, rows in self._demotion_groups(plan.dst_slot[i], plan.src_slot[i]):
+            mark = self._mark("h2d", piece)
+            if start is None:
+                start = mark
+            self._h2d(plan.src_slot[i[rows]], plan.dst_slot[i[rows]])
+            out.h2d_issued_ns = out.h2d_issued_ns or time.perf_counter_ns()
+        return start
+
     def flush(self) -> None:
         """Issue the deferred L1 -> L2 batches, oldest first."""
         pending, self.deferred = self.deferred, []
@@ -295,7 +312,7 @@ class PlanExecutor:
         if self.engine.on_gpu:
             for k, handle in enumerate(handles):
                 part = slice(k * step, (k + 1) * step)
-                self.demotions.append(_Demotion(handle, np.sort(src[part]), np.sort(dst[part])))
+                self.track(handle, src[part], dst[part])
         self._span(out, "d2h", start)
 
     def _mark(self, direction: str, prev: CopyHandle | None,
@@ -503,6 +520,14 @@ class PlanExecutor:
         if handle is not None and handle.event is not None:
             torch.cuda.current_stream(self.hbm.device).wait_event(handle.event)
 
+    def track(self, handle: CopyHandle, l1_slots: np.ndarray, l2_slots: np.ndarray) -> None:
+        """Keep an L1 -> L2 piece (issued after every piece tracked before it, on one stream)
+        until its handle is done: copies into its L1 slots or out of its L2 slots wait for it."""
+        self.piece_of[0][l1_slots] = self._serial
+        self.piece_of[1][l2_slots] = self._serial
+        self.demotions.append(_Demotion(handle, self._serial))
+        self._serial += 1
+
     def _demotion_into(self, l1_slots: np.ndarray, l2_slots: np.ndarray | None
                        ) -> CopyHandle | None:
         """The newest L1 -> L2 piece still running that reads one of `l1_slots` or writes one
@@ -520,12 +545,16 @@ class PlanExecutor:
         while self.demotions and self.demotions[0].handle.done():
             self.demotions.popleft()
         n = len(l1_slots)
-        dep = np.full(n, -1, dtype=np.int64)
+        if not n or not self.demotions:
+            return [(None, np.arange(n))]
         l1 = np.asarray(l1_slots, dtype=np.int64)
         l2 = np.asarray(l2_slots, dtype=np.int64)
-        for k, d in enumerate(self.demotions):
-            dep[_hits(d.l1, l1) | _hits(d.l2, l2)] = k
-        if not n or dep.max() < 0:
+        dep = self.piece_of[0][l1]  # a copy, as fancy indexing makes one
+        named = l2 >= 0
+        dep[named] = np.maximum(dep[named], self.piece_of[1][l2[named]])
+        dep -= self.demotions[0].serial  # positions in the deque; < 0: done or none
+        dep[dep < 0] = -1
+        if dep.max() < 0:
             return [(None, np.arange(n))]
         order = np.argsort(dep, kind="stable")
         cuts = np.flatnonzero(np.diff(dep[order])) + 1
