@@ -6,8 +6,9 @@ A resume of the e2e's 1B model brings ~700 blocks of 512 KiB from L2 into L1, pl
 of consecutive slots on both sides (the e2e's copies averaged 33 blocks a descriptor after
 merging). This times that one batch (device time, median of --reps, the link warmed first)
 for ways of spreading it over DMA sub-streams, alone and beside an L1 -> L2 batch of the same
-size (a resume that demotes), and prints each against the ceiling measured in the same run:
-one contiguous pinned copy of 1 GiB (`bench/transfer.py`'s).
+size (a resume that demotes), and alone right after 8 ms of GPU work and 1 ms idle (as a
+resume follows a forward and its planning), and prints each against the ceiling measured in
+the same run: one contiguous pinned copy of 1 GiB (`bench/transfer.py`'s).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import datetime
 import functools
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -54,6 +56,26 @@ def once(engine: CopyEngine, up: tuple[np.ndarray, np.ndarray],
     for h in handles:
         assert h.event is not None
         torch.cuda.current_stream().wait_event(h.event)
+
+
+def time_after_compute(fn: functools.partial, reps: int, compute_ms: float = 8.0,
+                       idle_ms: float = 1.0) -> float:
+    """Median device ms of fn() when it follows, as a resume does, `compute_ms` of GPU work
+    without copies (a forward) and `idle_ms` with the GPU idle (the host planning)."""
+    cycles = int(compute_ms * 1e-3 * torch.cuda.clock_rate() * 1e6) if hasattr(
+        torch.cuda, "clock_rate") else int(compute_ms * 1.98e6)
+    times = []
+    for _ in range(reps):
+        torch.cuda._sleep(cycles)
+        torch.cuda.synchronize()
+        time.sleep(idle_ms / 1e3)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
 
 
 def contiguous_row(nbytes: int, ceil: dict[str, float], reps: int) -> dict:
@@ -94,19 +116,21 @@ def main() -> None:
                 runs_slots(rng, n, run, slots // 2) + slots // 2)
         for label, kw in VARIANTS:
             engine = CopyEngine(hbm, host, **kw)
-            for both in (False, True):
-                ms = cuda_time_ms(functools.partial(once, engine, up, down if both else None),
-                                  args.reps)
+            for both, after in ((False, False), (True, False), (False, True)):
+                fn = functools.partial(once, engine, up, down if both else None)
+                ms = time_after_compute(fn, args.reps) if after else cuda_time_ms(fn, args.reps)
                 moved = nbytes * (2 if both else 1)
                 key = "both" if both else "h2d"
                 gbps = moved / ms / 1e6
                 descr = engine.num_descriptors["h2d"] / max(1, engine.num_blocks["h2d"])
                 rows.append({"run": run, "variant": label, "direction": key,
+                             "after_compute": after,
                              "ms": round(ms, 3), "gbps": round(gbps, 2),
                              "ratio": round(gbps / ceil[key], 3),
                              "ceiling_ms": round(moved / ceil[key] / 1e6, 3),
                              "descriptors_per_block": round(descr, 3)})
-                print(f"run {run:4d} {label:10s} {key:4s} {ms:7.3f} ms {gbps:6.1f} GB/s "
+                print(f"run {run:4d} {label:10s} {key:4s}{' after compute' if after else ''} "
+                      f"{ms:7.3f} ms {gbps:6.1f} GB/s "
                       f"{gbps / ceil[key]:.3f} of the ceiling", flush=True)
     host.close()
     out = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(),

@@ -67,7 +67,7 @@ def test_a_plan_issues_its_promotions_before_its_demotions() -> None:
     calls: list[str] = []
     for name in ("h2d", "d2h_pieces"):
         real = getattr(ex.engine, name)
-        setattr(ex.engine, name, lambda *a, _n=name, _r=real: calls.append(_n) or _r(*a))
+        setattr(ex.engine, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
     H, D = int(Tier.HBM), int(Tier.DRAM)
     # block 0 L1 slot 0 -> L2 slot 0, block 1 L2 slot 1 -> L1 slot 1
     import torch
@@ -275,7 +275,8 @@ def test_demotions_out_of_slots_the_plan_refills_go_before_its_promotions() -> N
     ex = PlanExecutor(make_engine(geo, 8, 8, "cpu"), None, timeout_s=5.0, layer_events=False)
     calls: list[tuple[str, list[int]]] = []
     real_h2d, real_d2h = ex.engine.h2d, ex.engine.d2h_pieces
-    ex.engine.h2d = lambda src, dst: calls.append(("h2d", dst.tolist())) or real_h2d(src, dst)
+    ex.engine.h2d = lambda src, dst, **k: calls.append(("h2d", dst.tolist())) or real_h2d(src, dst,
+                                                                                           **k)
     ex.engine.d2h_pieces = lambda src, dst, *a: (calls.append(("d2h", src.tolist()))
                                                  or real_d2h(src, dst, *a))
     import torch

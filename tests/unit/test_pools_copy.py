@@ -7,7 +7,7 @@ import torch
 from tests.pool_cases import check_round_trip, make_engine
 from tpkv.config import HostConfig, KvGeometry
 from tpkv.errors import SlotError
-from tpkv.workers.copy_engine import coalesce
+from tpkv.workers.kernels import merged_copies
 from tpkv.workers.pools import PAGE_BYTES, HbmPool, HostPool
 
 GEOMS = [
@@ -64,13 +64,22 @@ def test_empty_batch_is_a_no_op():
     assert h.num_blocks == 0 and h.done()
 
 
-def test_coalesce_merges_runs_only_where_both_sides_continue():
+def test_copies_merge_runs_only_where_both_sides_continue():
+    """L2 slots 0-5 in arenas of 4 slots (slot 4 starts a new arena): a run is one copy only
+    while both addresses continue, in ascending host address (or device address)."""
     b = 100
-    src = np.array([0, 100, 200, 500, 600, 900]) + 10_000
-    dst = np.array([0, 100, 300, 400, 500, 700]) + 50_000
-    s, d, sizes = coalesce(src, dst, b)
-    assert sizes.tolist() == [200, 100, 200, 100]
-    assert s.tolist() == [10_000, 10_200, 10_500, 10_900]
-    assert d.tolist() == [50_000, 50_300, 50_400, 50_700]
-    assert sizes.sum() == len(src) * b
+    arenas = np.array([10_000, 90_000], dtype=np.int64)
+    hbm = np.array([5, 0, 1, 3, 4, 6], dtype=np.int64)
+    host = np.array([5, 0, 1, 2, 3, 4], dtype=np.int64)  # host 3 -> 4 crosses arenas
+    s, d, sizes = merged_copies(50_000, b, arenas, 4, hbm, host, True, True)
+    # in host order: 0->0 and 1->1 merge; 2->3 and 3->4 merge; 4 (arena 1) -> 6 alone; 5 -> 5
+    # alone (its L1 address goes down)
+    assert s.tolist() == [10_000, 10_200, 90_000, 90_100]
+    assert d.tolist() == [50_000, 50_300, 50_600, 50_500]
+    assert sizes.tolist() == [200, 200, 100, 100]
+    assert sizes.sum() == len(hbm) * b
+    s, d, sizes = merged_copies(50_000, b, arenas, 4, hbm, host, False, False)  # L1 -> L2
+    assert s.tolist() == [50_000, 50_300, 50_500, 50_600]  # by device address
+    assert d.tolist() == [10_000, 10_200, 90_100, 90_000]
+    assert sizes.tolist() == [200, 200, 100, 100]
 

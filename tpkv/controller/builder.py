@@ -60,6 +60,7 @@ class PlanBuilder:
         self.events: list[dict[str, object]] = []
         self.touched = np.zeros(0, dtype=bool)  # sessions changed this phase (made on first use)
         self._held: dict[int, list[np.ndarray]] = {HBM: [], DRAM: []}
+        self._held_kept: list[np.ndarray] = []  # L1 slots of this phase's kept demotions
         # (rows, L2 slots) of this phase's promotions: the slots become the rows' kept copies
         # when the phase ends (BlockTable.keep_copies), instead of free slots
         self._to_keep: list[tuple[np.ndarray, np.ndarray]] = []
@@ -147,6 +148,8 @@ class PlanBuilder:
             stack.top -= n if dst != SSD else 0
         if src == DRAM and dst == HBM and t.keep_copies:
             self._to_keep.append((self.buffers[0][at:at + n], self.buffers[2][at:at + n]))
+        elif kept_slots is not None:
+            self._held_kept.append(self.buffers[2][at:at + n])  # their L1 slots (no copy)
         elif src != SSD:
             self._held[src].append(self.buffers[2][at:at + n])  # their old slots
         else:
@@ -170,12 +173,19 @@ class PlanBuilder:
         """Free now the slots of `tier` that moves of this phase vacated (L1 only: workers copy
         a plan's demotions out of L1 slots before its promotions into them)."""
         assert tier == HBM, "only L1 slots may be filled in the plan that empties them"
-        held = self._held[tier]
-        if held:
-            self.t.free[tier].push(held[0] if len(held) == 1 else np.concatenate(held))
-            held.clear()
+        # Those of kept demotions (no copy: nothing to wait for) are handed out first
+        stack = self.t.free[tier]
+        groups = [self._held_kept, self._held[tier]]
+        if not stack.reuse_oldest:  # a push goes on top: handed out before earlier pushes
+            groups.reverse()
+        for held in groups:
+            if held:
+                stack.push(held[0] if len(held) == 1 else np.concatenate(held))
+                held.clear()
 
     def end_phase(self) -> None:
+        self._held[HBM] += self._held_kept
+        self._held_kept.clear()
         for tier, held in self._held.items():
             if held:
                 self.t.free[tier].push(held[0] if len(held) == 1 else np.concatenate(held))

@@ -11,6 +11,7 @@ import torch
 
 from tpkv.errors import SlotError
 from tpkv.workers import copy_kernel, cuda_rt
+from tpkv.workers.kernels import merged_copies
 from tpkv.workers.pools import HbmPool, HostPool
 
 log = logging.getLogger(__name__)
@@ -103,9 +104,13 @@ class CopyEngine:
         return self._copy("d2h", np.asarray(hbm_slots), np.asarray(host_slots), piece_blocks,
                           after)
 
-    def h2d(self, host_slots: np.ndarray, hbm_slots: np.ndarray) -> CopyHandle:
-        """L2 -> L1: hbm_slots[i] <- host_slots[i]. Consumers wait on the handle's event."""
-        return self._copy("h2d", np.asarray(hbm_slots), np.asarray(host_slots))[0]
+    def h2d(self, host_slots: np.ndarray, hbm_slots: np.ndarray, ordered: bool = False
+            ) -> CopyHandle:
+        """L2 -> L1: hbm_slots[i] <- host_slots[i]. Consumers wait on the handle's event.
+        Ordered after work queued on the current stream, unless the caller has ordered the H2D
+        stream itself (`ordered`: the executor's _mark)."""
+        return self._copy("h2d", np.asarray(hbm_slots), np.asarray(host_slots),
+                          ordered=ordered)[0]
 
     def synchronize(self) -> None:
         for handle in self._last.values():
@@ -126,8 +131,8 @@ class CopyEngine:
     # ---- internals ----------------------------------------------------------------------------
 
     def _copy(self, direction: str, hbm_slots: np.ndarray, host_slots: np.ndarray,
-              piece_blocks: int = 0, after: torch.cuda.Event | None = None
-              ) -> list[CopyHandle]:
+              piece_blocks: int = 0, after: torch.cuda.Event | None = None,
+              ordered: bool = False) -> list[CopyHandle]:
         hbm_slots = hbm_slots.astype(np.int64, copy=False).reshape(-1)
         host_slots = host_slots.astype(np.int64, copy=False).reshape(-1)
         if len(hbm_slots) != len(host_slots):
@@ -147,17 +152,21 @@ class CopyEngine:
         stream = self.streams[direction]
         if after is not None:
             stream.wait_event(after)
-        else:
+        elif not ordered:
             stream.wait_stream(torch.cuda.current_stream(self.hbm.device))
-        src, dst = self._endpoints(direction, hbm_slots, host_slots)
+        # DMA descriptors are made per piece from the slots (kernels.merged_copies); the SM
+        # kernel takes one address pair per block
+        src, dst = (None, None) if method == "dma" else self._endpoints(direction, hbm_slots,
+                                                                         host_slots)
         step = piece_blocks if piece_blocks > 0 else n
         handles = []
         with torch.cuda.stream(stream):
             for at in range(0, n, step):
                 part = slice(at, at + step)
                 if method == "dma":
-                    self._copy_dma(direction, src[part], dst[part], stream)
+                    self._copy_dma(direction, hbm_slots[part], host_slots[part], stream)
                 elif method == "kernel":
+                    assert src is not None and dst is not None
                     copy_kernel.launch(src[part], dst[part], self.block_bytes, stream,
                                        **self.kernel_args)
                 else:
@@ -175,15 +184,15 @@ class CopyEngine:
         host = self.host.slot_ptrs(host_slots)
         return (dev, host) if direction == "d2h" else (host, dev)
 
-    def _copy_dma(self, direction: str, src: np.ndarray, dst: np.ndarray,
+    def _copy_dma(self, direction: str, hbm_slots: np.ndarray, host_slots: np.ndarray,
                   stream: torch.cuda.Stream) -> None:
-        """One batch of whole-block copies between these addresses (one per block)."""
-        num_blocks = len(src)
-        # Descriptors in ascending host address (or device address when host_order is off).
-        if self.host_order == (direction == "d2h"):  # sort by dst
-            dst, src, sizes = coalesce(dst, src, self.block_bytes)
-        else:
-            src, dst, sizes = coalesce(src, dst, self.block_bytes)
+        """One batch of whole-block copies between these slots, runs merged, descriptors in
+        ascending host address (or device address when host_order is off)."""
+        num_blocks = len(hbm_slots)
+        src, dst, sizes = merged_copies(self.hbm.base_ptr, self.block_bytes,
+                                        self.host.arena_ptrs, self.host.slots_per_arena,
+                                        hbm_slots, host_slots, direction == "h2d",
+                                        self.host_order)
         self.num_blocks[direction] += num_blocks
         self.num_descriptors[direction] += len(src)
         subs = self.dma_substreams[direction] if self.dma_substreams else None
@@ -262,17 +271,3 @@ def split_even(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, parts: int, 
         lo = hi
     return out
 
-
-def coalesce(src: np.ndarray, dst: np.ndarray, block_bytes: int
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge runs where both source and destination continue contiguously into single copies."""
-    n = len(src)
-    if n == 0:
-        return src, dst, np.zeros(0, dtype=np.int64)
-    order = np.argsort(src, kind="stable")
-    src, dst = src[order], dst[order]
-    breaks = np.ones(n, dtype=bool)
-    breaks[1:] = (np.diff(src) != block_bytes) | (np.diff(dst) != block_bytes)
-    starts = np.flatnonzero(breaks)
-    lengths = np.diff(np.append(starts, n))
-    return src[starts], dst[starts], lengths.astype(np.int64) * block_bytes

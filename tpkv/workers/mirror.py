@@ -11,7 +11,7 @@ import numpy as np
 
 from tpkv.controller.digest import slot_map_digest
 from tpkv.types import MovePlan, Tier
-from tpkv.workers.mirrorkernels import check_moves
+from tpkv.workers.kernels import check_moves
 from tpkv.workers.slots import SlotAllocator
 
 log = logging.getLogger(__name__)

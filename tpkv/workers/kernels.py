@@ -1,6 +1,6 @@
-"""The rank's plan check (SlotMirror.check) as one compiled pass: it runs before a plan's first
-copy is issued, on every resume's critical path (~0.2 ms as a dozen numpy calls on 700 moves,
-a few microseconds here)."""
+"""A rank's compiled passes on a resume's critical path, before its first copy is issued: the
+plan check (SlotMirror.check: ~0.2 ms as a dozen numpy calls on 700 moves, a few microseconds
+here) and the copy descriptors (CopyEngine: addresses of both sides, merged runs)."""
 
 from __future__ import annotations
 
@@ -61,3 +61,34 @@ def check_moves(ids: np.ndarray, tier: np.ndarray, slot: np.ndarray, block_ids: 
         if src_tier[i] == _HBM and 0 <= src_slot[i] < n1:
             count1[src_slot[i]] = 0
     return ok
+
+
+@njit(cache=True, nogil=True)
+def merged_copies(dev_base: int, block_bytes: int, arena_ptrs: np.ndarray, slots_per_arena: int,
+                  hbm_slots: np.ndarray, host_slots: np.ndarray, h2d: bool, by_host: bool
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src, dst, bytes) descriptors of the copies of these blocks (L2 -> L1 when `h2d`), in
+    ascending address of the host side (`by_host`) or the device side, where both sides
+    continue contiguously merged into one copy (copy_engine.coalesce on the pools' addresses)."""
+    n = len(hbm_slots)
+    dev = np.empty(n, dtype=np.int64)
+    host = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        dev[i] = dev_base + hbm_slots[i] * block_bytes
+        h = host_slots[i]
+        host[i] = arena_ptrs[h // slots_per_arena] + (h % slots_per_arena) * block_bytes
+    key = host if by_host else dev
+    order = np.argsort(key, kind="mergesort")
+    src = np.empty(n, dtype=np.int64)
+    dst = np.empty(n, dtype=np.int64)
+    size = np.empty(n, dtype=np.int64)
+    k = -1
+    for j in range(n):
+        i = order[j]
+        s, d = (host[i], dev[i]) if h2d else (dev[i], host[i])
+        if k >= 0 and s == src[k] + size[k] and d == dst[k] + size[k]:
+            size[k] += block_bytes
+        else:
+            k += 1
+            src[k], dst[k], size[k] = s, d, block_bytes
+    return src[:k + 1], dst[:k + 1], size[:k + 1]
