@@ -71,6 +71,9 @@ class Sizes:
     # PolicyConfig.keep_l2_copies: a promoted block keeps its L2 copy, so demoting it again
     # (unwritten) copies nothing (0: every demotion copies).
     keep_l2: int = 1
+    # PolicyConfig.refill_same_plan: a resume into a full L1 promotes into the slots its own
+    # plan's demotions empty (one plan); 0: into them in a second plan.
+    refill: int = 1
     # CopyEngine.dma_split: "count" spreads a batch over the DMA sub-streams by descriptors
     # (merged runs on one stream); "bytes" by equal bytes (bench/resume_copy.py).
     dma_split: str = "count"

@@ -15,6 +15,7 @@ from tpkv.controller.digest import plan_digest, slot_map_digest
 from tpkv.controller.messages import StepResult
 from tpkv.errors import PlanOrderError
 from tpkv.types import MovePlan, MoveResult, Tier
+from tpkv.workers import kernels
 from tpkv.workers.confirm import (
     ROW,
     STATUS_DIVERGED,
@@ -96,6 +97,7 @@ class Worker:
                  group: BoundedGroup | None = None) -> None:
         g = config.geometry
         self.config, self.rank = config, rank
+        kernels.warm()  # the plan check and the copy descriptors, compiled before serving
         self.hbm = HbmPool(g, config.l1.slots(g), device)
         self.host = HostPool(g, config.l2.slots_per_rank(g), config.l2)
         self.engine = CopyEngine(self.hbm, self.host)

@@ -1,0 +1,105 @@
+"""bench/e2e.py with a host timeline of every resume: when each step of its critical path began
+and ended, in ms from the start of its schedule (each resume record's "timeline").
+
+    python bench/resume_timeline.py --full --configs b2 --out bench/results/e2e_b2_timeline.json
+    RESUME_HOST_END=1 python bench/resume_timeline.py ...   # also the host's view of the end
+
+Wraps (the first call of each in a resume step counts; "name>" its start, "name<" its end):
+the runtime's begin_step, the controller's schedule and in it the demand, plan_step and the
+plan's end_phase; the rank's apply_step, SlotMirror.check, PlanExecutor.run and in it the
+demotion-piece lookup, the stream marks, the copy calls into L1, the descriptor pass
+(kernels.merged_copies) and cudaMemcpyBatchAsync. With RESUME_HOST_END=1 the engine's wait()
+also blocks until the resume's copies are done and records "host_end" (this delays the
+forward's launch; the resume's own time is unchanged), to check the device-timed end.
+The wrappers cost about a microsecond each.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import bench.e2e as e2e  # noqa: E402
+import bench.e2e_run as e2e_run  # noqa: E402
+from tpkv.controller import builder, controller, step  # noqa: E402
+from tpkv.launch import runtime  # noqa: E402
+from tpkv.models import tiered  # noqa: E402
+from tpkv.workers import copy_engine, cuda_rt, executor, mirror, worker  # noqa: E402
+
+MARKS: dict[str, int] = {}
+
+
+def _mark(label: str) -> None:
+    MARKS.setdefault(label, time.perf_counter_ns())
+
+
+def _wrap(owner: Any, name: str, label: str) -> None:
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        _mark(label + ">")
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _mark(label + "<")
+    setattr(owner, name, timed)
+
+
+def install() -> None:
+    schedule = tiered.TieredEngine.schedule
+
+    def timed_schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        MARKS.clear()
+        _mark("start")
+        try:
+            return schedule(self, *args, **kwargs)
+        finally:
+            _mark("schedule<")
+    tiered.TieredEngine.schedule = timed_schedule  # type: ignore[method-assign]
+    for owner, name, label in (
+            (runtime.TpkvRuntime, "_begin_step", "begin"),
+            (controller.Controller, "schedule", "controller"),
+            (step, "_demand", "demand"), (step, "plan_step", "plan_step"),
+            (builder.PlanBuilder, "end_phase", "end_phase"),
+            (controller.Controller, "finish_step", "finish_step"),
+            (worker.Worker, "apply_step", "apply_step"),
+            (mirror.SlotMirror, "check", "check"),
+            (executor.PlanExecutor, "run", "run"),
+            (executor.PlanExecutor, "_demotion_groups", "piece_lookup"),
+            (executor.PlanExecutor, "_mark", "stream_mark"),
+            (executor.PlanExecutor, "_h2d", "h2d"),
+            (executor.PlanExecutor, "_demote", "demote"),
+            (copy_engine, "merged_copies", "descriptors"),
+            (cuda_rt, "memcpy_batch", "memcpy_batch"),
+            (tiered.TieredEngine, "wait", "wait")):
+        _wrap(owner, name, label)
+    if os.environ.get("RESUME_HOST_END") == "1":
+        wait = tiered.TieredEngine.wait
+
+        def wait_host(self: Any, tables: Any) -> None:
+            wait(self, tables)
+            pending = self._resume_timing
+            if pending is not None:
+                pending[3].synchronize()
+                _mark("host_end")
+        tiered.TieredEngine.wait = wait_host  # type: ignore[method-assign]
+    resume = e2e_run.Rounds._resume
+
+    def record(self: Any, *args: Any, **kwargs: Any) -> None:
+        resume(self, *args, **kwargs)
+        t0 = MARKS.get("start", 0)
+        self.resumes[-1]["timeline"] = {k: round((v - t0) / 1e6, 3) for k, v in
+                                        sorted(MARKS.items(), key=lambda kv: kv[1])}
+    e2e_run.Rounds._resume = record  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    install()
+    e2e.main()
