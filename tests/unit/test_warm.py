@@ -57,3 +57,35 @@ def test_workloads_after_the_warm_up_compile_nothing(cfg):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["missed"] == {}, result
     assert result["compiled"] >= 10, result
+
+
+WORKER_SCRIPT = r"""
+import json
+from numba.core.registry import CPUDispatcher
+from tpkv.workers import kernels
+from tests.unit.test_tiered_hints import _open, _resume_workload
+
+rt, model = _open()  # the Worker warms its kernels when it starts
+def signatures():
+    return {k: len(v.signatures) for k, v in vars(kernels).items()
+            if isinstance(v, CPUDispatcher)}
+before = signatures()
+_resume_workload(rt, model)
+after = signatures()
+rt.close()
+print(json.dumps({"before": before, "after": after}))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_rank_compiles_its_kernels_when_it_starts():
+    """tpkv.workers.kernels.warm (Worker start): resumes after it compile nothing more (the
+    plan check gets a plan's read-only arrays); the copy descriptors are compiled too, though
+    only a GPU copies through them."""
+    env = {**os.environ, "NUMBA_DISABLE_CACHE": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", WORKER_SCRIPT], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=580)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["before"] == result["after"], result
+    assert result["before"]["check_moves"] >= 1 and result["before"]["merged_copies"] >= 1

@@ -252,7 +252,10 @@ class PlanExecutor:
                 # Those that empty a slot filled later in the step go now, beside this plan's
                 # promotions; the rest wait for the promotions (which come after prev_h2d on
                 # one stream), so that a resume's copies do not share the link with them.
-                needed = np.isin(src, later_l1)
+                mark = self._l1_mark  # the L1 slots filled later in the step
+                mark[later_l1] = True
+                needed = mark[src]
+                mark[later_l1] = False
                 if needed.any():
                     self._demote(src[needed], dst[needed], prev_h2d, out)
                 if not needed.all():

@@ -107,7 +107,11 @@ def warm() -> None:
     i64, i8 = np.int64, np.int8
     slots = np.arange(2, dtype=i64)
     merged_copies(1 << 30, 64, np.array([1 << 40], dtype=i64), 4, slots, slots, True, True)
-    check_moves(slots, np.zeros(2, dtype=i8), slots, slots, np.zeros(2, dtype=i8), slots,
-                np.ones(2, dtype=i8), slots, np.full(2, -1, dtype=i64),
-                np.full(2, -1, dtype=i64), np.zeros(2, dtype=i64), np.zeros(2, dtype=i64))
+    # a MovePlan's arrays are read-only (another type to numba than writable ones)
+    ids, tier, dst_tier = slots.copy(), np.zeros(2, dtype=i8), np.ones(2, dtype=i8)
+    for a in (ids, tier, dst_tier):
+        a.setflags(write=False)
+    check_moves(slots, np.zeros(2, dtype=i8), slots, ids, tier, ids, dst_tier, ids,
+                np.full(2, -1, dtype=i64), np.full(2, -1, dtype=i64), np.zeros(2, dtype=i64),
+                np.zeros(2, dtype=i64))
     _WARM = True
