@@ -64,18 +64,12 @@ def time_after_compute(fn: functools.partial, reps: int, compute_ms: float = 8.0
     without copies (a forward) and `idle_ms` with the GPU idle (the host planning)."""
     cycles = int(compute_ms * 1e-3 * torch.cuda.clock_rate() * 1e6) if hasattr(
         torch.cuda, "clock_rate") else int(compute_ms * 1.98e6)
-    times = []
-    for _ in range(reps):
+
+    def busy_then_idle() -> None:
         torch.cuda._sleep(cycles)
         torch.cuda.synchronize()
         time.sleep(idle_ms / 1e3)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(np.median(times))
+    return cuda_time_ms(fn, reps, before=busy_then_idle)
 
 
 def contiguous_row(nbytes: int, ceil: dict[str, float], reps: int) -> dict:

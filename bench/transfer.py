@@ -34,12 +34,15 @@ GEOMETRIES = {"llama8b-tp1": LLAMA8B, "llama8b-tp8": dataclasses.replace(LLAMA8B
 METHODS = ("dma", "kernel", "torch")
 
 
-def cuda_time_ms(fn, reps: int) -> float:
-    """Median ms of `fn()` over `reps`, timed with events on the current stream, after a warm-up."""
+def cuda_time_ms(fn, reps: int, before=None) -> float:
+    """Median ms of `fn()` over `reps`, timed with events on the current stream, after a warm-up.
+    `before()`, when given, runs before each timed call, untimed."""
     fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

@@ -28,6 +28,35 @@ def _executor(*batches: tuple[list[int], list[int], bool]) -> tuple[PlanExecutor
     return ex, handles
 
 
+def _forced_gpu_executor(monkeypatch) -> tuple[PlanExecutor, list, list]:
+    """A CPU executor that takes the GPU's paths (demotions in pieces of one block, tracked);
+    returns it, the list of what it issues in order (("d2h", L1 slots), ("wait", piece handle
+    or None), ("h2d", L1 slots)) and the piece handles it made."""
+    from tests.pool_cases import make_engine
+    from tpkv.config import KvGeometry
+    from tpkv.workers import executor as E
+
+    geo = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
+    ex = PlanExecutor(make_engine(geo, 8, 8, "cpu"), None, timeout_s=5.0, layer_events=False)
+    monkeypatch.setattr(E, "DEMOTION_PIECE_BYTES", ex.hbm.block_bytes)
+    monkeypatch.setattr(E, "REFILL_PIECE_BYTES", ex.hbm.block_bytes)
+    monkeypatch.setattr(ex.engine, "on_gpu", True)
+    issued: list[tuple[str, object]] = []
+    handles: list[_Handle] = []
+
+    def pieces(a, b, step, after=None):
+        made = [_Handle() for _ in range(0, len(a), step)]
+        issued.extend(("d2h", list(a[k:k + step])) for k in range(0, len(a), step))
+        handles.extend(made)
+        return made
+    monkeypatch.setattr(ex.engine, "d2h_pieces", pieces)
+    monkeypatch.setattr(ex, "_mark", lambda direction, prev, after=None:
+                        issued.append(("wait", prev)))
+    monkeypatch.setattr(ex, "_span", lambda *a: None)
+    monkeypatch.setattr(ex, "_h2d", lambda src, dst: issued.append(("h2d", list(dst))))
+    return ex, issued, handles
+
+
 def test_meets_finds_any_common_slot():
     assert _meets(np.array([2, 5, 9]), np.array([7, 9]))
     assert not _meets(np.array([2, 5, 9]), np.array([0, 3, 10]))
@@ -98,25 +127,9 @@ def test_copies_into_l1_are_grouped_by_the_piece_they_wait_for():
 def test_a_demotion_goes_out_in_pieces_each_waited_for_alone(monkeypatch) -> None:
     """On the GPU an L1 -> L2 batch is split into DEMOTION_PIECE_BYTES pieces (here, forced
     on a CPU engine: one block each); a promotion into slot 3 waits for the piece of slot 3."""
-    from tests.pool_cases import make_engine
-    from tpkv.config import KvGeometry
     from tpkv.types import MovePlan, Tier
-    from tpkv.workers import executor as E
 
-    geo = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
-    ex = PlanExecutor(make_engine(geo, 8, 8, "cpu"), None, timeout_s=5.0, layer_events=False)
-    monkeypatch.setattr(E, "DEMOTION_PIECE_BYTES", ex.hbm.block_bytes)
-    monkeypatch.setattr(ex.engine, "on_gpu", True)
-    issued: list[tuple[str, list[int]]] = []
-
-    def pieces(a, b, step, after=None):
-        issued.extend(("d2h", list(a[k:k + step])) for k in range(0, len(a), step))
-        return [_Handle() for _ in range(0, len(a), step)]
-    monkeypatch.setattr(ex.engine, "d2h_pieces", pieces)
-    monkeypatch.setattr(ex, "_mark", lambda direction, prev, after=None:
-                        issued.append(("wait", prev)))
-    monkeypatch.setattr(ex, "_span", lambda *a: None)
-    monkeypatch.setattr(ex, "_h2d", lambda src, dst: issued.append(("h2d", list(dst))))
+    ex, issued, _ = _forced_gpu_executor(monkeypatch)
     H, D = int(Tier.HBM), int(Tier.DRAM)
     moves = [(0, H, 1, D, 0), (1, H, 2, D, 1), (2, H, 3, D, 2)]
     b, st, ss, dt, ds = (np.array(c) for c in zip(*moves))
@@ -304,27 +317,9 @@ def test_a_promotion_into_a_slot_its_plan_empties_waits_for_that_piece(monkeypat
     """On the GPU (forced here, one block a piece): the plan's promotion into a free slot waits
     for nothing and goes first; the one into the slot its demotion empties waits for the
     piece that copies that slot out."""
-    from tests.pool_cases import make_engine
-    from tpkv.config import KvGeometry
     from tpkv.types import MovePlan, Tier
-    from tpkv.workers import executor as E
 
-    geo = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
-    ex = PlanExecutor(make_engine(geo, 8, 8, "cpu"), None, timeout_s=5.0, layer_events=False)
-    monkeypatch.setattr(E, "DEMOTION_PIECE_BYTES", ex.hbm.block_bytes)
-    monkeypatch.setattr(ex.engine, "on_gpu", True)
-    issued: list[tuple[str, object]] = []
-    handles: list[_Handle] = []
-
-    def pieces(a, b, step, after=None):
-        issued.extend(("d2h", list(a[k:k + step])) for k in range(0, len(a), step))
-        handles.extend(_Handle() for _ in range(0, len(a), step))
-        return handles[-len(range(0, len(a), step)):]
-    monkeypatch.setattr(ex.engine, "d2h_pieces", pieces)
-    monkeypatch.setattr(ex, "_mark", lambda direction, prev, after=None:
-                        issued.append(("wait", prev)))
-    monkeypatch.setattr(ex, "_span", lambda *a: None)
-    monkeypatch.setattr(ex, "_h2d", lambda src, dst: issued.append(("h2d", list(dst))))
+    ex, issued, handles = _forced_gpu_executor(monkeypatch)
     H, D = int(Tier.HBM), int(Tier.DRAM)
     moves = [(0, H, 1, D, 0), (1, D, 1, H, 1), (2, D, 2, H, 6)]  # block 1 refills L1 slot 1
     b, st, ss, dt, ds = (np.array(c) for c in zip(*moves))
