@@ -60,8 +60,11 @@ class Sizes:
     l1_reuse: str = "oldest"
     # PolicyConfig.l2_reuse: "oldest" gives an L3 load L2 slots whose spill is long done.
     l2_reuse: str = "oldest"
-    # SsdConfig.reads_first: spills pause between 16 MiB pieces while a resume reads L3.
+    # SsdConfig.reads_first: spills pause between pieces while a resume reads L3.
     reads_first: int = 1
+    # SsdConfig.write_piece_bytes in MiB: with reads_first, the most of a spill one write
+    # carries between pauses (per I/O thread; the e2e's store runs 8 on the GPU).
+    write_piece_mib: int = 16
     # TieredEngine.late_plans: a decode step's watermark demotions applied once its forward
     # is launched (0: before it, with the step).
     late_plans: int = 1

@@ -202,10 +202,14 @@ class SsdConfig:
     # Writes (spills) go out in pieces and pause between them while this rank reads (a resume
     # waits for its reads, not for spills; the disk splits its bandwidth between the two).
     reads_first: bool = True
+    # With reads_first: the most bytes one write carries between pauses (a resume's reads
+    # start behind at most this much of a spill per I/O thread).
+    write_piece_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
         _check_positive("L3 budget_bytes", self.budget_bytes)
         _check_positive("L3 io_threads", self.io_threads)
+        _check_positive("L3 write_piece_bytes", self.write_piece_bytes)
         _check_watermarks("L3", self.high_watermark, self.low_watermark)
         if self.backend not in ("auto", "posix", "kvikio"):
             raise ConfigError(f"L3 backend must be auto, posix or kvikio, got {self.backend!r}")

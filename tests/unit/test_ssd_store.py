@@ -339,17 +339,17 @@ def test_writes_pause_between_pieces_while_a_read_is_in_flight(
     with reads_first off it never waits."""
     import threading
 
-    from tpkv.workers import ssd_segment, ssd_store
+    from tpkv.workers import ssd_store
 
     geo = geometry(ALIGNED)
     record = geo.block_bytes + PAGE
-    monkeypatch.setattr(ssd_segment, "WRITE_PIECE_BYTES", 3 * record)  # 10 blocks: 4 pieces
     monkeypatch.setattr(ssd_store, "_PAUSE_MAX_S", 30.0)
     pieces: list[int] = []
     real_pwritev = os.pwritev
     monkeypatch.setattr(ssd_backend.os, "pwritev",
                         lambda fd, bufs, off: pieces.append(off) or real_pwritev(fd, bufs, off))
-    (store,) = make_stores(tmp_path, geo, o_direct=False)
+    (store,) = make_stores(tmp_path, geo, o_direct=False,
+                           write_piece_bytes=3 * record)  # 10 blocks: 4 pieces
     rng = np.random.default_rng(31)
     blocks = random_blocks(rng, geo, 10, aligned=True)
     with store._gate.reading():  # a read in flight

@@ -24,9 +24,6 @@ from tpkv.workers.ssd_format import (
 log = logging.getLogger(__name__)
 
 STAGE_BYTES = 32 << 20  # most payload bytes staged through the aligned buffer per syscall
-# With a pause between writes (SsdConfig.reads_first): the most bytes one pwritev carries, so that
-# a read waits behind at most this much of a spill per writing thread.
-WRITE_PIECE_BYTES = 16 << 20
 _IOVECS_PER_RECORD = 3  # header, payload, padding
 
 
@@ -48,8 +45,12 @@ class SegmentIo:
     they pass through that aligned buffer. Consecutive records become one preadv/pwritev.
     """
 
-    def __init__(self, block_bytes: int) -> None:
+    def __init__(self, block_bytes: int, write_piece_bytes: int) -> None:
         self.block_bytes = block_bytes
+        # With a pause between writes (SsdConfig.reads_first): the most bytes one pwritev
+        # carries, so that a read waits behind at most this much of a spill per writing thread
+        # (SsdConfig.write_piece_bytes).
+        self.write_piece_bytes = write_piece_bytes
         self.padded_bytes = round_up(block_bytes)
         self.record_bytes = ALIGN_BYTES + self.padded_bytes
         self._zero_pad = np.zeros(self.padded_bytes - block_bytes, dtype=np.uint8)
@@ -103,12 +104,13 @@ class SegmentIo:
                       blocks: Sequence[np.ndarray], first_record_no: int,
                       offset_bytes: int, pause: Callable[[], None] | None = None) -> None:
         """One record per block, contiguous from offset_bytes, numbered from first_record_no.
-        With `pause`, in pieces of WRITE_PIECE_BYTES, calling pause() before each."""
+        With `pause`, in pieces of write_piece_bytes, calling pause() before each."""
         staged = self._staged(f, blocks)
         start = 0
         while start < len(blocks):
             end, num_staged = self._chunk_end(start, staged,
-                                              None if pause is None else WRITE_PIECE_BYTES)
+                                              None if pause is None else
+                                              self.write_piece_bytes)
             if pause is not None:
                 pause()
             num = end - start

@@ -149,7 +149,7 @@ class SsdStore:
         self._dropping: dict[str, Future[int]] = {}  # session hash (hex) -> its pending delete
         self._lock = threading.Lock()  # guards the usage accounting
         self._stripes = [threading.Lock() for _ in range(_NUM_LOCK_STRIPES)]
-        self._io = SegmentIo(self.block_bytes)
+        self._io = SegmentIo(self.block_bytes, config.write_piece_bytes)
         self._gate = _ReadsFirst() if config.reads_first else None
         self._usage: dict[str, int] = {}
         self._usage_total = 0
