@@ -6,6 +6,7 @@ import numpy as np
 
 from tpkv.controller.kernels import emptied_sessions, move_rows, plan_arrays
 from tpkv.controller.sessions import SessionTable, add_counts
+from tpkv.controller.stepkernels import keep_promoted
 from tpkv.controller.table import DRAM, HBM, NONE, SSD, BlockTable, SlotStack
 from tpkv.errors import TierFullError
 from tpkv.types import MovePlan
@@ -190,20 +191,16 @@ class PlanBuilder:
             if held:
                 self.t.free[tier].push(held[0] if len(held) == 1 else np.concatenate(held))
                 held.clear()
+        t = self.t
         for rows, slots in self._to_keep:  # promoted: their L2 slots hold their bytes still
-            here = self.t.tier[rows] == HBM  # (not dropped again in this phase)
             # Copies are kept only while L2 has room to spare: under pressure they would be
             # given back at once (BlockTable.keep_reserve)
-            room = self.t.free[DRAM].top - self.t.keep_reserve
-            if not here.all() or room < len(rows):
-                take = np.flatnonzero(here)[:max(room, 0)]
-                rest = np.ones(len(rows), dtype=bool)
-                rest[take] = False
-                self.t.free[DRAM].push(slots[rest])
-                rows, slots = rows[take], slots[take]
-            if len(rows):
-                self.t.keep(rows, slots)
-                self.s.kept_last[self.t.session[rows]] = True
+            room = max(t.free[DRAM].top - t.keep_reserve, 0)
+            num, rest = keep_promoted(rows, slots, room, t.tier, t.slot, t.session, t.kept,
+                                      self.s.kept_last)
+            t.num_kept += num
+            if len(rest):
+                t.free[DRAM].push(rest)
         self._to_keep.clear()
         if self._n == 0:
             return

@@ -176,3 +176,25 @@ def written_kept(batch: A, before: A, after: A, block_tokens: int, arena: A, sta
                     kept[z] = -1
                     k += 1
     return out[:k].copy()
+
+
+@_jit
+def keep_promoted(rows: A, slots: A, room: int, tier: A, slot: A, session: A, kept: A,
+                  kept_last: A) -> tuple[int, A]:
+    """PlanBuilder.end_phase: rows just promoted keep their old L2 slots (`slots`) as copies,
+    in order, while still in L1 and while `room` copies may be added (BlockTable.keep_reserve);
+    their sessions are flagged kept_last. Returns (copies kept, the other slots, to free)."""
+    n = len(rows)
+    rest = np.empty(n, dtype=np.int64)
+    k = 0
+    j = 0
+    for i in range(n):
+        r = rows[i]
+        if tier[r] == 0 and k < room:  # (still in L1: not dropped again in the phase)
+            kept[slot[r]] = slots[i]
+            kept_last[session[r]] = True
+            k += 1
+        else:
+            rest[j] = slots[i]
+            j += 1
+    return k, rest[:j].copy()

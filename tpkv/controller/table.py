@@ -219,11 +219,6 @@ class BlockTable:
         return self.free[tier].top + (self.num_kept if tier == DRAM else 0)
 
     # ---- kept L2 copies ------------------------------------------------------------------------
-    def keep(self, rows: np.ndarray, slots: np.ndarray) -> None:
-        """The L2 slots `slots` still hold the bytes of L1 blocks `rows` (just promoted)."""
-        self.kept[self.slot[rows]] = slots
-        self.num_kept += len(rows)
-
     def kept_of(self, rows: np.ndarray) -> np.ndarray:
         """The L2 slot kept for each of `rows`, all in L1 (-1 where none)."""
         return self.kept[self.slot[rows]]
