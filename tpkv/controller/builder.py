@@ -6,7 +6,6 @@ import numpy as np
 
 from tpkv.controller.kernels import emptied_sessions, move_rows, plan_arrays
 from tpkv.controller.sessions import SessionTable, add_counts
-from tpkv.controller.stepkernels import keep_promoted
 from tpkv.controller.table import DRAM, HBM, NONE, SSD, BlockTable, SlotStack
 from tpkv.errors import TierFullError
 from tpkv.types import MovePlan
@@ -109,8 +108,7 @@ class PlanBuilder:
                                     f"{room - stack.top} kept copies of other blocks of "
                                     f"{stack.size}")
             if kept is not None and num_kept:
-                t.kept[at[has]] = -1
-                t.num_kept -= num_kept
+                t.forget_kept_at(at[has])
                 self._move(rows[~has], src, dst)
                 self._move(rows[has], src, dst, kept[has])
                 return
@@ -191,16 +189,10 @@ class PlanBuilder:
             if held:
                 self.t.free[tier].push(held[0] if len(held) == 1 else np.concatenate(held))
                 held.clear()
-        t = self.t
         for rows, slots in self._to_keep:  # promoted: their L2 slots hold their bytes still
-            # Copies are kept only while L2 has room to spare: under pressure they would be
-            # given back at once (BlockTable.keep_reserve)
-            room = max(t.free[DRAM].top - t.keep_reserve, 0)
-            num, rest = keep_promoted(rows, slots, room, t.tier, t.slot, t.session, t.kept,
-                                      self.s.kept_last)
-            t.num_kept += num
-            if len(rest):
-                t.free[DRAM].push(rest)
+            # kept only while L2 has room to spare: under pressure they would be given back at
+            # once (BlockTable.keep_reserve)
+            self.t.keep(rows, slots, self.s.kept_last)
         self._to_keep.clear()
         if self._n == 0:
             return

@@ -13,13 +13,7 @@ from tpkv.controller.messages import StepResult
 from tpkv.controller.plankernels import demand_rows, record_choices
 from tpkv.controller.planner import MAX_PHASES, PlanContext, StepNeeds, plan_step
 from tpkv.controller.sessions import SessionTable, add_counts
-from tpkv.controller.stepkernels import (
-    alloc_blocks,
-    batch_blocks,
-    outside,
-    start_runs,
-    written_kept,
-)
+from tpkv.controller.stepkernels import alloc_blocks, batch_blocks, outside, start_runs
 from tpkv.controller.table import DRAM, HBM, NONE, PIN_EXPLICIT, SSD
 from tpkv.errors import BadRequestError, DuplicateSessionError, PlanOrderError, TierFullError
 
@@ -113,9 +107,8 @@ def _drop_written_copies(ctl: Controller, batch: np.ndarray, before: np.ndarray,
     that gets tokens, when it was partly filled, and every block from a recomputed range on
     (the engine feeds the session again from there). Free them."""
     S, T = ctl.sessions, ctl.table
-    slots = written_kept(batch, before, after, ctl.config.geometry.block_tokens, S.arena.arena,
-                         S.arena.start, T.tier, T.slot, T.kept, S.kept_last)
-    T.num_kept -= len(slots)
+    slots = T.take_written(batch, before, after, ctl.config.geometry.block_tokens,
+                           S.arena.arena, S.arena.start, S.kept_last)
     if len(rc_pos):
         rows = np.concatenate([S.arena.rows(int(batch[pos]))[start:] for pos, start in
                                zip(rc_pos.tolist(), rc_start.tolist())])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tpkv.controller.stepkernels import keep_promoted, written_kept
 from tpkv.errors import TierFullError
 from tpkv.types import Tier
 
@@ -219,6 +220,33 @@ class BlockTable:
         return self.free[tier].top + (self.num_kept if tier == DRAM else 0)
 
     # ---- kept L2 copies ------------------------------------------------------------------------
+    def keep(self, rows: np.ndarray, slots: np.ndarray, kept_last: np.ndarray) -> None:
+        """Rows just promoted keep their old L2 `slots` as copies, in order, while still in L1
+        and while L2 keeps `keep_reserve` other slots free; their sessions are flagged in
+        `kept_last` (SessionTable.kept_last). The other slots are freed."""
+        room = max(self.free[DRAM].top - self.keep_reserve, 0)
+        num, rest = keep_promoted(rows, slots, room, self.tier, self.slot, self.session,
+                                  self.kept, kept_last)
+        self.num_kept += num
+        if len(rest):
+            self.free[DRAM].push(rest)
+
+    def forget_kept_at(self, l1_slots: np.ndarray) -> None:
+        """The copies kept for the blocks in these L1 slots (each has one) are spent: a
+        demotion goes back into them."""
+        self.kept[l1_slots] = -1
+        self.num_kept -= len(l1_slots)
+
+    def take_written(self, batch: np.ndarray, before: np.ndarray, after: np.ndarray,
+                     block_tokens: int, arena: np.ndarray, start: np.ndarray,
+                     kept_last: np.ndarray) -> np.ndarray:
+        """Forget the copies of the blocks a step appends to (stepkernels.written_kept) and
+        return their L2 slots, for the caller to free."""
+        slots = written_kept(batch, before, after, block_tokens, arena, start, self.tier,
+                             self.slot, self.kept, kept_last)
+        self.num_kept -= len(slots)
+        return slots
+
     def kept_of(self, rows: np.ndarray) -> np.ndarray:
         """The L2 slot kept for each of `rows`, all in L1 (-1 where none)."""
         return self.kept[self.slot[rows]]

@@ -214,18 +214,11 @@ class PlanExecutor:
         up = pick["h2d"]
         refill = up[:0]
         if len(up) and len(i := pick["d2h"]):
-            mark = self._l1_mark  # the L1 slots the promotions fill
-            mark[plan.dst_slot[up]] = True
-            emptied = mark[plan.src_slot[i]]
-            mark[plan.dst_slot[up]] = False
+            emptied = self._l1_among(plan.src_slot[i], plan.dst_slot[up])
             refill, pick["d2h"] = i[emptied], i[~emptied]
         if len(up):
-            into = None
-            if len(refill):
-                mark = self._l1_mark  # the L1 slots those demotions empty
-                mark[plan.src_slot[refill]] = True
-                into = mark[plan.dst_slot[up]]
-                mark[plan.src_slot[refill]] = False
+            into = (self._l1_among(plan.dst_slot[up], plan.src_slot[refill]) if len(refill)
+                    else None)
             start = self._promote(plan, up if into is None else up[~into], out)
             if into is not None:
                 with _blocked(out):
@@ -252,10 +245,7 @@ class PlanExecutor:
                 # Those that empty a slot filled later in the step go now, beside this plan's
                 # promotions; the rest wait for the promotions (which come after prev_h2d on
                 # one stream), so that a resume's copies do not share the link with them.
-                mark = self._l1_mark  # the L1 slots filled later in the step
-                mark[later_l1] = True
-                needed = mark[src]
-                mark[later_l1] = False
+                needed = self._l1_among(src, later_l1)
                 if needed.any():
                     self._demote(src[needed], dst[needed], prev_h2d, out)
                 if not needed.all():
@@ -294,6 +284,15 @@ class PlanExecutor:
                 self.spills.append(_Spill(name, plan.epoch, plan.src_slot[part], fut))
             out.done[i], out.bytes_ssd_write = True, len(i) * block_bytes
         out.host_ns = time.perf_counter_ns() - started
+        return out
+
+    def _l1_among(self, slots: np.ndarray, among: np.ndarray) -> np.ndarray:
+        """Mask of the L1 `slots` that are in `among` (a scratch mask over L1: no sort, as
+        np.isin takes, ~0.1 ms on a resume's 700 moves on the CPU)."""
+        mark = self._l1_mark
+        mark[among] = True
+        out = mark[slots]
+        mark[among] = False
         return out
 
     def _promote(self, plan: MovePlan, i: np.ndarray, out: ExecOutcome

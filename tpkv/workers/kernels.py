@@ -69,7 +69,7 @@ def merged_copies(dev_base: int, block_bytes: int, arena_ptrs: np.ndarray, slots
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(src, dst, bytes) descriptors of the copies of these blocks (L2 -> L1 when `h2d`), in
     ascending address of the host side (`by_host`) or the device side, where both sides
-    continue contiguously merged into one copy (copy_engine.coalesce on the pools' addresses)."""
+    continue contiguously merged into one copy."""
     n = len(hbm_slots)
     dev = np.empty(n, dtype=np.int64)
     host = np.empty(n, dtype=np.int64)

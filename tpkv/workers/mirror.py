@@ -57,6 +57,7 @@ class SlotMirror:
         self.names: list[str] = []
         self._name_idx: dict[str, int] = {}
         self.tokens: dict[str, int] = {}
+        # check()'s scratch: per L1 / L2 slot, zero between calls (the pools never resize)
         self._count = (np.zeros(l1.num_slots, np.int64), np.zeros(l2.num_slots, np.int64))
 
     # ---- lookups ---------------------------------------------------------------------------
@@ -92,11 +93,9 @@ class SlotMirror:
         and an L1/L2 destination is free here and not named twice in the plan; an L1
         destination may also be a slot that a move of this plan this rank applies empties
         (PlanBuilder.free_vacated: the executor copies that block out first)."""
-        o1, o2 = self.owner[HBM], self.owner[DRAM]
-        if len(self._count[0]) != len(o1) or len(self._count[1]) != len(o2):
-            self._count = (np.zeros(len(o1), np.int64), np.zeros(len(o2), np.int64))
         return check_moves(self.ids, self.tier, self.slot, plan.block_ids, plan.src_tier,
-                           plan.src_slot, plan.dst_tier, plan.dst_slot, o1, o2, *self._count)
+                           plan.src_slot, plan.dst_tier, plan.dst_slot, self.owner[HBM],
+                           self.owner[DRAM], *self._count)
 
     def apply(self, plan: MovePlan, done: np.ndarray) -> None:
         """Record the moves in `done` (a mask over the plan's moves) as applied."""
