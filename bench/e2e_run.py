@@ -98,8 +98,8 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
     model = model_for(sizes.model, device)
     cfg = config_for(s, model, sizes.block_tokens, cuda, sizes.layer_events,
                      sizes.l1_reuse, sizes.l2_reuse, bool(sizes.reads_first),
-                     bool(sizes.keep_l2), bool(getattr(sizes, "refill", 1)),
-                     int(getattr(sizes, "write_piece_mib", 16)) << 20)
+                     bool(sizes.keep_l2), bool(sizes.refill),
+                     sizes.write_piece_mib << 20)
     bt, bb = sizes.block_tokens, cfg.geometry.block_bytes
     l1_blocks = cfg.l1.slots(cfg.geometry)
     longest = max(contexts) + (sizes.rounds - 1) * (sizes.user_tokens + sizes.gen_tokens) + 1
@@ -117,7 +117,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         tiered.trace = cuda  # device times of each step's copies, for the resume records
         tiered.late_plans = bool(sizes.late_plans)
         tiered.defer_marks = bool(sizes.defer_marks)
-        rt.worker.engine.dma_split = getattr(sizes, "dma_split", "count")
+        rt.worker.engine.dma_split = sizes.dma_split
         r = Rounds(tiered, sizes, contexts, bb, ceil).run()
         eng = rt.worker.engine  # how well the slot placement let copies merge into runs
         r["copy_blocks"], r["copy_descriptors"] = dict(eng.num_blocks), dict(eng.num_descriptors)
