@@ -63,8 +63,10 @@ class Sizes:
     # SsdConfig.reads_first: spills pause between pieces while a resume reads L3.
     reads_first: int = 1
     # SsdConfig.write_piece_bytes in MiB: with reads_first, the most of a spill one write
-    # carries between pauses (per I/O thread; the e2e's store runs 8 on the GPU).
-    write_piece_mib: int = 16
+    # carries between pauses (per writing thread: write_threads).
+    write_piece_mib: int = 4
+    # SsdConfig.write_threads: the store's threads that write spills (its 8 others read).
+    write_threads: int = 8
     # TieredEngine.late_plans: a decode step's watermark demotions applied once its forward
     # is launched (0: before it, with the step).
     late_plans: int = 1

@@ -71,13 +71,13 @@ def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool,
                layer_events: int = 1, l1_reuse: str = "newest",
                l2_reuse: str = "newest", reads_first: bool = True,
                keep_l2: bool = True, refill: bool = True,
-               write_piece_bytes: int = 16 << 20) -> TpkvConfig:
+               write_piece_bytes: int = 4 << 20, write_threads: int = 8) -> TpkvConfig:
     g = model.kv_geometry(tp_size=1, block_tokens=block_tokens)
     bb = g.block_bytes
     l2 = max(s.l2_bytes, bb)
     l3 = (SsdConfig(root=str(Path(s.ssd_root) / f"l3-{s.key}"), budget_bytes=s.l3_bytes,
                     o_direct=cuda, io_threads=8 if cuda else 2, reads_first=reads_first,
-                    write_piece_bytes=write_piece_bytes)
+                    write_piece_bytes=write_piece_bytes, write_threads=write_threads)
           if s.ssd_root else SsdConfig())
     # Automatic pins off: at these sizes 10% of all blocks is about the whole L1 budget.
     extra: dict[str, Any] = {"prefill_tokens_per_s": _SLOW_PREFILL} if s.always_load else {}
@@ -99,7 +99,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
     cfg = config_for(s, model, sizes.block_tokens, cuda, sizes.layer_events,
                      sizes.l1_reuse, sizes.l2_reuse, bool(sizes.reads_first),
                      bool(sizes.keep_l2), bool(sizes.refill),
-                     sizes.write_piece_mib << 20)
+                     sizes.write_piece_mib << 20, sizes.write_threads)
     bt, bb = sizes.block_tokens, cfg.geometry.block_bytes
     l1_blocks = cfg.l1.slots(cfg.geometry)
     longest = max(contexts) + (sizes.rounds - 1) * (sizes.user_tokens + sizes.gen_tokens) + 1
@@ -126,6 +126,10 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         gate = getattr(rt.worker.store, "_gate", None)
         if gate is not None:  # spill pieces that waited for a resume's reads (reads_first)
             r["l3_write_pauses"] = gate.num_pauses
+        if rt.worker.store is not None:  # where the L3 reads' time went
+            rs = rt.worker.store.read_stats()
+            r["l3_reads"] = {"jobs": rs.jobs, "bytes": rs.bytes, "job_s": round(rs.job_s, 3),
+                             "syscall_share": round(rs.syscall_s / max(rs.job_s, 1e-9), 3)}
     finally:
         rt.close()
         gc.collect()

@@ -196,19 +196,23 @@ class SsdConfig:
     budget_bytes: int = 64 * GiB
     backend: Literal["auto", "posix", "kvikio"] = "auto"
     o_direct: bool = True
-    io_threads: int = 4
+    io_threads: int = 4  # threads that read (a resume's reads); spills have their own
+    # Threads that write spills: apart from the readers, so that a resume's reads never queue
+    # behind spills submitted before them.
+    write_threads: int = 4
     high_watermark: float = 0.90
     low_watermark: float = 0.75
     # Writes (spills) go out in pieces and pause between them while this rank reads (a resume
     # waits for its reads, not for spills; the disk splits its bandwidth between the two).
     reads_first: bool = True
     # With reads_first: the most bytes one write carries between pauses (a resume's reads
-    # start behind at most this much of a spill per I/O thread).
-    write_piece_bytes: int = 16 << 20
+    # start behind at most this much of a spill per writing thread).
+    write_piece_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         _check_positive("L3 budget_bytes", self.budget_bytes)
         _check_positive("L3 io_threads", self.io_threads)
+        _check_positive("L3 write_threads", self.write_threads)
         _check_positive("L3 write_piece_bytes", self.write_piece_bytes)
         _check_watermarks("L3", self.high_watermark, self.low_watermark)
         if self.backend not in ("auto", "posix", "kvikio"):

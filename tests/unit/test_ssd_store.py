@@ -376,6 +376,54 @@ def test_writes_pause_between_pieces_while_a_read_is_in_flight(
     plain.close()
 
 
+def test_a_read_submitted_pauses_spills_before_a_reader_takes_it_up(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spills have threads of their own (write_threads): a read never queues behind them, and
+    from submit_read on (not from when a reader starts it) each spill piece waits for it."""
+    import threading
+
+    from tpkv.workers import ssd_store
+
+    geo = geometry(ALIGNED)
+    record = geo.block_bytes + PAGE
+    monkeypatch.setattr(ssd_store, "_PAUSE_MAX_S", 30.0)
+    pieces: list[int] = []
+    real_pwritev = os.pwritev
+    monkeypatch.setattr(ssd_backend.os, "pwritev",
+                        lambda fd, bufs, off: pieces.append(off) or real_pwritev(fd, bufs, off))
+    (store,) = make_stores(tmp_path, geo, o_direct=False, write_piece_bytes=3 * record,
+                           write_threads=1)
+    rng = np.random.default_rng(41)
+    old, new = random_blocks(rng, geo, 6, aligned=True), random_blocks(rng, geo, 10, aligned=True)
+    assert store.write_blocks("old", np.arange(6), old) > 0 and store.commit_manifest("old")
+    pieces.clear()
+    readers_busy = threading.Event()
+    held = [store._pool.submit(readers_busy.wait, 30) for _ in range(2)]  # both readers taken
+    out = empty_out(geo, 6, aligned=True)
+    read = store.submit_read("old", np.arange(6), out)  # queued: no reader is free
+    spill = store.submit_write("new", np.arange(10), new)
+    threading.Event().wait(0.3)
+    assert not read.done() and not spill.done()
+    assert pieces == [0] and store._gate.num_pauses == 1  # the header; the first piece waits
+    readers_busy.set()
+    assert all(h.result(timeout=30) for h in held)
+    assert read.result(timeout=30).all()
+    for got, want in zip(out, old):
+        np.testing.assert_array_equal(got, want)
+    assert spill.result(timeout=30) > 0 and store.commit_manifest("new")
+    assert len(pieces) == 1 + 4
+    back = empty_out(geo, 10, aligned=True)
+    assert store.read_blocks("new", np.arange(10), back).all()
+    for got, want in zip(back, new):
+        np.testing.assert_array_equal(got, want)
+    stats = store.read_stats()
+    assert stats.jobs == 2 and stats.bytes == 16 * geo.block_bytes
+    assert 0 < stats.syscall_s <= stats.job_s
+    store.close()
+    with pytest.raises(ConfigError, match="write_threads"):
+        SsdConfig(root=str(tmp_path), write_threads=0)
+
+
 def test_write_protocol_fsyncs_before_each_rename(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     events: list[tuple[str, ...]] = []

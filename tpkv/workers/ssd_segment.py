@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -55,6 +56,8 @@ class SegmentIo:
         self.record_bytes = ALIGN_BYTES + self.padded_bytes
         self._zero_pad = np.zeros(self.padded_bytes - block_bytes, dtype=np.uint8)
         self._tls = threading.local()
+        self._stats_lock = threading.Lock()
+        self.read_syscall_ns = 0  # time inside the record reads' preadv, summed over threads
 
     def buffer(self, name: str, num_bytes: int) -> np.ndarray:
         """A per-thread page-aligned buffer of num_bytes (grown in MiB steps, never shrunk)."""
@@ -187,12 +190,16 @@ class SegmentIo:
                 payloads.append(out[int(req)])
                 if len(sink):
                     bufs.append(sink)
+        began = time.perf_counter_ns()
         try:
             got = f.read_at(bufs, ALIGN_BYTES + first * self.record_bytes)
         except OSError as exc:
             log.warning("L3 rank %d: segment %s: reading records %d..%d failed, misses: %s",
                         ident.rank, ident.session_hash.hex()[:16], first, first + num - 1, exc)
             return
+        took = time.perf_counter_ns() - began
+        with self._stats_lock:
+            self.read_syscall_ns += took
         num_read = min(num, got // self.record_bytes)
         actuals = crc_many(payloads[:num_read])
         for k, req in enumerate(reqs[:num_read]):

@@ -7,6 +7,7 @@ import os
 import re
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -55,27 +56,44 @@ _NUM_LOCK_STRIPES = 64
 _PAUSE_MAX_S = 1.0
 
 
+@dataclass
+class ReadStats:
+    """What this rank's L3 reads took: jobs (read_blocks calls), bytes asked, the jobs' time on
+    their threads summed, and of it the time inside the record reads' syscalls."""
+
+    jobs: int = 0
+    bytes: int = 0
+    job_s: float = 0.0
+    syscall_s: float = 0.0
+
+
 class _ReadsFirst:
     """Reads of a rank's store go before its writes: a write, between its pieces, waits (up to
-    _PAUSE_MAX_S a piece) while any read is in flight. On the H200's disk, a resume's reads
-    beside a spill of the same size ran at about half the disk's read speed."""
+    _PAUSE_MAX_S a piece) while any read is submitted and not done. On the H200's disk, a
+    resume's reads beside a spill of the same size ran at about half the disk's read speed."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._reads = 0
         self.num_pauses = 0  # pieces that waited for reads
 
-    @contextmanager
-    def reading(self) -> Iterator[None]:
+    def begin(self) -> None:
         with self._cond:
             self._reads += 1
+
+    def end(self, *_: object) -> None:
+        with self._cond:
+            self._reads -= 1
+            if not self._reads:
+                self._cond.notify_all()
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        self.begin()
         try:
             yield
         finally:
-            with self._cond:
-                self._reads -= 1
-                if not self._reads:
-                    self._cond.notify_all()
+            self.end()
 
     def pause(self) -> None:
         with self._cond:
@@ -143,6 +161,8 @@ class SsdStore:
                 f"{self.record_bytes}-byte record plus its {ALIGN_BYTES}-byte header")
         self._backend = select_backend(config)
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix=f"tpkv-l3-r{rank}")
+        self._writers = ThreadPoolExecutor(config.write_threads,
+                                           thread_name_prefix=f"tpkv-l3-w{rank}")
         # drop_session_later: one thread deletes sessions' files in the order asked; any later
         # call about such a session waits for its delete first (_await_drop).
         self._janitor = ThreadPoolExecutor(1, thread_name_prefix=f"tpkv-l3-drop-r{rank}")
@@ -153,6 +173,7 @@ class SsdStore:
         self._gate = _ReadsFirst() if config.reads_first else None
         self._usage: dict[str, int] = {}
         self._usage_total = 0
+        self._read_jobs = self._read_bytes = self._read_ns = 0
         self._scan()
 
     # ---- public API ---------------------------------------------------------------------------
@@ -212,6 +233,7 @@ class SsdStore:
         indices = self._check_indices(logical_idx, len(out))
         self._check_buffers(out, writable=True)
         hits = np.zeros(len(indices), dtype=bool)
+        began = time.perf_counter_ns()
         if len(indices):
             try:
                 self._await_drop(self._paths(sid))
@@ -224,15 +246,35 @@ class SsdStore:
                             int((~hits).sum()), exc)
             for i in np.flatnonzero(~hits):
                 out[int(i)].fill(0)
+        with self._lock:
+            self._read_jobs += 1
+            self._read_bytes += len(indices) * self.block_bytes
+            self._read_ns += time.perf_counter_ns() - began
         return hits
+
+    def read_stats(self) -> ReadStats:
+        with self._lock:
+            return ReadStats(self._read_jobs, self._read_bytes, self._read_ns / 1e9,
+                             self._io.read_syscall_ns / 1e9)
 
     def submit_write(self, session_id: str, logical_idx: np.ndarray,
                      blocks: Sequence[np.ndarray]) -> Future[int]:
-        return self._pool.submit(self.write_blocks, session_id, logical_idx, blocks)
+        return self._writers.submit(self.write_blocks, session_id, logical_idx, blocks)
 
     def submit_read(self, session_id: str, logical_idx: np.ndarray,
                     out: Sequence[np.ndarray]) -> Future[np.ndarray]:
-        return self._pool.submit(self.read_blocks, session_id, logical_idx, out)
+        """read_blocks on a reader thread. Spills pause from this call on (reads_first), not
+        from when a reader takes the job up."""
+        if self._gate is None:
+            return self._pool.submit(self.read_blocks, session_id, logical_idx, out)
+        self._gate.begin()
+        try:
+            fut = self._pool.submit(self.read_blocks, session_id, logical_idx, out)
+        except BaseException:
+            self._gate.end()
+            raise
+        fut.add_done_callback(self._gate.end)
+        return fut
 
     def commit_manifest(self, session_id: str) -> bool:
         """Mark a session complete if every rank's commit exists and all agree on the indices."""
@@ -354,6 +396,7 @@ class SsdStore:
 
     def close(self) -> None:
         self._janitor.shutdown(wait=True)
+        self._writers.shutdown(wait=True)
         self._pool.shutdown(wait=True)
 
     def _await_drop(self, paths: _Paths) -> None:
