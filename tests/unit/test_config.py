@@ -98,7 +98,8 @@ def test_ssd_dir_cannot_be_created(tmp_path):
         SsdConfig(root=str(blocker / "sub"))
 
 
-@pytest.mark.parametrize("field", ["io_threads", "write_threads", "write_piece_bytes", "budget_bytes"])
+@pytest.mark.parametrize("field", ["io_threads", "write_threads", "write_piece_bytes",
+                                   "budget_bytes"])
 def test_ssd_sizes_must_be_positive(field):
     with pytest.raises(ConfigError, match=f"{field} must be a positive integer, got 0"):
         SsdConfig(**{field: 0})
