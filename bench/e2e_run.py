@@ -167,7 +167,8 @@ class Rounds:
         self.tiered, self.engine, self.sizes = tiered, tiered.engine, sizes
         self.contexts, self.bb, self.ceil = contexts, block_bytes, ceil
         self.vocab = tiered.engine.model.config.vocab_size
-        self.steps: list[tuple[float, bool, int]] = []  # decode: (ms, moved, batch)
+        # decode: (ms, moved, batch, KV tokens the batch attends over)
+        self.steps: list[tuple[float, bool, int, int]] = []
         self.resumes: list[dict[str, Any]] = []
         self.failures: list[str] = []
         self.held_after_fill = 0
@@ -211,6 +212,7 @@ class Rounds:
             kind = "prefill" if e.waiting else "decode"
             session = e.waiting[0].session if e.waiting else None
             batch = 1 if e.waiting else min(len(e.running), e.max_batch)
+            kv_tokens = 0 if e.waiting else sum(len(q.token_ids) for q in e.running[:batch])
             moves0, recompute0 = dict(st.moves), st.recompute_tokens
             loads0 = {t: len(v) for t, v in st.resume_s.items()}
             profiled = self.profile is not None and rnd > 0 and kind == "prefill"
@@ -237,7 +239,7 @@ class Rounds:
                 self.step_stats[key] = (acc, n + 1)
             tokens += batch
             if kind == "decode":
-                self.steps.append((ms, any(moved.values()), batch))
+                self.steps.append((ms, any(moved.values()), batch, kv_tokens))
                 if any(moved.values()):
                     self.traffic.append({"step_ms": round(ms, 3), "moved": moved,
                                          **self._parts(), "trace": self.tiered.last_trace})
@@ -308,6 +310,7 @@ class Rounds:
             "decode_steps": len(ms), "decode_steps_with_traffic": len(busy),
             "step_ms_traffic_vs_quiet": round(float(np.median(busy) / np.median(quiet)), 3)
             if busy and quiet else None,
+            "step_ms_traffic_vs_matched_quiet": matched_ratio(steps),
             "moves": dict(st.moves), "bytes": dict(st.bytes),
             # L1 -> L2 moves into the L2 copy a block kept since its promotion: no bytes moved
             "kept_moves": st.kept_moves,
@@ -357,6 +360,26 @@ def resume_summary(resumes: list[dict[str, Any]]) -> dict[str, Any]:
     resumed = [r["resume_ms"] for r in resumes]
     out["resume_ms_p50"], out["resume_ms_p99"] = _pct(resumed, 50), _pct(resumed, 99)
     return out
+
+
+def matched_ratio(steps: list[tuple[float, bool, int, int]], k: int = 9) -> float | None:
+    """Median over the decode steps with tier traffic of step time / the median time of the k
+    quiet steps of the same batch size nearest in KV tokens: the same step with and without
+    the traffic beside it. Steps after a resume (when the traffic runs) attend over other
+    contexts than the average step, so the two medians alone compare different batches."""
+    quiet: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for b in {s[2] for s in steps}:
+        q = sorted((s[3], s[0]) for s in steps if not s[1] and s[2] == b)
+        if q:
+            quiet[b] = (np.array([t for t, _ in q]), np.array([m for _, m in q]))
+    ratios = []
+    for ms, busy, b, tokens in steps:
+        if not busy or b not in quiet or len(quiet[b][0]) < k:
+            continue
+        toks, times = quiet[b]
+        near = np.argsort(np.abs(toks - tokens), kind="stable")[:k]
+        ratios.append(ms / float(np.median(times[near])))
+    return round(float(np.median(ratios)), 3) if ratios else None
 
 
 def rerate(result: dict[str, Any], ceil: dict[str, float]) -> None:
