@@ -167,8 +167,10 @@ class Rounds:
         self.tiered, self.engine, self.sizes = tiered, tiered.engine, sizes
         self.contexts, self.bb, self.ceil = contexts, block_bytes, ceil
         self.vocab = tiered.engine.model.config.vocab_size
-        # decode: (ms, moved, batch, KV tokens the batch attends over)
-        self.steps: list[tuple[float, bool, int, int]] = []
+        # decode: (ms, moved, batch, KV tokens the batch attends over, whether the batch's
+        # sessions differ from the last decode step's)
+        self.steps: list[tuple[float, bool, int, int, bool]] = []
+        self._members: tuple[str, ...] = ()
         self.resumes: list[dict[str, Any]] = []
         self.failures: list[str] = []
         self.held_after_fill = 0
@@ -213,6 +215,7 @@ class Rounds:
             session = e.waiting[0].session if e.waiting else None
             batch = 1 if e.waiting else min(len(e.running), e.max_batch)
             kv_tokens = 0 if e.waiting else sum(len(q.token_ids) for q in e.running[:batch])
+            members = () if e.waiting else tuple(q.session for q in e.running[:batch])
             moves0, recompute0 = dict(st.moves), st.recompute_tokens
             loads0 = {t: len(v) for t, v in st.resume_s.items()}
             profiled = self.profile is not None and rnd > 0 and kind == "prefill"
@@ -239,12 +242,14 @@ class Rounds:
                 self.step_stats[key] = (acc, n + 1)
             tokens += batch
             if kind == "decode":
-                self.steps.append((ms, any(moved.values()), batch, kv_tokens))
+                changed, self._members = members != self._members, members
+                self.steps.append((ms, any(moved.values()), batch, kv_tokens, changed))
+                shape = {"batch": batch, "kv_tokens": kv_tokens, "batch_changed": changed}
                 if any(moved.values()):
-                    self.traffic.append({"step_ms": round(ms, 3), "moved": moved,
+                    self.traffic.append({"step_ms": round(ms, 3), "moved": moved, **shape,
                                          **self._parts(), "trace": self.tiered.last_trace})
                 else:
-                    self.quiet_parts.append({"step_ms": round(ms, 3), **self._parts()})
+                    self.quiet_parts.append({"step_ms": round(ms, 3), **shape, **self._parts()})
             elif rnd:
                 self._resume(session, ms, moved, st.recompute_tokens > recompute0,
                              {t: len(v) > loads0[t] for t, v in st.resume_s.items()})
@@ -319,7 +324,9 @@ class Rounds:
             "traffic_records": self.traffic}
         # where a decode step with tier traffic spends its host time, and one without
         for key, recs in (("traffic_parts_p50_ms", self.traffic),
-                          ("quiet_parts_p50_ms", self.quiet_parts)):
+                          ("quiet_parts_p50_ms", self.quiet_parts),
+                          ("quiet_changed_parts_p50_ms",  # quiet steps whose batch changed
+                           [r for r in self.quiet_parts if r["batch_changed"]])):
             if recs:
                 out[key] = {k: _pct([r[k] for r in recs if k in r], 50)
                             for k in recs[-1] if k.endswith("_ms")}
@@ -362,21 +369,22 @@ def resume_summary(resumes: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def matched_ratio(steps: list[tuple[float, bool, int, int]], k: int = 9) -> float | None:
+def matched_ratio(steps: list[tuple[float, bool, int, int, bool]], k: int = 9) -> float | None:
     """Median over the decode steps with tier traffic of step time / the median time of the k
-    quiet steps of the same batch size nearest in KV tokens: the same step with and without
-    the traffic beside it. Steps after a resume (when the traffic runs) attend over other
-    contexts than the average step, so the two medians alone compare different batches."""
-    quiet: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    for b in {s[2] for s in steps}:
-        q = sorted((s[3], s[0]) for s in steps if not s[1] and s[2] == b)
+    quiet steps alike (the same batch size, the batch changed since the last decode step or
+    not) nearest in KV tokens: the same step with and without the traffic beside it. The
+    traffic runs in the steps after a resume, whose batch has just changed and attends over
+    other contexts than the average step: the two medians alone compare different steps."""
+    quiet: dict[tuple[int, bool], tuple[np.ndarray, np.ndarray]] = {}
+    for key in {(s[2], s[4]) for s in steps}:
+        q = sorted((s[3], s[0]) for s in steps if not s[1] and (s[2], s[4]) == key)
         if q:
-            quiet[b] = (np.array([t for t, _ in q]), np.array([m for _, m in q]))
+            quiet[key] = (np.array([t for t, _ in q]), np.array([m for _, m in q]))
     ratios = []
-    for ms, busy, b, tokens in steps:
-        if not busy or b not in quiet or len(quiet[b][0]) < k:
+    for ms, busy, b, tokens, changed in steps:
+        if not busy or len(quiet.get((b, changed), ((),))[0]) < k:
             continue
-        toks, times = quiet[b]
+        toks, times = quiet[(b, changed)]
         near = np.argsort(np.abs(toks - tokens), kind="stable")[:k]
         ratios.append(ms / float(np.median(times[near])))
     return round(float(np.median(ratios)), 3) if ratios else None
