@@ -384,6 +384,7 @@ class SsdStore:
                     for path in (paths.manifest, commit, segment, segment + ".tmp",
                                  commit + ".tmp"):
                         unlink_missing_ok(path)
+                    self._io.forget(paths.session_hash, self.rank)
                     fsync_dir(paths.dir)
                 except OSError as exc:
                     self._settle(paths)
@@ -574,6 +575,7 @@ class SsdStore:
                 self._io.write_header(f, ident)
                 self._io.write_records(f, ident, indices, blocks, 0, ALIGN_BYTES, self._pause())
                 f.sync()
+                self._io.remember(f, ident)
             unlink_missing_ok(commit)  # a stale commit must never describe the new segment
             os.replace(tmp, segment)
             fsync_dir(paths.dir)
@@ -598,6 +600,7 @@ class SsdStore:
                     self._io.write_records(f, ident, indices, blocks, prev.num_records, offset,
                                            self._pause())
                     f.sync()
+                    self._io.remember(f, ident)
                 except OSError:
                     try:
                         f.truncate(offset)
