@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.resume_copy import GEOMETRY, runs_slots  # noqa: E402
+from bench.step_profile import decode_fn  # noqa: E402
 from tpkv.config import GiB, HostConfig  # noqa: E402
 from tpkv.models.engine import PagedEngine  # noqa: E402
 from tpkv.models.llama import build_model  # noqa: E402
@@ -59,14 +60,7 @@ def main() -> None:
                     tables[i])
         eng.seqs[f"s{i}"].num_cached = args.context
 
-    def decode() -> None:
-        for i in range(args.batch):
-            s = eng.seqs[f"s{i}"]
-            del s.token_ids[args.context + 1:]
-            s.num_cached = args.context
-            if len(s.token_ids) == args.context:
-                s.token_ids.append(1)
-        eng.decode_step([(f"s{i}", tables[i]) for i in range(args.batch)])
+    decode = decode_fn(eng, tables, args.context)
 
     # Tier pools of their own (the copies' bytes do not matter, their traffic does)
     assert g.block_bytes == GEOMETRY.block_bytes, (g.block_bytes, GEOMETRY.block_bytes)

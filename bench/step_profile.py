@@ -53,6 +53,20 @@ def profile(fn) -> dict:
             "top_device": [[k, round(t, 3)] for k, t in sorted(dev, key=lambda x: -x[1])[:6]]}
 
 
+def decode_fn(eng: PagedEngine, tables: list[np.ndarray], context: int):
+    """One decode step of sessions s0.. (each `context` tokens cached) that forgets its token
+    after: the same step every call."""
+    def decode() -> None:
+        for i in range(len(tables)):
+            s = eng.seqs[f"s{i}"]
+            del s.token_ids[context + 1:]
+            s.num_cached = context
+            if len(s.token_ids) == context:
+                s.token_ids.append(1)
+        eng.decode_step([(f"s{i}", tables[i]) for i in range(len(tables))])
+    return decode
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="1b")
@@ -89,14 +103,7 @@ def main() -> None:
             seq.num_cached = args.context
             eng.prefill("s0", rng.integers(0, vocab, args.turn).tolist(), tables[0])
 
-        def decode(eng: PagedEngine = eng, tables=tables) -> None:
-            for i in range(args.batch):
-                s = eng.seqs[f"s{i}"]
-                del s.token_ids[args.context + 1:]
-                s.num_cached = args.context
-                if len(s.token_ids) == args.context:
-                    s.token_ids.append(1)
-            eng.decode_step([(f"s{i}", tables[i]) for i in range(args.batch)])
+        decode = decode_fn(eng, tables, args.context)
 
         rows[name] = {"turn_prefill_ms": round(timed(turn), 2),
                       "decode_step_ms": round(timed(decode), 2)}

@@ -340,6 +340,23 @@ def test_large_batches_are_few_syscalls_and_aligned_buffers_are_not_copied(
             np.testing.assert_array_equal(got, want)
 
 
+def _piece_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **cfg: object
+                 ) -> tuple[KvGeometry, SsdStore, list[int]]:
+    """A store that writes 3 records a piece, pauses up to 30 s a piece, and the offsets of
+    its pwritev calls."""
+    from tpkv.workers import ssd_store
+
+    geo = geometry(ALIGNED)
+    monkeypatch.setattr(ssd_store, "_PAUSE_MAX_S", 30.0)
+    pieces: list[int] = []
+    real_pwritev = os.pwritev
+    monkeypatch.setattr(ssd_backend.os, "pwritev",
+                        lambda fd, bufs, off: pieces.append(off) or real_pwritev(fd, bufs, off))
+    (store,) = make_stores(tmp_path, geo, o_direct=False,
+                           write_piece_bytes=3 * (geo.block_bytes + PAGE), **cfg)
+    return geo, store, pieces
+
+
 def test_writes_pause_between_pieces_while_a_read_is_in_flight(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """reads_first: a write goes out in pieces and waits before each while this rank reads; it
@@ -349,15 +366,7 @@ def test_writes_pause_between_pieces_while_a_read_is_in_flight(
 
     from tpkv.workers import ssd_store
 
-    geo = geometry(ALIGNED)
-    record = geo.block_bytes + PAGE
-    monkeypatch.setattr(ssd_store, "_PAUSE_MAX_S", 30.0)
-    pieces: list[int] = []
-    real_pwritev = os.pwritev
-    monkeypatch.setattr(ssd_backend.os, "pwritev",
-                        lambda fd, bufs, off: pieces.append(off) or real_pwritev(fd, bufs, off))
-    (store,) = make_stores(tmp_path, geo, o_direct=False,
-                           write_piece_bytes=3 * record)  # 10 blocks: 4 pieces
+    geo, store, pieces = _piece_store(tmp_path, monkeypatch)  # 10 blocks: 4 pieces
     rng = np.random.default_rng(31)
     blocks = random_blocks(rng, geo, 10, aligned=True)
     with store._gate.reading():  # a read in flight
@@ -390,17 +399,7 @@ def test_a_read_submitted_pauses_spills_before_a_reader_takes_it_up(
     from submit_read on (not from when a reader starts it) each spill piece waits for it."""
     import threading
 
-    from tpkv.workers import ssd_store
-
-    geo = geometry(ALIGNED)
-    record = geo.block_bytes + PAGE
-    monkeypatch.setattr(ssd_store, "_PAUSE_MAX_S", 30.0)
-    pieces: list[int] = []
-    real_pwritev = os.pwritev
-    monkeypatch.setattr(ssd_backend.os, "pwritev",
-                        lambda fd, bufs, off: pieces.append(off) or real_pwritev(fd, bufs, off))
-    (store,) = make_stores(tmp_path, geo, o_direct=False, write_piece_bytes=3 * record,
-                           write_threads=1)
+    geo, store, pieces = _piece_store(tmp_path, monkeypatch, write_threads=1)
     rng = np.random.default_rng(41)
     old, new = random_blocks(rng, geo, 6, aligned=True), random_blocks(rng, geo, 10, aligned=True)
     assert store.write_blocks("old", np.arange(6), old) > 0 and store.commit_manifest("old")
