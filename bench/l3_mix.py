@@ -146,6 +146,7 @@ def run_variant(v: Variant, root: Path, blocks: list[np.ndarray], out: list[np.n
     wall = time.perf_counter() - t0
     spiller.stop.set()
     spiller.join()
+    stats = store.read_stats() if hasattr(store, "read_stats") else None
     store.close()
     shutil.rmtree(root, ignore_errors=True)
     if spiller.error is not None:
@@ -155,9 +156,12 @@ def run_variant(v: Variant, root: Path, blocks: list[np.ndarray], out: list[np.n
            "read_mixed_gbps_min": round(min(mixed), 3),
            "read_mixed_gbps": [round(x, 3) for x in mixed],
            "spill_write_gbps": round(spiller.bytes_written / wall / 1e9, 3)}
+    if stats is not None:  # the read jobs' share of time inside their record reads' syscalls
+        row["read_syscall_share"] = round(stats.syscall_s / max(stats.job_s, 1e-9), 3)
     print(f"{v.name:>12} backlog {args.backlog}: alone {row['read_alone_gbps']:.2f}  beside "
           f"spills p50 {row['read_mixed_gbps_p50']:.2f} min {row['read_mixed_gbps_min']:.2f} "
-          f"GB/s; spills wrote {row['spill_write_gbps']:.2f} GB/s", flush=True)
+          f"GB/s; spills wrote {row['spill_write_gbps']:.2f} GB/s; read jobs in syscalls "
+          f"{row.get('read_syscall_share', float('nan')):.2f}", flush=True)
     return row
 
 
