@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tpkv.workers.executor import PlanExecutor, _meets
+from tpkv.workers.executor import PlanExecutor
 
 
 @dataclass
@@ -57,11 +57,15 @@ def _forced_gpu_executor(monkeypatch) -> tuple[PlanExecutor, list, list]:
     return ex, issued, handles
 
 
-def test_meets_finds_any_common_slot():
-    assert _meets(np.array([2, 5, 9]), np.array([7, 9]))
-    assert not _meets(np.array([2, 5, 9]), np.array([0, 3, 10]))
-    assert not _meets(np.array([], dtype=np.int64), np.array([1]))
-    assert not _meets(np.array([1]), np.array([], dtype=np.int64))
+def test_l1_among_finds_any_common_slot():
+    ex = PlanExecutor.__new__(PlanExecutor)  # only its scratch mask over L1 is used here
+    ex._l1_mark = np.zeros(16, dtype=bool)
+    none = np.array([], dtype=np.int64)
+    assert ex._l1_among(np.array([7, 9]), np.array([2, 5, 9])).tolist() == [False, True]
+    assert not ex._l1_among(np.array([0, 3, 10]), np.array([2, 5, 9])).any()
+    assert not ex._l1_among(np.array([1]), none).any()
+    assert not ex._l1_among(none, np.array([1])).any()
+    assert not ex._l1_mark.any()  # the scratch is all False again
 
 
 def test_a_copy_into_free_slots_waits_for_no_demotion():

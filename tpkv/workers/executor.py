@@ -532,7 +532,7 @@ class PlanExecutor:
         the engine writes new K/V into (the step's fresh slots); no wait when none does.
         Deferred batches that read one of them go out first."""
         fresh = np.asarray(fresh_l1_slots, dtype=np.int64)
-        if any(_meets(np.sort(d.src), fresh) for d in self.deferred):
+        if any(self._l1_among(d.src, fresh).any() for d in self.deferred):
             self.flush()
         handle = self._demotion_into(fresh_l1_slots, None)
         if handle is not None and handle.event is not None:
@@ -627,16 +627,3 @@ class PlanExecutor:
             log.error("resync: %d blocks have no copy on this rank (e.g. %d); their bytes are "
                       "zeros here", len(lost), int(lost[0]))
         return lost
-
-
-def _hits(sorted_slots: np.ndarray, slots: np.ndarray) -> np.ndarray:
-    """Mask of `slots` that are in `sorted_slots` (sorted ascending)."""
-    if not len(sorted_slots) or not len(slots):
-        return np.zeros(len(slots), dtype=bool)
-    at = np.searchsorted(sorted_slots, slots).clip(max=len(sorted_slots) - 1)
-    return sorted_slots[at] == slots
-
-
-def _meets(sorted_slots: np.ndarray, slots: np.ndarray) -> bool:
-    """Whether any of `slots` is in `sorted_slots` (sorted ascending)."""
-    return bool(_hits(sorted_slots, slots).any())
