@@ -42,9 +42,11 @@ class MovePlan:
     ends the slot is unused (-1): the record is addressed by (session_names[session_idx[i]],
     logical_idx[i]), which every move carries so workers can name what they write.
 
-    `kept[i]` (L1 -> L2 moves only): the L2 slot still holds this block's bytes from the
-    promotion that brought it into L1, and the block has not been written since, so the move
-    copies nothing; only the maps change. Empty (the default) when no move is kept.
+    `kept[i]` (L1 -> L2 and L2 -> L3 moves only): the destination holds this block's bytes
+    already, and the block has not been written since, so the move copies nothing; only the
+    maps change. On L1 -> L2: the L2 slot from the promotion that brought it into L1. On
+    L2 -> L3: the session's L3 record the block was loaded from (a kept spill writes nothing).
+    Empty (the default) when no move is kept.
     """
 
     epoch: int
@@ -79,9 +81,11 @@ class MovePlan:
             kept = _NO_KEPT
         elif len(kept) != n:
             raise WireFormatError(f"plan array kept has {len(kept)} entries, expected 0 or {n}")
-        elif ((self.src_tier[kept] != int(Tier.HBM)) | (self.dst_tier[kept] != int(Tier.DRAM))
-              ).any():
-            raise WireFormatError("plan keeps a move that is not L1 -> L2")
+        else:
+            src, dst = self.src_tier[kept], self.dst_tier[kept]
+            if not (((src == int(Tier.HBM)) & (dst == int(Tier.DRAM)))
+                    | ((src == int(Tier.DRAM)) & (dst == int(Tier.SSD)))).all():
+                raise WireFormatError("plan keeps a move that is not L1 -> L2 or L2 -> L3")
         kept.setflags(write=False)
         put(self, "kept", kept)
         if self.epoch < 0:

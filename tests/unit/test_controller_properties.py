@@ -132,6 +132,12 @@ class World:
         if not self.unconfirmed and not self.lost:
             assert self.reps[0].digest() == self.c.slot_map()["digest"]
         self.lost = False
+        T = self.c.table
+        if T.keep_l3:  # the controller's L3 room is what the ranks' segments hold
+            on_disk = sum(self.reps[0].num_records.values())
+            assert on_disk == T.used(Tier.SSD) + T.l3_other, \
+                f"{on_disk} records on disk, the controller counts {T.used(Tier.SSD)} blocks " \
+                f"and {T.l3_other} other records"
         return res
 
     def check(self) -> None:

@@ -111,7 +111,7 @@ def small_l2_rig(make_config, fake_clock, **policy):
 
 
 def test_spill_to_l3_is_whole_session_and_comes_back_in_two_epochs(make_config, fake_clock):
-    rig = small_l2_rig(make_config, fake_clock)
+    rig = small_l2_rig(make_config, fake_clock, keep_l3_copies=False)
     rig.open("a", "b", "c", "d", "e")
     for n in "abcde":
         rig.step([n])
@@ -134,7 +134,8 @@ def test_spill_to_l3_is_whole_session_and_comes_back_in_two_epochs(make_config, 
 
 def test_prefetch_from_l3_takes_whole_sessions_and_their_records_go(make_config, fake_clock):
     for room, staged in ((3, 0), (4, 4)):  # a's 4 blocks do not fit in 3, do in 4
-        rig = small_l2_rig(make_config, fake_clock, prefetch_max_blocks=room, cooldown_s=0.0)
+        rig = small_l2_rig(make_config, fake_clock, prefetch_max_blocks=room, cooldown_s=0.0,
+                           keep_l3_copies=False)
         rig.open("a", "b", "c", "d", "e")
         for n in "abcde":
             rig.step([n])

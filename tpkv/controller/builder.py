@@ -46,7 +46,7 @@ class PlanBuilder:
 
     def __init__(self, table: BlockTable, sessions: SessionTable, first_epoch: int,
                  now_s: float, check: bool = False,
-                 buffers: list[np.ndarray] | None = None) -> None:
+                 buffers: list[np.ndarray] | None = None, committed_epoch: int = -1) -> None:
         self.t = table
         self.check = check  # assert each move's source tier (Controller.check_invariants)
         self.s = sessions
@@ -56,6 +56,12 @@ class PlanBuilder:
         self.plan_rows: list[np.ndarray] = []
         self.drops: list[list[np.ndarray]] = [[]]
         self.ssd_dropped: list[int] = []  # sessions whose L3 records were all discarded
+        # Flags over sessions (made on first use): segment dropped in this step, so no move
+        # into L3 later in it (the ranks delete the files after the step's plans)
+        self.segment_gone = np.zeros(0, dtype=bool)
+        # The last plan every rank has applied: a segment may be given back only once no
+        # plan that reads or writes it is still unconfirmed (SessionTable.l3_epoch)
+        self.committed_epoch = committed_epoch
         self.left_l3: list[np.ndarray] = []  # sessions of rows moved out of L3 (with repeats)
         self.events: list[dict[str, object]] = []
         self.touched = np.zeros(0, dtype=bool)  # sessions changed this phase (made on first use)
@@ -93,6 +99,12 @@ class PlanBuilder:
             return
         t = self.t
         assert not self.check or (t.tier[rows] == src).all(), "move: a row is not on its source"
+        if dst == SSD and t.keep_l3:
+            copied = t.l3copy[rows] != 0
+            if copied.any():  # their records are on disk: kept spills, nothing written
+                self._move(rows[~copied], src, dst)
+                self._move(rows[copied], src, dst, kept=True)
+                return
         if dst == DRAM:
             kept: np.ndarray | None = None
             num_kept = 0
@@ -115,9 +127,10 @@ class PlanBuilder:
         self._move(rows, src, dst)
 
     def _move(self, rows: np.ndarray, src: int, dst: int,
-              kept_slots: np.ndarray | None = None) -> None:
+              kept_slots: np.ndarray | None = None, kept: bool = False) -> None:
         """move() once the destination slots are settled: taken from the free stack, or, with
-        `kept_slots`, the rows' own kept L2 copies (the moves are marked kept)."""
+        `kept_slots`, the rows' own kept L2 copies (the moves are marked kept). `kept` on
+        L2 -> L3: the rows' records are in their segments (BlockTable.l3copy)."""
         n = len(rows)
         if n == 0:
             return
@@ -142,7 +155,9 @@ class PlanBuilder:
                   t.owner.get(src, _NO_OWNER), t.owner.get(dst, _NO_OWNER), counts[src + 1],
                   counts[dst + 1], self.touched, self.s.dirty, self.s.clean, t.demoted_at,
                   self.now_s, at, *self.buffers[:6])
-        self.buffers[6][at:at + n] = kept_slots is not None
+        self.buffers[6][at:at + n] = kept_slots is not None or kept
+        if SSD in (src, dst):
+            self._l3_moved(rows, self.buffers[1][at:at + n], src, kept)
         if kept_slots is None:
             stack.top -= n if dst != SSD else 0
         if src == DRAM and dst == HBM and t.keep_copies:
@@ -153,20 +168,58 @@ class PlanBuilder:
             self._held[src].append(self.buffers[2][at:at + n])  # their old slots
         else:
             self.left_l3.append(self.buffers[1][at:at + n].copy())
-            t.l3_held_now += n
+            if not t.keep_l3:  # the records go with the segment, once the session left L3
+                t.l3_held_now += n
         self._n += n
         t.num_in[src + 1] -= n
         t.num_in[dst + 1] += n
-        assert t.used(SSD) <= t.l3_capacity, "L3 over capacity"
+        assert t.used(SSD) + t.l3_other <= t.l3_capacity, "L3 over capacity"
+
+    def _l3_moved(self, rows: np.ndarray, sess: np.ndarray, src: int, kept: bool) -> None:
+        """Bookkeeping of L3 copies (BlockTable.keep_l3) for moves out of or into L3: a load
+        keeps its record as the block's copy; a kept spill turns the copy back into the block's
+        place in L3. Every such move stamps its session's l3_epoch."""
+        t, s = self.t, self.s
+        s.l3_epoch[sess] = self.epoch
+        if not t.keep_l3:
+            return
+        if src == SSD:
+            t.l3copy[rows] = 1
+            np.add.at(s.l3_other, sess, 1)
+            t.l3_other += len(rows)
+        elif kept:
+            t.l3copy[rows] = 0
+            np.subtract.at(s.l3_other, sess, 1)
+            t.l3_other -= len(rows)
 
     def drop(self, rows: np.ndarray) -> None:
         """The blocks lose their copy (they will be recomputed if needed again); slots free now."""
         if len(rows) == 0:
             return
         old_tier, _ = self.t.set_tier(rows, NONE, np.full(len(rows), -1, dtype=np.int32),
-                                      free_src=True)
+                                      free_src=True, dead=self.s.l3_other)
         self._count(rows, old_tier, NONE)
         self.drops[-1].append(self.t.ids(rows))
+
+    def drop_segments(self, units: np.ndarray) -> None:
+        """Delete the whole L3 segments of sessions `units` (ssd_dropped_sessions; the ranks
+        delete the files after this step's plans): their blocks in L3 must be dropped already.
+        Their copies are void and the room of their other records is held like freed room;
+        no block of theirs may go into L3 later in the step."""
+        if len(units) == 0:
+            return
+        t, s = self.t, self.s
+        if t.keep_l3:
+            other = int(s.l3_other[units].sum())
+            t.l3_other -= other
+            t.l3_held_now += other
+            s.l3_other[units] = 0
+            rows, _ = s.arena.gather(units)
+            t.l3copy[rows] = 0
+        if len(self.segment_gone) < s.capacity:
+            self.segment_gone = np.zeros(s.capacity, dtype=bool)
+        self.segment_gone[units] = True
+        self.ssd_dropped.extend(units.tolist())
 
     def free_vacated(self, tier: int) -> None:
         """Free now the slots of `tier` that moves of this phase vacated (L1 only: workers copy
@@ -232,7 +285,7 @@ class PlanBuilder:
         """Sessions that moved blocks out of L3 in this step and hold none there now, and whose
         records are not discarded already: their L3 records are of no more use (a block is in
         one tier; if it goes down again it is written again)."""
-        if not self.left_l3:
+        if not self.left_l3 or self.t.keep_l3:  # (with copies, segments stay)
             return []
         sess = self.left_l3[0] if len(self.left_l3) == 1 else np.concatenate(self.left_l3)
         gone = emptied_sessions(sess, self.s.counts[SSD + 1], self.s.plan_local)

@@ -77,7 +77,7 @@ def lose(ctl: Controller, block_ids: np.ndarray) -> int:
     if len(rows) == 0:
         return 0
     old, _ = ctl.table.set_tier(rows, Tier.NONE, np.full(len(rows), -1, dtype=np.int32),
-                                 free_src=True)
+                                 free_src=True, dead=ctl.sessions.l3_other)
     sess = ctl.table.session[rows].astype(np.int64)
     S = ctl.sessions
     S.dirty[sess] = True

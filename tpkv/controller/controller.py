@@ -73,7 +73,8 @@ class Controller:
             Tier.SSD: (config.l3.high_watermark, config.l3.low_watermark)}
         capacity = table_capacity or min(l1 + l2 + l3 + 1024, 1 << 20)
         self.table = BlockTable(l1, l2, l3, pol.lru_k, min(capacity, pol.max_tracked_blocks),
-                                pol.l1_reuse, pol.l2_reuse, pol.keep_l2_copies)
+                                pol.l1_reuse, pol.l2_reuse, pol.keep_l2_copies,
+                                pol.keep_l3_copies and self.l3_enabled)
         self.sessions = SessionTable(pol.lru_k)
         self.batch_table = BatchTable()
         self.names_cache: tuple[np.ndarray, tuple[str, ...]] = (np.zeros(0, np.int64), ())
@@ -173,6 +174,9 @@ class Controller:
         s = S.lookup(session_id)
         rows = S.rows(s).copy()
         self.outbox_released.append(T.ids(rows))
+        other = int(S.l3_other[s])  # its segment goes with it: that room is freed too
+        T.l3_other -= other
+        T.l3_held_now += other
         T.release_rows(rows)
         S.close(s, self.tick)
         self._changed(s)

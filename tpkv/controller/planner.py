@@ -346,7 +346,8 @@ def _make_l2_room(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, short: i
         return
     # Sessions whose L1 blocks go down in this phase may still spill their older L2 blocks:
     # those are other rows, and nothing has moved yet in this phase.
-    rows, units, _ = _coldest(ctx, b, DRAM, want if ctx.l3_enabled else short, _allowed(shield),
+    forbid = _allowed(shield) if len(b.segment_gone) == 0 else _allowed(shield, b.segment_gone)
+    rows, units, _ = _coldest(ctx, b, DRAM, want if ctx.l3_enabled else short, forbid,
                               cache=True)
     if not ctx.l3_enabled:
         b.drop(rows)
@@ -362,12 +363,17 @@ def _make_l2_room(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, short: i
         return
     cap3 = t.slots(SSD)
     headers = _l3_headers(b, units)
-    room3 = max(0, len(rows) - t.num_free(SSD) + headers)
+    # Blocks whose records are on disk already (L3 copies) take no room
+    written = np.cumsum(t.l3copy[rows] == 0) if t.keep_l3 else np.arange(1, len(rows) + 1)
+    new3 = int(written[-1]) if len(rows) else 0
+    room3 = max(0, new3 - t.num_free(SSD) + headers)
+    if room3 and t.keep_l3:  # segments that hold only copies go before any block in L3
+        room3 -= _give_back_copies(b, units, room3)
     excess3 = _watermark(ctx, SSD, t.used(SSD) + len(rows), cap3)
-    # Sessions dropped here were counted among those in L3; their files stay until the step is
-    # applied, so the count of headers holds.
+    # Sessions dropped here were counted among those in L3 (or with records there); their
+    # files stay until the step is applied, so the count of headers holds.
     _drop_l3(ctx, b, shield, max(room3, min(excess3, budget)))
-    rows = rows[:max(0, t.num_free(SSD) - headers)]
+    rows = rows[:int(np.searchsorted(written, max(0, t.num_free(SSD) - headers), "right"))]
     b.move(rows, DRAM, SSD)
     if len(rows):
         b.events.append({"kind": "spill", "blocks": len(rows), "sessions": len(units)})
@@ -380,7 +386,8 @@ def _l3_headers(b: PlanBuilder, units: np.ndarray) -> int:
     files stay until this step is applied (dropped, or moved out of L3, in it; those of the last
     step are in BlockTable.l3_held). An upper bound: with sessions of hundreds of blocks it
     keeps well under 1% of L3."""
-    return (int(np.count_nonzero(b.s.counts[SSD + 1])) + len(units) + len(b.ssd_dropped)
+    on_disk = b.s.counts[SSD + 1] if not b.t.keep_l3 else b.s.counts[SSD + 1] | b.s.l3_other
+    return (int(np.count_nonzero(on_disk)) + len(units) + len(b.ssd_dropped)
             + len(b.left_l3_sessions()))
 
 
@@ -396,9 +403,32 @@ def _drop_l3(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, need: int) ->
             forbid[si] = True
     rows, units, _ = _coldest(ctx, b, SSD, need, _allowed(forbid), cache=True)
     b.drop(rows)
-    b.ssd_dropped.extend(units.tolist())
+    b.drop_segments(units)
     if len(rows):
         b.events.append({"kind": "drop_l3", "blocks": len(rows), "sessions": len(units)})
+
+
+def _give_back_copies(b: PlanBuilder, spilling: np.ndarray, need: int) -> int:
+    """Free `need` blocks of L3 room (more where the last segment holds more; less where
+    there are too few) by deleting segments that hold no block only in L3 (records of
+    blocks loaded back, and dead ones), those of the sessions run longest ago first; none
+    being spilled now (`spilling`), none dropped or moved into or out of L3 by a plan not
+    yet confirmed (a rank may still read or write it). Returns the records freed (their
+    room is held, as all freed L3 room, into the next step: BlockTable.l3_held)."""
+    s = b.s
+    cand = np.flatnonzero((s.l3_other > 0) & (s.counts[SSD + 1] == 0)
+                          & (s.l3_epoch <= b.committed_epoch))
+    if len(spilling):
+        cand = cand[~np.isin(cand, spilling)]
+    if len(cand) == 0:
+        return 0
+    order = cand[np.argsort(s.run_hist[0][cand], kind="stable")]
+    freed = np.cumsum(s.l3_other[order].astype(np.int64) + 1)  # + its header block
+    units = order[:int(np.searchsorted(freed, need)) + 1]
+    records = int(s.l3_other[units].sum())
+    b.events.append({"kind": "drop_l3_copies", "sessions": len(units), "records": records})
+    b.drop_segments(units)
+    return records
 
 
 def _prefetch(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds, still_needed: int) -> None:

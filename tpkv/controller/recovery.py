@@ -102,7 +102,8 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
     if cap > pol.max_tracked_blocks:
         raise BadRequestError(f"rebuild needs {cap} rows, at most {pol.max_tracked_blocks}")
     T = BlockTable(old.slots(Tier.HBM), old.slots(Tier.DRAM), old.l3_capacity, pol.lru_k, cap,
-                   pol.l1_reuse, pol.l2_reuse, pol.keep_l2_copies)
+                   pol.l1_reuse, pol.l2_reuse, pol.keep_l2_copies,
+                   pol.keep_l3_copies and ctl.l3_enabled)
     S = SessionTable(pol.lru_k)
     taken = {Tier.HBM: np.zeros(T.slots(Tier.HBM), bool), Tier.DRAM: np.zeros(T.slots(Tier.DRAM),
                                                                                 bool)}
@@ -140,6 +141,7 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
         plan.append((row, seen_gen.get(row, -1) + 1, tier, -1 if tier != Tier.SSD else -1, s, j))
     _install(T, S, plan)
     ctl.table, ctl.sessions = T, S
+    ctl.outbox_ssd_dropped = _count_l3_records(T, S, manifests) if T.keep_l3 else []
     ctl.l3_emptied = []  # rebuilt from the files as they are
     ctl.batch_table = BatchTable()
     ctl.eviction_orders.clear()
@@ -158,6 +160,29 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
     ctl.recovery = summary
     ctl.event("rebuilt", **summary)
     return summary
+
+
+def _count_l3_records(T: BlockTable, S: SessionTable,
+                      manifests: Mapping[str, set[int]]) -> list[str]:
+    """With L3 copies: the records a session's manifest lists for blocks not placed in L3 hold
+    room still (SessionTable.l3_other; none is vouched for as a copy). Records of a block
+    written more than once count once here: the manifest's indices are all that is known.
+    If they would not fit in L3, segments holding no block in L3 go (returned: their files
+    are deleted at the first step)."""
+    for name, on_ssd in manifests.items():
+        s = S.index.get(name)
+        if s is not None:
+            S.l3_other[s] = max(0, len(on_ssd) - int(S.counts[int(Tier.SSD) + 1][s]))
+    T.l3_other = int(S.l3_other.sum())
+    gone: list[str] = []
+    only = np.flatnonzero((S.l3_other > 0) & (S.counts[int(Tier.SSD) + 1] == 0))
+    for s in only[np.argsort(-S.l3_other[only], kind="stable")].tolist():
+        if T.used(Tier.SSD) + T.l3_other <= T.l3_capacity:
+            break
+        T.l3_other -= int(S.l3_other[s])
+        S.l3_other[s] = 0
+        gone.append(S.name(s))
+    return gone
 
 
 def _install(T: BlockTable, S: SessionTable,
@@ -203,8 +228,13 @@ def check_integrity(ctl: Controller) -> None:
         counts = np.bincount(T.tier[rows].astype(np.int64) + 1, minlength=4)
         assert (counts == S.counts[:, s]).all(), f"session {s}: counts {S.counts[:, s]} != {counts}"
         assert len(rows) == -(-int(S.tokens[s]) // bt), f"session {s}: blocks != tokens"
+        copies = int(np.count_nonzero(T.l3copy[rows]))
+        assert copies <= S.l3_other[s], f"session {s}: {copies} L3 copies > {S.l3_other[s]}"
     assert seen == T.capacity - T.free_rows.top, "rows of sessions != live rows"
     assert not S.counts[:, ~S.is_open].any(), "a closed session still counts blocks"
+    assert int(S.l3_other.sum()) == T.l3_other, f"L3 other records {T.l3_other} != " \
+        f"{int(S.l3_other.sum())} counted per session"
+    assert (S.l3_other >= 0).all() and not S.l3_other[~S.is_open].any(), "L3 other records"
     flying = np.flatnonzero(T.in_flight)
     if len(flying):
         rows = np.concatenate([p.rows for p in ctl.pending]) if ctl.pending else flying[:0]

@@ -38,7 +38,10 @@ class SlotMapReplica:
         self.where: dict[int, tuple[int, int, str, int]] = {}
         self.pools = {int(Tier.HBM): np.full(l1_slots, -1, dtype=np.int64),
                       int(Tier.DRAM): np.full(l2_slots, -1, dtype=np.int64)}
-        self.records: dict[str, set[int]] = {}  # L3 records present, per session
+        # L3 records per session: logical -> (block id, version) of the newest record, and
+        # how many records its segment holds (each spill that writes appends; dead ones too)
+        self.records: dict[str, dict[int, tuple[int, int]]] = {}
+        self.num_records: dict[str, int] = {}
         self.tokens: dict[str, int] = {}
         self.epoch = 0
         self.tick = 0
@@ -69,6 +72,7 @@ class SlotMapReplica:
             self.tokens[name] = tokens
         for name in (*result.closed_sessions, *result.ssd_dropped_sessions):
             self.records.pop(name, None)
+            self.num_records.pop(name, None)
         for name in result.closed_sessions:
             self.tokens.pop(name, None)
         self.tick = result.tick
@@ -93,14 +97,26 @@ class SlotMapReplica:
             elif dt != Tier.SSD and ((dt, ds) in vacated or self.pools[dt][ds] >= 0):
                 raise ContractError(f"block {bid}: destination slot {ds} of tier {dt} is busy "
                                     f"or vacated in the same plan {plan.epoch}")
-            if st == Tier.SSD and lg not in self.records.get(name, set()):
+            if st == Tier.SSD and lg not in self.records.get(name, {}):
                 raise ContractError(f"block {bid}: no L3 record {name}/{lg} to read")
         kept = plan.kept_mask()
-        for bid, ds, k in zip(plan.block_ids.tolist(), plan.dst_slot.tolist(), kept.tolist()):
+        for bid, st, dt, ds, si, lg, k in zip(
+                plan.block_ids.tolist(), plan.src_tier.tolist(), plan.dst_tier.tolist(),
+                plan.dst_slot.tolist(), plan.session_idx.tolist(), plan.logical_idx.tolist(),
+                kept.tolist()):
             now = (bid, self.version.get(bid, 0))
-            if k and self.block_tokens is not None and self.content.get((1, ds)) != now:
+            name = plan.session_names[si]
+            on_disk = self.records.get(name, {}).get(lg)
+            checked = self.block_tokens is not None
+            if k and dt == Tier.DRAM and checked and self.content.get((1, ds)) != now:
                 raise ContractError(f"block {bid}: kept move into L2 slot {ds}, which holds "
                                     f"{self.content.get((1, ds))}, not its bytes {now}")
+            if (k and dt == Tier.SSD or st == Tier.SSD) and checked and on_disk != now:
+                raise ContractError(f"block {bid}: {'kept spill' if k else 'load'} of L3 record "
+                                    f"{name}/{lg}, which holds {on_disk}, not its bytes {now}")
+            if dt == Tier.SSD and not k:  # a spill that writes: a record appended
+                self.records.setdefault(name, {})[lg] = now
+                self.num_records[name] = self.num_records.get(name, 0) + 1
         for bid in plan.block_ids.tolist():
             self._vacate(bid)
         for bid, dt, ds, si, lg in zip(plan.block_ids.tolist(), plan.dst_tier.tolist(),
@@ -181,8 +197,9 @@ class SlotMapReplica:
                 raise ContractError(f"block {bid}: slot {slot} of tier {tier} is taken by "
                                     f"block {self.pools[tier][slot]}")
             self.pools[tier][slot] = bid
-        elif tier == Tier.SSD:
-            self.records.setdefault(name, set()).add(logical)
+        elif tier == Tier.SSD:  # (restored: its record as the map has it, if none is known)
+            self.records.setdefault(name, {}).setdefault(logical,
+                                                         (bid, self.version.get(bid, 0)))
             slot = -1
         self.where[bid] = (tier, slot, name, logical)
 

@@ -87,6 +87,8 @@ class SessionTable:
     table_pos: np.ndarray
     dirty: np.ndarray
     plan_local: np.ndarray
+    l3_other: np.ndarray
+    l3_epoch: np.ndarray
 
     def __init__(self, lru_k: int, capacity: int = 256) -> None:
         self.lru_k = lru_k
@@ -125,6 +127,12 @@ class SessionTable:
         # that next writes its last block looks whether that block's copy is stale
         # (stepkernels.written_kept); the others skip the lookup.
         grow("kept_last", np.bool_, False)
+        # Records in its L3 segment that are not blocks in L3: copies of blocks loaded back
+        # (BlockTable.l3copy) and dead ones (written or dropped since); they hold L3 room until
+        # the segment goes (PolicyConfig.keep_l3_copies)
+        grow("l3_other", np.int32, 0)
+        # Epoch of the last plan that moved a block of it into or out of L3 (-1: none)
+        grow("l3_epoch", np.int64, -1)
         self._grow_hot(capacity)
         self.arena.grow_sessions(capacity, self._hot["length"], self._hot["start"])
         self.names.extend([None] * (capacity - len(self.names)))
@@ -181,6 +189,8 @@ class SessionTable:
         self.attn_sum[s] = 0.0
         self.clean[s] = False
         self.counts[:, s] = 0
+        self.l3_other[s] = 0
+        self.l3_epoch[s] = -1
         self.choice[s], self.load_s[s], self.recompute_s[s] = -1, 0.0, 0.0
         self.opened_tick[s] = tick
         return s
@@ -195,6 +205,7 @@ class SessionTable:
         self.names[s] = None
         self.is_open[s] = False
         self.counts[:, s] = 0
+        self.l3_other[s] = 0
         self.dirty[s] = True
         self.handle_of[s] = -1
         self.gen[s] += 1

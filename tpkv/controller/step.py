@@ -60,9 +60,10 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     # ---- the step is valid: from here on the table changes -------------------------------------
     ctl.tick += 1
     tick = ctl.tick
-    tokens_before = S.tokens[batch] if T.keep_copies else None
+    tokens_before = S.tokens[batch] if T.keep_copies or T.keep_l3 else None
     start_runs(batch, tokens, tick, S.tokens, S.pending, S.runs, S.run_hist, S.clean)
-    b = PlanBuilder(T, S, ctl.next_epoch, ctl.now_s(), ctl.check_invariants, ctl.move_buffers)
+    b = PlanBuilder(T, S, ctl.next_epoch, ctl.now_s(), ctl.check_invariants, ctl.move_buffers,
+                    ctl.committed_epoch)
     want, recompute = _demand(ctl, b, batch, missing)
     needs = StepNeeds(batch, want, len(recompute) + new_total, up)
     lost = _EMPTY
@@ -93,6 +94,8 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         rc_pos, rc_start, rc_stop = _ranges(old_pos, old_logical)
     if tokens_before is not None and T.num_kept:
         _drop_written_copies(ctl, batch, tokens_before, tokens, rc_pos, rc_start)
+    if tokens_before is not None and T.l3_other:
+        _void_written_l3(ctl, batch, tokens_before, tokens, rc_pos, rc_start)
     return StepResult(
         tick=tick, session_ids=_names(ctl, session_ids, batch), num_tokens=tokens,
         block_offsets=offsets, block_table=table, fresh_block_ids=fresh_ids,
@@ -116,6 +119,22 @@ def _drop_written_copies(ctl: Controller, batch: np.ndarray, before: np.ndarray,
         slots = np.concatenate([slots, more[more >= 0]])
     if len(slots):  # one group: freed slots go back in ascending order (SlotStack.push)
         T.free[DRAM].push(slots)
+
+
+def _void_written_l3(ctl: Controller, batch: np.ndarray, before: np.ndarray,
+                     after: np.ndarray, rc_pos: np.ndarray, rc_start: np.ndarray) -> None:
+    """The L3 copies of the blocks this step writes (as _drop_written_copies: the last block of
+    a session that gets tokens, when it was partly filled, and every block from a recomputed
+    range on) no longer hold their bytes: their records are dead (a later spill writes them
+    again). Recomputed blocks lost their copy when dropped; the range covers the rest."""
+    S, T = ctl.sessions, ctl.table
+    bt = ctl.config.geometry.block_tokens
+    grows = (after > before) & (before % bt != 0)
+    if grows.any():
+        sess = batch[grows]
+        T.l3copy[S.arena.arena[S.arena.start[sess] + before[grows] // bt]] = 0
+    for pos, start in zip(rc_pos.tolist(), rc_start.tolist()):
+        T.l3copy[S.arena.rows(int(batch[pos]))[start:]] = 0
 
 
 def _plan(ctl: Controller, b: PlanBuilder, needs: StepNeeds, tick: int,
@@ -241,9 +260,9 @@ def _demand(ctl: Controller, b: PlanBuilder, batch: np.ndarray,
     off_l1 = (tier == DRAM) | (tier == SSD)
     redo_rows = np.repeat(redo, np.diff(offsets)) & off_l1
     b.drop(rows[redo_rows])
+    gone = sess[redo & (n3 > 0)]  # their L3 records are of no more use
+    b.drop_segments(gone.astype(np.int64))
     for i in np.flatnonzero(redo).tolist():
-        if n3[i]:
-            b.ssd_dropped.append(int(sess[i]))  # its L3 records are of no more use
         b.events.append({"kind": "recompute", "session": S.name(int(sess[i])),
                          "blocks": int(n2[i] + n3[i]), "load_s": float(load_s[i]),
                          "recompute_s": float(recompute_s[i])})

@@ -105,12 +105,18 @@ class BlockTable:
     pinned: np.ndarray  # uint8
     in_flight: np.ndarray  # uint8
     demoted_at: np.ndarray  # float32
+    l3copy: np.ndarray  # uint8
 
     def __init__(self, l1_slots: int, l2_slots: int, l3_capacity: int, lru_k: int,
                  capacity: int, l1_reuse: str = "newest", l2_reuse: str = "newest",
-                 keep_copies: bool = False) -> None:
+                 keep_copies: bool = False, keep_l3: bool = False) -> None:
         self.l3_capacity = l3_capacity
         self.keep_copies = keep_copies  # PolicyConfig.keep_l2_copies
+        self.keep_l3 = keep_l3  # PolicyConfig.keep_l3_copies
+        # L3 records that are not blocks in L3 (SessionTable.l3_other summed): copies of blocks
+        # loaded back (flag l3copy on their rows) and dead records. They hold L3 room until
+        # their session's segment goes (PlanBuilder.drop_segments).
+        self.l3_other = 0
         # L3 room not free yet though no block holds it (the files stay until the ranks apply a
         # later step): blocks that left L3 in the step being built, and those of the last step
         # plus a block for the segment header of each session it emptied (end_l3_step). A
@@ -160,6 +166,9 @@ class BlockTable:
         grow("pinned", np.uint8, 0)  # PIN_EXPLICIT bit
         grow("in_flight", np.uint8, 0)  # 1 while a plan that moved the block is unconfirmed
         grow("demoted_at", np.float32, -np.inf)  # seconds since start of the last demotion
+        # 1: the block (in L1 or L2) was loaded from L3 and not written since: its record in
+        # the session's segment holds its bytes, so a spill of it writes nothing
+        grow("l3copy", np.uint8, 0)
         if self.capacity:
             self.free_rows.grow(capacity)
         else:
@@ -178,7 +187,7 @@ class BlockTable:
 
     def nbytes(self) -> int:
         names = ("gen", "tier", "slot", "session", "logical", "attn", "last_tick", "hist",
-                 "count", "runs_seen", "pinned", "in_flight", "demoted_at")
+                 "count", "runs_seen", "pinned", "in_flight", "demoted_at", "l3copy")
         return sum(getattr(self, n).nbytes for n in names) + self.free_rows.stack.nbytes
 
     # ---- ids -----------------------------------------------------------------------------------
@@ -216,7 +225,7 @@ class BlockTable:
         """Slots a plan may still fill: on L2 the kept copies count (they are given back on
         demand, and a demotion of their own block needs no other slot)."""
         if tier == SSD:
-            return self.l3_capacity - self.used(SSD) - self.l3_held
+            return self.l3_capacity - self.used(SSD) - self.l3_other - self.l3_held
         return self.free[tier].top + (self.num_kept if tier == DRAM else 0)
 
     # ---- kept L2 copies ------------------------------------------------------------------------
@@ -320,10 +329,13 @@ class BlockTable:
         self.free_rows.push(rows)
 
     def set_tier(self, rows: np.ndarray, dst: int, dst_slots: np.ndarray,
-                 free_src: bool) -> tuple[np.ndarray, np.ndarray]:
+                 free_src: bool, dead: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Put `rows` at (dst, dst_slots); return their old (tiers, slots). With free_src the old
-        L1/L2 slots go back to the free lists now; otherwise the caller frees them later."""
+        L1/L2 slots go back to the free lists now; otherwise the caller frees them later. Their
+        L3 copies are void. `dead` (SessionTable.l3_other, with keep_l3): the records of rows
+        that leave L3 stay in their sessions' segments, dead, instead of freeing room."""
         self.drop_kept(rows)
+        self.l3copy[rows] = 0
         old_tier = self.tier[rows].copy()
         old_slot = self.slot[rows].copy()
         for t in (HBM, DRAM):
@@ -334,14 +346,20 @@ class BlockTable:
                     self.free[t].push(old_slot[sel])
         left = np.bincount(old_tier.astype(np.int64) + 1, minlength=4)
         self.num_in -= left
-        self.l3_held_now += int(left[TIER_INDEX[SSD]])
+        gone = int(left[TIER_INDEX[SSD]])
+        if gone and dead is not None and self.keep_l3:
+            np.add.at(dead, self.session[rows[old_tier == SSD]], 1)
+            self.l3_other += gone
+        else:
+            self.l3_held_now += gone
         self.tier[rows] = dst
         self.slot[rows] = dst_slots
         if dst in self.owner:
             self.owner[dst][dst_slots] = rows
         self.num_in[TIER_INDEX[dst]] += len(rows)
-        if dst == SSD and self.used(SSD) > self.l3_capacity:
-            raise AssertionError(f"L3 over capacity: {self.used(SSD)} > {self.l3_capacity}")
+        if dst == SSD and self.used(SSD) + self.l3_other > self.l3_capacity:
+            raise AssertionError(f"L3 over capacity: {self.used(SSD)} blocks and "
+                                 f"{self.l3_other} other records > {self.l3_capacity}")
         return old_tier, old_slot
 
     # ---- integrity -----------------------------------------------------------------------------
@@ -361,7 +379,11 @@ class BlockTable:
             assert int((tier == t).sum()) == self.num_in[col], f"count of {Tier(t).name} is off"
         slot = self.slot[live]
         assert (slot[(tier == NONE) | (tier == SSD)] == -1).all(), "slot off-pool"
-        assert self.used(SSD) <= self.l3_capacity, "L3 over capacity"
+        assert self.used(SSD) + self.l3_other <= self.l3_capacity, "L3 over capacity"
+        assert (self.l3copy[~live] == 0).all(), "a free row is flagged as copied in L3"
+        assert ((self.l3copy[live] == 0) | (tier == HBM) | (tier == DRAM)).all(), \
+            "a block outside L1/L2 is flagged as copied in L3"
+        assert self.keep_l3 or (self.l3copy == 0).all(), "an L3 copy without keep_l3"
         rows = np.flatnonzero(live)
         for t in (HBM, DRAM):
             owner, stack, name = self.owner[t], self.free[t], Tier(t).name
