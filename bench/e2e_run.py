@@ -317,8 +317,10 @@ class Rounds:
             if busy and quiet else None,
             "step_ms_traffic_vs_matched_quiet": matched_ratio(steps),
             "moves": dict(st.moves), "bytes": dict(st.bytes),
-            # L1 -> L2 moves into the L2 copy a block kept since its promotion: no bytes moved
+            # L1 -> L2 moves into the L2 copy a block kept since its promotion, and L2 -> L3
+            # moves of blocks whose record is on disk since their load: no bytes moved
             "kept_moves": st.kept_moves,
+            "kept_spills": st.kept_spills,
             "recompute_tokens": st.recompute_tokens, "retries": st.retries,
             "resumes_by_source": {}, "resume_vs_ceiling": {}, "resume_records": self.resumes,
             "traffic_records": self.traffic}

@@ -80,7 +80,8 @@ def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
                "recompute_tokens": s.recompute_tokens, "retries": s.retries,
                "mismatches": rt.num_mismatches, "steps": s.steps,
                "commit_refusals": rt.num_commit_refusals, "late": rt.worker.num_late,
-               "deferred": rt.worker.num_deferred, "kept": s.kept_moves}
+               "deferred": rt.worker.num_deferred, "kept": s.kept_moves,
+               "kept_spills": s.kept_spills}
     except BaseException as exc:
         rt.close(exc)
         raise
@@ -102,6 +103,9 @@ def check(out: dict[str, Any], mode: str = "load") -> None:
         assert out["recompute_tokens"] > 0 and moves["l3_l2"] == 0, out
     else:
         assert moves["l3_l2"] > 0 and moves["l2_l1"] > 0, moves  # loaded back
+        # and spilled again onto the records they were loaded from (PolicyConfig.
+        # keep_l3_copies): the later loads of those records gave the same tokens
+        assert out["kept_spills"] > 0, out
     if mode == "miss":  # the step that needed the missed block ran again and recomputed it
         assert out["retries"] >= 1 and out["recompute_tokens"] > 0, out
     else:  # ("load" may still recompute blocks the planner dropped when L2 was full)

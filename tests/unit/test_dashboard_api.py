@@ -137,6 +137,7 @@ def test_metrics_text_has_the_same_numbers(served: tuple[Known, str]) -> None:
         assert got[("tpkv_tier_watermark_ratio", (("mark", "high"), ("tier", tier)))] == high
     assert got[("tpkv_epoch_committed", ())] == snap["epoch"]["committed"]
     assert got[("tpkv_l2_kept_copies", ())] == snap["tiers"]["L2"]["kept_copies"]
+    assert got[("tpkv_l3_other_records", ())] == snap["tiers"]["L3"]["other_records"]
     assert got[("tpkv_sessions", ())] == 6
     assert got[("tpkv_plans_committed_total", ())] == snap["epoch"]["committed"]
     for d, n in known.moves.items():

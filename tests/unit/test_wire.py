@@ -135,7 +135,7 @@ def test_fast_header_still_checks_payload_and_dtype():
         decode(msgpack.packb(msgpack.ExtType(1, b"\x92\xa3<i8\x92\x01")))
 
 
-def test_kept_moves_round_trip_and_only_l1_to_l2_may_be_kept():
+def test_kept_moves_round_trip_and_only_moves_down_from_l1_or_l2_may_be_kept():
     plan = make_plan()
     kept = np.array([True, False, True, False, False])
     plan = MovePlan(**{**plan.__dict__, "kept": kept})
@@ -149,3 +149,8 @@ def test_kept_moves_round_trip_and_only_l1_to_l2_may_be_kept():
     assert up.num_kept == 0
     with pytest.raises(WireFormatError, match="not L1 -> L2"):
         MovePlan(1, [3], [1], [4], [0], [7], [0], [0], ("s",), kept=np.array([True]))
+    spill = MovePlan(1, [3], [1], [4], [2], [-1], [0], [0], ("s",), kept=np.array([True]))
+    assert decode_plan(encode_plan(spill)).num_kept == 1  # onto the record a load left
+    for src, dst in ((2, 1), (0, 2), (-1, 0)):  # a load, a tier skipped, a fresh block
+        with pytest.raises(WireFormatError, match="or L2 -> L3"):
+            MovePlan(1, [3], [src], [4], [dst], [7], [0], [0], ("s",), kept=np.array([True]))

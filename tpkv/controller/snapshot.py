@@ -35,6 +35,10 @@ def _tiers(ctl: Controller) -> dict[str, Any]:
                      "enabled": tier != Tier.SSD or ctl.l3_enabled}
     # L2 slots holding copies of L1 blocks (counted in "free": given back on demand)
     out["L2"]["kept_copies"] = T.num_kept
+    # L3 records that are not blocks in L3: copies of blocks loaded back (a spill of their
+    # block writes nothing) and dead ones; they hold room (not in "free") until their segment
+    # goes
+    out["L3"]["other_records"] = T.l3_other
     out["none"] = {"blocks": T.used(Tier.NONE)}
     return out
 

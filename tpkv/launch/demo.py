@@ -72,6 +72,8 @@ def print_summary(out: dict[str, Any], console: Console) -> None:
         t.add_row(f"moves {d.replace('_', ' -> ').upper()}",
                   f"{n} ({out['bytes'][d] / 2**20:.1f} MiB per rank)")
     t.add_row("moves L1 -> L2 into the copy L2 kept (nothing copied)", str(out["kept_moves"]))
+    t.add_row("moves L2 -> L3 onto the record L3 kept (nothing written)",
+              str(out["kept_spills"]))
     for tier, r in out["resume_latency"].items():
         if r["count"]:
             t.add_row(f"resume from {tier.upper()} (mean / p99 ms)",

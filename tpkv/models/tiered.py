@@ -51,6 +51,9 @@ class TierStats:
     # L1 -> L2 moves into the L2 copy a block kept since its promotion (not in moves/bytes:
     # they copy nothing)
     kept_moves: int = 0
+    # L2 -> L3 moves of blocks whose record the session's segment holds since they were loaded
+    # from L3 (not in moves/bytes: nothing is written)
+    kept_spills: int = 0
     recompute_blocks: int = 0  # blocks the controller asked to recompute
     recompute_tokens: int = 0  # tokens fed again because of them
     resume_s: dict[str, list[float]] = field(
@@ -285,9 +288,13 @@ class TieredEngine:
                 continue
             # Moves by (source, destination) tier in one pass: code = src * 4 + dst.
             n = np.bincount(plan.src_tier.astype(np.int64) * 4 + plan.dst_tier, minlength=16)
-            if kept := plan.num_kept:  # demotions into the L2 copy kept: nothing copied
-                n[int(Tier.HBM) * 4 + int(Tier.DRAM)] -= kept
-                self.stats.kept_moves += kept
+            if plan.num_kept:  # into the L2 copy or L3 record kept: nothing copied
+                kept = plan.kept_mask()
+                down = int(np.count_nonzero(kept & (plan.dst_tier == int(Tier.DRAM))))
+                n[int(Tier.HBM) * 4 + int(Tier.DRAM)] -= down
+                n[int(Tier.DRAM) * 4 + int(Tier.SSD)] -= plan.num_kept - down
+                self.stats.kept_moves += down
+                self.stats.kept_spills += plan.num_kept - down
             for name, (src, dst) in DIRECTIONS.items():
                 moves = int(n[src * 4 + dst])
                 self.stats.moves[name] += moves
@@ -358,7 +365,7 @@ def run_tiered_demo(rt: TpkvRuntime, model: Llama, workload_cfg: Any, seconds: f
               for tier, v in s.resume_s.items()}
     return {"wall_s": time.perf_counter() - started, "steps": s.steps, "turns": turns,
             "tiers": tier_summary(rt), "moves": dict(s.moves), "bytes": dict(s.bytes),
-            "kept_moves": s.kept_moves, "resume_latency": resume,
+            "kept_moves": s.kept_moves, "kept_spills": s.kept_spills, "resume_latency": resume,
             "recompute_tokens": s.recompute_tokens, "retries": s.retries,
             "decode_tokens": decode_tokens,
             "decode_tokens_per_s": decode_tokens / decode_s if decode_s else 0.0}

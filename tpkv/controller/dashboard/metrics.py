@@ -66,6 +66,9 @@ def collect(payload: Mapping[str, Any]) -> list[MetricSpec]:
     b.add("tpkv_l2_kept_copies", "gauge",
           "L2 slots holding copies of L1 blocks (a demotion into one copies nothing)",
           value=(payload.get("tiers") or {}).get("L2", {}).get("kept_copies"))
+    b.add("tpkv_l3_other_records", "gauge",
+          "L3 records that are not blocks in L3: copies of blocks loaded back, and dead ones",
+          value=(payload.get("tiers") or {}).get("L3", {}).get("other_records"))
     b.add("tpkv_unplaced_blocks", "gauge", "Blocks in no tier (recomputed when next needed)",
           value=(payload.get("tiers") or {}).get("none", {}).get("blocks"))
     b.add("tpkv_sessions", "gauge", "Open sessions", value=payload.get("num_sessions"))
