@@ -76,6 +76,10 @@ class Sizes:
     # PolicyConfig.keep_l2_copies: a promoted block keeps its L2 copy, so demoting it again
     # (unwritten) copies nothing (0: every demotion copies).
     keep_l2: int = 1
+    # PolicyConfig.keep_l3_copies: a block loaded from L3 keeps its record, so spilling it
+    # again (unwritten) writes nothing (0: every spill writes, a session's files go once it
+    # left L3).
+    keep_l3: int = 1
     # PolicyConfig.refill_same_plan: a resume into a full L1 promotes into the slots its own
     # plan's demotions empty (one plan); 0: into them in a second plan.
     refill: int = 1

@@ -160,3 +160,34 @@ def test_a_load_into_slots_a_spill_still_reads_waits_and_says_how_long(tmp_path:
     quick = ex.run(_plan(4, 0, D, 0, H, 0), np.ones(1, dtype=bool))  # no L3 read: no wait
     assert quick.spill_wait_ns == 0
     store.close()
+
+
+def test_a_load_of_a_block_appended_again_waits_for_the_manifest_of_its_newest_record(
+        tmp_path: Path) -> None:
+    """L3 copies: a block loaded back, written, and spilled again is appended to the session's
+    segment; the older manifest still lists its older record. A load must wait until the
+    manifest covers this rank's newest record (another rank writes its own a moment later),
+    never read the older one."""
+    geo = KvGeometry(num_layers=1, num_kv_heads=2, head_dim=64, dtype="float16",
+                     block_tokens=16, tp_size=2)
+    cfg = SsdConfig(root=str(tmp_path / "l3"), backend="posix", o_direct=False, io_threads=2)
+    stores = [SsdStore(cfg, geo, "m", r) for r in (0, 1)]
+    rng = np.random.default_rng(0)
+    old, new = (rng.integers(0, 256, geo.block_bytes, dtype=np.uint8) for _ in range(2))
+    for st in stores:
+        st.write_blocks("sess", np.array([0]), [old])
+    assert stores[0].commit_manifest("sess") and stores[0].manifest_covers_commit("sess")
+    stores[0].write_blocks("sess", np.array([0]), [new])  # rank 0's newer record of block 0
+    assert not stores[0].manifest_covers_commit("sess")
+    assert stores[1].manifest_covers_commit("sess")  # (rank 1 has not written it yet)
+    late = threading.Timer(0.3, stores[1].write_blocks, ("sess", np.array([0]), [new]))
+    ex = PlanExecutor(make_engine(geo, 4, 4, "cpu"), stores[0], timeout_s=5.0)
+    began = time.monotonic()
+    late.start()
+    out = ex.run(_plan(1, 0, S, -1, D, 2), np.ones(1, dtype=bool))  # L3 -> L2 slot 2
+    assert time.monotonic() - began >= 0.25 and not out.error and len(out.misses) == 0
+    np.testing.assert_array_equal(ex.host.block_bytes_view(2), new)
+    assert stores[0].manifest_covers_commit("sess")
+    late.join()
+    for st in stores:
+        st.close()

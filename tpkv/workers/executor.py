@@ -372,7 +372,7 @@ class PlanExecutor:
             if kind == "write":
                 jobs.append((kind, part, self.store.submit_write(name, logical, views)))
                 continue
-            self._await_manifest(name, logical, deadline)
+            self._await_manifest(name, deadline)
             # A session's reads in chunks across the store's threads: one thread reading and
             # checking a whole session reached about half the disk's speed.
             step = max(1, READ_CHUNK_BYTES // self.hbm.block_bytes)
@@ -462,15 +462,16 @@ class PlanExecutor:
             log.error("L3 records of session %r deleted after a failed spill: its blocks in L3 "
                       "will miss and be recomputed", name)
 
-    def _await_manifest(self, name: str, logical: np.ndarray, deadline: float) -> None:
+    def _await_manifest(self, name: str, deadline: float) -> None:
         """Records another rank wrote a moment ago are readable once the manifest covers them:
-        complete it here if every rank has written (poll, bounded); else they read as misses."""
+        complete it here if every rank has written (poll, bounded); else they read as misses.
+        Every record of this rank's commit, not only the indices read: a block appended again
+        (its L3 copy written since) is in an older manifest too, as its older record."""
         assert self.store is not None
         # This rank's spills of the session are finished (run() waits for them before a load),
         # so what its own commit lacks was never written or was deleted: a miss now, no wait.
-        logical = logical[np.isin(logical, self.store.committed_indices(name))]
         end = min(deadline, time.monotonic() + self.timeout_s / 2)
-        while not np.isin(logical, self.store.session_indices(name)).all():
+        while not self.store.manifest_covers_commit(name):
             complete = self._commit(name, deadline)
             if complete is None or complete or time.monotonic() > end:
                 return

@@ -355,6 +355,24 @@ class SsdStore:
             return np.zeros(0, dtype=np.int64)
         return np.unique(commit.logical_indices)
 
+    def manifest_covers_commit(self, session_id: str) -> bool:
+        """Whether the session's manifest covers every record of this rank's own commit (True
+        when this rank committed none). A read goes by the manifest's records only: where a
+        block was appended again (an L3 copy written since), an older manifest would give
+        the older record."""
+        try:
+            paths = self._paths(validate_session_id(session_id))
+            self._await_drop(paths)
+            commit = self._own_commit(paths)
+        except (SsdError, OSError):
+            return True
+        try:
+            manifest = parse_manifest(self._read_meta(paths.manifest), self._ident(paths))
+        except (SsdError, OSError):
+            return False
+        return (manifest.segment_ids[self.rank] == commit.segment_id
+                and manifest.num_records[self.rank] >= commit.num_records)
+
     def drop_session(self, session_id: str) -> int:
         """Delete the manifest and this rank's files of a session; return the bytes freed."""
         sid = validate_session_id(session_id)
