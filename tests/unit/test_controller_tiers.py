@@ -597,7 +597,8 @@ def test_segments_of_copies_are_given_back_coldest_first(make_config, fake_clock
     # sessions with blocks in L3 (a, b) never go this way: only e is left
     b = builder(c.committed_epoch)
     assert _give_back_copies(b, np.zeros(0, dtype=np.int64), 100) == 4
-    assert b.ssd_dropped == [idx["e"]] and S.l3_other[idx["a"]] == 1 and (T.tier[S.rows(idx["a"])] == Tier.SSD).all()
+    assert b.ssd_dropped == [idx["e"]] and S.l3_other[idx["a"]] == 1
+    assert (T.tier[S.rows(idx["a"])] == Tier.SSD).all()
 
 
 def test_closing_a_session_frees_the_room_of_its_l3_copies(make_config, fake_clock):
