@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -162,6 +163,8 @@ def main() -> None:
             print(f"== ({key}) {setting.label}", flush=True)
             results[key] = run_tiered(setting, sizes, contexts, device, ceil)
             print(json.dumps(summary_line(results[key])), flush=True)
+            # its L3 files go before the next configuration starts (the disk holds one L3)
+            shutil.rmtree(Path(ssd_root) / f"l3-{key}", ignore_errors=True)
             write(args.out, head, results, started)  # what is done survives a cut-off run
     if "d" in wanted:
         from bench.e2e_hf import run_hf
@@ -187,8 +190,6 @@ def main() -> None:
     out = write(args.out, head, results, started)
     print(json.dumps(out["ratios"], indent=1))
     if not args.ssd_dir:
-        import shutil
-
         shutil.rmtree(ssd_root, ignore_errors=True)
 
 
