@@ -123,6 +123,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         r = Rounds(tiered, sizes, contexts, bb, ceil).run()
         eng = rt.worker.engine  # how well the slot placement let copies merge into runs
         r["copy_blocks"], r["copy_descriptors"] = dict(eng.num_blocks), dict(eng.num_descriptors)
+        r["events"] = rt.controller.snapshot()["event_counts"]  # the controller's, by kind
         r["late_steps"] = rt.worker.num_late
         r["deferred_steps"] = rt.worker.num_deferred
         gate = getattr(rt.worker.store, "_gate", None)

@@ -272,8 +272,9 @@ class PolicyConfig:
     # A block loaded back from L3 keeps its record on disk while it is not written (a full
     # block never is): spilling it again writes nothing, and a session back from L3 appends
     # only the blocks written since. Segments of sessions with no block only in L3 are given
-    # back, coldest first, when a spill needs their room (False: a session's files go once its
-    # last L3 block moves up, and every spill writes all its blocks).
+    # back when a spill needs their room or L3's records pass its high watermark (False: a
+    # session's files go once its last L3 block moves up, and every spill writes all its
+    # blocks).
     keep_l3_copies: bool = True
     # A move into L1 that needs room may take the L1 slots that demotions of the same plan
     # empty (workers copy those out first): a resume into a full L1 is one plan, not a plan

@@ -573,20 +573,22 @@ def test_a_written_block_loses_its_l3_copy(make_config, fake_clock):
     assert int(S.l3_other[S.lookup("c")]) == 4  # the record of block 3 is dead, still there
 
 
-def test_segments_of_copies_are_given_back_coldest_first(make_config, fake_clock):
+def test_segments_of_copies_are_given_back_most_recently_run_first(make_config, fake_clock):
+    """The copies of a session that ran longest ago save a write soonest: it is the next to
+    leave L2. Those of the session that ran last go first."""
     from tpkv.controller.builder import PlanBuilder
     from tpkv.controller.planner import _give_back_copies
 
     rig, _ = _back_from_l3(make_config, fake_clock)
     c, S, T = rig.c, rig.c.sessions, rig.c.table
-    idx = {n: S.lookup(n) for n in "abcde"}  # c, d, e hold copies only; c ran longest ago
+    idx = {n: S.lookup(n) for n in "abcde"}  # c, d, e hold copies only; e ran last, c first
     held, other = T.l3_held, T.l3_other
 
     def builder(committed: int) -> PlanBuilder:
         return PlanBuilder(T, S, c.next_epoch, c.now_s(), True, committed_epoch=committed)
 
-    b = builder(c.committed_epoch)  # c is being spilled: d goes (4 records and its header)
-    assert _give_back_copies(b, np.array([idx["c"]]), 5) == 4
+    b = builder(c.committed_epoch)  # e is being spilled: d goes (4 records and its header)
+    assert _give_back_copies(b, np.array([idx["e"]]), 5) == 4
     assert b.ssd_dropped == [idx["d"]] and b.segment_gone[idx["d"]]
     assert T.l3_other == other - 4 and T.l3_held == held + 4
     assert S.l3_other[idx["d"]] == 0 and not T.l3copy[S.rows(idx["d"])].any()
@@ -608,7 +610,7 @@ def test_closing_a_session_frees_the_room_of_its_l3_copies(make_config, fake_clo
     rig.c.close_session("d")
     assert T.num_free(Tier.SSD) == free3  # held: its files go with the next step
     assert rig.step(["e"]).closed_sessions == ("d",)
-    rig.step(["e"])
+    # the ranks delete them when they apply that step, before the next step's spills
     assert T.num_free(Tier.SSD) == free3 + 4 and "d" not in rig.reps[0].num_records
 
 

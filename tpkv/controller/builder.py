@@ -46,7 +46,7 @@ class PlanBuilder:
 
     def __init__(self, table: BlockTable, sessions: SessionTable, first_epoch: int,
                  now_s: float, check: bool = False,
-                 buffers: list[np.ndarray] | None = None, committed_epoch: int = -1) -> None:
+                 buffers: list[np.ndarray] | None = None, *, committed_epoch: int) -> None:
         self.t = table
         self.check = check  # assert each move's source tier (Controller.check_invariants)
         self.s = sessions

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +98,7 @@ class Controller:
         self._pin_tick = -(1 << 40)
         self.ranks: dict[int, str] = {}
         self.events: deque[dict[str, Any]] = deque(maxlen=256)
+        self.event_counts: Counter[str] = Counter()  # every event since start, by kind
         self.latency_us: deque[float] = deque(maxlen=2048)
         self.restarts = restarts
         self.awaiting_rebuild = awaiting_rebuild
@@ -119,6 +120,7 @@ class Controller:
         return self.clock() - self.started_s
 
     def event(self, kind: str, **data: Any) -> None:
+        self.event_counts[kind] += 1
         self.events.append({"tick": self.tick, "t_s": round(self.now_s(), 6), "kind": kind,
                             **data})
 

@@ -367,8 +367,15 @@ def _make_l2_room(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, short: i
     written = np.cumsum(t.l3copy[rows] == 0) if t.keep_l3 else np.arange(1, len(rows) + 1)
     new3 = int(written[-1]) if len(rows) else 0
     room3 = max(0, new3 - t.num_free(SSD) + headers)
-    if room3 and t.keep_l3:  # segments that hold only copies go before any block in L3
-        room3 -= _give_back_copies(b, units, room3)
+    if t.keep_l3:
+        # Segments that hold only copies go before any block in L3, and ahead of need: down
+        # to the low mark once the records pass the high one (freed room is held into the
+        # next step, so a spill that waits for it is cut short, and L2 with it)
+        high, low = ctx.marks[SSD]
+        records = t.used(SSD) + t.l3_other + new3
+        ahead = records - int(math.floor(low * cap3)) if records > high * cap3 else 0
+        if max(room3, ahead) > 0:
+            room3 = max(0, room3 - _give_back_copies(b, units, max(room3, ahead)))
     excess3 = _watermark(ctx, SSD, t.used(SSD) + len(rows), cap3)
     # Sessions dropped here were counted among those in L3 (or with records there); their
     # files stay until the step is applied, so the count of headers holds.
@@ -411,9 +418,10 @@ def _drop_l3(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, need: int) ->
 def _give_back_copies(b: PlanBuilder, spilling: np.ndarray, need: int) -> int:
     """Free `need` blocks of L3 room (more where the last segment holds more; less where
     there are too few) by deleting segments that hold no block only in L3 (records of
-    blocks loaded back, and dead ones), those of the sessions run longest ago first; none
-    being spilled now (`spilling`), none dropped or moved into or out of L3 by a plan not
-    yet confirmed (a rank may still read or write it). Returns the records freed (their
+    blocks loaded back, and dead ones), those of the sessions run most recently first (a
+    session run longest ago leaves L2 next, where its copies save a write); none being
+    spilled now (`spilling`), none dropped or moved into or out of L3 by a plan not yet
+    confirmed (a rank may still read or write it). Returns the records freed (their
     room is held, as all freed L3 room, into the next step: BlockTable.l3_held)."""
     s = b.s
     cand = np.flatnonzero((s.l3_other > 0) & (s.counts[SSD + 1] == 0)
@@ -422,7 +430,7 @@ def _give_back_copies(b: PlanBuilder, spilling: np.ndarray, need: int) -> int:
         cand = cand[~np.isin(cand, spilling)]
     if len(cand) == 0:
         return 0
-    order = cand[np.argsort(s.run_hist[0][cand], kind="stable")]
+    order = cand[np.argsort(-s.run_hist[0][cand], kind="stable")]
     freed = np.cumsum(s.l3_other[order].astype(np.int64) + 1)  # + its header block
     units = order[:int(np.searchsorted(freed, need)) + 1]
     records = int(s.l3_other[units].sum())

@@ -101,6 +101,7 @@ def build(ctl: Controller, max_sessions: int = 256) -> dict[str, Any]:
                   "metadata_bytes": ctl.metadata_bytes(),
                   "bytes_per_block": _num(ctl.metadata_bytes() / max(T.capacity, 1))},
         "events": [dict(e) for e in list(ctl.events)[-64:]],
+        "event_counts": dict(sorted(ctl.event_counts.items())),
     }
 
 

@@ -63,7 +63,7 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     tokens_before = S.tokens[batch] if T.keep_copies or T.keep_l3 else None
     start_runs(batch, tokens, tick, S.tokens, S.pending, S.runs, S.run_hist, S.clean)
     b = PlanBuilder(T, S, ctl.next_epoch, ctl.now_s(), ctl.check_invariants, ctl.move_buffers,
-                    ctl.committed_epoch)
+                    committed_epoch=ctl.committed_epoch)
     want, recompute = _demand(ctl, b, batch, missing)
     needs = StepNeeds(batch, want, len(recompute) + new_total, up)
     lost = _EMPTY
@@ -165,7 +165,7 @@ def plan_deferred_step(ctl: Controller, needs: StepNeeds) -> StepResult | None:
     if too_many or not _marks_due(ctl):  # (the next schedule() then decides)
         return None
     b = PlanBuilder(ctl.table, ctl.sessions, ctl.next_epoch, ctl.now_s(), ctl.check_invariants,
-                    ctl.move_buffers)
+                    ctl.move_buffers, committed_epoch=ctl.committed_epoch)
     _plan(ctl, b, needs, ctl.tick, "marks")
     return StepResult(tick=ctl.tick, session_ids=(), num_tokens=_EMPTY,
                       block_offsets=np.zeros(1, dtype=np.int64),

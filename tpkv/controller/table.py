@@ -218,8 +218,12 @@ class BlockTable:
 
     def end_l3_step(self, emptied: int) -> None:
         """At the end of a step's build: the last step's room is free now (its files went when
-        the ranks applied it); this step's, with `emptied` header blocks, is held one more."""
-        self.l3_held_last, self.l3_held_now = self.l3_held_now + emptied, 0
+        the ranks applied it); this step's, with `emptied` header blocks, is held one more.
+        With L3 copies (keep_l3) room is freed only by deleting whole segments, which the
+        ranks do when they apply this step, before the next step's spills: free from the
+        next step's build on."""
+        held = 0 if self.keep_l3 else self.l3_held_now
+        self.l3_held_last, self.l3_held_now = held + emptied, 0
 
     def num_free(self, tier: int) -> int:
         """Slots a plan may still fill: on L2 the kept copies count (they are given back on
