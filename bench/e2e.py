@@ -45,6 +45,9 @@ class Sizes:
     l2_gib: float = 3.0
     l2_all_gib: float = 24.0  # (b2): an L2 that holds every session (the node's DRAM allows it)
     l3_gib: float = 8.0
+    # (c3): an L3 that holds every session with room for dead records (its copies of loaded
+    # sessions then stay: PolicyConfig.keep_l3_copies)
+    l3_all_gib: float = 24.0
     sessions: int = 96
     context: tuple[int, int] = (4096, 8192)  # tokens of each session's first turn
     rounds: int = 3  # the fill round, then rounds - 1 turns per session
@@ -96,7 +99,7 @@ class Sizes:
 
 # (a) holds about 5 sessions in 1 GiB of L1; 96 sessions need L2 + L3 for the rest.
 QUICK = Sizes(sessions=96, l2_gib=6.0, l3_gib=16.0)
-FULL = Sizes(l1_gib=2.0, l2_gib=16.0, l2_all_gib=48.0, l3_gib=28.0, sessions=96,
+FULL = Sizes(l1_gib=2.0, l2_gib=16.0, l2_all_gib=48.0, l3_gib=28.0, l3_all_gib=44.0, sessions=96,
              context=(8192, 16384))
 
 
@@ -137,10 +140,12 @@ def settings(sizes: Sizes, ssd_root: str) -> dict[str, Setting]:
         # tpkv's default policy: no spill of what the cost model would recompute anyway.
         "c2": Setting("c2", "L1+L2+L3, cost-aware spills", l1, int(sizes.l2_gib * GiB), ssd_root,
                       int(sizes.l3_gib * GiB), spill="cost"),
-        # (c) with every return loaded, however slow the disk: times resumes from L3 against
-        # their ceiling (not in the default list: it adds about two minutes to --full).
-        "c3": Setting("c3", "L1+L2+L3, returns always loaded", l1, int(sizes.l2_gib * GiB),
-                      ssd_root, int(sizes.l3_gib * GiB), always_load=True),
+        # (c) with every return loaded, however slow the disk, and an L3 that holds every
+        # session: times resumes from L3 against their ceiling (not in the default list: it
+        # adds about two minutes to --full).
+        "c3": Setting("c3", "L1+L2+L3, L3 holds all, returns always loaded", l1,
+                      int(sizes.l2_gib * GiB), ssd_root, int(sizes.l3_all_gib * GiB),
+                      always_load=True),
     }
 
 
