@@ -43,7 +43,7 @@ from tpkv.workers.ssd_format import (
     parse_manifest,
     validate_session_id,
 )
-from tpkv.workers.ssd_segment import SegmentIo
+from tpkv.workers.ssd_segment import SegmentIo, last_positions
 
 log = logging.getLogger(__name__)
 
@@ -648,8 +648,19 @@ class SsdStore:
             return
         manifest, commit = self._view(paths, sid)
         ident = replace(self._ident(paths), segment_id=commit.segment_id)
+        # A block this rank appended again after the manifest (an L3 copy written since, spilled
+        # before the other ranks wrote theirs): the manifest holds an older version of it. A
+        # miss, never those bytes.
+        keep = np.flatnonzero(last_positions(commit.logical_indices, indices)
+                              < manifest.num_records[self.rank])
+        if len(keep) < len(indices):
+            log.info("L3 rank %d: session %s: %d blocks have records newer than the manifest; "
+                     "read as misses", self.rank, sid, len(indices) - len(keep))
+        got = np.zeros(len(keep), dtype=bool)
         with self._backend.open(paths.segment(self.rank), write=False, create=False) as f:
-            self._io.read_records(f, ident, manifest.logical_indices, indices, out, hits)
+            self._io.read_records(f, ident, manifest.logical_indices, indices[keep],
+                                  [out[int(i)] for i in keep], got)
+        hits[keep] = got
 
     # ---- argument checks ----------------------------------------------------------------------
 
