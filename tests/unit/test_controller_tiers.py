@@ -626,3 +626,24 @@ def test_rebuild_counts_records_of_blocks_outside_l3_as_room_used(make_config, f
         "a": 0, "b": 0, "c": 4, "d": 4, "e": 4}
     assert not T.l3copy.any() and T.num_free(Tier.SSD) == 64 - 8 - 12
     fresh.check_integrity()
+
+
+def test_resync_voids_every_l3_copy_and_keeps_its_room_counted(make_config, fake_clock):
+    rig, _ = _back_from_l3(make_config, fake_clock)
+    S, T = rig.c.sessions, rig.c.table
+    other, free3 = T.l3_other, T.num_free(Tier.SSD)
+    assert T.l3copy.any()
+    full = rig.c.resync()
+    for r in rig.reps:
+        r.restore(full)
+    assert not T.l3copy.any() and T.l3_other == other and T.num_free(Tier.SSD) == free3
+    for n in "cde":  # back to L3: every block is written again
+        rig.step([n], tokens=[0])
+    spills = 0
+    for n in "ab":
+        res = rig.step([n], tokens=[0])
+        assert not any(p.kept_mask()[p.dst_tier == Tier.SSD].any() for p in res.plans)
+        spills += sum(int((p.dst_tier == Tier.SSD).sum()) for p in res.plans)
+    assert spills > 0
+    rig.c.check_integrity()
+    assert sum(rig.reps[0].num_records.values()) == T.used(Tier.SSD) + T.l3_other

@@ -108,6 +108,7 @@ def resync(ctl: Controller) -> dict[str, Any]:
     ctl.require_ready()
     out = slot_map(ctl)
     ctl.table.clear_kept()  # what a rank's L2 slots hold is no longer vouched for
+    ctl.table.l3copy[:] = 0  # nor its L3 records (they stay, as dead room, until they go)
     ctl.pending.clear()
     ctl.table.in_flight[:] = 0
     ctl.committed_epoch = ctl.next_epoch - 1
