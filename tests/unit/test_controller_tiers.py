@@ -630,7 +630,7 @@ def test_rebuild_counts_records_of_blocks_outside_l3_as_room_used(make_config, f
 
 def test_resync_voids_every_l3_copy_and_keeps_its_room_counted(make_config, fake_clock):
     rig, _ = _back_from_l3(make_config, fake_clock)
-    S, T = rig.c.sessions, rig.c.table
+    T = rig.c.table
     other, free3 = T.l3_other, T.num_free(Tier.SSD)
     assert T.l3copy.any()
     full = rig.c.resync()
