@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tpkv.controller import Controller, SlotMapReplica
-from tpkv.errors import ControllerRecoveringError
+from tpkv.errors import BadRequestError, ControllerRecoveringError
 from tpkv.types import Tier
 
 
@@ -626,6 +626,17 @@ def test_rebuild_counts_records_of_blocks_outside_l3_as_room_used(make_config, f
         "a": 0, "b": 0, "c": 4, "d": 4, "e": 4}
     assert not T.l3copy.any() and T.num_free(Tier.SSD) == 64 - 8 - 12
     fresh.check_integrity()
+    # with each segment's record count (SsdStore.session_records), the dead one counts too:
+    # the room is what it was before the restart
+    again = Controller(rig.c.config, fake_clock, restarts=2, awaiting_rebuild=True,
+                       check_invariants=True)
+    again.rebuild([r.export() for r in rig.reps], rig.reps[0].manifests(),
+                  dict(rig.reps[0].num_records))
+    assert again.table.l3_other == rig.c.table.l3_other == 13
+    assert again.table.num_free(Tier.SSD) == 64 - 8 - 13
+    again.check_integrity()
+    with pytest.raises(BadRequestError, match="negative"):
+        again.rebuild([r.export() for r in rig.reps], {}, {"a": -1})
 
 
 def test_resync_voids_every_l3_copy_and_keeps_its_room_counted(make_config, fake_clock):

@@ -189,6 +189,7 @@ def test_duplicate_index_newest_record_wins(tmp_path: Path) -> None:
     store.write_blocks("s", np.array([5, 6]), first)
     store.write_blocks("s", np.array([5]), second)
     assert store.commit_manifest("s")
+    assert store.session_records("s") == 3 and store.session_records("t") == 0  # (dead too)
     out = empty_out(geo, 3)
     assert store.read_blocks("s", np.array([5, 6, 5]), out).all()
     np.testing.assert_array_equal(out[0], second[0])

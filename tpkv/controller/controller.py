@@ -388,10 +388,13 @@ class Controller:
 
     # ---- recovery and observability --------------------------------------------------------
     def rebuild(self, slot_maps: Sequence[Mapping[str, Any]],
-                ssd_manifests: Mapping[str, Sequence[int] | np.ndarray]) -> dict[str, Any]:
-        """After a restart: rebuild the table from every rank's slot map and the SSD manifests."""
+                ssd_manifests: Mapping[str, Sequence[int] | np.ndarray],
+                ssd_records: Mapping[str, int] | None = None) -> dict[str, Any]:
+        """After a restart: rebuild the table from every rank's slot map and the SSD manifests.
+        `ssd_records`: how many records each session's segment holds (SsdStore.
+        session_records), dead ones too; without it the manifests' distinct indices count."""
         self.prepared = None
-        summary = recovery.rebuild(self, slot_maps, ssd_manifests)
+        summary = recovery.rebuild(self, slot_maps, ssd_manifests, ssd_records)
         self.maybe_check()
         return summary
 

@@ -68,7 +68,8 @@ def _agreed(maps: list[dict[str, Any]]) -> dict[tuple[str, int], tuple[int, int,
 
 
 def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
-            ssd_manifests: Mapping[str, Sequence[int] | np.ndarray]) -> dict[str, Any]:
+            ssd_manifests: Mapping[str, Sequence[int] | np.ndarray],
+            ssd_records: Mapping[str, int] | None = None) -> dict[str, Any]:
     """Replace the table with what every rank agrees on; L3 blocks come from the manifests
     (a session's records count only if its manifest lists them, and only for blocks the ranks'
     maps hold in L3 or do not know at all). Anything else is Tier.NONE: recomputed when its
@@ -79,6 +80,14 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
         raise BadRequestError(f"two slot maps name the same rank: {[m['rank'] for m in maps]}")
     manifests = {check_session_id(k): {int(x) for x in np.asarray(v).reshape(-1).tolist()}
                  for k, v in ssd_manifests.items()}
+    try:
+        records = {check_session_id(k): int(v) for k, v in (ssd_records or {}).items()}
+    except (TypeError, ValueError) as exc:
+        raise BadRequestError(f"ssd_records must map session ids to record counts: {exc}") \
+            from exc
+    if any(n < 0 for n in records.values()):
+        raise BadRequestError(f"ssd_records holds a negative count: "
+                              f"{min(records.values())}")
     agreed = _agreed(maps)
     # Blocks some rank's map knows: their tier is the maps' word. A manifest may still list an
     # older record of a block the maps hold nowhere (its last block written again since, then
@@ -141,7 +150,7 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
         plan.append((row, seen_gen.get(row, -1) + 1, tier, -1 if tier != Tier.SSD else -1, s, j))
     _install(T, S, plan)
     ctl.table, ctl.sessions = T, S
-    ctl.outbox_ssd_dropped = _count_l3_records(T, S, manifests) if T.keep_l3 else []
+    ctl.outbox_ssd_dropped = _count_l3_records(T, S, manifests, records) if T.keep_l3 else []
     ctl.l3_emptied = []  # rebuilt from the files as they are
     ctl.batch_table = BatchTable()
     ctl.eviction_orders.clear()
@@ -162,17 +171,18 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
     return summary
 
 
-def _count_l3_records(T: BlockTable, S: SessionTable,
-                      manifests: Mapping[str, set[int]]) -> list[str]:
-    """With L3 copies: the records a session's manifest lists for blocks not placed in L3 hold
-    room still (SessionTable.l3_other; none is vouched for as a copy). Records of a block
-    written more than once count once here: the manifest's indices are all that is known.
-    If they would not fit in L3, segments holding no block in L3 go (returned: their files
-    are deleted at the first step)."""
-    for name, on_ssd in manifests.items():
+def _count_l3_records(T: BlockTable, S: SessionTable, manifests: Mapping[str, set[int]],
+                      records: Mapping[str, int]) -> list[str]:
+    """With L3 copies: the records of a session's segment that are not blocks placed in L3
+    hold room still (SessionTable.l3_other; none is vouched for as a copy): its record count
+    from `records` where given, else its manifest's distinct indices (a block written more
+    than once then counts once). If they would not fit in L3, segments holding no block in L3
+    go (returned: their files are deleted at the first step)."""
+    for name in set(manifests) | set(records):
         s = S.index.get(name)
         if s is not None:
-            S.l3_other[s] = max(0, len(on_ssd) - int(S.counts[int(Tier.SSD) + 1][s]))
+            held = max(len(manifests.get(name, ())), records.get(name, 0))
+            S.l3_other[s] = max(0, held - int(S.counts[int(Tier.SSD) + 1][s]))
     T.l3_other = int(S.l3_other.sum())
     gone: list[str] = []
     only = np.flatnonzero((S.l3_other > 0) & (S.counts[int(Tier.SSD) + 1] == 0))

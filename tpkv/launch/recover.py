@@ -31,10 +31,14 @@ def rebuild_controller(rt: TpkvRuntime) -> dict[str, Any]:
 
     def rebuild() -> Any:
         store = rt.worker.store
-        manifests = ({sid: store.session_indices(sid) for sid in store.list_sessions()}
-                     if store is not None else {})
+        manifests: dict[str, Any] = {}
+        records: dict[str, int] = {}
+        if store is not None:  # and the records each holds, dead ones too (L3 room)
+            for sid in store.list_sessions():
+                manifests[sid] = store.session_indices(sid)
+                records[sid] = store.session_records(sid)
         summary = rt._call("rebuild", slot_maps=[decode(m) for m in maps],
-                           ssd_manifests=manifests)
+                           ssd_manifests=manifests, ssd_records=records)
         # Sessions closed just before the restart are still in the ranks' maps (their blocks
         # go with the next step): close them again, or a new session of the same name would
         # find their blocks.

@@ -355,6 +355,16 @@ class SsdStore:
             return np.zeros(0, dtype=np.int64)
         return np.unique(commit.logical_indices)
 
+    def session_records(self, session_id: str) -> int:
+        """Records in this rank's committed segment of a session, dead ones (blocks written
+        again) too: the room it holds in records (0 if none)."""
+        try:
+            paths = self._paths(validate_session_id(session_id))
+            self._await_drop(paths)
+            return self._own_commit(paths).num_records
+        except (SsdError, OSError):
+            return 0
+
     def manifest_covers_commit(self, session_id: str) -> bool:
         """Whether the session's manifest covers every record of this rank's own commit (True
         when this rank committed none). A read goes by the manifest's records only: where a
