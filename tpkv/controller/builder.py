@@ -6,6 +6,7 @@ import numpy as np
 
 from tpkv.controller.kernels import emptied_sessions, move_rows, plan_arrays
 from tpkv.controller.sessions import SessionTable, add_counts
+from tpkv.controller.stepkernels import l3_moved
 from tpkv.controller.table import DRAM, HBM, NONE, SSD, BlockTable, SlotStack
 from tpkv.errors import TierFullError
 from tpkv.types import MovePlan
@@ -180,17 +181,9 @@ class PlanBuilder:
         keeps its record as the block's copy; a kept spill turns the copy back into the block's
         place in L3. Every such move stamps its session's l3_epoch."""
         t, s = self.t, self.s
-        s.l3_epoch[sess] = self.epoch
-        if not t.keep_l3:
-            return
-        if src == SSD:
-            t.l3copy[rows] = 1
-            np.add.at(s.l3_other, sess, 1)
-            t.l3_other += len(rows)
-        elif kept:
-            t.l3copy[rows] = 0
-            np.subtract.at(s.l3_other, sess, 1)
-            t.l3_other -= len(rows)
+        mode = 0 if not t.keep_l3 else 1 if src == SSD else 2 if kept else 0
+        l3_moved(rows, sess, mode, self.epoch, t.l3copy, s.l3_other, s.l3_last, s.l3_epoch)
+        t.l3_other += len(rows) if mode == 1 else -len(rows) if mode == 2 else 0
 
     def drop(self, rows: np.ndarray) -> None:
         """The blocks lose their copy (they will be recomputed if needed again); slots free now."""

@@ -89,6 +89,7 @@ class SessionTable:
     plan_local: np.ndarray
     l3_other: np.ndarray
     l3_epoch: np.ndarray
+    l3_last: np.ndarray
 
     def __init__(self, lru_k: int, capacity: int = 256) -> None:
         self.lru_k = lru_k
@@ -133,6 +134,10 @@ class SessionTable:
         grow("l3_other", np.int32, 0)
         # Epoch of the last plan that moved a block of it into or out of L3 (-1: none)
         grow("l3_epoch", np.int64, -1)
+        # A block of it was loaded from L3 (keeping its record) since it last got tokens: the
+        # step that next writes its last block voids that block's copy (stepkernels.written_kept);
+        # the others skip the lookup, as kept_last does for L2 copies
+        grow("l3_last", np.bool_, False)
         self._grow_hot(capacity)
         self.arena.grow_sessions(capacity, self._hot["length"], self._hot["start"])
         self.names.extend([None] * (capacity - len(self.names)))
@@ -191,6 +196,7 @@ class SessionTable:
         self.counts[:, s] = 0
         self.l3_other[s] = 0
         self.l3_epoch[s] = -1
+        self.l3_last[s] = False
         self.choice[s], self.load_s[s], self.recompute_s[s] = -1, 0.0, 0.0
         self.opened_tick[s] = tick
         return s

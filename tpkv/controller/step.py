@@ -92,10 +92,8 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         fresh_pos = np.concatenate([old_pos, new_pos])
         fresh_logical = np.concatenate([old_logical, new_logical])
         rc_pos, rc_start, rc_stop = _ranges(old_pos, old_logical)
-    if tokens_before is not None and T.num_kept:
+    if tokens_before is not None and (T.num_kept or T.l3_other):
         _drop_written_copies(ctl, batch, tokens_before, tokens, rc_pos, rc_start)
-    if tokens_before is not None and T.l3_other:
-        _void_written_l3(ctl, batch, tokens_before, tokens, rc_pos, rc_start)
     return StepResult(
         tick=tick, session_ids=_names(ctl, session_ids, batch), num_tokens=tokens,
         block_offsets=offsets, block_table=table, fresh_block_ids=fresh_ids,
@@ -106,35 +104,21 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
 
 def _drop_written_copies(ctl: Controller, batch: np.ndarray, before: np.ndarray,
                          after: np.ndarray, rc_pos: np.ndarray, rc_start: np.ndarray) -> None:
-    """The L2 copies kept of blocks this step writes are stale: the last block of a session
-    that gets tokens, when it was partly filled, and every block from a recomputed range on
-    (the engine feeds the session again from there). Free them."""
+    """The copies of blocks this step writes are stale: the last block of a session that gets
+    tokens, when it was partly filled, and every block from a recomputed range on (the engine
+    feeds the session again from there). Their L2 copies are freed; their L3 copies are void
+    (the records stay, dead, until their segment goes; a later spill writes them again)."""
     S, T = ctl.sessions, ctl.table
     slots = T.take_written(batch, before, after, ctl.config.geometry.block_tokens,
-                           S.arena.arena, S.arena.start, S.kept_last)
+                           S.arena.arena, S.arena.start, S.kept_last, S.l3_last)
     if len(rc_pos):
         rows = np.concatenate([S.arena.rows(int(batch[pos]))[start:] for pos, start in
                                zip(rc_pos.tolist(), rc_start.tolist())])
+        T.l3copy[rows] = 0
         more = T.take_kept(np.unique(rows))
         slots = np.concatenate([slots, more[more >= 0]])
     if len(slots):  # one group: freed slots go back in ascending order (SlotStack.push)
         T.free[DRAM].push(slots)
-
-
-def _void_written_l3(ctl: Controller, batch: np.ndarray, before: np.ndarray,
-                     after: np.ndarray, rc_pos: np.ndarray, rc_start: np.ndarray) -> None:
-    """The L3 copies of the blocks this step writes (as _drop_written_copies: the last block of
-    a session that gets tokens, when it was partly filled, and every block from a recomputed
-    range on) no longer hold their bytes: their records are dead (a later spill writes them
-    again). Recomputed blocks lost their copy when dropped; the range covers the rest."""
-    S, T = ctl.sessions, ctl.table
-    bt = ctl.config.geometry.block_tokens
-    grows = (after > before) & (before % bt != 0)
-    if grows.any():
-        sess = batch[grows]
-        T.l3copy[S.arena.arena[S.arena.start[sess] + before[grows] // bt]] = 0
-    for pos, start in zip(rc_pos.tolist(), rc_start.tolist()):
-        T.l3copy[S.arena.rows(int(batch[pos]))[start:]] = 0
 
 
 def _plan(ctl: Controller, b: PlanBuilder, needs: StepNeeds, tick: int,

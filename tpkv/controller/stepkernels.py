@@ -151,31 +151,56 @@ def alloc_blocks(batch: A, n_new: A, first: A, free_rows: A, free_top: int, slot
 
 @_jit
 def written_kept(batch: A, before: A, after: A, block_tokens: int, arena: A, start: A,
-                 tier: A, slot: A, kept: A, kept_last: A) -> A:
-    """The L2 copies kept (BlockTable.kept, by L1 slot) of the blocks a step appends to: the
-    last block of each session that gets tokens, when it was part full (`before`, `after`:
-    its tokens before and after the step). They are stale once the step writes: forgotten
-    here; returns their L2 slots, for the caller to free. Only sessions flagged `kept_last`
-    (a block of theirs promoted since they last got tokens) are looked at: one flag each,
-    instead of three lookups in tables of a million rows; their flag is cleared."""
+                 tier: A, slot: A, kept: A, kept_last: A, l3copy: A, l3_last: A) -> A:
+    """The copies of the blocks a step appends to: the last block of each session that gets
+    tokens, when it was part full (`before`, `after`: its tokens before and after the step).
+    They are stale once the step writes. Its L2 copy (BlockTable.kept, by L1 slot) is
+    forgotten here, and its L2 slot returned for the caller to free; its L3 copy
+    (BlockTable.l3copy) is void. Only sessions flagged `kept_last` (a block of theirs promoted
+    keeping its L2 copy since they last got tokens) or `l3_last` (loaded from L3 since) are
+    looked at: one flag each, instead of three lookups in tables of a million rows; their
+    flags are cleared (the blocks they open from here on are new)."""
     n = len(batch)
     out = np.empty(n, dtype=np.int32)
     k = 0
     for i in range(n):
         s = batch[i]
         b = before[i]
-        if not kept_last[s] or after[i] <= b:
+        two, three = kept_last[s], l3_last[s]
+        if not (two or three) or after[i] <= b:
             continue
         kept_last[s] = False
+        l3_last[s] = False
         if b % block_tokens != 0:
             r = arena[start[s] + b // block_tokens]
-            if tier[r] == 0:  # (in L1, as every block of the batch is by now)
+            if three:
+                l3copy[r] = 0
+            if two and tier[r] == 0:  # (in L1, as every block of the batch is by now)
                 z = slot[r]
                 if kept[z] >= 0:
                     out[k] = kept[z]
                     kept[z] = -1
                     k += 1
     return out[:k].copy()
+
+
+@_jit
+def l3_moved(rows: A, sessions: A, mode: int, epoch: int, l3copy: A, l3_other: A,
+             l3_last: A, l3_epoch: A) -> None:
+    """PlanBuilder's bookkeeping of moves out of or into L3, in one pass: every session is
+    stamped with the plan's epoch (SessionTable.l3_epoch); mode 1 (a load, L3 copies on):
+    the row keeps its record as its copy (l3copy, one more record of its session not in L3,
+    its session flagged l3_last); mode 2 (a kept spill): the copy becomes its place in L3."""
+    for i in range(len(rows)):
+        s = sessions[i]
+        l3_epoch[s] = epoch
+        if mode == 1:
+            l3copy[rows[i]] = 1
+            l3_other[s] += 1
+            l3_last[s] = True
+        elif mode == 2:
+            l3copy[rows[i]] = 0
+            l3_other[s] -= 1
 
 
 @_jit
