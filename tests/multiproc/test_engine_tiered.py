@@ -18,6 +18,7 @@ from tpkv.models.tp import apply_tp
 BT = 4
 SESSIONS, TURNS, GROUP = 6, 3, 2
 L1_BLOCKS, L2_BLOCKS = 32, 16  # the 6 sessions end with about 80 blocks: L3 must hold some
+L3_SMALL = 48  # mode "l3small": less than the sessions in L3 and the copies of the others
 Turns = dict[str, list[tuple[int, ...]]]
 
 
@@ -52,7 +53,9 @@ def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
                 device: str = "cpu") -> dict[str, Any]:
     """One rank: the reference run, then the tiered run (mode "load": resuming always loads;
     "recompute": always recomputes; "miss": loads, and the first L3 read on rank 0 misses;
-    "kept": an L2 that holds every block, so demotions of promoted blocks are kept moves)."""
+    "kept": an L2 that holds every block, so demotions of promoted blocks are kept moves;
+    "l3small": loads, with an L3 too small for the copies of loaded sessions besides the
+    sessions in it, so their segments are given back and written again)."""
     import tpkv
     from tpkv.models.tiered import TieredEngine, tiered_config
 
@@ -62,7 +65,8 @@ def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
     policy = PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=rate)
     cfg = tiered_config(model, world, block_tokens=BT, l1_blocks=L1_BLOCKS,
                         l2_blocks=4 * L2_BLOCKS if mode == "kept" else L2_BLOCKS,
-                        ssd_root=ssd_root, policy=policy)
+                        ssd_root=ssd_root, policy=policy,
+                        l3_blocks=L3_SMALL if mode == "l3small" else 4096)
     rt = tpkv.init(cfg, controller="local", device=device)
     try:
         model = apply_tp(model, rank, world)
@@ -193,3 +197,23 @@ def test_tiered_demo_summarizes_a_short_run(tmp_path, monkeypatch):
     assert out["moves"]["l1_l2"] + out["kept_moves"] > 0, (out["moves"], out["kept_moves"])
     assert set(out["resume_latency"]) == {"l1", "l2", "l3"}
     assert sum(out["tiers"]["blocks"].values()) >= 0
+
+
+@pytest.mark.timeout(90)
+def test_segments_of_copies_given_back_and_written_again_give_the_tokens_of_a_large_l1(
+        tmp_path, monkeypatch):
+    """L3 copies with an L3 too small to keep them: the controller gives whole segments back
+    (the ranks delete their files) and the sessions' next spills write them afresh; tokens stay
+    those of the all-L1 run, at TP 1 in process and TP 2."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    out = tiered_rank(0, 1, str(tmp_path / "l3-tp1"), "l3small")
+    check(out, "l3small")
+    assert out["events"].get("drop_l3_copies", 0) > 0, out["events"]
+    results = run_ranks(tiered_rank, 2, str(tmp_path / "l3-tp2"), "l3small", timeout_s=80)
+    assert sorted(results) == [0, 1], results
+    for r in (0, 1):
+        assert results[r]["ok"], results[r].get("trace")
+        check(results[r], "l3small")
+    assert results[0]["got"] == results[1]["got"]
+    assert results[0]["events"].get("drop_l3_copies", 0) > 0, results[0]["events"]
