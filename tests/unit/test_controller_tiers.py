@@ -639,6 +639,27 @@ def test_rebuild_counts_records_of_blocks_outside_l3_as_room_used(make_config, f
         again.rebuild([r.export() for r in rig.reps], {}, {"a": -1})
 
 
+def test_rebuild_into_a_smaller_l3_deletes_segments_of_copies_that_do_not_fit(
+        make_config, fake_clock):
+    """21 records on disk (a: 4 blocks in L3 and a dead record, b: 4 in L3, c, d, e: 4 copies
+    each), an L3 of 20 after the restart: one segment of copies goes, its room held until the
+    first step's files are deleted."""
+    rig, _ = _back_from_l3(make_config, fake_clock)
+    small = Controller(make_config(l1=8, l2=8, l3=20), fake_clock, restarts=1,
+                       awaiting_rebuild=True, check_invariants=True)
+    small.rebuild([r.export() for r in rig.reps], rig.reps[0].manifests(),
+                  dict(rig.reps[0].num_records))
+    S, T = small.sessions, small.table
+    gone = small.outbox_ssd_dropped
+    assert len(gone) == 1 and gone[0] in "cde" and S.l3_other[S.lookup(gone[0])] == 0
+    assert T.used(Tier.SSD) + T.l3_other == 17 and T.l3_held == 4
+    assert T.num_free(Tier.SSD) == 20 - 17 - 4
+    res = small.schedule([gone[0]], [0])
+    assert gone[0] in res.ssd_dropped_sessions
+    assert T.l3_held == 0 and T.num_free(Tier.SSD) == 20 - T.used(Tier.SSD) - T.l3_other
+    small.check_integrity()
+
+
 def test_resync_voids_every_l3_copy_and_keeps_its_room_counted(make_config, fake_clock):
     rig, _ = _back_from_l3(make_config, fake_clock)
     T = rig.c.table

@@ -177,7 +177,8 @@ def _count_l3_records(T: BlockTable, S: SessionTable, manifests: Mapping[str, se
     hold room still (SessionTable.l3_other; none is vouched for as a copy): its record count
     from `records` where given, else its manifest's distinct indices (a block written more
     than once then counts once). If they would not fit in L3, segments holding no block in L3
-    go (returned: their files are deleted at the first step)."""
+    go (returned: their files are deleted when the ranks apply the first step; their room is
+    held through its build)."""
     for name in set(manifests) | set(records):
         s = S.index.get(name)
         if s is not None:
@@ -190,6 +191,7 @@ def _count_l3_records(T: BlockTable, S: SessionTable, manifests: Mapping[str, se
         if T.used(Tier.SSD) + T.l3_other <= T.l3_capacity:
             break
         T.l3_other -= int(S.l3_other[s])
+        T.l3_held_now += int(S.l3_other[s])  # until the first step's files are deleted
         S.l3_other[s] = 0
         gone.append(S.name(s))
     return gone
