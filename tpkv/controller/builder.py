@@ -182,7 +182,9 @@ class PlanBuilder:
         place in L3. Every such move stamps its session's l3_epoch."""
         t, s = self.t, self.s
         mode = 0 if not t.keep_l3 else 1 if src == SSD else 2 if kept else 0
-        l3_moved(rows, sess, mode, self.epoch, t.l3copy, s.l3_other, s.l3_last, s.l3_epoch)
+        # (rows come as int32 or int64: one dtype, one compiled signature)
+        l3_moved(rows.astype(np.int64, copy=False), sess, mode, self.epoch, t.l3copy,
+                 s.l3_other, s.l3_last, s.l3_epoch)
         t.l3_other += len(rows) if mode == 1 else -len(rows) if mode == 2 else 0
 
     def drop(self, rows: np.ndarray) -> None:
