@@ -205,10 +205,7 @@ class PlanBuilder:
             return
         t, s = self.t, self.s
         if t.keep_l3:
-            other = int(s.l3_other[units].sum())
-            t.l3_other -= other
-            t.l3_held_now += other
-            s.l3_other[units] = 0
+            t.free_records(s.l3_other, units)
             rows, _ = s.arena.gather(units)
             t.l3copy[rows] = 0
         if len(self.segment_gone) < s.capacity:

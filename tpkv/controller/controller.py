@@ -176,9 +176,7 @@ class Controller:
         s = S.lookup(session_id)
         rows = S.rows(s).copy()
         self.outbox_released.append(T.ids(rows))
-        other = int(S.l3_other[s])  # its segment goes with it: that room is freed too
-        T.l3_other -= other
-        T.l3_held_now += other
+        T.free_records(S.l3_other, s)  # its segment goes with it: that room is freed too
         T.release_rows(rows)
         S.close(s, self.tick)
         self._changed(s)

@@ -369,8 +369,8 @@ def _make_l2_room(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, short: i
     room3 = max(0, new3 - t.num_free(SSD) + headers)
     if t.keep_l3:
         # Segments that hold only copies go before any block in L3, and ahead of need: down
-        # to the low mark once the records pass the high one (freed room is held into the
-        # next step, so a spill that waits for it is cut short, and L2 with it)
+        # to the low mark once the records pass the high one (freed room is held through this
+        # step's build, so a spill that waits for it is cut short, and L2 with it)
         high, low = ctx.marks[SSD]
         records = t.used(SSD) + t.l3_other + new3
         ahead = records - int(math.floor(low * cap3)) if records > high * cap3 else 0
@@ -422,7 +422,8 @@ def _give_back_copies(b: PlanBuilder, spilling: np.ndarray, need: int) -> int:
     session run longest ago leaves L2 next, where its copies save a write); none being
     spilled now (`spilling`), none dropped or moved into or out of L3 by a plan not yet
     confirmed (a rank may still read or write it). Returns the records freed (their
-    room is held, as all freed L3 room, into the next step: BlockTable.l3_held)."""
+    room is held through this step's build, as all room freed with copies: BlockTable.
+    end_l3_step)."""
     s = b.s
     cand = np.flatnonzero((s.l3_other > 0) & (s.counts[SSD + 1] == 0)
                           & (s.l3_epoch <= b.committed_epoch))

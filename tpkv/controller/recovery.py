@@ -190,9 +190,7 @@ def _count_l3_records(T: BlockTable, S: SessionTable, manifests: Mapping[str, se
     for s in only[np.argsort(-S.l3_other[only], kind="stable")].tolist():
         if T.used(Tier.SSD) + T.l3_other <= T.l3_capacity:
             break
-        T.l3_other -= int(S.l3_other[s])
-        T.l3_held_now += int(S.l3_other[s])  # until the first step's files are deleted
-        S.l3_other[s] = 0
+        T.free_records(S.l3_other, s)  # held until the first step's files are deleted
         gone.append(S.name(s))
     return gone
 

@@ -216,6 +216,15 @@ class BlockTable:
     def l3_held(self) -> int:
         return self.l3_held_now + self.l3_held_last
 
+    def free_records(self, other: np.ndarray, sessions: np.ndarray | int) -> None:
+        """The segments of `sessions` are deleted (the ranks do it when they apply the step):
+        the room of their records that are not blocks in L3 (`other`: SessionTable.l3_other,
+        zeroed for them here) is held like freed room (l3_held)."""
+        n = int(np.sum(other[sessions]))
+        self.l3_other -= n
+        self.l3_held_now += n
+        other[sessions] = 0
+
     def end_l3_step(self, emptied: int) -> None:
         """At the end of a step's build: the last step's room is free now (its files went when
         the ranks applied it); this step's, with `emptied` header blocks, is held one more.

@@ -347,35 +347,25 @@ class SsdStore:
     def committed_indices(self, session_id: str) -> np.ndarray:
         """Sorted logical indices in this rank's own commit of a session (empty if none): what
         it wrote, whether or not the manifest (every rank's writes) covers them yet."""
-        try:
-            paths = self._paths(validate_session_id(session_id))
-            self._await_drop(paths)
-            commit = self._own_commit(paths)
-        except (SsdError, OSError):
-            return np.zeros(0, dtype=np.int64)
-        return np.unique(commit.logical_indices)
+        found = self._own_commit_of(session_id)
+        return (np.unique(found[1].logical_indices) if found is not None
+                else np.zeros(0, dtype=np.int64))
 
     def session_records(self, session_id: str) -> int:
         """Records in this rank's committed segment of a session, dead ones (blocks written
         again) too: the room it holds in records (0 if none)."""
-        try:
-            paths = self._paths(validate_session_id(session_id))
-            self._await_drop(paths)
-            return self._own_commit(paths).num_records
-        except (SsdError, OSError):
-            return 0
+        found = self._own_commit_of(session_id)
+        return found[1].num_records if found is not None else 0
 
     def manifest_covers_commit(self, session_id: str) -> bool:
         """Whether the session's manifest covers every record of this rank's own commit (True
         when this rank committed none). A read goes by the manifest's records only: where a
         block was appended again (an L3 copy written since), an older manifest would give
         the older record."""
-        try:
-            paths = self._paths(validate_session_id(session_id))
-            self._await_drop(paths)
-            commit = self._own_commit(paths)
-        except (SsdError, OSError):
+        found = self._own_commit_of(session_id)
+        if found is None:
             return True
+        paths, commit = found
         try:
             manifest = parse_manifest(self._read_meta(paths.manifest), self._ident(paths))
         except (SsdError, OSError):
@@ -522,6 +512,16 @@ class SsdStore:
                     paths = _Paths(bytes.fromhex(match.group(1)), match.group(1), sub)
                     self._usage[paths.hex] = self._disk_usage(paths)
         self._usage_total = sum(self._usage.values())
+
+    def _own_commit_of(self, session_id: str) -> tuple[_Paths, CommitRecord] | None:
+        """This rank's commit of a session once any pending delete of it is done, with its
+        paths; None where there is no valid one (or the id is refused)."""
+        try:
+            paths = self._paths(validate_session_id(session_id))
+            self._await_drop(paths)
+            return paths, self._own_commit(paths)
+        except (SsdError, OSError):
+            return None
 
     def _own_commit(self, paths: _Paths) -> CommitRecord:
         """This rank's commit record of a session (SsdError or OSError if none is valid)."""
