@@ -87,6 +87,9 @@ class Sizes:
     # PolicyConfig.refill_same_plan: a resume into a full L1 promotes into the slots its own
     # plan's demotions empty (one plan); 0: into them in a second plan.
     refill: int = 1
+    # PolicyConfig.early_promotions: a resume's loads into free L1 slots go to the rank as a
+    # first plan before the rest of its step is planned (0: with the step).
+    early: int = 1
     # CopyEngine.dma_split: "count" spreads a batch over the DMA sub-streams by descriptors
     # (merged runs on one stream); "bytes" by equal bytes (bench/resume_copy.py).
     dma_split: str = "count"

@@ -280,6 +280,14 @@ class PolicyConfig:
     # empty (workers copy those out first): a resume into a full L1 is one plan, not a plan
     # of demotions then one of promotions (False: the promotions wait for the next plan).
     refill_same_plan: bool = True
+    # A step that loads blocks from L2 into L1 hands the ranks a first plan of those that fit
+    # the free L1 slots as soon as the controller knows them (after the step's demand, before
+    # its victims, spills and bookkeeping): their copies start while the rest is planned and
+    # applied. In-process controller only (the Ray actor answers a step in one reply). Not
+    # for fewer bytes than early_min_bytes (their copies would not cover the rest's host time,
+    # and the plan costs one more to build and confirm).
+    early_promotions: bool = True
+    early_min_bytes: int = 4 << 20
     # Controller knobs (checked by tpkv.controller when it starts):
     max_moves_per_step: int = 512  # watermark moves per step (bounds copy time); demand uncapped
     prefetch_max_blocks: int = 1024  # speculative promotions per step
@@ -310,6 +318,8 @@ class PolicyConfig:
             raise ConfigError(f"auto_pin_fraction must be in [0, 1], got {self.auto_pin_fraction}")
         if self.cooldown_s < 0:
             raise ConfigError(f"cooldown_s must be >= 0, got {self.cooldown_s}")
+        if self.early_min_bytes < 0:
+            raise ConfigError(f"early_min_bytes must be >= 0, got {self.early_min_bytes}")
 
 
 @dataclass(frozen=True)

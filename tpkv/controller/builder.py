@@ -55,6 +55,7 @@ class PlanBuilder:
         self.now_s = now_s
         self.plans: list[MovePlan] = []
         self.plan_rows: list[np.ndarray] = []
+        self.handed = 0  # plans already pending at the controller (Controller.hand_out)
         self.drops: list[list[np.ndarray]] = [[]]
         self.ssd_dropped: list[int] = []  # sessions whose L3 records were all discarded
         # Flags over sessions (made on first use): segment dropped in this step, so no move

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -29,6 +30,9 @@ from tpkv.errors import (
     ControllerRecoveringError,
 )
 from tpkv.types import MovePlan, MoveResult, Tier
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _TICK_LIMIT = 1 << 30  # ticks are int32 in the table; rebased long before they overflow
 
@@ -92,6 +96,7 @@ class Controller:
         # (tick, needs) of a step whose watermark demotions schedule(defer_marks=True) left
         # for plan_deferred(); None when there are none
         self.deferred: tuple[int, StepNeeds] | None = None
+        self.early_ns = 0  # the last schedule()'s time in its `early` callback
         self.order_rebuilds: dict[str, int] = {}  # rebuilds from a prepared order, scanned
         self.pin_threshold = math.inf
         self._pin_dirty = False
@@ -102,6 +107,8 @@ class Controller:
         self.latency_us: deque[float] = deque(maxlen=2048)
         self.restarts = restarts
         self.awaiting_rebuild = awaiting_rebuild
+        self.broken = ""  # the error that left the table half-changed (see _changing)
+        self.changing = False  # set by a step once it changes the table
         self.recovery: dict[str, Any] | None = None
         self.outbox_released: list[np.ndarray] = []
         self.outbox_lost: list[np.ndarray] = []
@@ -126,9 +133,29 @@ class Controller:
 
     def require_ready(self) -> None:
         if self.awaiting_rebuild:
+            why = (f"its table was left half-changed by {self.broken}" if self.broken else
+                   f"controller restarted (restart {self.restarts})")
             raise ControllerRecoveringError(
-                f"controller restarted (restart {self.restarts}); call rebuild() with the "
-                f"workers' slot maps and the SSD manifests before anything else")
+                f"{why}; call rebuild() with the workers' slot maps and the SSD manifests "
+                "before anything else")
+
+    def _changing(self, fn: Callable[[], T]) -> T:
+        """fn() (a step's planning); an error it raises once it has begun changing the table
+        (`self.changing`) leaves the table half-changed, perhaps with plans the ranks hold
+        already (an early plan): the controller then waits for a rebuild from the ranks' maps,
+        as after a restart, instead of planning from that table."""
+        self.changing = False
+        try:
+            return fn()
+        except BaseException as exc:
+            if self.changing:
+                self.awaiting_rebuild = True
+                self.broken = f"{type(exc).__name__} at tick {self.tick}: {exc}"
+                self.event("broken", error=self.broken)
+                log.error("controller: %s; waiting for a rebuild from the ranks", self.broken)
+            raise
+        finally:
+            self.changing = False
 
     # ---- ranks and sessions ----------------------------------------------------------------
     def register_rank(self, rank: int, geometry: KvGeometry | Mapping[str, Any],
@@ -223,25 +250,37 @@ class Controller:
     # ---- steps -----------------------------------------------------------------------------
     def schedule(self, session_ids: Sequence[str] | np.ndarray,
                  num_new_tokens: Sequence[int] | np.ndarray,
-                 upcoming: Upcoming = None, defer_marks: bool = False) -> StepResult:
+                 upcoming: Upcoming = None, defer_marks: bool = False,
+                 early: Callable[[MovePlan], None] | None = None) -> StepResult:
         """Plan one step: `session_ids` run and add num_new_tokens[i] tokens each; `upcoming`
         maps sessions expected soon to the steps until they run (prefetched within
-        policy.prefetch_steps). Returns block tables, fresh slots and 0..3 plans.
+        policy.prefetch_steps). Returns block tables, fresh slots and 0..4 plans.
 
         `defer_marks`: a step that needs no move of its own and plans only for the
         watermarks (a tier above its high mark, or draining to its low mark) gets no plans;
         plan_deferred() makes those moves once the caller has launched the step's forward (a
-        later schedule() makes them otherwise)."""
+        later schedule() makes them otherwise).
+
+        `early` (with policy.early_promotions; an in-process caller): called, before the
+        rest of the step is planned, with the step's first plan when that plan is the step's
+        loads from L2 that fit L1's free slots (step.early_promotions). The caller applies it
+        on every rank at once; it is the first of the step's plans all the same (a rank skips
+        it there), and pending from the call on, even if the step then fails."""
         started = time.perf_counter_ns()
         self.require_ready()
         self.deferred = None
+        self.early_ns = 0
+        if not self.config.policy.early_promotions:
+            early = None
         try:
             if self.tick >= _TICK_LIMIT:
                 self._rebase_ticks()
-            result = schedule_step(self, session_ids, num_new_tokens, upcoming, defer_marks)
+            result = self._changing(lambda: schedule_step(
+                self, session_ids, num_new_tokens, upcoming, defer_marks, early))
         finally:
             self.prepared = None  # for this step only (or a refused one: made again)
-        self.latency_us.append((time.perf_counter_ns() - started) / 1e3)
+        # the controller's own time: not the caller's, in `early`
+        self.latency_us.append((time.perf_counter_ns() - started - self.early_ns) / 1e3)
         return result
 
     def plan_deferred(self) -> StepResult | None:
@@ -253,7 +292,7 @@ class Controller:
         deferred, self.deferred = self.deferred, None
         if deferred is None or deferred[0] != self.tick:
             return None
-        return plan_deferred_step(self, deferred[1])
+        return self._changing(lambda: plan_deferred_step(self, deferred[1]))
 
     def prepare(self, force: Mapping[int, int] | None = None) -> None:
         """Work the next schedule() would otherwise do first, done now: call it between steps,
@@ -276,13 +315,18 @@ class Controller:
         if self.prepared is not None:
             self.prepared.changed.append(s)
 
+    def hand_out(self, b: PlanBuilder) -> None:
+        """The builder's plans not handed out yet are pending (sent to the ranks) from now on."""
+        for plan, rows in zip(b.plans[b.handed:], b.plan_rows[b.handed:]):
+            self.pending.append(PendingPlan(plan, rows))
+        b.handed = len(b.plans)
+        self.next_epoch = b.epoch
+
     def finish_step(self, b: PlanBuilder, between: bool = False) -> dict[str, Any]:
         """Keep the step's plans as pending; return its plans, drops, and what happened
         since the last step (closed sessions, lost blocks) for the StepResult. `between`:
         plans made after the step (plan_deferred): only theirs."""
-        for plan, rows in zip(b.plans, b.plan_rows):
-            self.pending.append(PendingPlan(plan, rows))
-        self.next_epoch = b.epoch
+        self.hand_out(b)
         # Kept for the next step unless a bulk step (a drain) grew them past what steps need.
         keep = len(b.buffers[0]) <= 16 * self.config.policy.max_moves_per_step
         self.move_buffers = b.buffers if keep else None

@@ -161,6 +161,7 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
     ctl.tick = max([m["tick"] for m in maps] + [ctl.tick])
     ctl.draining = {t: False for t in ctl.draining}
     ctl.awaiting_rebuild = False
+    ctl.broken = ""
     summary = {"at_tick": ctl.tick, "restart": ctl.restarts,
                "ranks": sorted(m["rank"] for m in maps), "sessions": len(names),
                "blocks": len(plan), "l1": counts[Tier.HBM], "l2": counts[Tier.DRAM],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ from tpkv.controller.sessions import SessionTable, add_counts
 from tpkv.controller.stepkernels import alloc_blocks, batch_blocks, outside, start_runs
 from tpkv.controller.table import DRAM, HBM, NONE, PIN_EXPLICIT, SSD
 from tpkv.errors import BadRequestError, DuplicateSessionError, PlanOrderError, TierFullError
+from tpkv.types import MovePlan
 
 if TYPE_CHECKING:
     from tpkv.controller.controller import Controller
@@ -26,7 +28,8 @@ Upcoming = Mapping[str, int] | Sequence[str] | None
 
 def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
                   num_new_tokens: Sequence[int] | np.ndarray, upcoming: Upcoming,
-                  defer_marks: bool = False) -> StepResult:
+                  defer_marks: bool = False,
+                  early: Callable[[MovePlan], None] | None = None) -> StepResult:
     """Controller.schedule: every check first (a refused step changes nothing), then the step."""
     S, T, pol = ctl.sessions, ctl.table, ctl.config.policy
     bt = ctl.config.geometry.block_tokens
@@ -58,6 +61,7 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
                              f"{pol.max_pending_plans}); confirm epoch "
                              f"{ctl.pending[0].plan.epoch} first")
     # ---- the step is valid: from here on the table changes -------------------------------------
+    ctl.changing = True
     ctl.tick += 1
     tick = ctl.tick
     tokens_before = S.tokens[batch] if T.keep_copies or T.keep_l3 else None
@@ -65,6 +69,8 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     b = PlanBuilder(T, S, ctl.next_epoch, ctl.now_s(), ctl.check_invariants, ctl.move_buffers,
                     committed_epoch=ctl.committed_epoch)
     want, recompute = _demand(ctl, b, batch, missing)
+    if early is not None and len(want):
+        want = early_promotions(ctl, b, want, early)
     needs = StepNeeds(batch, want, len(recompute) + new_total, up)
     lost = _EMPTY
     planning = _needs_planning(ctl, needs)
@@ -100,6 +106,34 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         fresh_slots=slots.astype(np.int64), fresh_session_idx=fresh_pos,
         fresh_logical=fresh_logical, recompute_session_idx=rc_pos, recompute_start=rc_start,
         recompute_stop=rc_stop, **ctl.finish_step(b))
+
+
+def early_promotions(ctl: Controller, b: PlanBuilder, want: np.ndarray,
+                     hand: Callable[[MovePlan], None]) -> np.ndarray:
+    """The step's demand rows on L2 that fit L1's free slots, moved in a first plan of their
+    own, pending at once and handed to `hand` (the ranks start their copies) before the rest
+    of the step is planned. Returns the demand rows still off L1. Nothing is handed when
+    something must be applied before the step's first plan (blocks released or lost since
+    the last step, or dropped by this one) or when the plan would be too small to be worth
+    it (policy.early_min_bytes)."""
+    T = ctl.table
+    if (ctl.outbox_released or ctl.outbox_lost or b.drops[0] or b.plans
+            or len(ctl.pending) + 1 + MAX_PHASES > ctl.config.policy.max_pending_plans):
+        return want
+    on2 = want[T.tier[want] == DRAM]
+    n = min(len(on2), T.num_free(HBM))
+    if n == 0 or n * ctl.config.geometry.block_bytes < ctl.config.policy.early_min_bytes:
+        return want
+    b.begin_phase()
+    b.move(on2[:n], DRAM, HBM)
+    b.end_phase()
+    ctl.hand_out(b)
+    started = time.perf_counter_ns()
+    try:
+        hand(b.plans[-1])
+    finally:
+        ctl.early_ns += time.perf_counter_ns() - started
+    return want[T.tier[want] != HBM]
 
 
 def _drop_written_copies(ctl: Controller, batch: np.ndarray, before: np.ndarray,
@@ -150,6 +184,7 @@ def plan_deferred_step(ctl: Controller, needs: StepNeeds) -> StepResult | None:
         return None
     b = PlanBuilder(ctl.table, ctl.sessions, ctl.next_epoch, ctl.now_s(), ctl.check_invariants,
                     ctl.move_buffers, committed_epoch=ctl.committed_epoch)
+    ctl.changing = True
     _plan(ctl, b, needs, ctl.tick, "marks")
     return StepResult(tick=ctl.tick, session_ids=(), num_tokens=_EMPTY,
                       block_offsets=np.zeros(1, dtype=np.int64),

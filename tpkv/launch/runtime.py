@@ -21,7 +21,7 @@ from tpkv.controller.messages import (
 )
 from tpkv.errors import ControllerRecoveringError, RankMismatchError, TpkvError, WaitTimeoutError
 from tpkv.launch.bootstrap import RankContext, shutdown_ray
-from tpkv.types import MoveResult, decode, encode
+from tpkv.types import MovePlan, MoveResult, decode, encode
 from tpkv.workers.confirm import STATUS_MISSES, mismatch_error
 from tpkv.workers.worker import StepReport, Worker
 
@@ -170,15 +170,20 @@ class TpkvRuntime:
         def plan() -> dict[str, Any]:
             resync = self._resync_if_commit_failed()
             # only an in-process controller plans between calls (the Ray client lacks it)
-            defer = defer_marks and late_ok and hasattr(self.controller, "plan_deferred")
+            local = hasattr(self.controller, "plan_deferred")
+            extra: dict[str, Any] = {"defer_marks": True} if defer_marks and late_ok and local \
+                else {}
+            if local and self.config.policy.early_promotions:
+                extra["early"] = self._hand_early
             step = self._call("schedule", list(session_ids),
                               np.asarray(num_new_tokens, dtype=np.int64).reshape(-1), upcoming,
-                              **({"defer_marks": True} if defer else {}))
+                              **extra)
             return {"step": self._answer(step), "resync": resync,
-                    "deferred": defer and getattr(self.controller, "deferred", None) is not None}
+                    "deferred": "defer_marks" in extra
+                    and getattr(self.controller, "deferred", None) is not None}
 
         t0 = time.perf_counter()
-        answer = self.from_rank0(plan, "plans of a step")
+        answer = self.from_rank0(plan, "plans of a step", early=self.worker.apply_early)
         if answer["resync"] is not None:
             self._resync(answer["resync"])
         step = _as_step(answer["step"])
@@ -189,6 +194,14 @@ class TpkvRuntime:
         self.last_step_times = {"plan": t1 - t0, "apply": time.perf_counter() - t1}
         self.closing.difference_update(step.closed_sessions)
         return step
+
+    def _hand_early(self, plan: MovePlan) -> None:
+        """Rank 0, inside Controller.schedule (its `early`): every rank applies the step's first
+        plan now (the others get it in from_rank0 before the step's answer)."""
+        if self.world_size > 1:
+            self.ctx.ctl.broadcast_bytes(encode({"early": plan.to_dict()}),
+                                         what="a step's early plan")
+        self.worker.apply_early(plan)
 
     def end_step(self) -> bool:
         """Wait (bounded) for the confirmation of the step. True: committed. False: an L3 miss
@@ -348,10 +361,13 @@ class TpkvRuntime:
             fut.cancel()
         self._commits, self._refused = [], False
 
-    def from_rank0(self, fn: Callable[[], Any], what: str) -> Any:
+    def from_rank0(self, fn: Callable[[], Any], what: str,
+                   early: Callable[[MovePlan], None] | None = None) -> Any:
         """Run fn on rank 0; every rank gets its value or raises its typed error. A group of
         one skips the wire (encoding a resume's step took about as long as planning it) and
-        takes a copy instead: the controller reuses its arrays in the next call."""
+        takes a copy instead: the controller reuses its arrays in the next call. `early`:
+        on the other ranks, what to do with plans rank 0 broadcasts while fn runs (_hand_early)
+        before its answer."""
         if self.world_size == 1:
             return _detached(fn())
         payload, failure = None, None
@@ -369,6 +385,12 @@ class TpkvRuntime:
             raise failure
         assert payload is not None
         answer = decode(payload)
+        while "early" in answer and self.rank != 0:
+            if early is None:
+                raise TpkvError(f"rank {self.rank}: {what}: rank 0 sent a plan ahead of its "
+                                "answer, which this call does not take")
+            early(MovePlan.from_dict(answer["early"]))
+            answer = decode(self.ctx.ctl.broadcast_bytes(None, what=what))
         if "error" in answer:
             cls = getattr(errors, str(answer["error"]), None)
             if not (isinstance(cls, type) and issubclass(cls, TpkvError)):

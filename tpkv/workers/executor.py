@@ -64,6 +64,16 @@ class _Deferred:
 
 
 @dataclass
+class _Early:
+    """A step's plan applied ahead of the rest of it (its loads into free L1 slots): the
+    L2 -> L1 batch before it, the L1 slots its copies fill and the L2 slots they read."""
+
+    before: CopyHandle | None
+    l1: np.ndarray
+    l2: np.ndarray
+
+
+@dataclass
 class ExecOutcome:
     """What one plan did on this rank: moves done (mask over the plan), L3 read misses, bytes."""
 
@@ -164,6 +174,10 @@ class PlanExecutor:
                          np.full(self.host.num_slots, -1, dtype=np.int64))
         self._serial = 0
         self._l1_mark = np.zeros(self.hbm.num_slots, dtype=bool)  # scratch, kept all False
+        self._l2_mark = np.zeros(self.host.num_slots, dtype=bool)  # the same over L2
+        # The step's early plan (run(early=True)) until its worker has applied the step: the
+        # step's copies out of L1 that touch none of its slots need not wait for its copies
+        self.early: _Early | None = None
         self.events: list[torch.cuda.Event | None] = [None] * g.num_layers
         self.spills: list[_Spill] = []
         self.num_failed_spills = 0
@@ -178,14 +192,19 @@ class PlanExecutor:
         self.compute_mark: torch.cuda.Event | None = None
 
     # ---- one plan --------------------------------------------------------------------------
-    def run(self, plan: MovePlan, ok: np.ndarray, later_l1: np.ndarray | None = None
-            ) -> ExecOutcome:
+    def run(self, plan: MovePlan, ok: np.ndarray, later_l1: np.ndarray | None = None,
+            early: bool = False) -> ExecOutcome:
         """Issue every move in `ok`; copies L1 <-> L2 may still run on return, SSD I/O is done.
 
         `later_l1`: the L1 slots the rest of the step fills (later plans' promotions, the
         step's new K/V), where the caller knows them. Demotions of a plan with promotions that
         empty none of them are for later steps: they start once the plan's promotions are
-        done, so a resume's copies do not share the link with them."""
+        done, so a resume's copies do not share the link with them.
+
+        `early`: the plan is the step's first, applied before the rest of the step was planned
+        (loads into free L1 slots). The step's later plans order their copies out of L1 and
+        their reads into L2 after the L2 -> L1 batch before it, not after its copies, unless
+        they touch its slots (the builder gives them other slots)."""
         started = time.perf_counter_ns()
         out = ExecOutcome(done=np.zeros(plan.num_moves, dtype=bool))
         deadline = time.monotonic() + self.timeout_s
@@ -203,6 +222,10 @@ class PlanExecutor:
         if self.deferred and not (self.defer_d2h and demotions_only):
             self.flush()
         prev_d2h, prev_h2d = self.last["d2h"], self.last["h2d"]
+        if early:
+            self.early = _Early(prev_h2d, plan.dst_slot[pick["h2d"]], plan.src_slot[pick["h2d"]])
+        elif self.early is not None and self._clear_of_early(plan, pick):
+            prev_h2d = self.early.before
         block_bytes = self.hbm.block_bytes
 
         # A plan's moves touch disjoint slots (PlanBuilder), but for L1 slots its demotions
@@ -285,6 +308,23 @@ class PlanExecutor:
             out.done[i], out.bytes_ssd_write = True, len(i) * block_bytes
         out.host_ns = time.perf_counter_ns() - started
         return out
+
+    def _clear_of_early(self, plan: MovePlan, pick: dict[str, np.ndarray]) -> bool:
+        """True when none of the plan's copies out of L1 reads an L1 slot the step's early plan
+        fills, and none into L2 (L1 -> L2, L3 -> L2) writes an L2 slot it reads."""
+        e = self.early
+        assert e is not None
+        out = pick["d2h"]
+        if len(out) and self._l1_among(plan.src_slot[out], e.l1).any():
+            return False
+        into = np.concatenate([plan.dst_slot[out], plan.dst_slot[pick["load"]]])
+        if not len(into):
+            return True
+        mark = self._l2_mark
+        mark[e.l2] = True
+        hit = bool(mark[into].any())
+        mark[e.l2] = False
+        return not hit
 
     def _l1_among(self, slots: np.ndarray, among: np.ndarray) -> np.ndarray:
         """Mask of the L1 `slots` that are in `among` (a scratch mask over L1: no sort, as

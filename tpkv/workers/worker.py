@@ -114,6 +114,8 @@ class Worker:
         self.fault_skip: dict[int, int] = {}  # tests: epoch -> index of a move to skip silently
         self.fault_miss_from: int | None = None  # tests: first L3 read from this epoch misses
         self.late: AppliedStep | None = None  # a step whose plans wait (apply_step's late_ok)
+        # Plans applied ahead of their step (apply_early), which the next apply_step counts
+        self.early: list[AppliedPlan] = []
         self.num_late = 0  # steps whose plans waited so
         self.num_deferred = 0  # steps whose watermark demotions were planned after them
         # compute queued before the last step's forward (late_ok): what plans applied after
@@ -135,7 +137,7 @@ class Worker:
         if late_ok and self.executor.engine.on_gpu:
             self._step_mark = torch.cuda.Event()
             self._step_mark.record(torch.cuda.current_stream(self.hbm.device))
-        if late_ok and self._may_wait(step):
+        if late_ok and not self.early and self._may_wait(step):
             self.mirror.release(step.released_block_ids)
             lost = self._add_fresh(step)
             if not len(lost):  # as expected: the plans can wait
@@ -152,6 +154,14 @@ class Worker:
         self._note_lost(applied, lost)
         self._after_plans(step)
         return self._confirm(AppliedStep(step, applied, None))
+
+    def apply_early(self, plan: MovePlan) -> None:
+        """Apply the first plan of the step being scheduled, before the rest of it is planned
+        (Controller.schedule's `early`: loads into free L1 slots); the step's apply_step
+        counts it among its plans. Plans applied after a forward was launched go first (epoch
+        order)."""
+        self.apply_late()
+        self.early.append(self.apply_plan(plan, early=True))
 
     def apply_late(self) -> None:
         """Apply the plans of a step applied with late_ok, if they still wait, and start its
@@ -204,17 +214,31 @@ class Worker:
         return True
 
     def _apply_plans(self, step: StepResult) -> list[AppliedPlan]:
-        """The step's plans and drops in order."""
+        """The step's plans and drops in order; plans applied early (apply_early) are taken
+        as they were, and any of a step that failed after one was handed out go first."""
         applied = []
+        early = {a.plan.epoch: a for a in self.early}
+        self.early = []
         # Per plan: the L1 slots the rest of the step fills (see PlanExecutor.run).
         later = [np.asarray(step.fresh_slots, dtype=np.int64)]
         for plan in reversed(step.plans[1:]):
             later.append(np.concatenate([later[-1],
                                          plan.dst_slot[plan.mask(Tier.DRAM, Tier.HBM)]]))
         for i, plan in enumerate(step.plans):
-            self.mirror.drop(step.drops[i] if i < len(step.drops) else _NO_IDS)
+            drops = step.drops[i] if i < len(step.drops) else _NO_IDS
+            done = early.pop(plan.epoch, None)
+            if done is not None:
+                if len(drops):
+                    raise PlanOrderError(f"rank {self.rank}: step {step.tick} drops {len(drops)} "
+                                         f"blocks before plan {plan.epoch}, which was applied "
+                                         "ahead of its step")
+                applied.append(done)
+                continue
+            self.mirror.drop(drops)
             applied.append(self.apply_plan(plan, later[len(step.plans) - 1 - i]))
         self.mirror.drop(step.drops[-1] if step.drops else _NO_IDS)
+        self.executor.early = None
+        applied = list(early.values()) + applied
         self.last_applied = applied
         return applied
 
@@ -250,9 +274,11 @@ class Worker:
                                else PendingConfirm.local(rows))
         return applied
 
-    def apply_plan(self, plan: MovePlan, later_l1: np.ndarray | None = None) -> AppliedPlan:
+    def apply_plan(self, plan: MovePlan, later_l1: np.ndarray | None = None,
+                   early: bool = False) -> AppliedPlan:
         """Check epoch order, apply the moves this rank's map allows, record them. `later_l1`:
-        the L1 slots later plans of the step and its new K/V fill (PlanExecutor.run)."""
+        the L1 slots later plans of the step and its new K/V fill (PlanExecutor.run); `early`:
+        the plan is applied ahead of its step (apply_early)."""
         if plan.epoch != self.epoch + 1:
             raise PlanOrderError(f"rank {self.rank}: plan {plan.epoch} arrived after plan "
                                  f"{self.epoch}; plans apply strictly in epoch order")
@@ -264,7 +290,7 @@ class Worker:
         skip = self.fault_skip.pop(plan.epoch, None)
         if skip is not None and plan.num_moves:
             ok[skip % plan.num_moves] = False  # an unknown bug: counted as applied below
-        outcome = self.executor.run(plan, ok, later_l1)
+        outcome = self.executor.run(plan, ok, later_l1, early=early)
         if self.fault_miss_from is not None and plan.epoch >= self.fault_miss_from:
             self._inject_miss(plan, outcome)
         self.mirror.apply(plan, outcome.done)
@@ -318,6 +344,7 @@ class Worker:
         """Take the controller's map; move bytes this rank holds elsewhere to where it says.
         Returns the ids of blocks this rank could not restore (their bytes are zeros here)."""
         self.apply_late()  # the map has their moves: none may come after it
+        self.early, self.executor.early = [], None  # superseded, as every plan not confirmed
         relocation = self.mirror.restore(slot_map)
         self.epoch = int(slot_map["epoch"])
         self.tick = int(slot_map.get("tick", self.tick))
