@@ -59,6 +59,30 @@ def test_a_resume_hands_its_loads_into_free_l1_first(rig):
     # the rest of the step (the watermark's demotion of the next coldest) came after it
     assert sum(int(p.mask(Tier.HBM, Tier.DRAM).sum()) for p in res.plans[1:]) == 4
     assert rig.where("a") == ["HBM"] * 4 and rig.where("b") == ["DRAM"] * 4
+    _no_write_into_early_sources(res)
+
+
+def _no_write_into_early_sources(res: Any) -> None:
+    """The step's later plans write no L2 slot its early plan reads (PlanBuilder.end_phase's
+    hold_l2): the ranks need not wait for the early copies before those writes."""
+    early = set(res.plans[0].src_slot.tolist())
+    for p in res.plans[1:]:
+        assert not early & set(p.dst_slot[p.dst_tier == Tier.DRAM].tolist())
+
+
+@pytest.mark.parametrize("l2", [32, 9])
+def test_later_plans_write_no_l2_slot_the_early_plan_reads(make_config, fake_clock, l2):
+    """Also with an L2 so full that a promoted block's copy is given back at once (l2=9: the
+    early plan's sources would be the only free slots for the demotions after it)."""
+    rig = EarlyRig(make_config(l2=l2, l3=0, early_min_bytes=0), fake_clock, l2=l2)
+    rig.open("a", "b", "c", "d", "e")
+    for n in "abcde":
+        rig.step([n])
+    for n in "abcdeabcde":
+        rig.handed.clear()
+        res = rig.step([n])
+        if rig.handed and len(res.plans) > 1:
+            _no_write_into_early_sources(res)
 
 
 def test_only_what_fits_the_free_slots_goes_early(make_config, fake_clock):
@@ -79,6 +103,7 @@ def test_only_what_fits_the_free_slots_goes_early(make_config, fake_clock):
     # the other loads of a follow in the step's later plan, into slots its demotions empty
     later = sum(int(p.mask(Tier.DRAM, Tier.HBM).sum()) for p in res.plans[1:])
     assert later == 6 - free and rig.where("a") == ["HBM"] * 6
+    _no_write_into_early_sources(res)
 
 
 def test_no_early_plan_after_blocks_were_released(rig):

@@ -76,6 +76,7 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     planning = _needs_planning(ctl, needs)
     if planning and (not defer_marks or _own_needs(ctl, needs)):
         lost = _plan(ctl, b, needs, tick, "step" if defer_marks else "all")
+    b.end_phase()  # (no moves since the last phase: frees what an early plan held, if any)
     fresh_old = (np.concatenate([recompute, lost]).astype(np.int64) if len(recompute) or len(lost)
                  else _EMPTY)
     slots = T.free[HBM].pop(len(fresh_old) + new_total)
@@ -126,7 +127,11 @@ def early_promotions(ctl: Controller, b: PlanBuilder, want: np.ndarray,
         return want
     b.begin_phase()
     b.move(on2[:n], DRAM, HBM)
-    b.end_phase()
+    # Their L2 slots are not free (nor settled as kept copies) until the step's next phase
+    # ends, as if they had moved in it: a demotion later in the step would write into them
+    # while the ranks still copy out of them (under L2 pressure a promoted block's copy is
+    # given back at once), and would have to wait for those copies.
+    b.end_phase(hold_l2=True)
     ctl.hand_out(b)
     started = time.perf_counter_ns()
     try:
