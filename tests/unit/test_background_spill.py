@@ -82,6 +82,39 @@ def test_an_unrelated_d2h_does_not_wait_and_synchronize_finishes_every_spill(tmp
     store.close()
 
 
+def test_manifests_are_committed_after_the_copies_and_not_in_an_early_plan(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy into L2 slots a spill reads waits until the spill is written, but the manifest
+    commits (fsyncs) come after the plan's copies are issued; an early plan (loads into free
+    L1 slots handed out before the rest of its step is planned) commits none: the next plan
+    does."""
+    ex, store, gate = _setup(tmp_path)
+    order: list[str] = []
+    commit = store.commit_manifest
+    monkeypatch.setattr(store, "commit_manifest",
+                        lambda name: order.append("commit") or commit(name))
+    d2h = ex.engine.d2h_pieces
+    monkeypatch.setattr(ex.engine, "d2h_pieces",
+                        lambda *a, **k: order.append("d2h") or d2h(*a, **k))
+    ok = np.ones(1, dtype=bool)
+    ex.run(_plan(1, 0, H, 0, D, 0), ok)  # block 0: L1 slot 0 -> L2 slot 0
+    ex.run(_plan(2, 0, D, 0, S, -1), ok)  # L2 slot 0 -> L3 (waits for the gate)
+    order.clear()
+    threading.Timer(0.2, gate.set).start()
+    ex.run(_plan(3, 1, H, 1, D, 0), ok)  # into L2 slot 0: waits for the write
+    assert order == ["d2h", "commit"]
+    ex.run(_plan(4, 2, H, 2, D, 1), ok)
+    ex.run(_plan(5, 2, D, 1, S, -1), ok)  # a second spill, done at once (the gate is open)
+    ex.spills[0].future.result(5)
+    order.clear()
+    ex.run(_plan(6, 1, D, 0, H, 0), ok, early=True)
+    assert order == [] and len(ex.spills) == 1  # not finished by the early plan
+    ex.early = None
+    ex.run(_plan(7, 3, H, 3, D, 2), ok)
+    assert order == ["d2h", "commit"] and not ex.spills
+    store.close()
+
+
 def test_a_load_of_records_this_rank_no_longer_holds_misses_at_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Records deleted (a failed spill, a drop) never come back: the load reports misses at

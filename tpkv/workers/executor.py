@@ -245,7 +245,7 @@ class PlanExecutor:
             start = self._promote(plan, up if into is None else up[~into], out)
             if into is not None:
                 with _blocked(out):
-                    self.wait_spills(deadline, slots=plan.dst_slot[refill])
+                    self.wait_spills(deadline, slots=plan.dst_slot[refill], finish=False)
                 # in smaller pieces: the promotions into their slots start sooner
                 self._demote(plan.src_slot[refill], plan.dst_slot[refill], prev_h2d, out,
                              piece_bytes=REFILL_PIECE_BYTES)
@@ -256,7 +256,7 @@ class PlanExecutor:
             out.done[up], out.bytes_h2d = True, len(up) * block_bytes
         if len(i := pick["d2h"]):
             with _blocked(out):
-                self.wait_spills(deadline, slots=plan.dst_slot[i])
+                self.wait_spills(deadline, slots=plan.dst_slot[i], finish=False)
             src, dst = plan.src_slot[i], plan.dst_slot[i]
             if self.defer_d2h and demotions_only:
                 after = self.compute_mark
@@ -278,9 +278,13 @@ class PlanExecutor:
             out.done[i] = True
             out.bytes_d2h += len(i) * block_bytes
         # Spills already done: their manifests are committed (fsyncs: after the copies above
-        # are issued, which a resume waits for; not the plan's own time)
-        with _blocked(out):
-            self.wait_spills(deadline)
+        # are issued, which a resume waits for; not the plan's own time). Not after an early
+        # plan: the rest of its step is planned and applied once it returns, and the fsyncs
+        # (up to 90 ms in the e2e's (c)) held the resume's other copies back; the step's next
+        # plan commits them.
+        if not early:
+            with _blocked(out):
+                self.wait_spills(deadline)
         jobs: list[tuple[str, np.ndarray, Future[Any]]] = []
         if self.store is None:
             if len(pick["spill"]) or len(pick["load"]):
@@ -444,11 +448,28 @@ class PlanExecutor:
             out.misses = np.concatenate(misses).astype(np.int64)
 
     def wait_spills(self, deadline: float, slots: np.ndarray | None = None,
-                    names: set[str] | frozenset[str] = frozenset(), every: bool = False) -> None:
+                    names: set[str] | frozenset[str] = frozenset(), every: bool = False,
+                    finish: bool = True) -> None:
         """Finish the background spills that read any of `slots` or write a session in `names`
         (all of them with `every`), waiting for them up to `deadline`; spills already done are
         finished too. Finishing: commit the session's manifest (complete once the last rank to
-        write has written), or log the failure (its records then read as misses)."""
+        write has written), or log the failure (its records then read as misses).
+
+        `finish=False` (before copies into L2 `slots`): only wait until the spills that read
+        them are done writing; finishing them (manifest fsyncs, failures) is left to a later
+        call, after the plan's copies are issued."""
+        if not finish:
+            for sp in self.spills:
+                if slots is not None and len(slots) and bool(np.isin(sp.slots, slots).any()):
+                    try:
+                        sp.future.result(timeout=max(0.0, deadline - time.monotonic()))
+                    except FutureTimeout:
+                        raise WaitTimeoutError(
+                            f"epoch {sp.epoch}: L3 write of {len(sp.slots)} blocks not done "
+                            f"after {self.timeout_s:g} s") from None
+                    except (SsdError, TierFullError, OSError):
+                        pass  # (the call that finishes it logs it and forgets the session)
+            return
         keep: list[_Spill] = []
         written: set[str] = set()
         failed: set[str] = set()
