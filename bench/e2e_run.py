@@ -127,6 +127,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         r["events"] = rt.controller.snapshot()["event_counts"]  # the controller's, by kind
         r["late_steps"] = rt.worker.num_late
         r["deferred_steps"] = rt.worker.num_deferred
+        r["early_plans"] = rt.worker.num_early
         gate = getattr(rt.worker.store, "_gate", None)
         if gate is not None:  # spill pieces that waited for a resume's reads (reads_first)
             r["l3_write_pauses"] = gate.num_pauses

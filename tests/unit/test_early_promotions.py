@@ -60,6 +60,9 @@ def test_a_resume_hands_its_loads_into_free_l1_first(rig):
     assert sum(int(p.mask(Tier.HBM, Tier.DRAM).sum()) for p in res.plans[1:]) == 4
     assert rig.where("a") == ["HBM"] * 4 and rig.where("b") == ["DRAM"] * 4
     _no_write_into_early_sources(res)
+    snap = rig.c.snapshot()
+    assert snap["event_counts"]["early"] == 1
+    assert [e for e in snap["events"] if e["kind"] == "early"][-1]["blocks"] == 4
 
 
 def _no_write_into_early_sources(res: Any) -> None:

@@ -133,6 +133,7 @@ def early_promotions(ctl: Controller, b: PlanBuilder, want: np.ndarray,
     # given back at once), and would have to wait for those copies.
     b.end_phase(hold_l2=True)
     ctl.hand_out(b)
+    ctl.event("early", blocks=n, sessions=len(b.plans[-1].session_names))
     started = time.perf_counter_ns()
     try:
         hand(b.plans[-1])

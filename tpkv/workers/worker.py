@@ -118,6 +118,7 @@ class Worker:
         self.early: list[AppliedPlan] = []
         self.num_late = 0  # steps whose plans waited so
         self.num_deferred = 0  # steps whose watermark demotions were planned after them
+        self.num_early = 0  # plans applied ahead of their step (apply_early)
         # compute queued before the last step's forward (late_ok): what plans applied after
         # that forward was launched (apply_late, apply_deferred) wait for instead of it
         self._step_mark: torch.cuda.Event | None = None
@@ -162,6 +163,7 @@ class Worker:
         order)."""
         self.apply_late()
         self.early.append(self.apply_plan(plan, early=True))
+        self.num_early += 1
 
     def apply_late(self) -> None:
         """Apply the plans of a step applied with late_ok, if they still wait, and start its
