@@ -250,3 +250,42 @@ def test_a_step_that_fails_after_its_early_plan_rebuilds_the_controller() -> Non
         assert _turns(rt, model)[0] == done
     finally:
         rt.close()
+
+
+def test_a_step_of_an_early_plan_alone_still_commits_done_spills(tmp_path) -> None:
+    """An early plan commits no spill manifest (their fsyncs would hold the rest of its step
+    back); when its step has no other plan, apply_step commits them once the step's copies are
+    issued, not a later decode step."""
+    from tests.multiproc.harness import make_config
+    from tpkv.controller.messages import StepResult
+    from tpkv.workers.worker import Worker
+
+    w = Worker(make_config(1, str(tmp_path / "l3")), rank=0, device="cpu")
+    H, D, S = int(Tier.HBM), int(Tier.DRAM), int(Tier.SSD)
+
+    def plan(epoch: int, block: int, src: int, src_slot: int, dst: int, dst_slot: int
+             ) -> MovePlan:
+        return MovePlan(epoch, np.array([block]), np.array([src]), np.array([src_slot]),
+                        np.array([dst]), np.array([dst_slot]), np.zeros(1), np.array([block]),
+                        ("s",))
+    try:
+        w.mirror.put(np.array([7, 8]), np.array([H, D]), np.array([0, 1]), ["s", "s"],
+                     np.array([7, 8]))
+        w.apply_plan(plan(1, 7, H, 0, D, 0))
+        w.apply_plan(plan(2, 7, D, 0, S, -1))  # a spill, in the background
+        w.executor.spills[0].future.result(10)
+        commits: list[str] = []
+        real = w.store.commit_manifest
+        w.store.commit_manifest = lambda name: commits.append(name) or real(name)
+        early = plan(3, 8, D, 1, H, 1)
+        w.apply_early(early)
+        assert commits == [] and len(w.executor.spills) == 1
+        empty = np.zeros(0, dtype=np.int64)
+        w.apply_step(StepResult(tick=1, session_ids=(), num_tokens=empty,
+                                block_offsets=np.zeros(1, dtype=np.int64),
+                                block_table=np.zeros(0, dtype=np.int32), plans=(early,),
+                                drops=(empty, empty)))
+        assert commits == ["s"] and not w.executor.spills
+        assert [a.plan.epoch for a in w.last_applied] == [3]
+    finally:
+        w.close()

@@ -239,7 +239,12 @@ class Worker:
             self.mirror.drop(drops)
             applied.append(self.apply_plan(plan, later[len(step.plans) - 1 - i]))
         self.mirror.drop(step.drops[-1] if step.drops else _NO_IDS)
-        self.executor.early = None
+        if self.executor.early is not None:
+            self.executor.early = None
+            if self.store is not None:  # the manifest commits the early plan left (its step
+                # may have no other plan): in this step, after all its copies are issued, not
+                # in a later decode step's
+                self.executor.wait_spills(time.monotonic() + self.config.wait_timeout_s)
         applied = list(early.values()) + applied
         self.last_applied = applied
         return applied
