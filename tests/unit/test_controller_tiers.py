@@ -15,8 +15,8 @@ class Rig:
         self.c = Controller(config, clock, check_invariants=True)
         self.reps = [SlotMapReplica(r, l1, l2, config.geometry.block_tokens) for r in range(2)]
 
-    def step(self, batch, tokens=None, upcoming=None, misses=None, commit=True):
-        res = self.c.schedule(batch, tokens or [0] * len(batch), upcoming)
+    def step(self, batch, tokens=None, upcoming=None, misses=None, commit=True, early=None):
+        res = self.c.schedule(batch, tokens or [0] * len(batch), upcoming, early=early)
         reports = [r.apply_step(res, misses) for r in self.reps]
         if commit:
             for i in range(len(res.plans)):

@@ -198,16 +198,12 @@ def test_deferred_demotions_go_out_at_flush_or_before_anything_that_needs_them()
     assert not ex.deferred and (ex.host.block_bytes_view(7) == 17).all()
 
 
-def test_demotions_nothing_later_in_the_step_needs_wait_for_the_plans_promotions(
-        monkeypatch) -> None:
-    """A resume's plan promotes into free slots and demotes to make room for later steps: the
-    demotions that empty no L1 slot a later plan of the step (or its new K/V) fills wait for
-    the plan's promotions (the resume's copies then have the link alone); those that empty one
-    go first and wait only for the batch before the plan, as all do when the caller does not
-    say (later_l1 None)."""
+def _marking_executor(monkeypatch) -> tuple[PlanExecutor, list, list]:
+    """A CPU executor on the GPU's paths whose copies are not issued: returns it, the stream
+    marks it makes in order ((direction, the handle that stream waits for)) and the handles of
+    its L2 -> L1 batches (each the last H2D when made)."""
     from tests.pool_cases import make_engine
     from tpkv.config import KvGeometry
-    from tpkv.types import MovePlan, Tier
 
     geo = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
     ex = PlanExecutor(make_engine(geo, 8, 8, "cpu"), None, timeout_s=5.0, layer_events=False)
@@ -223,6 +219,19 @@ def test_demotions_nothing_later_in_the_step_needs_wait_for_the_plans_promotions
                         marks.append((direction, prev)))
     monkeypatch.setattr(ex, "_span", lambda *a: None)
     monkeypatch.setattr(ex.engine, "d2h_pieces", lambda a, b, step, after=None: [_Handle()])
+    return ex, marks, promotions
+
+
+def test_demotions_nothing_later_in_the_step_needs_wait_for_the_plans_promotions(
+        monkeypatch) -> None:
+    """A resume's plan promotes into free slots and demotes to make room for later steps: the
+    demotions that empty no L1 slot a later plan of the step (or its new K/V) fills wait for
+    the plan's promotions (the resume's copies then have the link alone); those that empty one
+    go first and wait only for the batch before the plan, as all do when the caller does not
+    say (later_l1 None)."""
+    from tpkv.types import MovePlan, Tier
+
+    ex, marks, promotions = _marking_executor(monkeypatch)
     H, D = int(Tier.HBM), int(Tier.DRAM)
 
     def resume(epoch: int) -> MovePlan:  # block 1 up into free L1 slot 5; block 0 down from 2
@@ -338,24 +347,9 @@ def test_copies_after_an_early_plan_wait_for_it_only_where_they_touch_its_slots(
     planned): the step's later copies out of L1 start after the batch before it, beside its
     copies, unless one reads an L1 slot it fills or writes an L2 slot it reads; then after
     it. Once the step is applied (early cleared), after the last batch as always."""
-    from tests.pool_cases import make_engine
-    from tpkv.config import KvGeometry
     from tpkv.types import MovePlan, Tier
 
-    geo = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
-    ex = PlanExecutor(make_engine(geo, 8, 8, "cpu"), None, timeout_s=5.0, layer_events=False)
-    monkeypatch.setattr(ex.engine, "on_gpu", True)
-    marks: list[tuple[str, object]] = []
-    promotions: list[_Handle] = []
-
-    def h2d(src, dst):
-        promotions.append(_Handle())
-        ex.last["h2d"] = promotions[-1]
-    monkeypatch.setattr(ex, "_h2d", h2d)
-    monkeypatch.setattr(ex, "_mark", lambda direction, prev, after=None:
-                        marks.append((direction, prev)))
-    monkeypatch.setattr(ex, "_span", lambda *a: None)
-    monkeypatch.setattr(ex.engine, "d2h_pieces", lambda a, b, step, after=None: [_Handle()])
+    ex, marks, promotions = _marking_executor(monkeypatch)
     H, D = int(Tier.HBM), int(Tier.DRAM)
 
     def plan(epoch: int, *moves: tuple[int, int, int, int, int]) -> MovePlan:

@@ -19,18 +19,12 @@ class EarlyRig(Rig):
         super().__init__(config, clock, **kw)
         self.handed: list[MovePlan] = []
 
-    def step(self, batch, tokens=None, upcoming=None, misses=None, commit=True):
+    def step(self, batch, tokens=None, upcoming=None, misses=None, commit=True, early=None):
         def hand(plan: MovePlan) -> None:
             self.handed.append(plan)
             for r in self.reps:
                 r.apply_early(plan)
-        res = self.c.schedule(batch, tokens or [0] * len(batch), upcoming, early=hand)
-        reports = [r.apply_step(res, misses) for r in self.reps]
-        if commit:
-            for i in range(len(res.plans)):
-                assert self.c.commit([rep[i] for rep in reports]).committed
-            assert self.reps[0].digest() == self.c.slot_map()["digest"]
-        return res
+        return super().step(batch, tokens, upcoming, misses, commit, early=early or hand)
 
     def demote_a(self) -> None:
         """a, b, c, d of 4 blocks each in an L1 of 16 (high mark 14.4, low 12): d's step
