@@ -136,6 +136,15 @@ DEMOTION_PIECE_BYTES = 64 << 20
 REFILL_PIECE_BYTES = 16 << 20
 
 
+def _among(mark: np.ndarray, slots: np.ndarray, among: np.ndarray) -> np.ndarray:
+    """Mask of `slots` that are in `among`, through `mark`, a scratch mask over the pool's
+    slots kept all False."""
+    mark[among] = True
+    out = mark[slots]
+    mark[among] = False
+    return out
+
+
 class PlanExecutor:
     """Carries out plans through one rank's CopyEngine and SsdStore; never decides a move.
 
@@ -322,22 +331,12 @@ class PlanExecutor:
         if len(out) and self._l1_among(plan.src_slot[out], e.l1).any():
             return False
         into = np.concatenate([plan.dst_slot[out], plan.dst_slot[pick["load"]]])
-        if not len(into):
-            return True
-        mark = self._l2_mark
-        mark[e.l2] = True
-        hit = bool(mark[into].any())
-        mark[e.l2] = False
-        return not hit
+        return not _among(self._l2_mark, into, e.l2).any()
 
     def _l1_among(self, slots: np.ndarray, among: np.ndarray) -> np.ndarray:
         """Mask of the L1 `slots` that are in `among` (a scratch mask over L1: no sort, as
         np.isin takes, ~0.1 ms on a resume's 700 moves on the CPU)."""
-        mark = self._l1_mark
-        mark[among] = True
-        out = mark[slots]
-        mark[among] = False
-        return out
+        return _among(self._l1_mark, slots, among)
 
     def _promote(self, plan: MovePlan, i: np.ndarray, out: ExecOutcome
                  ) -> torch.cuda.Event | None:
@@ -458,35 +457,24 @@ class PlanExecutor:
         `finish=False` (before copies into L2 `slots`): only wait until the spills that read
         them are done writing; finishing them (manifest fsyncs, failures) is left to a later
         call, after the plan's copies are issued."""
-        if not finish:
-            for sp in self.spills:
-                if slots is not None and len(slots) and bool(np.isin(sp.slots, slots).any()):
-                    try:
-                        sp.future.result(timeout=max(0.0, deadline - time.monotonic()))
-                    except FutureTimeout:
-                        raise WaitTimeoutError(
-                            f"epoch {sp.epoch}: L3 write of {len(sp.slots)} blocks not done "
-                            f"after {self.timeout_s:g} s") from None
-                    except (SsdError, TierFullError, OSError):
-                        pass  # (the call that finishes it logs it and forgets the session)
-            return
         keep: list[_Spill] = []
         written: set[str] = set()
         failed: set[str] = set()
         for sp in self.spills:
             must = every or sp.name in names or (slots is not None and len(slots) > 0
                                                  and bool(np.isin(sp.slots, slots).any()))
+            if not finish:  # (a failure is logged, and its session forgotten, when finished)
+                if must:
+                    self._written(sp, deadline)
+                keep.append(sp)
+                continue
             if not must and not sp.future.done():
                 keep.append(sp)
                 continue
-            try:
-                sp.future.result(timeout=max(0.0, deadline - time.monotonic()))
+            exc = self._written(sp, deadline)
+            if exc is None:
                 written.add(sp.name)
-            except FutureTimeout:
-                raise WaitTimeoutError(
-                    f"epoch {sp.epoch}: L3 write of {len(sp.slots)} blocks not done after "
-                    f"{self.timeout_s:g} s") from None
-            except (SsdError, TierFullError, OSError) as exc:
+            else:
                 self.num_failed_spills += 1
                 failed.add(sp.name)
                 log.error("epoch %d: L3 write of session %r failed: %s", sp.epoch, sp.name, exc)
@@ -495,6 +483,18 @@ class PlanExecutor:
             self._commit(name, deadline)
         for name in sorted(failed):
             self._forget(name, deadline)
+
+    def _written(self, sp: _Spill, deadline: float) -> BaseException | None:
+        """Wait (until `deadline`, else WaitTimeoutError) for a spill's write to end; the error
+        it failed with, or None."""
+        try:
+            sp.future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            raise WaitTimeoutError(f"epoch {sp.epoch}: L3 write of {len(sp.slots)} blocks not "
+                                   f"done after {self.timeout_s:g} s") from None
+        except (SsdError, TierFullError, OSError) as exc:
+            return exc
+        return None
 
     def _commit(self, name: str, deadline: float) -> bool | None:
         """Commit a session's manifest: whether it is complete (every rank wrote), or None when
