@@ -121,6 +121,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         tiered.late_plans = bool(sizes.late_plans)
         tiered.defer_marks = bool(sizes.defer_marks)
         rt.worker.engine.dma_split = sizes.dma_split
+        rt.worker.executor.background_commits = bool(getattr(sizes, "bg_commits", 1))
         r = Rounds(tiered, sizes, contexts, bb, ceil).run()
         eng = rt.worker.engine  # how well the slot placement let copies merge into runs
         r["copy_blocks"], r["copy_descriptors"] = dict(eng.num_blocks), dict(eng.num_descriptors)
@@ -330,13 +331,13 @@ class Rounds:
             "resumes_by_source": {}, "resume_vs_ceiling": {}, "resume_records": self.resumes,
             "traffic_records": self.traffic}
         # where a decode step with tier traffic spends its host time, and one without
-        for key, recs in (("traffic_parts_p50_ms", self.traffic),
-                          ("quiet_parts_p50_ms", self.quiet_parts),
-                          ("quiet_changed_parts_p50_ms",  # quiet steps whose batch changed
+        for key, recs in (("traffic_parts", self.traffic),
+                          ("quiet_parts", self.quiet_parts),
+                          ("quiet_changed_parts",  # quiet steps whose batch changed
                            [r for r in self.quiet_parts if r["batch_changed"]])):
-            if recs:
-                out[key] = {k: _pct([r[k] for r in recs if k in r], 50)
-                            for k in recs[-1] if k.endswith("_ms")}
+            for q in ((50, 90) if recs else ()):
+                out[f"{key}_p{q}_ms"] = {k: _pct([r[k] for r in recs if k in r], q)
+                                         for k in recs[-1] if k.endswith("_ms")}
         if self.profile is not None:
             stats, n = pstats.Stats(self.profile), max(1, len(self.resumes))
             out["profile_top"] = _top(stats, n, "ms_per_resume")

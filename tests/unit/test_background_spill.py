@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 import types
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import torch
 
 from tests.pool_cases import make_engine
 from tpkv.config import KvGeometry, SsdConfig
+from tpkv.errors import SsdIoError
 from tpkv.types import MovePlan, Tier
 from tpkv.workers import executor as executor_module
 from tpkv.workers.executor import PlanExecutor
@@ -62,8 +65,11 @@ def test_a_spill_returns_at_once_and_a_refill_of_its_slot_waits_for_it(tmp_path:
     assert out.blocked_ns >= 0.2e9 and out.host_ns >= out.blocked_ns
     assert out.elapsed_ns() == out.host_ns - out.blocked_ns < 0.2e9
     assert (host.block(0) == 2.0).all()  # the refill landed
+    # the manifest commit is queued on reap, on the store's commit thread
+    assert [c.name for c in ex.commits] == ["sess"]
+    assert ex.commits[0].future.result(5) is True
     buf = np.zeros(GEO.block_bytes, dtype=np.uint8)
-    assert store.read_blocks("sess", np.array([0]), [buf])[0]  # manifest committed on reap
+    assert store.read_blocks("sess", np.array([0]), [buf])[0]
     assert np.array_equal(buf, want)  # L3 holds block 0, not the refill's bytes
     store.close()
 
@@ -82,13 +88,20 @@ def test_an_unrelated_d2h_does_not_wait_and_synchronize_finishes_every_spill(tmp
     store.close()
 
 
+def _settled(ex: PlanExecutor) -> None:
+    """Wait for the background manifest commits queued so far (failed or not)."""
+    futures.wait([c.future for c in ex.commits], timeout=5)
+
+
+@pytest.mark.parametrize("background", [True, False])
 def test_manifests_are_committed_after_the_copies_and_not_in_an_early_plan(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: bool) -> None:
     """A copy into L2 slots a spill reads waits until the spill is written, but the manifest
     commits (fsyncs) come after the plan's copies are issued; an early plan (loads into free
     L1 slots handed out before the rest of its step is planned) commits none: the next plan
     does."""
     ex, store, gate = _setup(tmp_path)
+    ex.background_commits = background
     order: list[str] = []
     commit = store.commit_manifest
     monkeypatch.setattr(store, "commit_manifest",
@@ -102,6 +115,7 @@ def test_manifests_are_committed_after_the_copies_and_not_in_an_early_plan(
     order.clear()
     threading.Timer(0.2, gate.set).start()
     ex.run(_plan(3, 1, H, 1, D, 0), ok)  # into L2 slot 0: waits for the write
+    _settled(ex)
     assert order == ["d2h", "commit"]
     ex.run(_plan(4, 2, H, 2, D, 1), ok)
     ex.run(_plan(5, 2, D, 1, S, -1), ok)  # a second spill, done at once (the gate is open)
@@ -111,6 +125,7 @@ def test_manifests_are_committed_after_the_copies_and_not_in_an_early_plan(
     assert order == [] and len(ex.spills) == 1  # not finished by the early plan
     ex.early = None
     ex.run(_plan(7, 3, H, 3, D, 2), ok)
+    _settled(ex)
     assert order == ["d2h", "commit"] and not ex.spills
     store.close()
 
@@ -224,3 +239,66 @@ def test_a_load_of_a_block_appended_again_waits_for_the_manifest_of_its_newest_r
     late.join()
     for st in stores:
         st.close()
+
+
+def test_a_slow_manifest_commit_holds_no_step_and_a_load_of_its_session_waits_for_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """background_commits: the step that finds a spill written queues its manifest commit on
+    the store's commit thread and returns; a load of that session waits for the commit and
+    reads back the spilled bytes."""
+    ex, store, gate = _setup(tmp_path)
+    gate.set()
+    committing = threading.Event()
+    commit = store.commit_manifest
+    monkeypatch.setattr(store, "commit_manifest",
+                        lambda name: committing.wait(10) and commit(name))
+    ok = np.ones(1, dtype=bool)
+    ex.hbm.tensor[0].fill_(3.0)
+    want = ex.hbm.tensor[0].reshape(-1).view(torch.uint8).numpy().copy()
+    ex.run(_plan(1, 0, H, 0, D, 0), ok)
+    ex.run(_plan(2, 0, D, 0, S, -1), ok)
+    ex.spills[0].future.result(5)
+    t0 = time.monotonic()
+    ex.run(_plan(3, 1, H, 1, D, 2), ok)  # finds the spill written: queues the commit only
+    assert time.monotonic() - t0 < 2.0 and not ex.spills
+    assert [c.name for c in ex.commits] == ["sess"] and not ex.commits[0].future.done()
+    threading.Timer(0.3, committing.set).start()
+    t0 = time.monotonic()
+    out = ex.run(_plan(4, 0, S, -1, D, 1), ok)  # load the session: waits for its commit
+    assert time.monotonic() - t0 >= 0.25 and not ex.commits
+    assert not out.error and len(out.misses) == 0 and out.done.all()
+    assert np.array_equal(ex.host.block_bytes_view(1), want)
+    assert ex.num_commits == 1 and ex.commit_ns >= 0.25e9  # the wait counts as commit time
+    store.close()
+
+
+def test_a_failed_background_commit_forgets_its_session(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manifest commit that fails on the commit thread is found by a later step: the
+    session's L3 records are deleted (its blocks there miss, never read stale)."""
+    ex, store, gate = _setup(tmp_path)
+    gate.set()
+
+    release = threading.Event()
+
+    def broken(name: str) -> bool:
+        release.wait(10)
+        raise SsdIoError(f"L3 rank 0: writing the manifest of session {name} failed: disk full",
+                         errno.ENOSPC)
+
+    monkeypatch.setattr(store, "commit_manifest", broken)
+    ok = np.ones(1, dtype=bool)
+    ex.run(_plan(1, 0, H, 0, D, 0), ok)
+    ex.run(_plan(2, 0, D, 0, S, -1), ok)
+    ex.spills[0].future.result(5)
+    ex.run(_plan(3, 1, H, 1, D, 2), ok)  # queues the commit
+    assert len(ex.commits) == 1
+    release.set()
+    _settled(ex)
+    assert store.committed_indices("sess").tolist() == [0]  # written, not yet forgotten
+    ex.run(_plan(4, 2, H, 2, D, 3), ok)  # finds it failed
+    assert ex.num_failed_spills == 1 and not ex.commits
+    assert store.committed_indices("sess").tolist() == []
+    out = ex.run(_plan(5, 0, S, -1, D, 1), ok)
+    assert out.misses.tolist() == [0]
+    store.close()

@@ -105,6 +105,7 @@ class TieredEngine:
         self.opened: set[str] = set()
         self.stats = TierStats()
         self._resume: tuple[float, str] | None = None
+        self._commit_ns = 0
         # A resume's end on the GPU, timed on the device (wait() no longer holds the forward
         # back for it): (tier, host seconds from its schedule to the clock event, clock event,
         # event after its copies), resolved into stats.resume_s once the step is reported.
@@ -115,7 +116,9 @@ class TieredEngine:
         self._clock: Any = None
         # Host seconds of the last step's parts: schedule (controller + plans issued; of it
         # schedule_plan and schedule_apply for its last attempt), wait (until its blocks are in
-        # L1), forward (+ sampling), report (to the controller).
+        # L1), forward (+ sampling; of it launched_apply, the late plans and deferred copies
+        # issued once the forward is queued, and launched_prepare, Controller.prepare), report
+        # (to the controller); commits: L3 manifest commits made on this thread in the step.
         self.last_times: dict[str, float] = {}
         # A step's demotion-only plans are issued once its forward is launched (they free L1
         # for later steps; nothing in this one reads them): their host time runs beside it.
@@ -139,17 +142,22 @@ class TieredEngine:
         """The step's forward is queued on the device: apply its plans that waited for this
         (late_plans) or the watermark demotions it left out (defer_marks), issue its deferred
         demotions, then let the controller do the next step's work while the device computes."""
+        t0 = time.perf_counter()
         deferred = self.rt.apply_late()
         if deferred is not None:
             self._count(deferred)
         self.rt.worker.executor.flush()
         if self.last_trace is not None:  # with the copies issued only now
             self.last_trace.spans = self._spans()
+        t1 = time.perf_counter()
         self.rt.prepare_controller()
+        self.last_times["launched_apply"] = t1 - t0
+        self.last_times["launched_prepare"] = time.perf_counter() - t1
 
     # ---- the engine's four hooks ------------------------------------------------------------
     def schedule(self, session_ids: Sequence[str], num_new_tokens: Sequence[int]) -> StepResult:
         started = time.perf_counter()
+        self._commit_ns = self.rt.worker.executor.commit_ns
         t0 = self._clock_event()
         self._resume_timing = None  # of a step whose forward failed
         for s in session_ids:
@@ -233,6 +241,8 @@ class TieredEngine:
 
     def report(self, r: StepReport) -> None:
         self.last_times["forward"] = r.forward_s
+        # L3 manifest commits (fsyncs) made on this thread in the step, wherever they fell
+        self.last_times["commits"] = (self.rt.worker.executor.commit_ns - self._commit_ns) / 1e9
         if self._resume_timing is not None:  # its forward, which waited for it, is done
             tier, offset, clock, done = self._resume_timing
             self._resume_timing = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -40,6 +40,15 @@ class _Spill:
     epoch: int
     slots: np.ndarray  # L2 slots it reads
     future: Future[Any]
+
+
+@dataclass
+class _Commit:
+    """A session's manifest commit running on the store's commit thread (background_commits):
+    its L3 records are read, or its files deleted, only once it is done."""
+
+    name: str
+    future: Future[bool]
 
 
 @dataclass
@@ -136,6 +145,18 @@ DEMOTION_PIECE_BYTES = 64 << 20
 REFILL_PIECE_BYTES = 16 << 20
 
 
+def _by_session(session_idx: np.ndarray, idx: np.ndarray) -> list[np.ndarray]:
+    """`idx` split by session (session_idx[idx]), each part in plan order, the sessions in the
+    order of their first row."""
+    if len(idx) == 0:
+        return []
+    sessions = session_idx[idx]
+    order = np.argsort(sessions, kind="stable")
+    groups = np.split(order, np.flatnonzero(np.diff(sessions[order])) + 1)
+    groups.sort(key=lambda g: int(g[0]))  # (stable: each group's first is its first row)
+    return [idx[g] for g in groups]
+
+
 def _among(mark: np.ndarray, slots: np.ndarray, among: np.ndarray) -> np.ndarray:
     """Mask of `slots` that are in `among`, through `mark`, a scratch mask over the pool's
     slots kept all False."""
@@ -190,6 +211,14 @@ class PlanExecutor:
         self.events: list[torch.cuda.Event | None] = [None] * g.num_layers
         self.spills: list[_Spill] = []
         self.num_failed_spills = 0
+        # background_commits: the manifest commits of done spills (a file and a directory
+        # fsync each: 20-250 ms on the H200's disk under spills) run on the store's commit
+        # thread, not in the step that finds the spills done; False: on this thread.
+        self.background_commits = True
+        self.commits: list[_Commit] = []
+        # Manifest commits: how many were made, and this thread's time making or awaiting them
+        self.num_commits = 0
+        self.commit_ns = 0
         # defer_d2h: a plan of demotions only is applied but its copies wait for flush(),
         # which the engine calls once it has launched the step's forward (their host time then
         # runs beside the forward instead of before it). Anything that could touch their slots
@@ -403,15 +432,13 @@ class PlanExecutor:
     def _ssd_jobs(self, plan: MovePlan, idx: np.ndarray, kind: str, deadline: float
                   ) -> list[tuple[str, np.ndarray, Future[Any]]]:
         assert self.store is not None
-        by_session: dict[int, list[int]] = defaultdict(list)
-        for i, s in zip(idx.tolist(), plan.session_idx[idx].tolist()):
-            by_session[s].append(i)
         jobs: list[tuple[str, np.ndarray, Future[Any]]] = []
-        for s, members in by_session.items():
-            part = np.asarray(members, dtype=np.int64)
-            name, logical = plan.session_names[s], plan.logical_idx[part]
-            slots = plan.src_slot[part] if kind == "write" else plan.dst_slot[part]
-            views = [self.host.block_bytes_view(int(x)) for x in slots]
+        for part in _by_session(plan.session_idx, np.asarray(idx, dtype=np.int64)):
+            name = plan.session_names[int(plan.session_idx[part[0]])]
+            logical = plan.logical_idx[part]
+            # views made on the store's thread, not here (the step's forward waits for this)
+            views = self.host.block_views(
+                plan.src_slot[part] if kind == "write" else plan.dst_slot[part])
             if kind == "write":
                 jobs.append((kind, part, self.store.submit_write(name, logical, views)))
                 continue
@@ -452,7 +479,9 @@ class PlanExecutor:
         """Finish the background spills that read any of `slots` or write a session in `names`
         (all of them with `every`), waiting for them up to `deadline`; spills already done are
         finished too. Finishing: commit the session's manifest (complete once the last rank to
-        write has written), or log the failure (its records then read as misses).
+        write has written), or log the failure (its records then read as misses). With
+        background_commits the commit is queued on the store's commit thread, and waited for
+        here when its session is in `names` (or with `every`).
 
         `finish=False` (before copies into L2 `slots`): only wait until the spills that read
         them are done writing; finishing them (manifest fsyncs, failures) is left to a later
@@ -480,9 +509,41 @@ class PlanExecutor:
                 log.error("epoch %d: L3 write of session %r failed: %s", sp.epoch, sp.name, exc)
         self.spills = keep
         for name in sorted(written - failed):
-            self._commit(name, deadline)
+            if self.background_commits:
+                assert self.store is not None
+                self.num_commits += 1
+                self.commits.append(_Commit(name, self.store.submit_commit(name)))
+            else:
+                self._commit(name, deadline)
         for name in sorted(failed):
             self._forget(name, deadline)
+        if finish and self.commits:
+            self._finish_commits(deadline, names, every)
+
+    def _finish_commits(self, deadline: float, names: set[str] | frozenset[str],
+                        every: bool) -> None:
+        """Collect the background commits that are done, and wait (until `deadline`) for
+        those of `names` (all with `every`); a failed one forgets its session."""
+        keep: list[_Commit] = []
+        failed: list[tuple[str, BaseException]] = []
+        started = time.perf_counter_ns()
+        try:
+            for c in self.commits:
+                if not (every or c.name in names or c.future.done()):
+                    keep.append(c)
+                    continue
+                try:
+                    c.future.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    raise WaitTimeoutError(f"the manifest commit of session {c.name!r} not "
+                                           f"done after {self.timeout_s:g} s") from None
+                except (SsdError, OSError) as exc:
+                    failed.append((c.name, exc))
+        finally:
+            self.commit_ns += time.perf_counter_ns() - started
+        self.commits = keep
+        for name, error in failed:
+            self._commit_failed(name, error, deadline)
 
     def _written(self, sp: _Spill, deadline: float) -> BaseException | None:
         """Wait (until `deadline`, else WaitTimeoutError) for a spill's write to end; the error
@@ -500,13 +561,20 @@ class PlanExecutor:
         """Commit a session's manifest: whether it is complete (every rank wrote), or None when
         writing it failed (e.g. a full disk) and the session was forgotten."""
         assert self.store is not None
+        started = time.perf_counter_ns()
         try:
             return self.store.commit_manifest(name)
         except SsdError as exc:
-            self.num_failed_spills += 1
-            log.error("manifest of session %r not written: %s", name, exc)
-            self._forget(name, deadline)
+            self._commit_failed(name, exc, deadline)
             return None
+        finally:
+            self.num_commits += 1
+            self.commit_ns += time.perf_counter_ns() - started
+
+    def _commit_failed(self, name: str, exc: BaseException, deadline: float) -> None:
+        self.num_failed_spills += 1
+        log.error("manifest of session %r not written: %s", name, exc)
+        self._forget(name, deadline)
 
     def _forget(self, name: str, deadline: float) -> None:
         """A spill of the session failed after its plan was confirmed: the controller counts

@@ -14,6 +14,8 @@ from tpkv.config import GiB, HostConfig, KvGeometry
 from tpkv.errors import ConfigError, SlotError
 from tpkv.workers import cuda_rt
 from tpkv.workers.slots import SlotAllocator
+from tpkv.workers.ssd_backend import PAGE_BYTES as IO_PAGE_BYTES
+from tpkv.workers.ssd_backend import BlockViews
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +141,17 @@ class HostPool:
         """One block as a writable 1-D uint8 numpy view (for the SSD store)."""
         arena, index = self._locate(slot)
         return self._bytes_views[arena][index]
+
+    def block_views(self, slots: np.ndarray) -> BlockViews:
+        """The blocks of `slots` as writable 1-D uint8 views, made as they are read."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if len(slots) and (slots.min() < 0 or slots.max() >= self.num_slots):
+            bad = int(slots[(slots < 0) | (slots >= self.num_slots)][0])
+            raise SlotError(f"L2 slot {bad} outside 0..{self.num_slots - 1}")
+        aligned = self.block_bytes % IO_PAGE_BYTES == 0 and bool(
+            (self.arena_ptrs % IO_PAGE_BYTES == 0).all())
+        return BlockViews(self._bytes_views, slots, self.slots_per_arena, self.block_bytes,
+                          aligned)
 
     def slot_ptrs(self, slots: np.ndarray) -> np.ndarray:
         slots = np.asarray(slots, dtype=np.int64)

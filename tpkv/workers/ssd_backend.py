@@ -10,7 +10,7 @@ import mmap
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -35,6 +35,40 @@ def aligned_empty(num_bytes: int) -> np.ndarray:
 def is_direct_capable(arr: np.ndarray) -> bool:
     """Whether `arr` can go into an O_DIRECT iovec as is: page-aligned address and length."""
     return arr.ctypes.data % PAGE_BYTES == 0 and arr.nbytes % PAGE_BYTES == 0
+
+
+class BlockViews(Sequence[np.ndarray]):
+    """L2 slots' blocks as 1-D uint8 views, each made when it is read: a spill or an L3 read
+    of hundreds of blocks hands its buffers to the store's thread without building them on
+    the caller's (about 1 us each, under the GIL, while the step's forward waits on the host).
+
+    `page_aligned`: every block starts on a page and is a whole number of pages long (O_DIRECT
+    takes them as they are); the store then checks none of them one by one. Built by
+    HostPool.block_views, whose slots it trusts (checked there, once)."""
+
+    def __init__(self, views: list[np.ndarray], slots: np.ndarray, slots_per_arena: int,
+                 block_bytes: int, page_aligned: bool) -> None:
+        self._views = views
+        self.slots = slots
+        self._per_arena = slots_per_arena
+        self.block_bytes = block_bytes
+        self.page_aligned = page_aligned
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @overload
+    def __getitem__(self, i: int) -> np.ndarray: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> BlockViews: ...
+
+    def __getitem__(self, i: int | slice) -> np.ndarray | BlockViews:
+        if isinstance(i, slice):
+            return BlockViews(self._views, self.slots[i], self._per_arena, self.block_bytes,
+                              self.page_aligned)
+        arena, index = divmod(int(self.slots[i]), self._per_arena)
+        return self._views[arena][index]
 
 
 class BlockFile(abc.ABC):

@@ -11,7 +11,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from tpkv.errors import SsdFormatError
-from tpkv.workers.ssd_backend import IOV_MAX, BlockFile, aligned_empty, is_direct_capable
+from tpkv.workers.ssd_backend import (
+    IOV_MAX,
+    BlockFile,
+    BlockViews,
+    aligned_empty,
+    is_direct_capable,
+)
 from tpkv.workers.ssd_format import (
     ALIGN_BYTES,
     SegmentIdentity,
@@ -112,7 +118,9 @@ class SegmentIo:
         return (ident.segment_id, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), st.st_size
 
     def _staged(self, f: BlockFile, bufs: Sequence[np.ndarray]) -> list[bool]:
-        return [f.direct and not is_direct_capable(b) for b in bufs]
+        if not f.direct or (isinstance(bufs, BlockViews) and bufs.page_aligned):
+            return [False] * len(bufs)
+        return [not is_direct_capable(b) for b in bufs]
 
     def _chunk_end(self, start: int, staged: Sequence[bool],
                    max_bytes: int | None = None) -> tuple[int, int]:

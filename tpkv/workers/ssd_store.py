@@ -25,6 +25,7 @@ from tpkv.errors import (
     TierFullError,
 )
 from tpkv.workers.ssd_backend import (
+    BlockViews,
     atomic_write,
     fsync_dir,
     read_small_file,
@@ -166,6 +167,8 @@ class SsdStore:
         # drop_session_later: one thread deletes sessions' files in the order asked; any later
         # call about such a session waits for its delete first (_await_drop).
         self._janitor = ThreadPoolExecutor(1, thread_name_prefix=f"tpkv-l3-drop-r{rank}")
+        # submit_commit: manifest commits (two fsyncs each) off the caller's thread, in order
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix=f"tpkv-l3-commit-r{rank}")
         self._dropping: dict[str, Future[int]] = {}  # session hash (hex) -> its pending delete
         self._lock = threading.Lock()  # guards the usage accounting
         self._stripes = [threading.Lock() for _ in range(_NUM_LOCK_STRIPES)]
@@ -275,6 +278,10 @@ class SsdStore:
             raise
         fut.add_done_callback(self._gate.end)
         return fut
+
+    def submit_commit(self, session_id: str) -> Future[bool]:
+        """commit_manifest on the store's commit thread (one, so in the order submitted)."""
+        return self._committer.submit(self.commit_manifest, session_id)
 
     def commit_manifest(self, session_id: str) -> bool:
         """Mark a session complete if every rank's commit exists and all agree on the indices."""
@@ -414,6 +421,7 @@ class SsdStore:
         return freed
 
     def close(self) -> None:
+        self._committer.shutdown(wait=True)
         self._janitor.shutdown(wait=True)
         self._writers.shutdown(wait=True)
         self._pool.shutdown(wait=True)
@@ -687,6 +695,11 @@ class SsdStore:
         return arr.astype(np.int64)
 
     def _check_buffers(self, bufs: Sequence[np.ndarray], writable: bool) -> None:
+        if isinstance(bufs, BlockViews):  # an L2 pool's blocks: writable, of its block size
+            if bufs.block_bytes != self.block_bytes:
+                raise SsdRequestError(f"buffers of {bufs.block_bytes} bytes; L3 needs blocks "
+                                      f"of {self.block_bytes} bytes")
+            return
         for i, buf in enumerate(bufs):
             if not isinstance(buf, np.ndarray) or buf.dtype != np.uint8 or buf.ndim != 1 or (
                     buf.nbytes != self.block_bytes) or not buf.flags.c_contiguous:
