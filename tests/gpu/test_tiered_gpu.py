@@ -19,3 +19,7 @@ def test_tp1_tiered_engine_on_cuda_gives_the_tokens_of_a_large_l1(tmp_path, monk
     out = tiered_rank(0, 1, str(tmp_path / "l3"), mode, "cuda", early)
     check(out, mode)
     assert bool(out["early"]) == early
+    # each step's trace keeps the copies it was scheduled with and adds those of the plans
+    # applied once its forward was launched
+    trace = out["trace"]
+    assert trace["steps"] > 0 and trace["lost"] == 0 and trace["later"] > 0, trace

@@ -84,6 +84,7 @@ def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
             early_plans.append(plan.epoch)
             apply_early(plan)
         rt.worker.apply_early = spy
+        trace = _watch_trace(tiered) if device == "cuda" else {}
         got = drive(tiered.engine)
         events: dict[str, int] = {}
         if rank == 0:
@@ -95,12 +96,42 @@ def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
                "mismatches": rt.num_mismatches, "steps": s.steps,
                "commit_refusals": rt.num_commit_refusals, "late": rt.worker.num_late,
                "deferred": rt.worker.num_deferred, "kept": s.kept_moves,
-               "kept_spills": s.kept_spills, "early": early_plans}
+               "kept_spills": s.kept_spills, "early": early_plans, "trace": trace}
     except BaseException as exc:
         rt.close(exc)
         raise
     rt.close()
     return out
+
+
+def _watch_trace(tiered: Any) -> dict[str, int]:
+    """TieredEngine.trace on: counts steps whose trace at report() lacks a copy batch it had
+    once scheduled ("lost"), and steps whose trace gained batches after the forward was
+    launched (late or deferred plans: "later")."""
+    tiered.trace = True
+    eng, counts = tiered.engine, {"steps": 0, "lost": 0, "later": 0}
+    schedule, report = eng.schedule, eng.report
+    seen: set[tuple[str, int]] = set()
+
+    def keys() -> set[tuple[str, int]]:
+        spans = tiered.last_trace.spans if tiered.last_trace is not None else []
+        return {(direction, id(start)) for _, direction, start, _ in spans}
+
+    def traced_schedule(*args: Any) -> Any:
+        step = schedule(*args)
+        seen.clear()
+        seen.update(keys())
+        return step
+
+    def traced_report(r: Any) -> None:
+        now = keys()
+        counts["steps"] += 1
+        counts["lost"] += bool(seen - now)
+        counts["later"] += bool(now - seen)
+        report(r)
+
+    eng.schedule, eng.report = traced_schedule, traced_report
+    return counts
 
 
 def check(out: dict[str, Any], mode: str = "load") -> None:

@@ -106,6 +106,7 @@ class TieredEngine:
         self.stats = TierStats()
         self._resume: tuple[float, str] | None = None
         self._commit_ns = 0
+        self._traced: list[Any] = []  # the plans the step applied with it (for its trace)
         # A resume's end on the GPU, timed on the device (wait() no longer holds the forward
         # back for it): (tier, host seconds from its schedule to the clock event, clock event,
         # event after its copies), resolved into stats.resume_s once the step is reported.
@@ -185,13 +186,18 @@ class TieredEngine:
                   if a.outcome.h2d_issued_ns]
         if issued:  # host seconds from the schedule's start to its first copy into L1
             self.last_times["first_h2d_issue"] = min(issued) / 1e9 - started
+        self._traced = list(self.rt.worker.last_applied)
         if t0 is not None:
             self.last_trace = StepTrace(t0, self._spans())
         return step
 
     def _spans(self) -> list[tuple[int, str, Any, Any]]:
-        """(plan, direction, start, stop) of the copy batches of the plans applied last."""
-        return [(i, *span) for i, a in enumerate(self.rt.worker.last_applied)
+        """(plan, direction, start, stop) of the copy batches of the step's plans: those
+        applied with it and those applied once its forward was launched (late or deferred
+        plans, numbered after them)."""
+        later = [a for a in self.rt.worker.last_applied
+                 if not any(a is b for b in self._traced)]
+        return [(i, *span) for i, a in enumerate(self._traced + later)
                 for span in a.outcome.timing]
 
     def _upcoming(self, session_ids: Sequence[str]) -> list[str] | None:
