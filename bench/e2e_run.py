@@ -278,7 +278,7 @@ class Rounds:
                              # being written to disk, or of the session itself)
                              "spill_wait_ms": round(sum(
                                  a.outcome.spill_wait_ns for a in
-                                 self.tiered.rt.worker.last_applied) / 1e6, 3),
+                                 self.tiered.step_plans()) / 1e6, 3),
                              **self._parts(), "trace": self.tiered.last_trace})
 
     def _profiled(self, *fns: Any) -> list[Any]:

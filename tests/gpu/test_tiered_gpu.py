@@ -21,5 +21,5 @@ def test_tp1_tiered_engine_on_cuda_gives_the_tokens_of_a_large_l1(tmp_path, monk
     assert bool(out["early"]) == early
     # each step's trace keeps the copies it was scheduled with and adds those of the plans
     # applied once its forward was launched
-    trace = out["trace"]
-    assert trace["steps"] > 0 and trace["lost"] == 0 and trace["later"] > 0, trace
+    watched = out["watched"]
+    assert watched["lost_spans"] == 0 and watched["later_spans"] > 0, watched

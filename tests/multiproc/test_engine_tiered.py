@@ -84,7 +84,7 @@ def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
             early_plans.append(plan.epoch)
             apply_early(plan)
         rt.worker.apply_early = spy
-        trace = _watch_trace(tiered) if device == "cuda" else {}
+        watched = _watch_steps(tiered, device == "cuda")
         got = drive(tiered.engine)
         events: dict[str, int] = {}
         if rank == 0:
@@ -96,7 +96,7 @@ def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
                "mismatches": rt.num_mismatches, "steps": s.steps,
                "commit_refusals": rt.num_commit_refusals, "late": rt.worker.num_late,
                "deferred": rt.worker.num_deferred, "kept": s.kept_moves,
-               "kept_spills": s.kept_spills, "early": early_plans, "trace": trace}
+               "kept_spills": s.kept_spills, "early": early_plans, "watched": watched}
     except BaseException as exc:
         rt.close(exc)
         raise
@@ -104,31 +104,35 @@ def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
     return out
 
 
-def _watch_trace(tiered: Any) -> dict[str, int]:
-    """TieredEngine.trace on: counts steps whose trace at report() lacks a copy batch it had
-    once scheduled ("lost"), and steps whose trace gained batches after the forward was
-    launched (late or deferred plans: "later")."""
-    tiered.trace = True
-    eng, counts = tiered.engine, {"steps": 0, "lost": 0, "later": 0}
+def _watch_steps(tiered: Any, cuda: bool) -> dict[str, int]:
+    """Counts steps whose plans at report() (TieredEngine.step_plans) lack one they had when
+    scheduled ("lost") or gained some once the forward was launched (late or deferred plans:
+    "later"); on CUDA, with TieredEngine.trace on, the same for the trace's copy batches
+    ("lost_spans", "later_spans")."""
+    tiered.trace = cuda
+    eng = tiered.engine
+    counts = {"steps": 0, "lost": 0, "later": 0, "lost_spans": 0, "later_spans": 0}
     schedule, report = eng.schedule, eng.report
-    seen: set[tuple[str, int]] = set()
+    seen: dict[str, set[Any]] = {"plans": set(), "spans": set()}
 
-    def keys() -> set[tuple[str, int]]:
+    def now() -> dict[str, set[Any]]:
         spans = tiered.last_trace.spans if tiered.last_trace is not None else []
-        return {(direction, id(start)) for _, direction, start, _ in spans}
+        return {"plans": {id(a) for a in tiered.step_plans()},
+                "spans": {(direction, id(start)) for _, direction, start, _ in spans}}
 
     def traced_schedule(*args: Any) -> Any:
         step = schedule(*args)
-        seen.clear()
-        seen.update(keys())
+        seen.update(now())
         return step
 
     def traced_report(r: Any) -> None:
-        now = keys()
+        got = now()
         counts["steps"] += 1
-        counts["lost"] += bool(seen - now)
-        counts["later"] += bool(now - seen)
+        for key, name in (("plans", ""), ("spans", "_spans")):
+            counts["lost" + name] += bool(seen[key] - got[key])
+            counts["later" + name] += bool(got[key] - seen[key])
         report(r)
+        assert tiered.last_times["blocked"] >= 0
 
     eng.schedule, eng.report = traced_schedule, traced_report
     return counts
@@ -159,6 +163,10 @@ def check(out: dict[str, Any], mode: str = "load") -> None:
     # rank: a collective at TP 2) and applied once the forward was launched (tests/unit/
     # test_late_plans.py has the steps that plan them but apply them then: late_ok)
     assert out["deferred"] > 0, out["deferred"]
+    # and a step's plans, as TieredEngine.step_plans gives them at its report, are those it
+    # was scheduled with and those applied once its forward was launched
+    watched = out["watched"]
+    assert watched["steps"] > 0 and watched["lost"] == 0 and watched["later"] > 0, watched
     if out["events"]:  # rank 0: the controller saw the same
         assert out["events"].get("demote", 0) > 0
         assert out["events"].get("spill" if mode != "recompute" else "drop_l2", 0) > 0

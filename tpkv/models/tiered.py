@@ -119,7 +119,8 @@ class TieredEngine:
         # schedule_plan and schedule_apply for its last attempt), wait (until its blocks are in
         # L1), forward (+ sampling; of it launched_apply, the late plans and deferred copies
         # issued once the forward is queued, and launched_prepare, Controller.prepare), report
-        # (to the controller); commits: L3 manifest commits made on this thread in the step.
+        # (to the controller); commits: L3 manifest commits made on this thread in the step;
+        # blocked: the step's plans' time blocked on other work (in schedule or launched).
         self.last_times: dict[str, float] = {}
         # A step's demotion-only plans are issued once its forward is launched (they free L1
         # for later steps; nothing in this one reads them): their host time runs beside it.
@@ -191,13 +192,16 @@ class TieredEngine:
             self.last_trace = StepTrace(t0, self._spans())
         return step
 
-    def _spans(self) -> list[tuple[int, str, Any, Any]]:
-        """(plan, direction, start, stop) of the copy batches of the step's plans: those
-        applied with it and those applied once its forward was launched (late or deferred
-        plans, numbered after them)."""
+    def step_plans(self) -> list[Any]:
+        """This rank's AppliedPlans of the last step: those applied with it, then those
+        applied once its forward was launched (late or deferred plans)."""
         later = [a for a in self.rt.worker.last_applied
                  if not any(a is b for b in self._traced)]
-        return [(i, *span) for i, a in enumerate(self._traced + later)
+        return self._traced + later
+
+    def _spans(self) -> list[tuple[int, str, Any, Any]]:
+        """(plan, direction, start, stop) of the copy batches of the step's plans."""
+        return [(i, *span) for i, a in enumerate(self.step_plans())
                 for span in a.outcome.timing]
 
     def _upcoming(self, session_ids: Sequence[str]) -> list[str] | None:
@@ -249,6 +253,9 @@ class TieredEngine:
         self.last_times["forward"] = r.forward_s
         # L3 manifest commits (fsyncs) made on this thread in the step, wherever they fell
         self.last_times["commits"] = (self.rt.worker.executor.commit_ns - self._commit_ns) / 1e9
+        # of the plans' host time, what they spent blocked on other work (spills still reading
+        # the L2 slots they fill, earlier copies they follow): ExecOutcome.blocked_ns
+        self.last_times["blocked"] = sum(a.outcome.blocked_ns for a in self.step_plans()) / 1e9
         if self._resume_timing is not None:  # its forward, which waited for it, is done
             tier, offset, clock, done = self._resume_timing
             self._resume_timing = None
