@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.e2e_run import Setting, ceilings, rerate, run_tiered  # noqa: E402
+from bench.transfer import raw_odirect, raw_odirect_read  # noqa: E402
 from tpkv.config import GiB  # noqa: E402
 
 
@@ -165,6 +166,13 @@ def main() -> None:
     ssd_root = args.ssd_dir or tempfile.mkdtemp(prefix="tpkv-e2e-")
     ceil = ceilings(device, ssd_root)
     print("ceilings (GB/s):", {k: round(v, 2) for k, v in ceil.items()}, flush=True)
+    # The disk's read ceiling reads back, once, what it has just written. Diagnostics beside it
+    # (no ratio uses them): the same read of another file at once repeated, and at the end of
+    # the run, when its data is minutes old as an L3 session's is (a virtual disk may serve a
+    # first read of fresh data from a cache, or in a burst its sustained rate does not keep).
+    aged = Path(ssd_root) / "aged-ceiling.bin"
+    fresh = raw_odirect(aged, GiB // 4 if device.type == "cpu" else GiB, keep=True)["read"]
+    disk_reads = {"fresh": round(fresh, 3), "again": round(raw_odirect_read(aged), 3)}
     results: dict[str, Any] = {}
     head = {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -188,6 +196,10 @@ def main() -> None:
     head["ceilings_gbps_start"] = dict(ceil)
     head["ceilings_gbps_end"] = end = ceilings(device, ssd_root)
     print("ceilings at the end (GB/s):", {k: round(v, 2) for k, v in end.items()}, flush=True)
+    disk_reads["at_end"] = round(raw_odirect_read(aged), 3)
+    aged.unlink()
+    head["disk_read_diagnostic_gbps"] = disk_reads
+    print(f"disk reads of a file written at the start (GB/s): {disk_reads}", flush=True)
     moved = {k: round(end[k] / ceil[k], 2) for k in ceil if abs(end[k] / ceil[k] - 1) > 0.1}
     if moved:
         print(f"warning: ceilings moved by more than 10% during the run (end / start): {moved}",
