@@ -107,6 +107,9 @@ class HostPool:
             self.arenas.append(raw.view(dtype).view(n, *geometry.block_shape))
             self._bytes_views.append(raw.numpy().reshape(n, block_bytes))
         self.arena_ptrs = np.array([a.data_ptr() for a in self.arenas], dtype=np.int64)
+        # every block starts on a page and is whole pages long: O_DIRECT takes it as it is
+        self.page_aligned = block_bytes % IO_PAGE_BYTES == 0 and bool(
+            (self.arena_ptrs % IO_PAGE_BYTES == 0).all())
         self.pinned = False
         want_pin = config.pin == "always" or (config.pin == "auto" and cuda_rt.cuda_available())
         if want_pin:
@@ -148,10 +151,7 @@ class HostPool:
         if len(slots) and (slots.min() < 0 or slots.max() >= self.num_slots):
             bad = int(slots[(slots < 0) | (slots >= self.num_slots)][0])
             raise SlotError(f"L2 slot {bad} outside 0..{self.num_slots - 1}")
-        aligned = self.block_bytes % IO_PAGE_BYTES == 0 and bool(
-            (self.arena_ptrs % IO_PAGE_BYTES == 0).all())
-        return BlockViews(self._bytes_views, slots, self.slots_per_arena, self.block_bytes,
-                          aligned)
+        return BlockViews(self.block_bytes_view, slots, self.block_bytes, self.page_aligned)
 
     def slot_ptrs(self, slots: np.ndarray) -> np.ndarray:
         slots = np.asarray(slots, dtype=np.int64)

@@ -9,7 +9,7 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 import numpy as np
@@ -44,13 +44,12 @@ class BlockViews(Sequence[np.ndarray]):
 
     `page_aligned`: every block starts on a page and is a whole number of pages long (O_DIRECT
     takes them as they are); the store then checks none of them one by one. Built by
-    HostPool.block_views, whose slots it trusts (checked there, once)."""
+    HostPool.block_views over its block_bytes_view."""
 
-    def __init__(self, views: list[np.ndarray], slots: np.ndarray, slots_per_arena: int,
+    def __init__(self, view_of: Callable[[int], np.ndarray], slots: np.ndarray,
                  block_bytes: int, page_aligned: bool) -> None:
-        self._views = views
+        self._view_of = view_of
         self.slots = slots
-        self._per_arena = slots_per_arena
         self.block_bytes = block_bytes
         self.page_aligned = page_aligned
 
@@ -65,10 +64,8 @@ class BlockViews(Sequence[np.ndarray]):
 
     def __getitem__(self, i: int | slice) -> np.ndarray | BlockViews:
         if isinstance(i, slice):
-            return BlockViews(self._views, self.slots[i], self._per_arena, self.block_bytes,
-                              self.page_aligned)
-        arena, index = divmod(int(self.slots[i]), self._per_arena)
-        return self._views[arena][index]
+            return BlockViews(self._view_of, self.slots[i], self.block_bytes, self.page_aligned)
+        return self._view_of(int(self.slots[i]))
 
 
 class BlockFile(abc.ABC):
