@@ -97,6 +97,9 @@ class Sizes:
     # PlanExecutor.background_commits: done spills' manifest commits on the store's commit
     # thread (0: on the step's thread, in the step that finds them done).
     bg_commits: int = 1
+    # 1: a step's L2 -> L1 moves of blocks its plan before loads from L3 go as each read job is
+    # done (Worker.chain_loads); 0: after all the reads
+    chain: int = 1
     seed: int = 0
     # 1: cProfile the resume steps (host time by function, in the config's "profile_top");
     # 2: the decode steps, those with tier traffic and those without apart ("profile_traffic_top",
@@ -164,6 +167,7 @@ def main() -> None:
     contexts = rng.integers(sizes.context[0], sizes.context[1] + 1, sizes.sessions).tolist()
     started = time.time()
     ssd_root = args.ssd_dir or tempfile.mkdtemp(prefix="tpkv-e2e-")
+    Path(ssd_root).mkdir(parents=True, exist_ok=True)
     ceil = ceilings(device, ssd_root)
     print("ceilings (GB/s):", {k: round(v, 2) for k, v in ceil.items()}, flush=True)
     # The disk's read ceiling reads back, once, what it has just written. Diagnostics beside it

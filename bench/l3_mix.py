@@ -7,9 +7,9 @@ in the same run (before and after), and against the store's own reads with no sp
 
     python bench/l3_mix.py --dir /tmp/tpkv-l3mix --out bench/results/l3_mix.json
 
-Variants (--variants, comma-separated): name=io_threads:write_piece_mib[:write_threads]; the
-write_threads part needs a store that has SsdConfig.write_threads. `--backlog` is how many spill
-sessions the spiller keeps submitted at once.
+Variants (--variants, comma-separated): name=io_threads:write_piece_mib[:write_threads[:
+read_chunk_mib]]; the write_threads part needs a store that has SsdConfig.write_threads.
+`--backlog` is how many spill sessions the spiller keeps submitted at once.
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ class Variant:
     io_threads: int
     write_piece_mib: int
     write_threads: int | None = None
+    read_chunk_mib: int = READ_CHUNK_BYTES >> 20  # a read job's share of a session
 
     @classmethod
     def parse(cls, text: str) -> Variant:
@@ -102,9 +103,10 @@ class Spiller(threading.Thread):
             self.store.drop_session_later(name)
 
 
-def resume(store: SsdStore, name: str, out: list[np.ndarray]) -> float:
+def resume(store: SsdStore, name: str, out: list[np.ndarray],
+           chunk_bytes: int = READ_CHUNK_BYTES) -> float:
     """Read a session in the executor's chunks over the store's threads; seconds taken."""
-    step = max(1, READ_CHUNK_BYTES // GEOMETRY.block_bytes)
+    step = max(1, chunk_bytes // GEOMETRY.block_bytes)
     logical = np.arange(len(out), dtype=np.int64)
     t0 = time.perf_counter()
     futs = [store.submit_read(name, logical[at:at + step], out[at:at + step])
@@ -132,7 +134,8 @@ def run_variant(v: Variant, root: Path, blocks: list[np.ndarray], out: list[np.n
     for name in names:
         store.write_blocks(name, logical, blocks)
         assert store.commit_manifest(name)
-    alone = [nbytes / resume(store, names[k % len(names)], out) / 1e9
+    chunk = v.read_chunk_mib << 20
+    alone = [nbytes / resume(store, names[k % len(names)], out, chunk) / 1e9
              for k in range(args.sources)]
     check(out, blocks)
     spiller = Spiller(store, blocks, args.backlog)
@@ -140,7 +143,8 @@ def run_variant(v: Variant, root: Path, blocks: list[np.ndarray], out: list[np.n
     time.sleep(args.gap_s)
     mixed, t0 = [], time.perf_counter()
     for k in range(args.resumes):
-        mixed.append(nbytes / resume(store, names[k % len(names)], out) / 1e9)
+        took = resume(store, names[k % len(names)], out, v.read_chunk_mib << 20)
+        mixed.append(nbytes / took / 1e9)
         check(out, blocks)
         time.sleep(args.gap_s)
     wall = time.perf_counter() - t0

@@ -124,10 +124,11 @@ def test_each_plan_is_told_the_l1_slots_the_rest_of_its_step_fills(runtime_two_p
     real_run, real_apply = ex.run, worker.apply_step
     steps: list[Any] = []
 
-    def run(plan: Any, ok: Any, later_l1: Any = None, early: bool = False) -> Any:
+    def run(plan: Any, ok: Any, later_l1: Any = None, early: bool = False,
+            chain: Any = None) -> Any:
         assert not early  # (early_min_bytes: too few bytes here)
         calls.append((plan, later_l1))
-        return real_run(plan, ok, later_l1, early=early)
+        return real_run(plan, ok, later_l1, early=early, chain=chain)
 
     def apply_step(step: Any, late_ok: bool = False) -> Any:
         steps.append((step, len(calls)))

@@ -83,6 +83,24 @@ class _Early:
 
 
 @dataclass
+class Chain:
+    """The next plan's L2 -> L1 moves of blocks this plan loads from L3, which the worker found
+    safe to issue early (Worker._chain: the moves its check will pass once this plan is
+    applied). Each goes out as soon as the read job that loads its block is done with a hit,
+    beside the plan's later reads, instead of after all of them; the next plan's run() takes
+    those issued as done."""
+
+    plan: MovePlan  # the next plan
+    rows: np.ndarray  # its moves that may go early (indices into plan)
+    loads: np.ndarray  # per row: the move of this plan that loads its block into L2
+    issued: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # per row
+    out: ExecOutcome | None = None  # the copies' spans and first issue time
+
+    def issued_rows(self) -> np.ndarray:
+        return self.rows[self.issued]
+
+
+@dataclass
 class ExecOutcome:
     """What one plan did on this rank: moves done (mask over the plan), L3 read misses, bytes."""
 
@@ -101,10 +119,15 @@ class ExecOutcome:
     h2d_issued_ns: int = 0  # perf_counter_ns once its first L2 -> L1 copy was issued (0: none)
     # (direction, start, stop) of each copy batch on its stream (GPU only)
     timing: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    # the first `ahead_spans` of `timing`: copies issued during the plan before's reads (Chain),
+    # apart from each other in time: their device time is their sum, not their span
+    ahead_spans: int = 0
+    num_ahead: int = 0  # moves issued so
 
     def elapsed_ns(self) -> int:
         """Host time, or the GPU time of its copies if longer (call once they are done)."""
-        gpu_ms = max((a.elapsed_time(b) for _, a, b in self.timing if b.query()), default=0.0)
+        done = [a.elapsed_time(b) if b.query() else 0.0 for _, a, b in self.timing]
+        gpu_ms = max([sum(done[:self.ahead_spans]), *done[self.ahead_spans:]], default=0.0)
         return max(self.host_ns - self.blocked_ns, int(gpu_ms * 1e6))
 
 
@@ -228,10 +251,14 @@ class PlanExecutor:
         # Set while plans applied after the forward was launched run (Worker.apply_late): an
         # event recorded before that forward, which their copies wait for instead of it.
         self.compute_mark: torch.cuda.Event | None = None
+        # The next plan's L2 -> L1 moves issued during this plan's L3 reads (run's `chain`),
+        # until that plan runs; and how many moves went so in all
+        self.chained: Chain | None = None
+        self.num_chained = 0
 
     # ---- one plan --------------------------------------------------------------------------
     def run(self, plan: MovePlan, ok: np.ndarray, later_l1: np.ndarray | None = None,
-            early: bool = False) -> ExecOutcome:
+            early: bool = False, chain: Chain | None = None) -> ExecOutcome:
         """Issue every move in `ok`; copies L1 <-> L2 may still run on return, SSD I/O is done.
 
         `later_l1`: the L1 slots the rest of the step fills (later plans' promotions, the
@@ -242,14 +269,20 @@ class PlanExecutor:
         `early`: the plan is the step's first, applied before the rest of the step was planned
         (loads into free L1 slots). The step's later plans order their copies out of L1 and
         their reads into L2 after the L2 -> L1 batch before it, not after its copies, unless
-        they touch its slots (the builder gives them other slots)."""
+        they touch its slots (the builder gives them other slots).
+
+        `chain`: the next plan's L2 -> L1 moves of blocks this plan loads from L3 (Chain), each
+        issued once its block's read job is done; that plan's run() takes them as done."""
         started = time.perf_counter_ns()
         out = ExecOutcome(done=np.zeros(plan.num_moves, dtype=bool))
+        ahead = self._take_chained(plan, ok, out)
         deadline = time.monotonic() + self.timeout_s
         # One code per move, (src * 4 + dst); a move refused (not ok) or kept gets none of
         # the four below. Kept: L2 holds the block's bytes already; only the maps change.
         code = plan.src_tier * np.int8(4) + plan.dst_tier
         off = ~ok
+        if ahead is not None:
+            off[ahead] = True
         if plan.num_kept:
             kept = ok & plan.kept_mask()
             out.done[kept] = True
@@ -291,7 +324,8 @@ class PlanExecutor:
                 second = self._promote(plan, up[into], out)
                 start = second if start is None else start
             self._span(out, "h2d", start)
-            out.done[up], out.bytes_h2d = True, len(up) * block_bytes
+            out.done[up] = True
+            out.bytes_h2d += len(up) * block_bytes
         if len(i := pick["d2h"]):
             with _blocked(out):
                 self.wait_spills(deadline, slots=plan.dst_slot[i], finish=False)
@@ -336,7 +370,11 @@ class PlanExecutor:
                 self.wait_spills(deadline, slots=plan.dst_slot[i], names=names)
                 out.spill_wait_ns = time.perf_counter_ns() - waited
             jobs += self._ssd_jobs(plan, i, "read", deadline)
-        self._collect(plan, jobs, out, deadline)
+        if chain is not None and len(chain.rows) and self.store is not None:
+            chain.issued = np.zeros(len(chain.rows), dtype=bool)
+            chain.out = ExecOutcome(done=np.zeros(0, dtype=bool))
+            self.chained = chain
+        self._collect(plan, jobs, out, deadline, self.chained)
         # Spills only after the plan's reads: a resume waits for its reads, never for the
         # spills (background writes) beside them, and the disk does not split its bandwidth
         # between the two (on the H200, reads beside a spill of the same size ran at 1.0 GB/s
@@ -452,9 +490,10 @@ class PlanExecutor:
         return jobs
 
     def _collect(self, plan: MovePlan, jobs: list[tuple[str, np.ndarray, Future[Any]]],
-                 out: ExecOutcome, deadline: float) -> None:
+                 out: ExecOutcome, deadline: float, chain: Chain | None = None) -> None:
         block_bytes = self.hbm.block_bytes
         misses: list[np.ndarray] = []
+        loaded = np.zeros(plan.num_moves, dtype=bool) if chain is not None else None
         for kind, part, fut in jobs:
             try:
                 result = fut.result(timeout=max(0.0, deadline - time.monotonic()))
@@ -470,8 +509,43 @@ class PlanExecutor:
             hits = np.asarray(result, dtype=bool)
             misses.append(plan.block_ids[part[~hits]])
             out.bytes_ssd_read += int(hits.sum()) * block_bytes
+            if chain is not None and loaded is not None and kind == "read":
+                loaded[part[hits]] = True
+                self._issue_chained(chain, loaded)
         if misses:
             out.misses = np.concatenate(misses).astype(np.int64)
+
+    def _issue_chained(self, chain: Chain, loaded: np.ndarray) -> None:
+        """Issue the chain's moves whose blocks are loaded (with a hit) and not yet issued:
+        after the demotion pieces emptying their L1 slots, as the next plan would."""
+        ready = loaded[chain.loads] & ~chain.issued
+        if not ready.any():
+            return
+        assert chain.out is not None
+        start = self._promote(chain.plan, chain.rows[ready], chain.out)
+        self._span(chain.out, "h2d", start)
+        chain.issued |= ready
+
+    def _take_chained(self, plan: MovePlan, ok: np.ndarray, out: ExecOutcome
+                      ) -> np.ndarray | None:
+        """The moves of `plan` issued during the plan before's reads (Chain), now done here;
+        a chain left for another plan (its step failed half-way) is dropped."""
+        chain, self.chained = self.chained, None
+        if chain is None or chain.plan is not plan:
+            return None
+        rows = chain.issued_rows()
+        rows = rows[ok[rows]]  # Worker.apply_plan dealt with any its check refused
+        if not len(rows):
+            return None
+        assert chain.out is not None
+        out.done[rows] = True
+        out.bytes_h2d += len(rows) * self.hbm.block_bytes
+        out.timing = list(chain.out.timing)
+        out.ahead_spans = len(out.timing)
+        out.h2d_issued_ns = chain.out.h2d_issued_ns
+        out.num_ahead = len(rows)
+        self.num_chained += len(rows)
+        return rows
 
     def wait_spills(self, deadline: float, slots: np.ndarray | None = None,
                     names: set[str] | frozenset[str] = frozenset(), every: bool = False,

@@ -28,13 +28,14 @@ from tpkv.workers.confirm import (
     mismatch_error,
 )
 from tpkv.workers.copy_engine import CopyEngine
-from tpkv.workers.executor import ExecOutcome, PlanExecutor
+from tpkv.workers.executor import Chain, ExecOutcome, PlanExecutor
 from tpkv.workers.mirror import SlotMirror
 from tpkv.workers.pools import HbmPool, HostPool
 from tpkv.workers.ssd_store import SsdStore
 
 log = logging.getLogger(__name__)
 _NO_IDS = np.zeros(0, dtype=np.int64)
+HBM, DRAM, SSD = int(Tier.HBM), int(Tier.DRAM), int(Tier.SSD)
 
 
 @dataclass
@@ -113,6 +114,9 @@ class Worker:
         self.tick = 0
         self.fault_skip: dict[int, int] = {}  # tests: epoch -> index of a move to skip silently
         self.fault_miss_from: int | None = None  # tests: first L3 read from this epoch misses
+        # A step's L2 -> L1 moves of blocks its plan before loads from L3 go as each read
+        # job is done (_chain), not after all of them; False: after (tests compare the two)
+        self.chain_loads = True
         self.late: AppliedStep | None = None  # a step whose plans wait (apply_step's late_ok)
         # Plans applied ahead of their step (apply_early), which the next apply_step counts
         self.early: list[AppliedPlan] = []
@@ -237,7 +241,11 @@ class Worker:
                 applied.append(done)
                 continue
             self.mirror.drop(drops)
-            applied.append(self.apply_plan(plan, later[len(step.plans) - 1 - i]))
+            nxt = step.plans[i + 1] if i + 1 < len(step.plans) else None
+            then = None
+            if nxt is not None and nxt.epoch not in early:
+                then = (nxt, step.drops[i + 1] if i + 1 < len(step.drops) else _NO_IDS)
+            applied.append(self.apply_plan(plan, later[len(step.plans) - 1 - i], then=then))
         self.mirror.drop(step.drops[-1] if step.drops else _NO_IDS)
         if self.executor.early is not None:
             self.executor.early = None
@@ -282,14 +290,18 @@ class Worker:
         return applied
 
     def apply_plan(self, plan: MovePlan, later_l1: np.ndarray | None = None,
-                   early: bool = False) -> AppliedPlan:
+                   early: bool = False,
+                   then: tuple[MovePlan, np.ndarray] | None = None) -> AppliedPlan:
         """Check epoch order, apply the moves this rank's map allows, record them. `later_l1`:
         the L1 slots later plans of the step and its new K/V fill (PlanExecutor.run); `early`:
-        the plan is applied ahead of its step (apply_early)."""
+        the plan is applied ahead of its step (apply_early); `then`: the step's next plan and
+        the drops applied before it, whose L2 -> L1 moves of blocks this plan loads from L3
+        may go during this plan's reads (_chain)."""
         if plan.epoch != self.epoch + 1:
             raise PlanOrderError(f"rank {self.rank}: plan {plan.epoch} arrived after plan "
                                  f"{self.epoch}; plans apply strictly in epoch order")
         ok = self.mirror.check(plan)
+        self._refused_ahead(plan, ok)
         refused = int((~ok).sum())
         if refused:
             log.error("rank %d: plan %d: %d of %d moves do not start where this rank's map says",
@@ -297,7 +309,9 @@ class Worker:
         skip = self.fault_skip.pop(plan.epoch, None)
         if skip is not None and plan.num_moves:
             ok[skip % plan.num_moves] = False  # an unknown bug: counted as applied below
-        outcome = self.executor.run(plan, ok, later_l1, early=early)
+        chain = (self._chain(plan, ok, *then) if then is not None and self.chain_loads
+                 and plan.epoch + 1 not in self.fault_skip else None)
+        outcome = self.executor.run(plan, ok, later_l1, early=early, chain=chain)
         if self.fault_miss_from is not None and plan.epoch >= self.fault_miss_from:
             self._inject_miss(plan, outcome)
         self.mirror.apply(plan, outcome.done)
@@ -307,6 +321,61 @@ class Worker:
         applied = int(outcome.done.sum()) + (1 if skip is not None and plan.num_moves else 0)
         return AppliedPlan(plan, outcome, applied, self.mirror.where(plan.block_ids), status,
                            outcome.misses)
+
+    def _chain(self, plan: MovePlan, ok: np.ndarray, nxt: MovePlan, drops: np.ndarray
+               ) -> Chain | None:
+        """The L2 -> L1 moves of `nxt` that may go as soon as `plan` has loaded their blocks
+        from L3 (PlanExecutor.run's `chain`): exactly those this rank's check of `nxt` will
+        pass, whatever `plan`'s reads return, once their own block's read is a hit. Each
+        starts from the L2 slot an applied load of `plan` fills with its block, and goes into
+        an L1 slot named once in `nxt`, which none of `nxt`'s moves empties, and which is free
+        once `plan` is applied (free now and filled by none of its moves, or emptied by one);
+        its block is not dropped between the two plans."""
+        loads = np.flatnonzero(ok & (plan.src_tier == SSD) & (plan.dst_tier == DRAM))
+        ups = np.flatnonzero((nxt.src_tier == DRAM) & (nxt.dst_tier == HBM))
+        if not len(loads) or not len(ups):
+            return None
+        by_slot = np.argsort(plan.dst_slot[loads], kind="stable")
+        slots = plan.dst_slot[loads][by_slot]
+        at = np.minimum(np.searchsorted(slots, nxt.src_slot[ups]), len(slots) - 1)
+        q = loads[by_slot[at]]
+        keep = (slots[at] == nxt.src_slot[ups]) & (plan.block_ids[q] == nxt.block_ids[ups])
+        if len(drops):
+            keep &= ~np.isin(nxt.block_ids[ups], drops)
+        ups, q = ups[keep], q[keep]
+        n1 = self.hbm.num_slots
+        d = nxt.dst_slot[ups]
+        inside = (d >= 0) & (d < n1)
+        ups, q, d = ups[inside], q[inside], d[inside]
+        if not len(ups):
+            return None
+        into_l1 = nxt.dst_slot[(nxt.dst_tier == HBM) & (nxt.dst_slot >= 0) & (nxt.dst_slot < n1)]
+        named_once = np.bincount(into_l1, minlength=n1)[d] == 1
+        emptied_next = np.isin(d, nxt.src_slot[nxt.src_tier == HBM])
+        filled = np.isin(d, plan.dst_slot[ok & (plan.dst_tier == HBM)])
+        emptied = np.isin(d, plan.src_slot[ok & (plan.src_tier == HBM)])
+        free_after = ((self.mirror.holder(HBM, d) < 0) | emptied) & ~filled
+        keep = named_once & ~emptied_next & free_after
+        if not keep.any():
+            return None
+        return Chain(nxt, ups[keep], q[keep])
+
+    def _refused_ahead(self, plan: MovePlan, ok: np.ndarray) -> None:
+        """Moves of `plan` issued during the plan before's reads (_chain) that this rank's check
+        refuses now (never expected: _chain takes only moves the check passes): their copies
+        wrote L1 slots this map may give to other blocks, which are lost here."""
+        chain = self.executor.chained
+        if chain is None or chain.plan is not plan:
+            return
+        rows = chain.issued_rows()
+        bad = rows[~ok[rows]]
+        if not len(bad):
+            return
+        held = self.mirror.holder(HBM, plan.dst_slot[bad])
+        held = held[held >= 0]
+        log.error("rank %d: plan %d: %d moves issued ahead are refused by the check; %d blocks in "
+                  "their L1 slots are lost here", self.rank, plan.epoch, len(bad), len(held))
+        self.mirror.drop(held)
 
     def finish(self, applied: AppliedStep) -> StepReport:
         """Wait (bounded) for the step's confirmation; report where ranks disagree."""
