@@ -96,7 +96,8 @@ def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
                "mismatches": rt.num_mismatches, "steps": s.steps,
                "commit_refusals": rt.num_commit_refusals, "late": rt.worker.num_late,
                "deferred": rt.worker.num_deferred, "kept": s.kept_moves,
-               "kept_spills": s.kept_spills, "early": early_plans, "watched": watched}
+               "kept_spills": s.kept_spills, "early": early_plans, "watched": watched,
+               "chained": rt.worker.executor.num_chained}
     except BaseException as exc:
         rt.close(exc)
         raise
@@ -155,6 +156,8 @@ def check(out: dict[str, Any], mode: str = "load") -> None:
         # and spilled again onto the records they were loaded from (PolicyConfig.
         # keep_l3_copies): the later loads of those records gave the same tokens
         assert out["kept_spills"] > 0, out
+        # copied into L1 while the rest of their reads went on (Worker._chain)
+        assert out["chained"] > 0, out["chained"]
     if mode == "miss":  # the step that needed the missed block ran again and recomputed it
         assert out["retries"] >= 1 and out["recompute_tokens"] > 0, out
     else:  # ("load" may still recompute blocks the planner dropped when L2 was full)
