@@ -302,3 +302,31 @@ def test_a_failed_background_commit_forgets_its_session(
     out = ex.run(_plan(5, 0, S, -1, D, 1), ok)
     assert out.misses.tolist() == [0]
     store.close()
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_commit_failing_with_a_plain_oserror_forgets_its_session(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: bool) -> None:
+    """An OSError the store did not turn into SsdIoError is a failed commit on either thread:
+    the session is forgotten (its records miss), the step goes on."""
+    ex, store, gate = _setup(tmp_path)
+    gate.set()
+    ex.background_commits = background
+
+    def broken(name: str) -> bool:
+        raise OSError(errno.EIO, f"manifest of {name}: I/O error")
+
+    monkeypatch.setattr(store, "commit_manifest", broken)
+    ok = np.ones(1, dtype=bool)
+    ex.run(_plan(1, 0, H, 0, D, 0), ok)
+    ex.run(_plan(2, 0, D, 0, S, -1), ok)
+    ex.spills[0].future.result(5)
+    ex.run(_plan(3, 1, H, 1, D, 2), ok)  # finishes the spill: commits (or queues the commit)
+    if background:
+        _settled(ex)
+        ex.run(_plan(4, 2, H, 2, D, 3), ok)  # finds it failed
+    assert ex.num_failed_spills == 1 and not ex.commits and not ex.spills
+    assert store.committed_indices("sess").tolist() == []
+    out = ex.run(_plan(5, 0, S, -1, D, 1), ok)
+    assert out.misses.tolist() == [0]
+    store.close()

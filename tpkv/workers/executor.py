@@ -638,7 +638,7 @@ class PlanExecutor:
         started = time.perf_counter_ns()
         try:
             return self.store.commit_manifest(name)
-        except SsdError as exc:
+        except (SsdError, OSError) as exc:  # as the commit thread's failures (_finish_commits)
             self._commit_failed(name, exc, deadline)
             return None
         finally:
