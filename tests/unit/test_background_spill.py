@@ -49,7 +49,9 @@ def _setup(tmp_path: Path) -> tuple[PlanExecutor, SsdStore, threading.Event]:
 
 
 def test_a_spill_returns_at_once_and_a_refill_of_its_slot_waits_for_it(tmp_path: Path) -> None:
+    """Without taking slots back: the refill waits for the whole spill."""
     ex, store, gate = _setup(tmp_path)
+    ex.take_back_slots = False
     hbm, host = ex.hbm, ex.host
     hbm.tensor[0].fill_(1.0)
     hbm.tensor[1].fill_(2.0)
@@ -71,6 +73,33 @@ def test_a_spill_returns_at_once_and_a_refill_of_its_slot_waits_for_it(tmp_path:
     buf = np.zeros(GEO.block_bytes, dtype=np.uint8)
     assert store.read_blocks("sess", np.array([0]), [buf])[0]
     assert np.array_equal(buf, want)  # L3 holds block 0, not the refill's bytes
+    store.close()
+
+
+def test_a_refill_takes_back_the_slot_of_a_spill_not_yet_written(tmp_path: Path) -> None:
+    """With take_back_slots (the default): the spill's writer has not reached the block, so
+    the refill copies it aside and goes on at once; the spill writes the copy, and L3 holds
+    the spilled bytes, not the refill's."""
+    ex, store, gate = _setup(tmp_path)
+    assert ex.take_back_slots
+    hbm, host = ex.hbm, ex.host
+    hbm.tensor[0].fill_(1.0)
+    hbm.tensor[1].fill_(2.0)
+    want = hbm.tensor[0].reshape(-1).view(torch.uint8).numpy().copy()
+    ex.run(_plan(1, 0, H, 0, D, 0), np.ones(1, dtype=bool))
+    ex.run(_plan(2, 0, D, 0, S, -1), np.ones(1, dtype=bool))  # its write waits for the gate
+    out = ex.run(_plan(3, 1, H, 1, D, 0), np.ones(1, dtype=bool))  # refills L2 slot 0
+    assert not gate.is_set() and len(ex.spills) == 1  # did not wait for the write
+    assert out.blocked_ns < 0.2e9 and ex.num_taken_back == 1
+    assert ex.spills[0].slots.tolist() == [-1]  # it no longer reads the slot
+    assert (host.block(0) == 2.0).all()  # the refill landed
+    gate.set()
+    ex.synchronize()
+    assert not ex.spills and ex.num_failed_spills == 0
+    _settled(ex)
+    buf = np.zeros(GEO.block_bytes, dtype=np.uint8)
+    assert store.read_blocks("sess", np.array([0]), [buf])[0]
+    assert np.array_equal(buf, want)  # the copy set aside was written
     store.close()
 
 
@@ -102,6 +131,7 @@ def test_manifests_are_committed_after_the_copies_and_not_in_an_early_plan(
     does."""
     ex, store, gate = _setup(tmp_path)
     ex.background_commits = background
+    ex.take_back_slots = False  # the copy into the spill's slot waits for the whole spill
     order: list[str] = []
     commit = store.commit_manifest
     monkeypatch.setattr(store, "commit_manifest",

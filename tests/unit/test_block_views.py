@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,7 @@ from tpkv.config import HostConfig, KvGeometry, SsdConfig
 from tpkv.errors import SlotError, SsdRequestError
 from tpkv.workers.executor import _by_session
 from tpkv.workers.pools import HostPool
-from tpkv.workers.ssd_backend import BlockViews
+from tpkv.workers.ssd_backend import BlockViews, SpillViews
 from tpkv.workers.ssd_store import SsdStore
 
 # 4096-byte blocks: page-aligned, so O_DIRECT takes them without staging
@@ -91,3 +93,65 @@ def test_rows_split_by_session_in_plan_order() -> None:
     parts = _by_session(session_idx, np.array([6, 4, 0, 3]))
     assert [p.tolist() for p in parts] == [[6], [4], [0], [3]]
     assert _by_session(session_idx, np.array([], dtype=np.int64)) == []
+
+
+# ---- SpillViews: a spill's slots taken back before its write is done ---------------------------
+
+
+def test_spill_views_taken_back_before_the_writer_fetches_give_the_bytes_set_aside(
+        pool: HostPool) -> None:
+    views = pool.block_views(np.array([1, 2, 3]), spill=True)
+    assert isinstance(views, SpillViews) and views.page_aligned
+    want = [pool.block_bytes_view(s).copy() for s in (1, 2, 3)]
+    assert views.take_back(np.array([0, 2]), timeout=1.0)  # nothing fetched: no wait
+    pool.block_bytes_view(1)[:] = 0  # the slots now hold other blocks
+    pool.block_bytes_view(3)[:] = 0
+    got = views[0:3]
+    assert isinstance(got, list) and len(got) == 3
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    assert got[0].ctypes.data % 4096 == 0 and got[2].ctypes.data % 4096 == 0  # O_DIRECT-able
+    assert got[1].ctypes.data == pool.block_bytes_view(2).ctypes.data  # not taken: the slot
+
+
+def test_spill_views_fetched_are_free_once_written(pool: HostPool) -> None:
+    views = pool.block_views(np.array([1, 2, 3, 4]), spill=True)
+    views[0:2]  # the writer has the first piece
+    threading.Timer(0.2, views.written, args=(2,)).start()
+    t0 = time.monotonic()
+    assert views.take_back(np.array([1, 3]), timeout=5.0)  # 1 fetched: waits; 3 set aside
+    assert time.monotonic() - t0 >= 0.15
+    assert views[3].ctypes.data != pool.block_bytes_view(4).ctypes.data
+    assert not views.take_back(np.array([2]), timeout=0.05)  # fetched now, not written: waits
+    views.ended()  # the write returned (or failed): nothing is read any more
+    assert views.take_back(np.array([2]), timeout=0.05)
+
+
+@pytest.mark.parametrize("o_direct", [True, False])
+def test_a_spill_taken_back_midway_writes_what_it_was_given(pool: HostPool, tmp_path: Path,
+                                                            o_direct: bool) -> None:
+    """The store writes a spill a block a piece; between two pieces its later slots are taken
+    back and overwritten: every record read back holds the bytes the spill had at its start."""
+    store = SsdStore(SsdConfig(root=str(tmp_path), backend="posix", o_direct=o_direct,
+                               write_piece_bytes=GEO.block_bytes), GEO, "m", 0)
+    slots = np.array([0, 1, 2, 3, 4, 5])
+    want = [pool.block_bytes_view(s).copy() for s in slots.tolist()]
+    views = pool.block_views(slots, spill=True)
+    pieces = []
+
+    def pause() -> None:  # before each piece of the write
+        pieces.append(len(pieces))
+        if len(pieces) == 3:  # two pieces written, the third about to be fetched
+            assert views.take_back(np.array([1, 3, 4, 5]), timeout=5.0)
+            for s in (1, 3, 4, 5):
+                pool.block_bytes_view(s)[:] = 0xEE
+    store._pause = lambda: pause  # type: ignore[method-assign]
+    try:
+        store.write_blocks("s", np.arange(6), views)
+        assert store.commit_manifest("s") and len(pieces) == 6
+        out = [np.zeros(GEO.block_bytes, dtype=np.uint8) for _ in range(6)]
+        assert store.read_blocks("s", np.arange(6), out).all()
+        for o, w in zip(out, want):
+            np.testing.assert_array_equal(o, w)
+    finally:
+        store.close()

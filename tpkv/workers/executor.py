@@ -20,6 +20,7 @@ from tpkv.types import MovePlan, Tier
 from tpkv.workers import cuda_rt
 from tpkv.workers.copy_engine import CopyEngine, CopyHandle
 from tpkv.workers.mirror import Relocation
+from tpkv.workers.ssd_backend import SpillViews
 from tpkv.workers.ssd_store import SsdStore
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,9 @@ class _Spill:
 
     name: str
     epoch: int
-    slots: np.ndarray  # L2 slots it reads
+    slots: np.ndarray  # L2 slots it reads (-1: a block taken back, PlanExecutor._take_back)
     future: Future[Any]
+    views: SpillViews | None = None  # its buffers, whose slots can be taken back early
 
 
 @dataclass
@@ -234,6 +236,11 @@ class PlanExecutor:
         self.events: list[torch.cuda.Event | None] = [None] * g.num_layers
         self.spills: list[_Spill] = []
         self.num_failed_spills = 0
+        # take_back_slots: a copy into L2 slots a background spill still reads waits only for
+        # those blocks (copied aside if the writer has not reached them, else until their
+        # piece is written), not for the whole spill and the spills queued before it.
+        self.take_back_slots = True
+        self.num_taken_back = 0  # blocks whose L2 slots were taken back so
         # background_commits: the manifest commits of done spills (a file and a directory
         # fsync each: 20-250 ms on the H200's disk under spills) run on the store's commit
         # thread, not in the step that finds the spills done; False: on this thread.
@@ -369,7 +376,7 @@ class PlanExecutor:
                 waited = time.perf_counter_ns()
                 self.wait_spills(deadline, slots=plan.dst_slot[i], names=names)
                 out.spill_wait_ns = time.perf_counter_ns() - waited
-            jobs += self._ssd_jobs(plan, i, "read", deadline)
+            jobs += self._read_jobs(plan, i, deadline)
         if chain is not None and len(chain.rows) and self.store is not None:
             chain.issued = np.zeros(len(chain.rows), dtype=bool)
             chain.out = ExecOutcome(done=np.zeros(0, dtype=bool))
@@ -382,9 +389,7 @@ class PlanExecutor:
         if self.store is not None and len(i := pick["spill"]):
             with _blocked(out):
                 wait_handle(prev_d2h, deadline, f"epoch {plan.epoch} L2 -> L3")
-            for _, part, fut in self._ssd_jobs(plan, i, "write", deadline):
-                name = plan.session_names[int(plan.session_idx[part[0]])]
-                self.spills.append(_Spill(name, plan.epoch, plan.src_slot[part], fut))
+            self._submit_spills(plan, i)
             out.done[i], out.bytes_ssd_write = True, len(i) * block_bytes
         out.host_ns = time.perf_counter_ns() - started
         return out
@@ -467,25 +472,34 @@ class PlanExecutor:
             stop.record(self.engine.streams[direction])
             out.timing.append((direction, start, stop))
 
-    def _ssd_jobs(self, plan: MovePlan, idx: np.ndarray, kind: str, deadline: float
-                  ) -> list[tuple[str, np.ndarray, Future[Any]]]:
+    def _submit_spills(self, plan: MovePlan, idx: np.ndarray) -> None:
+        """One background write per session of the plan's L2 -> L3 moves `idx`."""
+        assert self.store is not None
+        for part in _by_session(plan.session_idx, np.asarray(idx, dtype=np.int64)):
+            name = plan.session_names[int(plan.session_idx[part[0]])]
+            # views made on the store's thread, not here (the step's forward waits for this)
+            views = self.host.block_views(plan.src_slot[part], spill=True)
+            assert isinstance(views, SpillViews)
+            fut = self.store.submit_write(name, plan.logical_idx[part], views)
+            fut.add_done_callback(views.ended_callback)
+            self.spills.append(_Spill(name, plan.epoch, plan.src_slot[part], fut, views))
+
+    def _read_jobs(self, plan: MovePlan, idx: np.ndarray, deadline: float
+                   ) -> list[tuple[str, np.ndarray, Future[Any]]]:
+        """The plan's L3 -> L2 moves `idx` as read jobs on the store's readers."""
         assert self.store is not None
         jobs: list[tuple[str, np.ndarray, Future[Any]]] = []
         for part in _by_session(plan.session_idx, np.asarray(idx, dtype=np.int64)):
             name = plan.session_names[int(plan.session_idx[part[0]])]
             logical = plan.logical_idx[part]
             # views made on the store's thread, not here (the step's forward waits for this)
-            views = self.host.block_views(
-                plan.src_slot[part] if kind == "write" else plan.dst_slot[part])
-            if kind == "write":
-                jobs.append((kind, part, self.store.submit_write(name, logical, views)))
-                continue
+            views = self.host.block_views(plan.dst_slot[part])
             self._await_manifest(name, deadline)
             # A session's reads in chunks across the store's threads: one thread reading and
             # checking a whole session reached about half the disk's speed.
             step = max(1, READ_CHUNK_BYTES // self.hbm.block_bytes)
             for at in range(0, len(part), step):
-                jobs.append((kind, part[at:at + step], self.store.submit_read(
+                jobs.append(("read", part[at:at + step], self.store.submit_read(
                     name, logical[at:at + step], views[at:at + step])))
         return jobs
 
@@ -564,8 +578,16 @@ class PlanExecutor:
         written: set[str] = set()
         failed: set[str] = set()
         for sp in self.spills:
-            must = every or sp.name in names or (slots is not None and len(slots) > 0
-                                                 and bool(np.isin(sp.slots, slots).any()))
+            by_name = every or sp.name in names
+            by_slot = (slots is not None and len(slots) > 0
+                       and bool(np.isin(sp.slots, slots).any()))
+            if (by_slot and slots is not None and not by_name and self.take_back_slots
+                    and sp.views is not None and not sp.future.done()):
+                # only its blocks in those slots: copied aside, or written (not all of it)
+                self._take_back(sp, slots, deadline)
+                keep.append(sp)
+                continue
+            must = by_name or by_slot
             if not finish:  # (a failure is logged, and its session forgotten, when finished)
                 if must:
                     self._written(sp, deadline)
@@ -618,6 +640,19 @@ class PlanExecutor:
         self.commits = keep
         for name, error in failed:
             self._commit_failed(name, error, deadline)
+
+    def _take_back(self, sp: _Spill, slots: np.ndarray, deadline: float) -> None:
+        """Free the L2 `slots` a running or queued spill reads, without waiting for the rest
+        of it (SpillViews.take_back): the blocks its writer has not reached are copied aside
+        (it writes the copies), those it has are waited for until their piece is written."""
+        assert sp.views is not None
+        pos = np.flatnonzero(np.isin(sp.slots, slots))
+        if not sp.views.take_back(pos, max(0.0, deadline - time.monotonic())):
+            raise WaitTimeoutError(f"epoch {sp.epoch}: L3 write of {len(pos)} blocks of "
+                                   f"session {sp.name!r} not done after {self.timeout_s:g} s")
+        sp.slots = sp.slots.copy()
+        sp.slots[pos] = -1  # no L2 slot is ever -1: later waits pass it by
+        self.num_taken_back += len(pos)
 
     def _written(self, sp: _Spill, deadline: float) -> BaseException | None:
         """Wait (until `deadline`, else WaitTimeoutError) for a spill's write to end; the error

@@ -15,7 +15,7 @@ from tpkv.errors import ConfigError, SlotError
 from tpkv.workers import cuda_rt
 from tpkv.workers.slots import SlotAllocator
 from tpkv.workers.ssd_backend import PAGE_BYTES as IO_PAGE_BYTES
-from tpkv.workers.ssd_backend import BlockViews
+from tpkv.workers.ssd_backend import BlockViews, SpillViews
 
 log = logging.getLogger(__name__)
 
@@ -145,13 +145,15 @@ class HostPool:
         arena, index = self._locate(slot)
         return self._bytes_views[arena][index]
 
-    def block_views(self, slots: np.ndarray) -> BlockViews:
-        """The blocks of `slots` as writable 1-D uint8 views, made as they are read."""
+    def block_views(self, slots: np.ndarray, spill: bool = False) -> BlockViews:
+        """The blocks of `slots` as writable 1-D uint8 views, made as they are read; `spill`:
+        as SpillViews (whose slots can be taken back before the write is done)."""
         slots = np.asarray(slots, dtype=np.int64)
         if len(slots) and (slots.min() < 0 or slots.max() >= self.num_slots):
             bad = int(slots[(slots < 0) | (slots >= self.num_slots)][0])
             raise SlotError(f"L2 slot {bad} outside 0..{self.num_slots - 1}")
-        return BlockViews(self.block_bytes_view, slots, self.block_bytes, self.page_aligned)
+        cls = SpillViews if spill else BlockViews
+        return cls(self.block_bytes_view, slots, self.block_bytes, self.page_aligned)
 
     def slot_ptrs(self, slots: np.ndarray) -> np.ndarray:
         slots = np.asarray(slots, dtype=np.int64)
