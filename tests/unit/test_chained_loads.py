@@ -4,6 +4,7 @@ plan's later reads, instead of after all of them; the next plan takes them as do
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -190,10 +191,11 @@ def _placed(m: dict[str, Any]) -> dict[int, tuple[int, int]]:
                     zip(np.asarray(m["tiers"]).tolist(), np.asarray(m["slots"]).tolist())))
 
 
-def _engine_run(root: Path, chain: bool) -> tuple[Any, int]:
-    """The tiered engine test's workload and tiers, returns always loaded from L3: its tokens
-    and the moves chained; checks the rank's map against the controller's before the first
-    close (both whole then)."""
+def engine_run(root: Path, prepare: Callable[[Any], None]) -> tuple[Any, Any]:
+    """The tiered engine test's workload and tiers, returns always loaded from L3, after
+    `prepare(runtime)`: its tokens and the rank's PlanExecutor (its counters). Checks the
+    rank's map against the controller's before the first close (both whole then), and that
+    blocks came back from L3 with no mismatch."""
     import tpkv
     from tests.multiproc.test_engine_tiered import BT, L1_BLOCKS, L2_BLOCKS, drive
     from tpkv.config import PolicyConfig
@@ -206,7 +208,7 @@ def _engine_run(root: Path, chain: bool) -> tuple[Any, int]:
                                                                 prefill_tokens_per_s=10.0))
     rt = tpkv.init(cfg, controller="local", device="cpu")
     try:
-        rt.worker.chain_loads = chain
+        prepare(rt)
         tiered = TieredEngine(rt, model, report_prefill=False)
         maps: list[tuple[Any, Any]] = []
         real_close = tiered.engine.close_session
@@ -220,17 +222,23 @@ def _engine_run(root: Path, chain: bool) -> tuple[Any, int]:
         theirs, here = maps[0]
         assert len(theirs) > 0 and here == theirs
         assert rt.num_mismatches == 0 and tiered.stats.moves["l3_l2"] > 0
-        return tokens, rt.worker.executor.num_chained
+        return tokens, rt.worker.executor
     finally:
         rt.close()
+
+
+def _chaining(on: bool) -> Callable[[Any], None]:
+    def prepare(rt: Any) -> None:
+        rt.worker.chain_loads = on
+    return prepare
 
 
 def test_the_engine_gives_the_same_tokens_with_chained_loads(tmp_path: Path) -> None:
     """The tiered engine's workload with returns loaded from L3: the same tokens with and
     without chaining, moves chained, and the rank's map the controller's."""
-    off, none = _engine_run(tmp_path / "off", chain=False)
-    on, chained = _engine_run(tmp_path / "on", chain=True)
-    assert none == 0 and chained > 0 and on == off
+    off, ex_off = engine_run(tmp_path / "off", _chaining(False))
+    on, ex_on = engine_run(tmp_path / "on", _chaining(True))
+    assert ex_off.num_chained == 0 and ex_on.num_chained > 0 and on == off
 
 
 def test_a_chain_left_for_a_plan_that_never_ran_is_dropped(tmp_path: Path,
