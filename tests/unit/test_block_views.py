@@ -100,7 +100,7 @@ def test_rows_split_by_session_in_plan_order() -> None:
 
 def test_spill_views_taken_back_before_the_writer_fetches_give_the_bytes_set_aside(
         pool: HostPool) -> None:
-    views = pool.block_views(np.array([1, 2, 3]), spill=True)
+    views = pool.spill_views(np.array([1, 2, 3]))
     assert isinstance(views, SpillViews) and views.page_aligned
     want = [pool.block_bytes_view(s).copy() for s in (1, 2, 3)]
     assert views.take_back(np.array([0, 2]), timeout=1.0)  # nothing fetched: no wait
@@ -115,7 +115,7 @@ def test_spill_views_taken_back_before_the_writer_fetches_give_the_bytes_set_asi
 
 
 def test_spill_views_fetched_are_free_once_written(pool: HostPool) -> None:
-    views = pool.block_views(np.array([1, 2, 3, 4]), spill=True)
+    views = pool.spill_views(np.array([1, 2, 3, 4]))
     views[0:2]  # the writer has the first piece
     threading.Timer(0.2, views.written, args=(2,)).start()
     t0 = time.monotonic()
@@ -136,7 +136,7 @@ def test_a_spill_taken_back_midway_writes_what_it_was_given(pool: HostPool, tmp_
                                write_piece_bytes=GEO.block_bytes), GEO, "m", 0)
     slots = np.array([0, 1, 2, 3, 4, 5])
     want = [pool.block_bytes_view(s).copy() for s in slots.tolist()]
-    views = pool.block_views(slots, spill=True)
+    views = pool.spill_views(slots)
     pieces = []
 
     def pause() -> None:  # before each piece of the write

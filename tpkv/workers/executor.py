@@ -364,7 +364,7 @@ class PlanExecutor:
         if not early:
             with _blocked(out):
                 self.wait_spills(deadline)
-        jobs: list[tuple[str, np.ndarray, Future[Any]]] = []
+        jobs: list[tuple[np.ndarray, Future[Any]]] = []
         if self.store is None:
             if len(pick["spill"]) or len(pick["load"]):
                 out.error = f"epoch {plan.epoch}: moves to or from L3, but L3 is disabled here"
@@ -478,17 +478,17 @@ class PlanExecutor:
         for part in _by_session(plan.session_idx, np.asarray(idx, dtype=np.int64)):
             name = plan.session_names[int(plan.session_idx[part[0]])]
             # views made on the store's thread, not here (the step's forward waits for this)
-            views = self.host.block_views(plan.src_slot[part], spill=True)
-            assert isinstance(views, SpillViews)
+            views = self.host.spill_views(plan.src_slot[part])
             fut = self.store.submit_write(name, plan.logical_idx[part], views)
-            fut.add_done_callback(views.ended_callback)
+            fut.add_done_callback(views.ended)
             self.spills.append(_Spill(name, plan.epoch, plan.src_slot[part], fut, views))
 
     def _read_jobs(self, plan: MovePlan, idx: np.ndarray, deadline: float
-                   ) -> list[tuple[str, np.ndarray, Future[Any]]]:
-        """The plan's L3 -> L2 moves `idx` as read jobs on the store's readers."""
+                   ) -> list[tuple[np.ndarray, Future[Any]]]:
+        """The plan's L3 -> L2 moves `idx` as read jobs on the store's readers: (the moves of
+        each job, its future)."""
         assert self.store is not None
-        jobs: list[tuple[str, np.ndarray, Future[Any]]] = []
+        jobs: list[tuple[np.ndarray, Future[Any]]] = []
         for part in _by_session(plan.session_idx, np.asarray(idx, dtype=np.int64)):
             name = plan.session_names[int(plan.session_idx[part[0]])]
             logical = plan.logical_idx[part]
@@ -499,31 +499,33 @@ class PlanExecutor:
             # checking a whole session reached about half the disk's speed.
             step = max(1, READ_CHUNK_BYTES // self.hbm.block_bytes)
             for at in range(0, len(part), step):
-                jobs.append(("read", part[at:at + step], self.store.submit_read(
+                jobs.append((part[at:at + step], self.store.submit_read(
                     name, logical[at:at + step], views[at:at + step])))
         return jobs
 
-    def _collect(self, plan: MovePlan, jobs: list[tuple[str, np.ndarray, Future[Any]]],
+    def _collect(self, plan: MovePlan, jobs: list[tuple[np.ndarray, Future[Any]]],
                  out: ExecOutcome, deadline: float, chain: Chain | None = None) -> None:
+        """Wait for the plan's read jobs; their hits are done, their misses reported; with
+        `chain`, the chained moves of each job's hits go at once (_issue_chained)."""
         block_bytes = self.hbm.block_bytes
         misses: list[np.ndarray] = []
-        loaded = np.zeros(plan.num_moves, dtype=bool) if chain is not None else None
-        for kind, part, fut in jobs:
+        loaded = np.zeros(plan.num_moves, dtype=bool)
+        for part, fut in jobs:
             try:
                 result = fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 raise WaitTimeoutError(
-                    f"epoch {plan.epoch}: L3 {kind} of {len(part)} blocks not done after "
+                    f"epoch {plan.epoch}: L3 read of {len(part)} blocks not done after "
                     f"{self.timeout_s:g} s") from None
             except (SsdError, TierFullError, OSError) as exc:
-                out.error = out.error or f"epoch {plan.epoch}: L3 {kind} failed: {exc}"
+                out.error = out.error or f"epoch {plan.epoch}: L3 read failed: {exc}"
                 log.error("%s", out.error)
                 continue
             out.done[part] = True
             hits = np.asarray(result, dtype=bool)
             misses.append(plan.block_ids[part[~hits]])
             out.bytes_ssd_read += int(hits.sum()) * block_bytes
-            if chain is not None and loaded is not None and kind == "read":
+            if chain is not None:
                 loaded[part[hits]] = True
                 self._issue_chained(chain, loaded)
         if misses:

@@ -113,15 +113,12 @@ class SpillViews(BlockViews):
             self._written = max(self._written, end)
             self._cond.notify_all()
 
-    def ended(self) -> None:
-        """The write returned or failed: none of the slots is read any more."""
+    def ended(self, *_: object) -> None:
+        """The write returned or failed: none of the slots is read any more (also a Future's
+        done callback)."""
         with self._cond:
             self._ended = True
             self._cond.notify_all()
-
-    def ended_callback(self, _future: object) -> None:
-        """ended(), as a Future's done callback."""
-        self.ended()
 
     def take_back(self, positions: np.ndarray, timeout: float) -> bool:
         """Free the L2 slots of `positions` for other bytes: copy those the writer has not
