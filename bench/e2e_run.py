@@ -132,8 +132,8 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         r["deferred_steps"] = rt.worker.num_deferred
         r["early_plans"] = rt.worker.num_early
         r["chained_moves"] = rt.worker.executor.num_chained  # L2 -> L1 moves issued during reads
-        # blocks of running or queued spills whose L2 slots were taken back (copied aside or
-        # waited for piece by piece) for copies into them
+        # blocks of running or queued spills whose L2 slots were taken back (waited for piece
+        # by piece, not for the whole spill) for copies into them
         r["taken_back_blocks"] = rt.worker.executor.num_taken_back
         gate = getattr(rt.worker.store, "_gate", None)
         if gate is not None:  # spill pieces that waited for a resume's reads (reads_first)

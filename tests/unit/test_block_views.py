@@ -95,63 +95,63 @@ def test_rows_split_by_session_in_plan_order() -> None:
     assert _by_session(session_idx, np.array([], dtype=np.int64)) == []
 
 
-# ---- SpillViews: a spill's slots taken back before its write is done ---------------------------
+# ---- SpillViews: a spill's slots taken back piece by piece ---------------------------------------
 
 
-def test_spill_views_taken_back_before_the_writer_fetches_give_the_bytes_set_aside(
+def test_spill_views_are_taken_back_once_the_pieces_that_carry_them_are_written(
         pool: HostPool) -> None:
-    views = pool.spill_views(np.array([1, 2, 3]))
-    assert isinstance(views, SpillViews) and views.page_aligned
-    want = [pool.block_bytes_view(s).copy() for s in (1, 2, 3)]
-    assert views.take_back(np.array([0, 2]), timeout=1.0)  # nothing fetched: no wait
-    pool.block_bytes_view(1)[:] = 0  # the slots now hold other blocks
-    pool.block_bytes_view(3)[:] = 0
-    got = views[0:3]
-    assert isinstance(got, list) and len(got) == 3
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(g, w)
-    assert got[0].ctypes.data % 4096 == 0 and got[2].ctypes.data % 4096 == 0  # O_DIRECT-able
-    assert got[1].ctypes.data == pool.block_bytes_view(2).ctypes.data  # not taken: the slot
-
-
-def test_spill_views_fetched_are_free_once_written(pool: HostPool) -> None:
     views = pool.spill_views(np.array([1, 2, 3, 4]))
-    views[0:2]  # the writer has the first piece
-    threading.Timer(0.2, views.written, args=(2,)).start()
+    assert isinstance(views, SpillViews) and views.page_aligned
+    assert views.take_back(np.array([], dtype=np.int64), timeout=0.0)  # nothing to wait for
+    threading.Timer(0.2, views.written, args=(2,)).start()  # the first piece: positions 0, 1
     t0 = time.monotonic()
-    assert views.take_back(np.array([1, 3]), timeout=5.0)  # 1 fetched: waits; 3 set aside
+    assert views.take_back(np.array([1]), timeout=5.0)
     assert time.monotonic() - t0 >= 0.15
-    assert views[3].ctypes.data != pool.block_bytes_view(4).ctypes.data
-    assert not views.take_back(np.array([2]), timeout=0.05)  # fetched now, not written: waits
+    assert views.take_back(np.array([0, 1]), timeout=0.0)  # written: no wait
+    assert not views.take_back(np.array([1, 2]), timeout=0.05)  # 2 not written: timed out
     views.ended()  # the write returned (or failed): nothing is read any more
-    assert views.take_back(np.array([2]), timeout=0.05)
+    assert views.take_back(np.array([2, 3]), timeout=0.0)
 
 
 @pytest.mark.parametrize("o_direct", [True, False])
 def test_a_spill_taken_back_midway_writes_what_it_was_given(pool: HostPool, tmp_path: Path,
                                                             o_direct: bool) -> None:
-    """The store writes a spill a block a piece; between two pieces its later slots are taken
-    back and overwritten: every record read back holds the bytes the spill had at its start."""
+    """The store writes a spill a block a piece; a refill of some of its slots, started
+    between two pieces, overwrites each only once the piece that carries it is written:
+    every record read back holds the bytes the spill had at its start."""
     store = SsdStore(SsdConfig(root=str(tmp_path), backend="posix", o_direct=o_direct,
                                write_piece_bytes=GEO.block_bytes), GEO, "m", 0)
     slots = np.array([0, 1, 2, 3, 4, 5])
     want = [pool.block_bytes_view(s).copy() for s in slots.tolist()]
     views = pool.spill_views(slots)
-    pieces = []
+    pieces: list[int] = []
+    refilled: list[int] = []  # the pieces begun when the refill overwrote the slots
+
+    def refill() -> None:
+        assert views.take_back(np.array([3, 4]), timeout=5.0)
+        refilled.append(len(pieces))
+        for s in (3, 4):
+            pool.block_bytes_view(s)[:] = 0xEE
 
     def pause() -> None:  # before each piece of the write
         pieces.append(len(pieces))
-        if len(pieces) == 3:  # two pieces written, the third about to be fetched
-            assert views.take_back(np.array([1, 3, 4, 5]), timeout=5.0)
-            for s in (1, 3, 4, 5):
-                pool.block_bytes_view(s)[:] = 0xEE
+        if len(pieces) == 3:  # two pieces written, the third about to be
+            assert views.take_back(np.array([0, 1]), timeout=0.0)
+            threading.Thread(target=refill).start()
+            time.sleep(0.05)
+            assert not refilled  # waits for pieces 3 and 4
     store._pause = lambda: pause  # type: ignore[method-assign]
     try:
         store.write_blocks("s", np.arange(6), views)
         assert store.commit_manifest("s") and len(pieces) == 6
+        deadline = time.monotonic() + 5
+        while not refilled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert refilled and refilled[0] >= 5  # after the fifth piece (position 4) was written
         out = [np.zeros(GEO.block_bytes, dtype=np.uint8) for _ in range(6)]
         assert store.read_blocks("s", np.arange(6), out).all()
         for o, w in zip(out, want):
             np.testing.assert_array_equal(o, w)
+        assert (pool.block_bytes_view(3) == 0xEE).all()
     finally:
         store.close()

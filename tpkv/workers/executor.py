@@ -236,9 +236,8 @@ class PlanExecutor:
         self.events: list[torch.cuda.Event | None] = [None] * g.num_layers
         self.spills: list[_Spill] = []
         self.num_failed_spills = 0
-        # take_back_slots: a copy into L2 slots a background spill still reads waits only for
-        # those blocks (copied aside if the writer has not reached them, else until their
-        # piece is written), not for the whole spill and the spills queued before it.
+        # take_back_slots: a copy into L2 slots a background spill still reads waits only
+        # until the pieces that carry those blocks are written, not for the whole spill.
         self.take_back_slots = True
         self.num_taken_back = 0  # blocks whose L2 slots were taken back so
         # background_commits: the manifest commits of done spills (a file and a directory
@@ -585,7 +584,7 @@ class PlanExecutor:
                        and bool(np.isin(sp.slots, slots).any()))
             if (by_slot and slots is not None and not by_name and self.take_back_slots
                     and sp.views is not None and not sp.future.done()):
-                # only its blocks in those slots: copied aside, or written (not all of it)
+                # only until its blocks in those slots are written (not all of it)
                 self._take_back(sp, slots, deadline)
                 keep.append(sp)
                 continue
@@ -644,9 +643,8 @@ class PlanExecutor:
             self._commit_failed(name, error, deadline)
 
     def _take_back(self, sp: _Spill, slots: np.ndarray, deadline: float) -> None:
-        """Free the L2 `slots` a running or queued spill reads, without waiting for the rest
-        of it (SpillViews.take_back): the blocks its writer has not reached are copied aside
-        (it writes the copies), those it has are waited for until their piece is written."""
+        """Free the L2 `slots` a running or queued spill reads once the pieces that carry
+        them are written, without waiting for the rest of it (SpillViews.take_back)."""
         assert sp.views is not None
         pos = np.flatnonzero(np.isin(sp.slots, slots))
         if not sp.views.take_back(pos, max(0.0, deadline - time.monotonic())):

@@ -69,43 +69,17 @@ class BlockViews(Sequence[np.ndarray]):
 
 
 class SpillViews(BlockViews):
-    """A spill's L2 blocks (BlockViews) whose slots the executor may take back before the
-    store's writer is done with them (SpillViews.take_back): a block the writer has not
-    fetched yet is copied aside at once and the writer gets the copy; one it has fetched is
-    free once the piece that carries it is written (the writer calls written() after each
-    piece, SegmentIo.write_records). The writer fetches in order, so everything below the
-    highest position it has fetched counts as fetched."""
+    """A spill's L2 blocks (BlockViews) whose slots the executor may take back piece by piece
+    (SpillViews.take_back): the store's writer writes them in order and calls written() after
+    each piece (SegmentIo.write_records), so a slot is free for other bytes once the piece
+    that carries it is written, before the rest of the spill is."""
 
     def __init__(self, view_of: Callable[[int], np.ndarray], slots: np.ndarray,
                  block_bytes: int, page_aligned: bool) -> None:
         super().__init__(view_of, slots, block_bytes, page_aligned)
         self._cond = threading.Condition()
-        self._fetched = 0  # positions below it may be in the writer's hands
         self._written = 0  # positions below it are written (their buffers no longer read)
         self._ended = False  # the write returned or failed: no buffer is read any more
-        self._aside: dict[int, np.ndarray] = {}  # position -> its bytes copied aside
-
-    @overload  # type: ignore[override]
-    def __getitem__(self, i: int) -> np.ndarray: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[np.ndarray]: ...
-
-    def __getitem__(self, i: int | slice) -> np.ndarray | list[np.ndarray]:
-        """A slice is a list of the views (the positions count as fetched)."""
-        with self._cond:
-            if isinstance(i, slice):
-                at = range(len(self.slots))[i]
-                if len(at):
-                    self._fetched = max(self._fetched, max(at[0], at[-1]) + 1)
-                return [self._one(k) for k in at]
-            k = range(len(self.slots))[i]
-            self._fetched = max(self._fetched, k + 1)
-            return self._one(k)
-
-    def _one(self, k: int) -> np.ndarray:
-        aside = self._aside.get(k)
-        return aside if aside is not None else self._view_of(int(self.slots[k]))
 
     def written(self, end: int) -> None:
         """The writer: positions below `end` are written."""
@@ -121,25 +95,12 @@ class SpillViews(BlockViews):
             self._cond.notify_all()
 
     def take_back(self, positions: np.ndarray, timeout: float) -> bool:
-        """Free the L2 slots of `positions` for other bytes: copy those the writer has not
-        fetched aside (it writes the copies), and wait (up to `timeout` s) until those it has
-        are written. False when the wait timed out."""
-        pos = np.unique(np.asarray(positions, dtype=np.int64))
+        """Wait (up to `timeout` s) until the writer is done with the blocks at `positions`:
+        their slots may then take other bytes. False when the wait timed out."""
+        if not len(positions):
+            return True
+        top = int(np.max(positions))
         with self._cond:
-            if self._ended:
-                return True
-            later = pos[pos >= self._fetched]
-            later = later[[int(k) not in self._aside for k in later.tolist()]]
-            if len(later):
-                bb = self.block_bytes
-                room = aligned_empty(len(later) * bb)  # page-aligned blocks stay so
-                for j, k in enumerate(later.tolist()):
-                    room[j * bb:(j + 1) * bb] = self._view_of(int(self.slots[k]))
-                    self._aside[k] = room[j * bb:(j + 1) * bb]
-            need = pos[pos < self._fetched]
-            if not len(need):
-                return True
-            top = int(need.max())
             return self._cond.wait_for(lambda: self._ended or self._written > top, timeout)
 
 
