@@ -100,9 +100,6 @@ class Sizes:
     # 1: a step's L2 -> L1 moves of blocks its plan before loads from L3 go as each read job is
     # done (Worker.chain_loads); 0: after all the reads
     chain: int = 1
-    # 1: a copy into L2 slots a background spill still reads waits only for the pieces that
-    # carry those blocks (PlanExecutor.take_back_slots); 0: for the whole spill
-    take_back: int = 1
     seed: int = 0
     # 1: cProfile the resume steps (host time by function, in the config's "profile_top");
     # 2: the decode steps, those with tier traffic and those without apart ("profile_traffic_top",

@@ -123,7 +123,6 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         rt.worker.engine.dma_split = sizes.dma_split
         rt.worker.executor.background_commits = bool(sizes.bg_commits)
         rt.worker.chain_loads = bool(sizes.chain)
-        rt.worker.executor.take_back_slots = bool(sizes.take_back)
         r = Rounds(tiered, sizes, contexts, bb, ceil).run()
         eng = rt.worker.engine  # how well the slot placement let copies merge into runs
         r["copy_blocks"], r["copy_descriptors"] = dict(eng.num_blocks), dict(eng.num_descriptors)
@@ -132,9 +131,6 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         r["deferred_steps"] = rt.worker.num_deferred
         r["early_plans"] = rt.worker.num_early
         r["chained_moves"] = rt.worker.executor.num_chained  # L2 -> L1 moves issued during reads
-        # blocks of running or queued spills whose L2 slots were taken back (waited for piece
-        # by piece, not for the whole spill) for copies into them
-        r["taken_back_blocks"] = rt.worker.executor.num_taken_back
         gate = getattr(rt.worker.store, "_gate", None)
         if gate is not None:  # spill pieces that waited for a resume's reads (reads_first)
             r["l3_write_pauses"] = gate.num_pauses

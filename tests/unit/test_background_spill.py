@@ -49,9 +49,7 @@ def _setup(tmp_path: Path) -> tuple[PlanExecutor, SsdStore, threading.Event]:
 
 
 def test_a_spill_returns_at_once_and_a_refill_of_its_slot_waits_for_it(tmp_path: Path) -> None:
-    """Without taking slots back: the refill waits for the whole spill."""
     ex, store, gate = _setup(tmp_path)
-    ex.take_back_slots = False
     hbm, host = ex.hbm, ex.host
     hbm.tensor[0].fill_(1.0)
     hbm.tensor[1].fill_(2.0)
@@ -73,56 +71,6 @@ def test_a_spill_returns_at_once_and_a_refill_of_its_slot_waits_for_it(tmp_path:
     buf = np.zeros(GEO.block_bytes, dtype=np.uint8)
     assert store.read_blocks("sess", np.array([0]), [buf])[0]
     assert np.array_equal(buf, want)  # L3 holds block 0, not the refill's bytes
-    store.close()
-
-
-def test_a_refill_waits_only_for_the_piece_of_the_spill_that_carries_its_slot(
-        tmp_path: Path) -> None:
-    """With take_back_slots (the default): a spill of two blocks is written a block a piece,
-    and its second piece waits for a slow disk; a refill of the first block's L2 slot goes on
-    once the first piece is written, the spill still running; L3 then holds the spilled
-    bytes of both blocks, not the refill's."""
-    store = SsdStore(SsdConfig(root=str(tmp_path / "l3"), backend="posix", o_direct=False,
-                               write_piece_bytes=GEO.block_bytes), GEO, "m", 0)
-    gate = threading.Event()
-    pieces: list[int] = []
-    real_pause = store._pause
-
-    def pause_of() -> Any:
-        inner = real_pause()
-
-        def pause() -> None:  # before each piece of a write
-            if inner is not None:
-                inner()
-            pieces.append(len(pieces))
-            if len(pieces) == 2:
-                gate.wait(10)  # the disk is slow with the second piece
-        return pause
-    store._pause = pause_of  # type: ignore[method-assign]
-    ex = PlanExecutor(make_engine(GEO, 4, 4, "cpu"), store, timeout_s=5.0)
-    assert ex.take_back_slots
-    hbm, host = ex.hbm, ex.host
-    for s in range(3):
-        hbm.tensor[s].fill_(float(s + 1))
-    want = [hbm.tensor[s].reshape(-1).view(torch.uint8).numpy().copy() for s in (0, 1)]
-    two = np.ones(2, dtype=bool)
-    ex.run(MovePlan(1, np.array([0, 1]), np.array([H, H]), np.array([0, 1]), np.array([D, D]),
-                    np.array([0, 1]), np.zeros(2), np.array([0, 1]), ("sess",)), two)
-    ex.run(MovePlan(2, np.array([0, 1]), np.array([D, D]), np.array([0, 1]), np.array([S, S]),
-                    np.array([-1, -1]), np.zeros(2), np.array([0, 1]), ("sess",)), two)
-    ex.run(_plan(3, 2, H, 2, D, 0), np.ones(1, dtype=bool))  # refills L2 slot 0
-    assert not gate.is_set() and len(ex.spills) == 1  # the spill is still being written
-    assert pieces == [0, 1] and ex.num_taken_back == 1
-    assert ex.spills[0].slots.tolist() == [-1, 1]  # it no longer reads slot 0
-    assert (host.block(0) == 3.0).all()  # the refill landed
-    gate.set()
-    ex.synchronize()
-    assert not ex.spills and ex.num_failed_spills == 0
-    _settled(ex)
-    bufs = [np.zeros(GEO.block_bytes, dtype=np.uint8) for _ in range(2)]
-    assert store.read_blocks("sess", np.array([0, 1]), bufs).all()
-    for buf, w in zip(bufs, want):
-        assert np.array_equal(buf, w)  # the spilled bytes, not the refill's
     store.close()
 
 
@@ -154,7 +102,6 @@ def test_manifests_are_committed_after_the_copies_and_not_in_an_early_plan(
     does."""
     ex, store, gate = _setup(tmp_path)
     ex.background_commits = background
-    ex.take_back_slots = False  # the copy into the spill's slot waits for the whole spill
     order: list[str] = []
     commit = store.commit_manifest
     monkeypatch.setattr(store, "commit_manifest",

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +11,7 @@ from tpkv.config import HostConfig, KvGeometry, SsdConfig
 from tpkv.errors import SlotError, SsdRequestError
 from tpkv.workers.executor import _by_session
 from tpkv.workers.pools import HostPool
-from tpkv.workers.ssd_backend import BlockViews, SpillViews
+from tpkv.workers.ssd_backend import BlockViews
 from tpkv.workers.ssd_store import SsdStore
 
 # 4096-byte blocks: page-aligned, so O_DIRECT takes them without staging
@@ -93,65 +91,3 @@ def test_rows_split_by_session_in_plan_order() -> None:
     parts = _by_session(session_idx, np.array([6, 4, 0, 3]))
     assert [p.tolist() for p in parts] == [[6], [4], [0], [3]]
     assert _by_session(session_idx, np.array([], dtype=np.int64)) == []
-
-
-# ---- SpillViews: a spill's slots taken back piece by piece ---------------------------------------
-
-
-def test_spill_views_are_taken_back_once_the_pieces_that_carry_them_are_written(
-        pool: HostPool) -> None:
-    views = pool.spill_views(np.array([1, 2, 3, 4]))
-    assert isinstance(views, SpillViews) and views.page_aligned
-    assert views.take_back(np.array([], dtype=np.int64), timeout=0.0)  # nothing to wait for
-    threading.Timer(0.2, views.written, args=(2,)).start()  # the first piece: positions 0, 1
-    t0 = time.monotonic()
-    assert views.take_back(np.array([1]), timeout=5.0)
-    assert time.monotonic() - t0 >= 0.15
-    assert views.take_back(np.array([0, 1]), timeout=0.0)  # written: no wait
-    assert not views.take_back(np.array([1, 2]), timeout=0.05)  # 2 not written: timed out
-    views.ended()  # the write returned (or failed): nothing is read any more
-    assert views.take_back(np.array([2, 3]), timeout=0.0)
-
-
-@pytest.mark.parametrize("o_direct", [True, False])
-def test_a_spill_taken_back_midway_writes_what_it_was_given(pool: HostPool, tmp_path: Path,
-                                                            o_direct: bool) -> None:
-    """The store writes a spill a block a piece; a refill of some of its slots, started
-    between two pieces, overwrites each only once the piece that carries it is written:
-    every record read back holds the bytes the spill had at its start."""
-    store = SsdStore(SsdConfig(root=str(tmp_path), backend="posix", o_direct=o_direct,
-                               write_piece_bytes=GEO.block_bytes), GEO, "m", 0)
-    slots = np.array([0, 1, 2, 3, 4, 5])
-    want = [pool.block_bytes_view(s).copy() for s in slots.tolist()]
-    views = pool.spill_views(slots)
-    pieces: list[int] = []
-    refilled: list[int] = []  # the pieces begun when the refill overwrote the slots
-
-    def refill() -> None:
-        assert views.take_back(np.array([3, 4]), timeout=5.0)
-        refilled.append(len(pieces))
-        for s in (3, 4):
-            pool.block_bytes_view(s)[:] = 0xEE
-
-    def pause() -> None:  # before each piece of the write
-        pieces.append(len(pieces))
-        if len(pieces) == 3:  # two pieces written, the third about to be
-            assert views.take_back(np.array([0, 1]), timeout=0.0)
-            threading.Thread(target=refill).start()
-            time.sleep(0.05)
-            assert not refilled  # waits for pieces 3 and 4
-    store._pause = lambda: pause  # type: ignore[method-assign]
-    try:
-        store.write_blocks("s", np.arange(6), views)
-        assert store.commit_manifest("s") and len(pieces) == 6
-        deadline = time.monotonic() + 5
-        while not refilled and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert refilled and refilled[0] >= 5  # after the fifth piece (position 4) was written
-        out = [np.zeros(GEO.block_bytes, dtype=np.uint8) for _ in range(6)]
-        assert store.read_blocks("s", np.arange(6), out).all()
-        for o, w in zip(out, want):
-            np.testing.assert_array_equal(o, w)
-        assert (pool.block_bytes_view(3) == 0xEE).all()
-    finally:
-        store.close()

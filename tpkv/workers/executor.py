@@ -20,7 +20,6 @@ from tpkv.types import MovePlan, Tier
 from tpkv.workers import cuda_rt
 from tpkv.workers.copy_engine import CopyEngine, CopyHandle
 from tpkv.workers.mirror import Relocation
-from tpkv.workers.ssd_backend import SpillViews
 from tpkv.workers.ssd_store import SsdStore
 
 log = logging.getLogger(__name__)
@@ -39,9 +38,8 @@ class _Spill:
 
     name: str
     epoch: int
-    slots: np.ndarray  # L2 slots it reads (-1: a block taken back, PlanExecutor._take_back)
+    slots: np.ndarray  # L2 slots it reads
     future: Future[Any]
-    views: SpillViews | None = None  # its buffers, whose slots can be taken back early
 
 
 @dataclass
@@ -236,10 +234,6 @@ class PlanExecutor:
         self.events: list[torch.cuda.Event | None] = [None] * g.num_layers
         self.spills: list[_Spill] = []
         self.num_failed_spills = 0
-        # take_back_slots: a copy into L2 slots a background spill still reads waits only
-        # until the pieces that carry those blocks are written, not for the whole spill.
-        self.take_back_slots = True
-        self.num_taken_back = 0  # blocks whose L2 slots were taken back so
         # background_commits: the manifest commits of done spills (a file and a directory
         # fsync each: 20-250 ms on the H200's disk under spills) run on the store's commit
         # thread, not in the step that finds the spills done; False: on this thread.
@@ -477,10 +471,9 @@ class PlanExecutor:
         for part in _by_session(plan.session_idx, np.asarray(idx, dtype=np.int64)):
             name = plan.session_names[int(plan.session_idx[part[0]])]
             # views made on the store's thread, not here (the step's forward waits for this)
-            views = self.host.spill_views(plan.src_slot[part])
+            views = self.host.block_views(plan.src_slot[part])
             fut = self.store.submit_write(name, plan.logical_idx[part], views)
-            fut.add_done_callback(views.ended)
-            self.spills.append(_Spill(name, plan.epoch, plan.src_slot[part], fut, views))
+            self.spills.append(_Spill(name, plan.epoch, plan.src_slot[part], fut))
 
     def _read_jobs(self, plan: MovePlan, idx: np.ndarray, deadline: float
                    ) -> list[tuple[np.ndarray, Future[Any]]]:
@@ -579,16 +572,8 @@ class PlanExecutor:
         written: set[str] = set()
         failed: set[str] = set()
         for sp in self.spills:
-            by_name = every or sp.name in names
-            by_slot = (slots is not None and len(slots) > 0
-                       and bool(np.isin(sp.slots, slots).any()))
-            if (by_slot and slots is not None and not by_name and self.take_back_slots
-                    and sp.views is not None and not sp.future.done()):
-                # only until its blocks in those slots are written (not all of it)
-                self._take_back(sp, slots, deadline)
-                keep.append(sp)
-                continue
-            must = by_name or by_slot
+            must = every or sp.name in names or (slots is not None and len(slots) > 0
+                                                 and bool(np.isin(sp.slots, slots).any()))
             if not finish:  # (a failure is logged, and its session forgotten, when finished)
                 if must:
                     self._written(sp, deadline)
@@ -641,18 +626,6 @@ class PlanExecutor:
         self.commits = keep
         for name, error in failed:
             self._commit_failed(name, error, deadline)
-
-    def _take_back(self, sp: _Spill, slots: np.ndarray, deadline: float) -> None:
-        """Free the L2 `slots` a running or queued spill reads once the pieces that carry
-        them are written, without waiting for the rest of it (SpillViews.take_back)."""
-        assert sp.views is not None
-        pos = np.flatnonzero(np.isin(sp.slots, slots))
-        if not sp.views.take_back(pos, max(0.0, deadline - time.monotonic())):
-            raise WaitTimeoutError(f"epoch {sp.epoch}: L3 write of {len(pos)} blocks of "
-                                   f"session {sp.name!r} not done after {self.timeout_s:g} s")
-        sp.slots = sp.slots.copy()
-        sp.slots[pos] = -1  # no L2 slot is ever -1: later waits pass it by
-        self.num_taken_back += len(pos)
 
     def _written(self, sp: _Spill, deadline: float) -> BaseException | None:
         """Wait (until `deadline`, else WaitTimeoutError) for a spill's write to end; the error

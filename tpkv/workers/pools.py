@@ -15,7 +15,7 @@ from tpkv.errors import ConfigError, SlotError
 from tpkv.workers import cuda_rt
 from tpkv.workers.slots import SlotAllocator
 from tpkv.workers.ssd_backend import PAGE_BYTES as IO_PAGE_BYTES
-from tpkv.workers.ssd_backend import BlockViews, SpillViews
+from tpkv.workers.ssd_backend import BlockViews
 
 log = logging.getLogger(__name__)
 
@@ -147,20 +147,11 @@ class HostPool:
 
     def block_views(self, slots: np.ndarray) -> BlockViews:
         """The blocks of `slots` as writable 1-D uint8 views, made as they are read."""
-        return BlockViews(self.block_bytes_view, self._pool_slots(slots), self.block_bytes,
-                          self.page_aligned)
-
-    def spill_views(self, slots: np.ndarray) -> SpillViews:
-        """block_views for a spill: slots that can be taken back before the write is done."""
-        return SpillViews(self.block_bytes_view, self._pool_slots(slots), self.block_bytes,
-                          self.page_aligned)
-
-    def _pool_slots(self, slots: np.ndarray) -> np.ndarray:
         slots = np.asarray(slots, dtype=np.int64)
         if len(slots) and (slots.min() < 0 or slots.max() >= self.num_slots):
             bad = int(slots[(slots < 0) | (slots >= self.num_slots)][0])
             raise SlotError(f"L2 slot {bad} outside 0..{self.num_slots - 1}")
-        return slots
+        return BlockViews(self.block_bytes_view, slots, self.block_bytes, self.page_aligned)
 
     def slot_ptrs(self, slots: np.ndarray) -> np.ndarray:
         slots = np.asarray(slots, dtype=np.int64)

@@ -68,42 +68,6 @@ class BlockViews(Sequence[np.ndarray]):
         return self._view_of(int(self.slots[i]))
 
 
-class SpillViews(BlockViews):
-    """A spill's L2 blocks (BlockViews) whose slots the executor may take back piece by piece
-    (SpillViews.take_back): the store's writer writes them in order and calls written() after
-    each piece (SegmentIo.write_records), so a slot is free for other bytes once the piece
-    that carries it is written, before the rest of the spill is."""
-
-    def __init__(self, view_of: Callable[[int], np.ndarray], slots: np.ndarray,
-                 block_bytes: int, page_aligned: bool) -> None:
-        super().__init__(view_of, slots, block_bytes, page_aligned)
-        self._cond = threading.Condition()
-        self._written = 0  # positions below it are written (their buffers no longer read)
-        self._ended = False  # the write returned or failed: no buffer is read any more
-
-    def written(self, end: int) -> None:
-        """The writer: positions below `end` are written."""
-        with self._cond:
-            self._written = max(self._written, end)
-            self._cond.notify_all()
-
-    def ended(self, *_: object) -> None:
-        """The write returned or failed: none of the slots is read any more (also a Future's
-        done callback)."""
-        with self._cond:
-            self._ended = True
-            self._cond.notify_all()
-
-    def take_back(self, positions: np.ndarray, timeout: float) -> bool:
-        """Wait (up to `timeout` s) until the writer is done with the blocks at `positions`:
-        their slots may then take other bytes. False when the wait timed out."""
-        if not len(positions):
-            return True
-        top = int(np.max(positions))
-        with self._cond:
-            return self._cond.wait_for(lambda: self._ended or self._written > top, timeout)
-
-
 class BlockFile(abc.ABC):
     """An open segment file: positional gather writes and scatter reads of host buffers."""
 

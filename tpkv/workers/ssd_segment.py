@@ -144,7 +144,6 @@ class SegmentIo:
         """One record per block, contiguous from offset_bytes, numbered from first_record_no.
         With `pause`, in pieces of write_piece_bytes, calling pause() before each."""
         staged = self._staged(f, blocks)
-        written = getattr(blocks, "written", None)
         start = 0
         while start < len(blocks):
             end, num_staged = self._chunk_end(start, staged,
@@ -174,8 +173,6 @@ class SegmentIo:
                     if len(self._zero_pad):
                         bufs.append(self._zero_pad)
             f.write_at(bufs, offset_bytes + start * self.record_bytes)
-            if written is not None:  # their buffers are no longer read (SpillViews)
-                written(end)
             start = end
 
     def read_records(self, f: BlockFile, ident: SegmentIdentity, stored: np.ndarray,
