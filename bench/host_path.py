@@ -9,8 +9,8 @@ e2e's timelines (bench/resume_timeline.py) see these calls take 3-5 times what t
 back to back, so the path is also timed after the thread spun, waited on the GPU, or slept.
 Shapes: 520 blocks of 512 KiB (the e2e's 1B model, a 260 MB resume) in runs of 40, 8 and 1
 contiguous blocks on both sides (13, 65 and 520 descriptors), and 120 blocks in runs of 40.
-Host microseconds, median (and 90th percentile) of 300 calls (120 for the path by state),
-each after the device is idle. GPU only.
+Host microseconds, median (and 90th percentile) of 290 calls (110 for the path by state)
+after 10 not counted, each after the device is idle. GPU only.
 """
 
 from __future__ import annotations
