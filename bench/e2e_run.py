@@ -149,6 +149,11 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
     return r
 
 
+# _l2_state: how many of the next free L2 slots handed out it looks at (512 MiB of the e2e's
+# 512 KiB blocks, about a resume's refill)
+NEXT_L2 = 1024
+
+
 def _top(stats: pstats.Stats, n: int, unit: str, rows: int = 40,
          tpkv_only: bool = False) -> list[dict[str, Any]]:
     """The functions with the most own time, per one of the n profiled steps; with tpkv_only,
@@ -231,6 +236,7 @@ class Rounds:
                 e.schedule, e.wait = self._profiled(self.tiered.schedule, self.tiered.wait)
             step_prof = (cProfile.Profile() if self.step_stats is not None and rnd > 0
                          and kind == "decode" else None)
+            l2_before = self._l2_state()
             t0 = time.perf_counter()
             if step_prof is not None:
                 step_prof.runcall(e.step)
@@ -255,12 +261,14 @@ class Rounds:
                 shape = {"batch": batch, "kv_tokens": kv_tokens, "batch_changed": changed}
                 if any(moved.values()):
                     self.traffic.append({"step_ms": round(ms, 3), "moved": moved, **shape,
-                                         **self._parts(), "trace": self.tiered.last_trace})
+                                         **self._parts(), **l2_before,
+                                         "trace": self.tiered.last_trace})
                 else:
                     self.quiet_parts.append({"step_ms": round(ms, 3), **shape, **self._parts()})
             elif rnd:
                 self._resume(session, ms, moved, st.recompute_tokens > recompute0,
                              {t: len(v) > loads0[t] for t, v in st.resume_s.items()})
+                self.resumes[-1].update(l2_before)
         return tokens
 
     def _resume(self, session: str | None, ms: float, moved: dict[str, int], recomputed: bool,
@@ -282,6 +290,23 @@ class Rounds:
                                  a.outcome.spill_wait_ns for a in
                                  self.tiered.step_plans()) / 1e6, 3),
                              **self._parts(), "trace": self.tiered.last_trace})
+
+    def _l2_state(self) -> dict[str, int]:
+        """Before a step, with L3: the controller's free L2 slots, how many of them a
+        background spill still reads (a copy into one waits for that spill), and of the next
+        NEXT_L2 slots it hands out, how many; and the spills running. Empty without L3."""
+        ex = self.tiered.rt.worker.executor
+        table = getattr(self.tiered.rt.controller, "table", None)
+        if ex.store is None or table is None:
+            return {}
+        free = table.free[int(Tier.DRAM)]
+        slots = free.stack[:free.top]
+        running = [sp.slots for sp in ex.spills if not sp.future.done()]
+        read = np.concatenate(running) if running else np.zeros(0, dtype=np.int64)
+        busy = np.isin(slots, read)
+        return {"l2_free": len(slots), "l2_free_spilling": int(busy.sum()),
+                "l2_next_spilling": int(busy[::-1][:NEXT_L2].sum()),
+                "spills_running": len(running)}
 
     def _profiled(self, *fns: Any) -> list[Any]:
         prof = self.profile
