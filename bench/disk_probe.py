@@ -30,10 +30,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tpkv.config import KvGeometry, SsdConfig  # noqa: E402
+from bench.l3_mix import GEOMETRY, check, resume  # noqa: E402
+from tpkv.config import SsdConfig  # noqa: E402
 
-# 512 KiB blocks, as the e2e's 1B model stores them per rank
-GEOMETRY = KvGeometry(num_layers=16, num_kv_heads=8, head_dim=64, block_tokens=16)
 MiB = 1 << 20
 
 
@@ -90,7 +89,6 @@ def store_round(root: Path, qd: int, req: int, blocks: list[np.ndarray],
     nbytes = len(blocks) * GEOMETRY.block_bytes
     cfg = SsdConfig(root=str(root), budget_bytes=4 * nbytes, io_threads=qd)
     logical = np.arange(len(blocks), dtype=np.int64)
-    step = max(1, req // GEOMETRY.block_bytes)
     with SsdStore(cfg, GEOMETRY, "bench-disk-probe", rank=0) as store:
         t0 = time.perf_counter()
         store.write_blocks("probe", logical, blocks)
@@ -100,16 +98,8 @@ def store_round(root: Path, qd: int, req: int, blocks: list[np.ndarray],
         for _ in range(2):
             for b in out:
                 b[:8] = 0
-            t0 = time.perf_counter()
-            futs = [store.submit_read("probe", logical[at:at + step], out[at:at + step])
-                    for at in range(0, len(out), step)]
-            hits = np.concatenate([f.result() for f in futs])
-            reads.append(nbytes / (time.perf_counter() - t0) / 1e9)
-            if not hits.all():
-                raise AssertionError(f"{int((~hits).sum())} of {len(hits)} blocks missed")
-            for k in (0, len(out) // 2, len(out) - 1):
-                if not np.array_equal(out[k], blocks[k]):
-                    raise AssertionError(f"block {k} read back differs from the bytes written")
+            reads.append(nbytes / resume(store, "probe", out, req) / 1e9)
+            check(out, blocks)
     shutil.rmtree(root, ignore_errors=True)
     return wrote, reads[0], reads[1]
 

@@ -143,7 +143,7 @@ def run_variant(v: Variant, root: Path, blocks: list[np.ndarray], out: list[np.n
     time.sleep(args.gap_s)
     mixed, t0 = [], time.perf_counter()
     for k in range(args.resumes):
-        took = resume(store, names[k % len(names)], out, v.read_chunk_mib << 20)
+        took = resume(store, names[k % len(names)], out, chunk)
         mixed.append(nbytes / took / 1e9)
         check(out, blocks)
         time.sleep(args.gap_s)
