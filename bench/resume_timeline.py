@@ -12,13 +12,24 @@ demotion-piece lookup, the stream marks, the copy calls into L1, the descriptor 
 (kernels.merged_copies) and cudaMemcpyBatchAsync. With RESUME_HOST_END=1 the engine's wait()
 also blocks until the resume's copies are done and records "host_end" (this delays the
 forward's launch; the resume's own time is unchanged), to check the device-timed end.
-The wrappers cost about a microsecond each.
+The wrappers cost about a microsecond each. Each record also has "cpu_timeline" (the step
+thread's CPU time from the start to each mark: where it falls short of the wall time, the
+thread was off the CPU) and "switches" (its voluntary and involuntary context switches from
+the start to run< and to schedule<).
+    RESUME_PROFILE=FILE python bench/resume_timeline.py ...   # cProfile of the resumes' paths
+profiles every resume step from its start to its first copy into L1 issued (h2d<; or to the
+end of its schedule), all steps
+in one pstats file (the profiler's own cost inflates the times, not the call counts).
 """
 
 from __future__ import annotations
 
+import atexit
+import cProfile
 import functools
 import os
+import pstats
+import resource
 import sys
 import time
 from pathlib import Path
@@ -34,10 +45,33 @@ from tpkv.models import tiered  # noqa: E402
 from tpkv.workers import copy_engine, cuda_rt, executor, mirror, worker  # noqa: E402
 
 MARKS: dict[str, int] = {}
+CPU: dict[str, int] = {}  # the step thread's CPU time at each mark (time.thread_time_ns)
+SWITCHES: dict[str, tuple[int, int]] = {}  # its (voluntary, involuntary) context switches
+_SWITCH_AT = ("start", "run<", "schedule<")
+
+
+PROFILE: str | None = os.environ.get("RESUME_PROFILE") or None
+_PROFILES: list[Any] = []  # one cProfile.Profile per step whose schedule issued a copy into L1
+_profiling: Any = None
 
 
 def _mark(label: str) -> None:
-    MARKS.setdefault(label, time.perf_counter_ns())
+    global _profiling
+    if PROFILE is not None:
+        if label == "start":
+            _profiling = cProfile.Profile()
+            _profiling.enable()
+        elif _profiling is not None and label in ("h2d<", "schedule<"):
+            _profiling.disable()  # the first copy into L1 issued, or none in this schedule
+            if label == "h2d<":
+                _PROFILES.append(_profiling)
+            _profiling = None
+    if label not in MARKS:
+        MARKS[label] = time.perf_counter_ns()
+        CPU[label] = time.thread_time_ns()
+        if label in _SWITCH_AT:
+            ru = resource.getrusage(resource.RUSAGE_THREAD)
+            SWITCHES[label] = (ru.ru_nvcsw, ru.ru_nivcsw)
 
 
 def _wrap(owner: Any, name: str, label: str) -> None:
@@ -58,6 +92,8 @@ def install() -> None:
 
     def timed_schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         MARKS.clear()
+        CPU.clear()
+        SWITCHES.clear()
         _mark("start")
         try:
             return schedule(self, *args, **kwargs)
@@ -98,10 +134,28 @@ def install() -> None:
         t0 = MARKS.get("start", 0)
         self.resumes[-1]["timeline"] = {k: round((v - t0) / 1e6, 3) for k, v in
                                         sorted(MARKS.items(), key=lambda kv: kv[1])}
+        # CPU time the step thread ran from the start to each mark: where it falls short of
+        # the wall time above, the thread was off the CPU (descheduled, or waiting for the GIL)
+        c0 = CPU.get("start", 0)
+        self.resumes[-1]["cpu_timeline"] = {k: round((CPU[k] - c0) / 1e6, 3) for k in
+                                            self.resumes[-1]["timeline"] if k in CPU}
+        s0 = SWITCHES.get("start", (0, 0))
+        self.resumes[-1]["switches"] = {k: [v[0] - s0[0], v[1] - s0[1]]
+                                        for k, v in SWITCHES.items() if k != "start"}
     e2e_run.Rounds._resume = record  # type: ignore[method-assign]
 
 
+def _dump_profiles() -> None:
+    if PROFILE is not None and _PROFILES:
+        stats = pstats.Stats(_PROFILES[0])
+        for prof in _PROFILES[1:]:
+            stats.add(prof)
+        stats.dump_stats(PROFILE)
+        print(f"profiles of {len(_PROFILES)} steps in {PROFILE}", file=sys.stderr)
+
+
 if __name__ == "__main__":
+    atexit.register(_dump_profiles)
     install()
     if not any(a == "--out" or a.startswith("--out=") for a in sys.argv[1:]):
         # not over the published e2e.json, which bench/e2e.py writes by default
