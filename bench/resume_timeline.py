@@ -16,10 +16,12 @@ The wrappers cost about a microsecond each. Each record also has "cpu_timeline" 
 thread's CPU time from the start to each mark: where it falls short of the wall time, the
 thread was off the CPU) and "switches" (its voluntary and involuntary context switches from
 the start to run< and to schedule<).
+
     RESUME_PROFILE=FILE python bench/resume_timeline.py ...   # cProfile of the resumes' paths
-profiles every resume step from its start to its first copy into L1 issued (h2d<; or to the
-end of its schedule), all steps
-in one pstats file (the profiler's own cost inflates the times, not the call counts).
+
+profiles each step whose schedule issues a copy into L1 (a resume's loads, or a prefetch) from
+the schedule's start to that first copy issued (h2d<), all such steps in one pstats file (the
+profiler's own cost inflates the times, not the call counts).
 """
 
 from __future__ import annotations
