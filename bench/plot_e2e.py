@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -89,10 +89,18 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
-    src = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results/e2e.json")
-    out = Path(sys.argv[2] if len(sys.argv) > 2 else src.with_suffix(".png"))
-    result = json.loads(src.read_text())
-    plot(result, out)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("src", nargs="?", default="bench/results/e2e.json", type=Path,
+                    help="an e2e result (default: %(default)s)")
+    ap.add_argument("out", nargs="?", type=Path, help="the PNG (default: src with .png)")
+    args = ap.parse_args()
+    try:
+        result = json.loads(args.src.read_text())
+    except (OSError, ValueError) as exc:
+        ap.error(f"cannot read an e2e result from {args.src}: {exc}")
+    if "configs" not in result:
+        ap.error(f"{args.src} has no 'configs': not a bench/e2e.py result")
+    plot(result, args.out or args.src.with_suffix(".png"))
     print(markdown(result))
 
 
