@@ -29,13 +29,12 @@ from tpkv.workers.confirm import (
 )
 from tpkv.workers.copy_engine import CopyEngine
 from tpkv.workers.executor import Chain, ExecOutcome, PlanExecutor
-from tpkv.workers.mirror import SlotMirror
+from tpkv.workers.mirror import DRAM, HBM, SSD, SlotMirror
 from tpkv.workers.pools import HbmPool, HostPool
 from tpkv.workers.ssd_store import SsdStore
 
 log = logging.getLogger(__name__)
 _NO_IDS = np.zeros(0, dtype=np.int64)
-HBM, DRAM, SSD = int(Tier.HBM), int(Tier.DRAM), int(Tier.SSD)
 
 
 @dataclass
