@@ -95,8 +95,8 @@ def _spread(size: int, window: int, count: int) -> Iterable[int]:
 
 def params_digest(model: torch.nn.Module) -> str:
     """Digest of the parameters this process holds (a TP rank: its shards): each one's name,
-    dtype and shape, and PARAM_SAMPLES of its elements spread evenly over it (one gather a
-    tensor on its device, one copy to the host a device). Parameters on the meta device
+    dtype and shape, and PARAM_SAMPLES of its elements spread evenly over it and its last
+    (one strided copy a tensor on its device, one copy to the host a device). Parameters on the meta device
     count by name and shape only."""
     h = xxhash.xxh3_128()
     samples: dict[torch.device, list[torch.Tensor]] = {}
@@ -110,9 +110,9 @@ def params_digest(model: torch.nn.Module) -> str:
             n = t.numel()
             if n == 0 or t.device.type == "meta":
                 continue
-            k = min(n, PARAM_SAMPLES)
-            idx = torch.arange(k, device=t.device, dtype=torch.int64) * n // k
-            picked = t.reshape(-1)[idx]
+            flat = t.reshape(-1)  # a view (a copy only of a non-contiguous tensor)
+            step = max(n // PARAM_SAMPLES, 1)  # a strided view: no index tensor to gather by
+            picked = torch.cat([flat[::step][:PARAM_SAMPLES], flat[-1:]])
             try:
                 raw = picked.view(torch.uint8)
             except RuntimeError:  # a dtype with no byte view: its values as float64
