@@ -96,8 +96,8 @@ def _spread(size: int, window: int, count: int) -> Iterable[int]:
 def params_digest(model: torch.nn.Module) -> str:
     """Digest of the parameters this process holds (a TP rank: its shards): each one's name,
     dtype and shape, and PARAM_SAMPLES of its elements spread evenly over it and its last
-    (one strided copy a tensor on its device, one copy to the host a device). Parameters on the meta device
-    count by name and shape only."""
+    (one strided copy a tensor on its device, one copy to the host a device). Parameters on
+    the meta device count by name and shape only."""
     h = xxhash.xxh3_128()
     samples: dict[torch.device, list[torch.Tensor]] = {}
     with torch.no_grad():
