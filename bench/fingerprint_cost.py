@@ -1,5 +1,10 @@
 """Cost of the model fingerprint (tpkv.models.fingerprint): sampled parameters of a Llama-shaped
-set of tensors, and the checkpoint digest over sparse safetensors shards of a 70B layout."""
+set of tensors, and the checkpoint digest over sparse safetensors shards of a 70B layout.
+
+Measured: 1.50e9 bf16 parameters in 147 tensors on this 2-core CPU, 40 ms (fp32, one thread,
+23 ms); one rank of a 70B at TP 8 (723 tensors, 10.7e9 with the replicated embeddings and
+head) on an H200, the same loop inline, 30-33 ms; the checkpoint digest of 720 tensors in 30
+sparse shards, 38-91 ms."""
 
 from __future__ import annotations
 
