@@ -16,6 +16,7 @@ import torch
 
 from tpkv.config import GiB, HbmConfig, HostConfig, PolicyConfig, SsdConfig, TpkvConfig
 from tpkv.errors import TpkvError
+from tpkv.models.fingerprint import llama_fingerprint
 from tpkv.models.llama import Llama, build_model
 from tpkv.models.paged import paged_attention_ref, paged_attention_sdpa
 from tpkv.models.tiered import StepTrace, TieredEngine
@@ -89,7 +90,7 @@ def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool,
     return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=s.l1_bytes // bb),
                       l2=HostConfig(budget_bytes=l2, arena_bytes=min(l2, GiB) // bb * bb),
                       l3=l3, policy=policy, wait_timeout_s=300.0,
-                      layer_events=bool(layer_events))
+                      layer_events=bool(layer_events), model_fingerprint=llama_fingerprint(model))
 
 
 def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device,

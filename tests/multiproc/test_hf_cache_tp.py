@@ -39,7 +39,13 @@ def hf_tp_rank(rank: int, world: int, model_dir: str, ssd_root: str,
     from tpkv.config import HbmConfig, HostConfig, PolicyConfig, SsdConfig
     from tpkv.models.hf_attach import model_geometry
 
+    from tpkv.models.fingerprint import llama_fingerprint, params_digest
+    from tpkv.models.llama import build_model
+    from tpkv.models.tp import apply_tp
+
     model = LlamaForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32)
+    # a sharded tpkv Llama: each rank digests its shards, the fingerprint is one for the group
+    llama_fp = llama_fingerprint(apply_tp(build_model("tiny", seed=0), rank, world))
     block_bytes = model_geometry(model, block_tokens=BT).block_bytes
     tiers_cfg = {"l1": HbmConfig(num_blocks=L1_BLOCKS),
                  "l2": HostConfig(budget_bytes=L2_BLOCKS * world * block_bytes,
@@ -58,7 +64,8 @@ def hf_tp_rank(rank: int, world: int, model_dir: str, ssd_root: str,
                 "moves": dict(s.moves), "retries": s.retries, "lost_tokens": s.lost_tokens,
                 "resumed": sorted({t for c in tiers.caches.values() for t in c.resumed_from}),
                 "kv_checked": same_kv(tiers, caches), "mismatches": tiers.rt.num_mismatches,
-                "tp": tiers.geometry.tp_size, "heads_per_rank": tiers.geometry.heads_per_rank,
+                "fp": tiers.rt.config.model_fingerprint, "llama_fp": llama_fp,
+                "shard_digest": params_digest(model), "tp": tiers.geometry.tp_size, "heads_per_rank": tiers.geometry.heads_per_rank,
                 "cache_heads": int(caches["s0"].layers[0].keys.shape[1])}
 
 
@@ -87,5 +94,9 @@ def test_tp2_from_pretrained_tp_plan_auto_gives_dynamic_cache_tokens(tmp_path, m
         else:  # every rank re-prefilled from the same token (the miss was rank 0's alone)
             assert out["losses"] and out["retries"] >= 1 and out["lost_tokens"] > 0
     assert results[0]["got"] == results[1]["got"]
+    # each rank holds other shards, the fingerprint is the same on both (gathered)
+    assert results[0]["shard_digest"] != results[1]["shard_digest"]
+    assert results[0]["fp"] == results[1]["fp"] and results[0]["fp"].startswith("hf-")
+    assert results[0]["llama_fp"] == results[1]["llama_fp"]
     assert results[0]["moves"] == results[1]["moves"]
     assert results[0]["losses"] == results[1]["losses"]

@@ -17,14 +17,16 @@ MAX_BATCH = 4
 
 def demo_config(model_name: str, world: int, ssd_root: str, sessions: int) -> TpkvConfig:
     """The demo's tiers: sessions reach 12 blocks; L1 fits a full batch plus a little, L2 about
-    a quarter of all sessions: the rest must spill to L3 between turns."""
+    a quarter of all sessions: the rest must spill to L3 between turns. The weights are
+    `build_model(model_name, seed=0)`'s: the fingerprint names them."""
     from tpkv.models.llama import ModelConfig
     from tpkv.models.tiered import tiered_config
 
     return tiered_config(ModelConfig.preset(model_name), world, block_tokens=16,
                          l1_blocks=12 * MAX_BATCH + 8, l2_blocks=2 * sessions,
                          ssd_root=os.path.join(ssd_root, "l3"), l3_blocks=64 * sessions,
-                         wait_timeout_s=60.0, policy=PolicyConfig(cooldown_s=0.0))
+                         wait_timeout_s=60.0, policy=PolicyConfig(cooldown_s=0.0),
+                         model_fingerprint=f"tpkv-{model_name}-seed0")
 
 
 def rank_main(model_name: str, seconds: float, ssd_root: str, sessions: int) -> dict[str, Any]:

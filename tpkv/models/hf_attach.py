@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import inspect
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,6 +13,7 @@ import torch
 from tpkv.config import DTYPE_BYTES, KvGeometry, TpkvConfig
 from tpkv.errors import ConfigError
 from tpkv.launch.runtime import TpkvRuntime
+from tpkv.models.fingerprint import check_fingerprint, weights_fingerprint
 from tpkv.models.hf_cache import HfTierStats, KvLostError, TpkvCache
 
 _MODEL_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "tp_size")
@@ -56,13 +57,29 @@ def cache_kwarg(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def model_fingerprint(model: Any) -> str:
-    """What makes L3 records of this model distinct from another's (name and architecture)."""
+def model_fingerprint(model: Any, *, tp_size: int | None = None) -> str:
+    """What tells this model's L3 records from another's: its architecture, the checkpoint
+    files it was loaded from (when `config._name_or_path` is a local directory: names, sizes,
+    mtimes, safetensors headers and sampled bytes of each tensor; `_commit_hash` for a Hub
+    model) and PARAM_SAMPLES elements of each parameter, so that two models of the same
+    architecture, or a fine-tune saved over the same path, never read each other's records.
+    The same on every TP rank: sharded over tp > 1 ranks (tp_size, else the model's), it is a
+    collective over the default process group (every rank calls it). Costs a few ms to tens of
+    ms (tpkv.models.fingerprint); set `attach(..., model_fingerprint=...)` to name it
+    yourself."""
+    return _fingerprint_of(model, model_tp_size(model) if tp_size is None else int(tp_size))
+
+
+def _fingerprint_of(model: Any, tp: int) -> str:
     cfg = model.config.get_text_config(decoder=True)
     keys = ("_name_or_path", "model_type", "num_hidden_layers", "hidden_size",
             "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
     text = "|".join(f"{k}={getattr(cfg, k, None)}" for k in keys)
-    return "hf-" + hashlib.sha256(text.encode()).hexdigest()[:24]
+    path = (getattr(model.config, "_name_or_path", "") or getattr(cfg, "_name_or_path", "")
+            or getattr(model, "name_or_path", ""))
+    text += f"|commit={getattr(model.config, '_commit_hash', None)}"
+    return weights_fingerprint("hf", text, model, sharded=tp > 1,
+                               checkpoint=path if path and os.path.isdir(path) else None)
 
 
 class HfTiers:
@@ -122,7 +139,8 @@ class HfTiers:
 def attach(model: Any, config: TpkvConfig | Mapping[str, Any] | None = None, *,
            runtime: TpkvRuntime | None = None, block_tokens: int | None = None,
            tp_size: int | None = None, controller: Any = "ray",
-           device: torch.device | str | None = None) -> HfTiers:
+           device: torch.device | str | None = None,
+           model_fingerprint: str | None = None) -> HfTiers:
     """Attach a transformers decoder (one device, or `tp_plan="auto"` under torchrun, where
     each rank holds kv_heads / tp heads) to tpkv's tiers. Every rank calls it.
 
@@ -131,11 +149,22 @@ def attach(model: Any, config: TpkvConfig | Mapping[str, Any] | None = None, *,
     from the model's config), or None with `runtime`. `runtime`: an already running
     `tpkv.init` runtime whose geometry is the model's; otherwise attach calls `tpkv.init(config,
     controller=controller, device=device or the model's device)` and `close()` ends it.
+
+    `model_fingerprint`: what L3 records of this model are stored under (a record written
+    under another is a miss): this argument if given, else the config's
+    `TpkvConfig.model_fingerprint` (or the mapping's "model_fingerprint") if not empty, else
+    `model_fingerprint(model)`, computed from the model's checkpoint files and weights (a
+    collective under TP). Name it yourself (e.g. "llama-70b-ft-v3") to skip the computation
+    or to keep records across a copy of the checkpoint. With `runtime`, its config's
+    fingerprint is used; it must not be empty where L3 is on.
     """
+    if model_fingerprint is not None:
+        check_fingerprint(model_fingerprint)
     if runtime is not None:
         bt = block_tokens or runtime.config.geometry.block_tokens
         _check_same(model_geometry(model, block_tokens=bt, tp_size=tp_size),
                     runtime.config.geometry)
+        _check_runtime_fingerprint(runtime.config, model_fingerprint)
         return HfTiers(runtime, model, owns_runtime=False)
     if config is None:
         raise ConfigError("attach needs a config (TpkvConfig, or a mapping of its tier fields) "
@@ -152,12 +181,26 @@ def attach(model: Any, config: TpkvConfig | Mapping[str, Any] | None = None, *,
                               "TpkvConfig to give one yourself")
         geometry = model_geometry(model, block_tokens=block_tokens or 16, tp_size=tp_size)
         cfg = TpkvConfig(geometry=geometry, **fields)
-    if not cfg.model_fingerprint:
-        cfg = dataclasses.replace(cfg, model_fingerprint=model_fingerprint(model))
+    if model_fingerprint is not None and cfg.model_fingerprint not in ("", model_fingerprint):
+        raise ConfigError(f"model_fingerprint={model_fingerprint!r} and the config's "
+                          f"model_fingerprint={cfg.model_fingerprint!r} differ; give one")
+    name = model_fingerprint or cfg.model_fingerprint or _fingerprint_of(model, geometry.tp_size)
+    cfg = dataclasses.replace(cfg, model_fingerprint=check_fingerprint(name))
     from tpkv.launch.join import init
 
     rt = init(cfg, controller=controller, device=device or getattr(model, "device", None))
     return HfTiers(rt, model, owns_runtime=True)
+
+
+def _check_runtime_fingerprint(config: TpkvConfig, given: str | None) -> None:
+    have = config.model_fingerprint
+    if given is not None and given != have:
+        raise ConfigError(f"model_fingerprint={given!r} is not the runtime's ({have!r}): a "
+                          f"running runtime keeps the fingerprint it was started with")
+    if not have and config.l3.root is not None:
+        raise ConfigError("the runtime's TpkvConfig.model_fingerprint is empty while L3 is on "
+                          f"({config.l3.root}): L3 records of any model would be read as "
+                          f"this one's; start it with model_fingerprint=model_fingerprint(model)")
 
 
 def _check_same(from_model: KvGeometry, given: KvGeometry) -> None:

@@ -15,6 +15,7 @@ from tpkv.controller.controller import Controller
 from tpkv.controller.messages import StepResult
 from tpkv.launch.runtime import TpkvRuntime
 from tpkv.models.engine import PagedEngine, StepReport
+from tpkv.models.fingerprint import llama_fingerprint
 from tpkv.models.llama import Llama, ModelConfig
 from tpkv.models.scheduler import StepTables
 from tpkv.types import Tier
@@ -29,8 +30,13 @@ def tiered_config(model: Llama | ModelConfig, tp_size: int, *, block_tokens: int
                   l2_blocks: int, ssd_root: str | None = None, l3_blocks: int = 4096,
                   policy: PolicyConfig | None = None, wait_timeout_s: float = 30.0,
                   **extra: Any) -> TpkvConfig:
-    """A config whose KV geometry (and dtype) is the model's; tier sizes in blocks per rank."""
+    """A config whose KV geometry (and dtype) is the model's; tier sizes in blocks per rank.
+    L3 records are stored under `model_fingerprint` if given in `extra`, else, for a Llama,
+    `llama_fingerprint(model)` (its weights: two seeds never share records); a ModelConfig
+    alone leaves it empty (records of any weights of that shape are read as these)."""
     g = model.kv_geometry(tp_size=tp_size, block_tokens=block_tokens)
+    if isinstance(model, Llama) and not extra.get("model_fingerprint"):
+        extra = {**extra, "model_fingerprint": llama_fingerprint(model)}
     l3 = (SsdConfig(root=ssd_root, budget_bytes=SsdConfig.budget_for(l3_blocks, g), o_direct=False,
                     io_threads=2) if ssd_root else SsdConfig())
     return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=l1_blocks),
