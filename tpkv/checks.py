@@ -24,7 +24,7 @@ def check_int(name: str, value: Any, lo: int = 1, hi: int | None = None) -> None
         what = f"an integer in {lo}..{hi}"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise _fail(name, what, value)
-    if value < lo or (hi is not None and value > hi):
+    if int(value) < lo or (hi is not None and int(value) > hi):
         raise _fail(name, what, value)
 
 

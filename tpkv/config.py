@@ -12,7 +12,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from tpkv import settings
 from tpkv.checks import (
@@ -387,8 +387,9 @@ def from_env(config: TpkvConfig, env: Mapping[str, str] | None = None) -> TpkvCo
         out = dataclasses.replace(out, l3=dataclasses.replace(out.l3, root=s.ssd_dir))
     if s.l2_bytes is not None:
         out = dataclasses.replace(out, l2=dataclasses.replace(out.l2, budget_bytes=s.l2_bytes))
-    top = {"dashboard_host": s.dashboard_host, "dashboard_port": s.dashboard_port,
-           "dashboard_token": s.dashboard_token, "wait_timeout_s": s.wait_timeout_s,
-           "ray_address": s.ray_address}
+    top: dict[str, Any] = {
+        "dashboard_host": s.dashboard_host, "dashboard_port": s.dashboard_port,
+        "dashboard_token": s.dashboard_token, "wait_timeout_s": s.wait_timeout_s,
+        "ray_address": s.ray_address}
     changes = {k: v for k, v in top.items() if v is not None}
     return dataclasses.replace(out, **changes) if changes else out

@@ -103,6 +103,15 @@ def check_host(name: str, host: object) -> str:
     raise _bad(name, host, allowed)
 
 
+def parse_host(name: str, raw: str) -> str:
+    """check_host of `raw` without the spaces around it (the error shows `raw` as it is)."""
+    try:
+        return check_host(name, raw.strip())
+    except ConfigError:
+        check_host(name, raw)  # raises, showing raw
+        raise
+
+
 def check_token(name: str, token: object) -> str:
     """Visible ASCII, 1 to 4096 characters (no spaces: it is sent as `Bearer <token>`)."""
     if isinstance(token, str) and _TOKEN.match(token):
@@ -121,12 +130,13 @@ def check_token(name: str, token: object) -> str:
 def parse_bytes_env(name: str, raw: str) -> int:
     from tpkv.config import parse_bytes
 
+    allowed = "expected a positive size in bytes, e.g. 4096, 512MiB or 64GiB"
     try:
         value = parse_bytes(raw)
-    except ConfigError as exc:
-        raise _bad(name, raw, str(exc)) from None
+    except ConfigError:
+        raise _bad(name, raw, allowed) from None
     if value <= 0:
-        raise _bad(name, raw, "expected a positive size, e.g. 512MiB or 64GiB")
+        raise _bad(name, raw, allowed)
     return value
 
 
@@ -162,7 +172,7 @@ def read_env(env: Env | None = None) -> EnvSettings:
     return EnvSettings(
         ssd_dir=opt("TPKV_SSD_DIR", parse_dir),
         l2_bytes=opt("TPKV_L2_BYTES", parse_bytes_env),
-        dashboard_host=opt("TPKV_DASHBOARD_HOST", lambda n, r: check_host(n, r.strip())),
+        dashboard_host=opt("TPKV_DASHBOARD_HOST", parse_host),
         dashboard_port=opt("TPKV_DASHBOARD_PORT", parse_port),
         dashboard_token=opt("TPKV_DASHBOARD_TOKEN", check_token),
         wait_timeout_s=opt("TPKV_WAIT_TIMEOUT_S",
