@@ -213,7 +213,9 @@ class SsdConfig:
     write_piece_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
-        check_str("L3 root", self.root, optional=True, empty=False)
+        if self.root is not None and (not isinstance(self.root, (str, os.PathLike))
+                                      or not str(self.root).strip()):
+            raise ConfigError(f"L3 root must be a directory path or None, got {self.root!r}")
         check_int("L3 budget_bytes", self.budget_bytes)
         check_int("L3 io_threads", self.io_threads)
         check_int("L3 write_threads", self.write_threads)

@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     v.set_defaults(func=lambda a: print(tpkv.__version__) or 0)
     args = ap.parse_args(argv)
     try:
-        read_env()  # every command refuses a bad TPKV_* variable, naming it, before it starts
+        if args.command != "version":  # a bad TPKV_* variable is refused, named, up front
+            read_env()
         return int(args.func(args))
     except ConfigError as exc:
         print(f"tpkv {args.command}: {exc}", file=sys.stderr)
