@@ -388,4 +388,8 @@ def test_launch_passes_checked_settings_to_ranks(monkeypatch: pytest.MonkeyPatch
 def test_replace_keeps_checking() -> None:
     cfg = small_config()
     with pytest.raises(ConfigError, match="dashboard_port"):
-        dataclasses.replace(cfg, dashboard_port=-1)
+        dataclasses.replace(cfg, dashboard_port=True)
+    with pytest.raises(ConfigError, match="wait_timeout_s"):
+        dataclasses.replace(cfg, wait_timeout_s=math.inf)
+    with pytest.raises(ConfigError, match="cooldown_s"):
+        dataclasses.replace(cfg.policy, cooldown_s=math.nan)
