@@ -1,4 +1,8 @@
-"""Frozen, validated config: KV geometry, tiers, policy; the one place env vars are read."""
+"""Frozen, validated config: KV geometry, tiers, policy; from_env lays TPKV_* variables over it.
+
+Every field is checked at construction (tpkv.checks): a wrong type, NaN, inf or a value out of
+range is a ConfigError naming the field and the value. The environment is read by tpkv.settings.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,20 @@ import dataclasses
 import hashlib
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
+from tpkv import settings
+from tpkv.checks import (
+    check_bool,
+    check_choice,
+    check_float,
+    check_int,
+    check_str,
+    check_type,
+    check_watermarks,
+)
 from tpkv.errors import ConfigError
 
 GiB = 1 << 30
@@ -51,18 +66,6 @@ def machine_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _check_watermarks(tier: str, high: float, low: float) -> None:
-    if not (0.0 < low < high <= 1.0):
-        raise ConfigError(
-            f"{tier} watermarks need 0 < low < high <= 1, got low={low} high={high}"
-        )
-
-
 @dataclass(frozen=True)
 class KvGeometry:
     """Shape of the KV cache, and of one block on one TP rank."""
@@ -76,8 +79,8 @@ class KvGeometry:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "tp_size"):
-            _check_positive(name, getattr(self, name))
-        if self.dtype not in DTYPE_BYTES:
+            check_int(name, getattr(self, name))
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_BYTES:
             raise ConfigError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
         if self.num_kv_heads % self.tp_size != 0:
             raise ConfigError(
@@ -132,10 +135,10 @@ class HbmConfig:
         if (self.num_blocks is None) == (self.budget_bytes is None):
             raise ConfigError("L1 needs exactly one of num_blocks or budget_bytes")
         if self.num_blocks is not None:
-            _check_positive("L1 num_blocks", self.num_blocks)
+            check_int("L1 num_blocks", self.num_blocks)
         if self.budget_bytes is not None:
-            _check_positive("L1 budget_bytes", self.budget_bytes)
-        _check_watermarks("L1", self.high_watermark, self.low_watermark)
+            check_int("L1 budget_bytes", self.budget_bytes)
+        check_watermarks("L1", self.high_watermark, self.low_watermark)
 
     def slots(self, geometry: KvGeometry) -> int:
         if self.num_blocks is not None:
@@ -162,11 +165,11 @@ class HostConfig:
     max_memory_fraction: float = 0.8
 
     def __post_init__(self) -> None:
-        _check_positive("L2 budget_bytes", self.budget_bytes)
-        _check_positive("L2 arena_bytes", self.arena_bytes)
-        _check_watermarks("L2", self.high_watermark, self.low_watermark)
-        if self.pin not in ("auto", "always", "never"):
-            raise ConfigError(f"L2 pin must be auto, always or never, got {self.pin!r}")
+        check_int("L2 budget_bytes", self.budget_bytes)
+        check_int("L2 arena_bytes", self.arena_bytes)
+        check_watermarks("L2", self.high_watermark, self.low_watermark)
+        check_choice("L2 pin", self.pin, ("auto", "always", "never"))
+        check_float("L2 max_memory_fraction", self.max_memory_fraction, 0.0, 1.0, lo_open=True)
         limit = int(machine_memory_bytes() * self.max_memory_fraction)
         if self.budget_bytes > limit:
             raise ConfigError(
@@ -210,13 +213,17 @@ class SsdConfig:
     write_piece_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
-        _check_positive("L3 budget_bytes", self.budget_bytes)
-        _check_positive("L3 io_threads", self.io_threads)
-        _check_positive("L3 write_threads", self.write_threads)
-        _check_positive("L3 write_piece_bytes", self.write_piece_bytes)
-        _check_watermarks("L3", self.high_watermark, self.low_watermark)
-        if self.backend not in ("auto", "posix", "kvikio"):
-            raise ConfigError(f"L3 backend must be auto, posix or kvikio, got {self.backend!r}")
+        if self.root is not None and (not isinstance(self.root, (str, os.PathLike))
+                                      or not str(self.root).strip()):
+            raise ConfigError(f"L3 root must be a directory path or None, got {self.root!r}")
+        check_int("L3 budget_bytes", self.budget_bytes)
+        check_int("L3 io_threads", self.io_threads)
+        check_int("L3 write_threads", self.write_threads)
+        check_int("L3 write_piece_bytes", self.write_piece_bytes)
+        check_watermarks("L3", self.high_watermark, self.low_watermark)
+        check_choice("L3 backend", self.backend, ("auto", "posix", "kvikio"))
+        check_bool("L3 o_direct", self.o_direct)
+        check_bool("L3 reads_first", self.reads_first)
         if self.root is not None:
             try:
                 os.makedirs(self.root, exist_ok=True)
@@ -300,26 +307,33 @@ class PolicyConfig:
     max_pending_plans: int = 256  # plans sent but not yet confirmed by every rank
 
     def __post_init__(self) -> None:
-        if self.kind not in ("heat", "lru", "lruk"):
-            raise ConfigError(f"policy kind must be heat, lru or lruk, got {self.kind!r}")
-        if self.spill not in ("cost", "always"):
-            raise ConfigError(f"policy spill must be cost or always, got {self.spill!r}")
+        check_choice("policy kind", self.kind, ("heat", "lru", "lruk"))
+        check_choice("policy spill", self.spill, ("cost", "always"))
         for name in ("l1_reuse", "l2_reuse"):
-            if getattr(self, name) not in ("newest", "oldest"):
-                raise ConfigError(f"policy {name} must be newest or oldest, got "
-                                  f"{getattr(self, name)!r}")
-        if self.w_attn < 0 or self.w_recency < 0 or self.w_attn + self.w_recency <= 0:
-            raise ConfigError(
-                f"heat weights must be >= 0 with a positive sum, got "
-                f"w_attn={self.w_attn} w_recency={self.w_recency}"
-            )
-        _check_positive("lru_k", self.lru_k)
-        if not (0.0 <= self.auto_pin_fraction <= 1.0):
-            raise ConfigError(f"auto_pin_fraction must be in [0, 1], got {self.auto_pin_fraction}")
-        if self.cooldown_s < 0:
-            raise ConfigError(f"cooldown_s must be >= 0, got {self.cooldown_s}")
-        if self.early_min_bytes < 0:
-            raise ConfigError(f"early_min_bytes must be >= 0, got {self.early_min_bytes}")
+            check_choice(f"policy {name}", getattr(self, name), ("newest", "oldest"))
+        try:
+            check_float("policy w_attn", self.w_attn)
+            check_float("policy w_recency", self.w_recency)
+            if not self.w_attn + self.w_recency > 0:
+                raise ConfigError("sum")
+        except ConfigError:
+            raise ConfigError(f"heat weights must be finite numbers >= 0 with a positive sum, "
+                              f"got w_attn={self.w_attn!r} w_recency={self.w_recency!r}") from None
+        check_int("lru_k", self.lru_k, 1, 64)
+        check_float("policy cooldown_s", self.cooldown_s, 0.0, settings.MAX_WAIT_S)
+        check_float("policy auto_pin_fraction", self.auto_pin_fraction, 0.0, 1.0)
+        check_int("policy max_auto_pin_blocks", self.max_auto_pin_blocks, 0)
+        check_int("policy prefetch_steps", self.prefetch_steps, 0)
+        check_int("policy early_min_bytes", self.early_min_bytes, 0)
+        for name in ("keep_l2_copies", "keep_l3_copies", "refill_same_plan",
+                     "early_promotions"):
+            check_bool(f"policy {name}", getattr(self, name))
+        for name in ("max_moves_per_step", "prefetch_max_blocks", "auto_pin_refresh_steps",
+                     "max_tracked_blocks", "max_pending_plans"):
+            check_int(f"PolicyConfig.{name}", getattr(self, name))
+        check_float("PolicyConfig.gpu_share_weight", self.gpu_share_weight)
+        for name in ("prefill_tokens_per_s", "h2d_bytes_per_s", "ssd_read_bytes_per_s"):
+            check_float(f"PolicyConfig.{name}", getattr(self, name), lo_open=True)
 
 
 @dataclass(frozen=True)
@@ -348,36 +362,36 @@ class TpkvConfig:
     layer_chunk_bytes: int = 64 << 10  # fewest bytes per block per per-layer copy (layers merge)
 
     def __post_init__(self) -> None:
-        if not (0 <= self.dashboard_port <= 65535):
-            raise ConfigError(f"dashboard_port must be in 0..65535, got {self.dashboard_port}")
-        if self.wait_timeout_s <= 0:
-            raise ConfigError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s}")
-        if self.confirm_backend not in ("auto", "gloo", "nccl"):
-            raise ConfigError(f"confirm_backend must be auto, gloo or nccl, got "
-                              f"{self.confirm_backend!r}")
-        if not self.heartbeat_s > 0:  # used as min(heartbeat_s, wait_timeout_s / 8)
-            raise ConfigError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
-        if self.layer_chunk_bytes < 0:
-            raise ConfigError(f"layer_chunk_bytes must be >= 0, got {self.layer_chunk_bytes}")
+        for name, kind in (("geometry", KvGeometry), ("l1", HbmConfig), ("l2", HostConfig),
+                           ("l3", SsdConfig), ("policy", PolicyConfig)):
+            check_type(name, getattr(self, name), kind)
+        check_str("model_fingerprint", self.model_fingerprint)
+        settings.check_host("dashboard_host", self.dashboard_host)
+        check_int("dashboard_port", self.dashboard_port, 0, 65535)
+        if self.dashboard_token is not None:
+            settings.check_token("dashboard_token", self.dashboard_token)
+        check_float("wait_timeout_s", self.wait_timeout_s, 0.0, settings.MAX_WAIT_S,
+                    lo_open=True)
+        check_str("ray_address", self.ray_address, optional=True)
+        check_choice("confirm_backend", self.confirm_backend, ("auto", "gloo", "nccl"))
+        # used as min(heartbeat_s, wait_timeout_s / 8)
+        check_float("heartbeat_s", self.heartbeat_s, 0.0, settings.MAX_WAIT_S, lo_open=True)
+        check_bool("layer_events", self.layer_events)
+        check_int("layer_chunk_bytes", self.layer_chunk_bytes, 0)
 
 
-def from_env(config: TpkvConfig, env: dict[str, str] | None = None) -> TpkvConfig:
-    """Overlay TPKV_* environment variables (and RAY_ADDRESS) on `config`."""
-    env = dict(os.environ if env is None else env)
+def from_env(config: TpkvConfig, env: Mapping[str, str] | None = None) -> TpkvConfig:
+    """Overlay the TPKV_* environment variables (and RAY_ADDRESS) on `config`; every one is
+    checked by tpkv.settings.read_env (a bad value: ConfigError naming the variable)."""
+    s = settings.read_env(env)
     out = config
-    if "TPKV_SSD_DIR" in env:
-        out = dataclasses.replace(out, l3=dataclasses.replace(out.l3, root=env["TPKV_SSD_DIR"]))
-    if "TPKV_L2_BYTES" in env:
-        l2 = dataclasses.replace(out.l2, budget_bytes=parse_bytes(env["TPKV_L2_BYTES"]))
-        out = dataclasses.replace(out, l2=l2)
-    if "TPKV_DASHBOARD_HOST" in env:
-        out = dataclasses.replace(out, dashboard_host=env["TPKV_DASHBOARD_HOST"])
-    if "TPKV_DASHBOARD_PORT" in env:
-        out = dataclasses.replace(out, dashboard_port=int(env["TPKV_DASHBOARD_PORT"]))
-    if "TPKV_DASHBOARD_TOKEN" in env:
-        out = dataclasses.replace(out, dashboard_token=env["TPKV_DASHBOARD_TOKEN"])
-    if "TPKV_WAIT_TIMEOUT_S" in env:
-        out = dataclasses.replace(out, wait_timeout_s=float(env["TPKV_WAIT_TIMEOUT_S"]))
-    if "RAY_ADDRESS" in env:
-        out = dataclasses.replace(out, ray_address=env["RAY_ADDRESS"])
-    return out
+    if s.ssd_dir is not None:
+        out = dataclasses.replace(out, l3=dataclasses.replace(out.l3, root=s.ssd_dir))
+    if s.l2_bytes is not None:
+        out = dataclasses.replace(out, l2=dataclasses.replace(out.l2, budget_bytes=s.l2_bytes))
+    top: dict[str, Any] = {
+        "dashboard_host": s.dashboard_host, "dashboard_port": s.dashboard_port,
+        "dashboard_token": s.dashboard_token, "wait_timeout_s": s.wait_timeout_s,
+        "ray_address": s.ray_address}
+    changes = {k: v for k, v in top.items() if v is not None}
+    return dataclasses.replace(out, **changes) if changes else out

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from tpkv.config import TpkvConfig
 from tpkv.errors import ConfigError, LaunchError
+from tpkv.settings import env_flag
 from tpkv.workers.confirm import BoundedGroup
 from tpkv.workers.liveness import Liveness
 
@@ -61,7 +62,7 @@ def _env_int(name: str, default: int) -> int:
 
 
 def _external_store() -> bool:
-    return (os.environ.get(EXTERNAL_STORE_ENV) == "1"
+    return (env_flag(EXTERNAL_STORE_ENV, False)
             or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -16,14 +17,27 @@ from rich.table import Table
 
 import tpkv
 from tpkv.config import GiB, HostConfig, KvGeometry, SsdConfig
+from tpkv.errors import ConfigError
 from tpkv.launch.status_cli import add_status_commands
+from tpkv.settings import VARIABLES, read_env
 from tpkv.workers.copy_engine import CopyEngine
 from tpkv.workers.pools import HbmPool, HostPool
 from tpkv.workers.ssd_store import SsdStore
 
+ENV_HELP = "environment (every command reads and checks them):\n" + "\n".join(
+    f"  {name:<22} {what}" for name, what in VARIABLES.items())
+DEMO_HELP = """\
+The dashboard takes --dashboard-host/--dashboard-port, else TPKV_DASHBOARD_HOST/PORT, else
+127.0.0.1:8470; TPKV_DASHBOARD_TOKEN (environment only) makes its data need the bearer token.
+A port asked for (flag or TPKV_DASHBOARD_PORT) that is taken stops the demo with an error
+naming it; the default port taken (say, by a second demo) gives a free port and a notice.
+TPKV_SSD_DIR holds the demo's temporary L3 directory; TPKV_L2_BYTES and TPKV_WAIT_TIMEOUT_S
+replace the demo's own values."""
+
 
 def demo(args: argparse.Namespace) -> int:
-    """Move random blocks L1 -> L2 -> L3 -> L2 -> L1 on this machine and check every byte."""
+    """Move random blocks L1 -> L2 -> L3 -> L2 -> L1 on this machine and check every byte (L3 in
+    a temporary directory inside TPKV_SSD_DIR when that is set)."""
     console = Console()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     geometry = KvGeometry(num_layers=args.layers, num_kv_heads=8, head_dim=64, dtype="bfloat16",
@@ -31,7 +45,10 @@ def demo(args: argparse.Namespace) -> int:
     n = args.blocks
     size = f"{geometry.block_bytes / 1024:.0f} KiB ({n * geometry.block_bytes / GiB:.2f} GiB)"
     console.print(f"tpkv {tpkv.__version__} demo on {device}: {n} blocks of {size}")
-    root = tempfile.mkdtemp(prefix="tpkv-demo-")
+    parent = read_env().ssd_dir
+    if parent is not None:
+        os.makedirs(parent, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="tpkv-demo-", dir=parent)
     try:
         hbm = HbmPool(geometry, n, device)
         host = HostPool(geometry, n, HostConfig(budget_bytes=max(n * geometry.block_bytes, 1)))
@@ -87,7 +104,8 @@ def tiered_demo(args: argparse.Namespace) -> int:
     from tpkv.launch.demo import demo as run_demo
 
     tp = args.tp or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    return run_demo(tp, args.seconds, args.model, args.sessions, keep_serving=args.keep_serving)
+    return run_demo(tp, args.seconds, args.model, args.sessions, keep_serving=args.keep_serving,
+                    dashboard_host=args.dashboard_host, dashboard_port=args.dashboard_port)
 
 
 def launch_command(args: argparse.Namespace) -> int:
@@ -107,16 +125,24 @@ def launch_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tpkv", description=tpkv.__doc__)
+    ap = argparse.ArgumentParser(prog="tpkv", description=tpkv.__doc__, epilog=ENV_HELP,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="multi-turn sessions through tpkv's engine on TP ranks, "
-                                    "tiered L1/L2/L3, on a local Ray cluster")
+                                    "tiered L1/L2/L3, on a local Ray cluster",
+                       epilog=DEMO_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     d.add_argument("--tp", type=int, default=None, help="TP ranks (default: GPUs, or 2 on CPU)")
     d.add_argument("--seconds", type=float, default=60.0)
     d.add_argument("--model", default="small", choices=["tiny", "small", "1b"])
     d.add_argument("--sessions", type=int, default=64)
     d.add_argument("--keep-serving", action="store_true",
                    help="leave the controller and its dashboard up after the run (Ctrl-C ends)")
+    d.add_argument("--dashboard-host", default=None,
+                   help="address of the dashboard (default: TPKV_DASHBOARD_HOST, or 127.0.0.1)")
+    d.add_argument("--dashboard-port", type=int, default=None,
+                   help="port of the dashboard, 0 for any free one (default: "
+                        "TPKV_DASHBOARD_PORT, or 8470; an asked-for port that is taken is an "
+                        "error, the default one taken gives a free port and a notice)")
     d.set_defaults(func=tiered_demo)
     r = sub.add_parser("demo-tiers", help="round-trip random KV blocks through the three tiers")
     r.add_argument("--blocks", type=int, default=256)
@@ -136,7 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("version", help="print the version")
     v.set_defaults(func=lambda a: print(tpkv.__version__) or 0)
     args = ap.parse_args(argv)
-    return int(args.func(args))
+    try:
+        if args.command != "version":  # a bad TPKV_* variable is refused, named, up front
+            read_env()
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"tpkv {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from typing import TYPE_CHECKING, Any
@@ -29,8 +30,10 @@ def demo_config(model_name: str, world: int, ssd_root: str, sessions: int) -> Tp
                          model_fingerprint=f"tpkv-{model_name}-seed0")
 
 
-def rank_main(model_name: str, seconds: float, ssd_root: str, sessions: int) -> dict[str, Any]:
-    """Every rank: join tpkv (Ray controller), run the workload on small tiers, summarise."""
+def rank_main(cfg: TpkvConfig, model_name: str, seconds: float,
+              sessions: int) -> dict[str, Any]:
+    """Every rank: join tpkv (Ray controller) with the driver's `cfg` (the environment already
+    laid over it, as the controller has it), run the workload on small tiers, summarise."""
     import torch
 
     from tpkv.launch.join import init
@@ -45,12 +48,11 @@ def rank_main(model_name: str, seconds: float, ssd_root: str, sessions: int) -> 
               else torch.device("cpu"))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     model = build_model(model_name, seed=0, device=device)
-    cfg = demo_config(model_name, world, ssd_root, sessions)
     wl = WorkloadConfig(num_sessions=sessions, num_users=max(2, sessions // 2), turns=(3, 6),
                         system_prompt_tokens=32, doc_tokens=(32, 96), user_tokens=(8, 24),
                         gen_tokens=(8, 16), think_s=(0.05, 0.5), ramp_s=0.0,
                         max_session_tokens=180, vocab_size=model.config.vocab_size)
-    with init(cfg, device=device) as rt:
+    with init(cfg, device=device, env=False) as rt:
         if world > 1:
             apply_tp(model, rank, world)
         out = run_tiered_demo(rt, model, wl, seconds=seconds, max_batch=MAX_BATCH)
@@ -86,49 +88,72 @@ def print_summary(out: dict[str, Any], console: Console) -> None:
 
 
 def demo(tp: int, seconds: float, model: str, sessions: int, keep_serving: bool = False,
-         serve_s: float | None = None) -> int:
+         serve_s: float | None = None, dashboard_host: str | None = None,
+         dashboard_port: int | None = None) -> int:
     """Start Ray (unless running) and the controller here, so that its dashboard is up from the
-    start (and, with keep_serving, after the run); run the ranks with a progress bar."""
+    start (and, with keep_serving, after the run); run the ranks with a progress bar.
+
+    The TPKV_* variables apply as everywhere (tpkv.settings): TPKV_SSD_DIR holds the demo's
+    temporary L3 directory, TPKV_L2_BYTES / TPKV_WAIT_TIMEOUT_S replace the demo's values, the
+    dashboard takes TPKV_DASHBOARD_HOST/PORT/TOKEN (the flags `dashboard_host/port` first).
+    A port asked for that is taken is a ConfigError; the default one taken, a free port and a
+    notice (tpkv.launch.demo_settings). Every bad value stops the demo before Ray starts.
+    """
     import ray
     from rich.console import Console
 
     from tpkv.controller import actor
+    from tpkv.launch.demo_settings import demo_settings, token_note
+    from tpkv.settings import read_env
 
     console = Console()
-    console.print(f"starting a local Ray cluster, the controller and {tp} TP ranks; "
-                  f"model '{model}', {sessions} sessions, about {seconds:.0f} s ...")
-    started = not ray.is_initialized()
-    if started:
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        ray.init(address="local", namespace=actor.NAMESPACE, include_dashboard=False,
-                 log_to_driver=False, num_cpus=max(tp, os.cpu_count() or 1))
-    handle = None
-    try:
-        with tempfile.TemporaryDirectory(prefix="tpkv-demo-") as root:
-            handle = actor.get_or_create(demo_config(model, tp, root, sessions))
+    parent = read_env().ssd_dir
+    if parent is not None:
+        os.makedirs(parent, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tpkv-demo-", dir=parent) as root:
+        cfg, notice = demo_settings(demo_config(model, tp, root, sessions), dashboard_host,
+                                    dashboard_port)
+        cfg = dataclasses.replace(cfg, l3=dataclasses.replace(
+            cfg.l3, root=os.path.join(root, "l3")))  # TPKV_SSD_DIR holds `root`
+        console.print(f"starting a local Ray cluster, the controller and {tp} TP ranks; "
+                      f"model '{model}', {sessions} sessions, about {seconds:.0f} s ...")
+        if notice:
+            console.print(notice)
+        started = not ray.is_initialized()
+        if started:
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            ray.init(address="local", namespace=actor.NAMESPACE, include_dashboard=False,
+                     log_to_driver=False, num_cpus=max(tp, os.cpu_count() or 1))
+        handle = None
+        try:
+            handle = actor.get_or_create(cfg)
             client = actor.ControllerClient(handle, timeout_s=60.0)
-            url = client.dashboard().get("url")
+            info = client.dashboard()
+            url = info.get("url")
             if url:
                 console.print(f"dashboard: {url} (while the demo runs"
-                              f"{' and after it' if keep_serving else ''})")
-            results = _run_with_progress(console, client, tp, seconds, model, root, sessions)
-        out = results[0]
-        out["dashboard"] = url
-        print_summary(out, console)
-        same = all(r["turns"] == out["turns"] and r["moves"] == out["moves"] for r in results)
-        console.print(f"all {tp} ranks agree on every turn and move: {same}")
-        if keep_serving and url:
-            _serve(console, url, serve_s)
-        return 0 if same else 1
-    finally:
-        if handle is not None:
-            ray.kill(handle)
-        if started:
-            ray.shutdown()
+                              f"{' and after it' if keep_serving else ''}){token_note(cfg)}")
+            else:
+                console.print(f"dashboard not started: {info.get('error')}")
+            results = _run_with_progress(console, client, tp, seconds, cfg, model, sessions)
+            out = results[0]
+            out["dashboard"] = url
+            print_summary(out, console)
+            same = all(r["turns"] == out["turns"] and r["moves"] == out["moves"]
+                       for r in results)
+            console.print(f"all {tp} ranks agree on every turn and move: {same}")
+            if keep_serving and url:
+                _serve(console, url, serve_s)
+            return 0 if same else 1
+        finally:
+            if handle is not None:
+                ray.kill(handle)
+            if started:
+                ray.shutdown()
 
 
-def _run_with_progress(console: Console, client: Any, tp: int, seconds: float, model: str,
-                       root: str, sessions: int) -> list[Any]:
+def _run_with_progress(console: Console, client: Any, tp: int, seconds: float, cfg: TpkvConfig,
+                       model: str, sessions: int) -> list[Any]:
     """launch_ray on a thread; here, a bar over the demo's time with the controller's figures."""
     import threading
     import time
@@ -141,7 +166,7 @@ def _run_with_progress(console: Console, client: Any, tp: int, seconds: float, m
 
     def ranks() -> None:
         try:
-            box["results"] = launch_ray(rank_main, tp, args=(model, seconds, root, sessions),
+            box["results"] = launch_ray(rank_main, tp, args=(cfg, model, seconds, sessions),
                                         timeout_s=120.0)
         except BaseException as exc:  # re-raised on the main thread
             box["error"] = exc

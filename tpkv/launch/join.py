@@ -15,16 +15,19 @@ from tpkv.workers.worker import Worker
 
 
 def init(config: TpkvConfig, *, controller: Any = "ray",
-         device: torch.device | str | None = None) -> TpkvRuntime:
+         device: torch.device | str | None = None, env: bool = True) -> TpkvRuntime:
     """Join the TP group and tpkv: every rank calls this (under torchrun, or in `tpkv launch`).
 
     `controller`: "ray" (rank 0 starts or joins Ray and creates the named controller; the others
     find it by name), "local" (an in-process Controller on rank 0, no Ray), or a controller
-    object used on rank 0.
+    object used on rank 0. `env`: lay the TPKV_* variables over `config` (tpkv.settings; a bad
+    one is a ConfigError naming it); False for a config that a launcher already built so (the
+    demo's: every rank and the controller then use the very same values).
     """
     from tpkv.controller.controller import Controller
 
-    config = from_env(config)
+    if env:
+        config = from_env(config)
     if device is None:
         local = int(os.environ.get("LOCAL_RANK", 0))
         device = torch.device("cuda", local % torch.cuda.device_count()) \

@@ -15,6 +15,7 @@ from typing import Any
 
 from tpkv.errors import ConfigError, LaunchError
 from tpkv.launch.bootstrap import EXTERNAL_STORE_ENV
+from tpkv.settings import tpkv_env
 
 log = logging.getLogger(__name__)
 AppSpec = str | Callable[..., Any]
@@ -74,7 +75,10 @@ def launch_ray(app: AppSpec, tp: int, *, args: Sequence[Any] = (), ray_address: 
     """Run `app(*args)` on `tp` ranks as Ray actors of one placement group (one bundle per GPU,
     or per CPU rank where there are no GPUs, packed on one node); returns each rank's value.
 
-    Starts a local Ray cluster unless Ray is initialized or `ray_address` is given. `timeout_s`
+    The ranks get this process's TPKV_* variables (checked first: a bad one is a ConfigError
+    naming it, before Ray starts), then `env`, so that they read the settings this process
+    reads even on another node. Starts a local Ray cluster unless Ray is initialized or
+    `ray_address` is given. `timeout_s`
     bounds placement, start-up, and how long the other ranks may take to end once one failed
     (the ranks' own collectives are bounded by TpkvConfig.wait_timeout_s).
     """
@@ -83,8 +87,9 @@ def launch_ray(app: AppSpec, tp: int, *, args: Sequence[Any] = (), ray_address: 
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    if tp < 1:
-        raise ConfigError(f"tp must be >= 1, got {tp}")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tp must be an integer >= 1, got {tp!r}")
+    rank_env = {**tpkv_env(), **dict(env or {})}
     started = False
     if not ray.is_initialized():
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -114,7 +119,7 @@ def launch_ray(app: AppSpec, tp: int, *, args: Sequence[Any] = (), ray_address: 
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=i)).remote() for i in range(tp)]
         path = [os.getcwd() if p == "" else p for p in sys.path]
-        refs = [a.run.remote(app, i, tp, addr, store.port, path, list(args), dict(env or {}),
+        refs = [a.run.remote(app, i, tp, addr, store.port, path, list(args), rank_env,
                              gpu, timeout_s) for i, a in enumerate(actors)]
         return _collect(ray, refs, timeout_s)
     finally:

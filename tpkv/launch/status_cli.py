@@ -73,8 +73,8 @@ def dashboard_command(args: argparse.Namespace) -> int:
         return 1
     print(info["url"])
     if info.get("token_required"):
-        print("(needs the bearer token of TpkvConfig.dashboard_token: open the URL with "
-              "#token=<token>)", file=sys.stderr)
+        print("(needs the bearer token of TpkvConfig.dashboard_token / TPKV_DASHBOARD_TOKEN: "
+              "open the URL with #token=<token>)", file=sys.stderr)
     return 0
 
 

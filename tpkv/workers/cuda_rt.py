@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from tpkv.errors import DeviceError
+from tpkv.settings import env_flag
 
 # cudaHostRegisterPortable | cudaHostRegisterMapped
 HOST_REGISTER_FLAGS = 0x01 | 0x02
@@ -113,7 +114,7 @@ def memcpy_batch(dsts: Sequence[int] | np.ndarray, srcs: Sequence[int] | np.ndar
 
 
 # Tests and benchmarks set this False to take the cuda.bindings path.
-USE_RAW_BATCH = os.environ.get("TPKV_RAW_MEMCPY_BATCH", "1") != "0"
+USE_RAW_BATCH = env_flag("TPKV_RAW_MEMCPY_BATCH", True)
 
 
 def _loaded_cudart() -> str | None:

@@ -65,12 +65,18 @@ class DashboardServer:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> str:
-        """Bind and serve; returns the URL. OSError when the address is taken."""
+        """Bind and serve; returns the URL. OSError when the address is taken (its message says
+        which and names the settings that choose another)."""
         runner = web.AppRunner(self.make_app(), access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
         try:
             await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise OSError(exc.errno, f"{exc.strerror or exc}; choose another port with "
+                                     f"TPKV_DASHBOARD_PORT or TpkvConfig.dashboard_port (0: any "
+                                     f"free port)") from exc
         except BaseException:
             await runner.cleanup()
             raise
