@@ -57,6 +57,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--preset", choices=["1b", "70b-tp8"], default="1b")
+    ap.add_argument("--out", default=None,
+                    help="JSON to write (default bench/results/fingerprint_cost_<preset>_<device>"
+                         ".json)")
     a = ap.parse_args()
     if a.preset == "1b":  # 1.24e9 parameters (Llama 3.2 1B shapes, untied head)
         m = llama_like(16, 2048, 8192, 512, 128256, 1, torch.bfloat16, a.device)
@@ -73,8 +76,16 @@ def main() -> None:
         sparse_checkpoint(root, 80, 30, 235 << 20)  # 80 x 9 tensors, 30 shards, ~160 GB
         t = time.perf_counter()
         checkpoint_digest(root)
-        print(f"checkpoint_digest: 720 tensors in 30 sparse shards: "
-              f"{(time.perf_counter() - t) * 1e3:.1f} ms")
+        file_took = time.perf_counter() - t
+        print(f"checkpoint_digest: 720 tensors in 30 sparse shards: {file_took * 1e3:.1f} ms")
+    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                f"fingerprint_cost_{a.preset}_{a.device.split(':')[0]}.json")
+    with open(out, "w") as f:
+        json.dump({"preset": a.preset, "device": a.device, "num_params": n,
+                   "num_tensors": len(list(m.parameters())), "params_digest_ms": took * 1e3,
+                   "checkpoint_tensors": 720, "checkpoint_shards": 30,
+                   "checkpoint_digest_ms": file_took * 1e3}, f, indent=1)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
