@@ -204,10 +204,13 @@ def decode_names(data: bytes) -> list[str]:
 
 
 class Confirmer:
-    """One all-gather of the fixed-shape int64 rows of a step's plans with moves, on a side
-    thread: the step loop hands the rows over (a queue put) and later reads the answer (an
-    attribute, when it is there), so the collective (gloo on the CPU, or NCCL on a side
-    stream) runs beside compute; waiting happens only if compute was shorter than it."""
+    """One all-gather of the fixed-shape int64 rows of a step's plans with moves (and each
+    rank's two-number spill report after them: PendingConfirm.report), on a side thread: the
+    step loop hands the rows over (a queue put) and later reads the answer (an attribute,
+    when it is there), so the collective (gloo on the CPU, or NCCL on a side stream) runs
+    beside compute; waiting happens only if compute was shorter than it. A second all-gather
+    follows only when some rank reports forgotten sessions (their names). Jobs run in the
+    order started, so every rank makes the same collectives in the same order."""
 
     def __init__(self, group: BoundedGroup) -> None:
         self.group = group
