@@ -69,7 +69,7 @@ class SpillLedger:
         self.unsettled = {name: epoch for name, epoch in self.unsettled.items()
                           if epoch >= self.settled_below and name not in done}
         self.num_forgotten_elsewhere += len(forgotten - self.reported)
-        self.reported.clear()
+        self.reported -= forgotten
         return sorted(forgotten)
 
     def closed(self, names: Iterable[str]) -> None:
