@@ -156,37 +156,61 @@ class BoundedGroup:
 
 
 Rows = Callable[[], tuple[np.ndarray, np.ndarray]]
+TRAILER = 2  # after a rank's rows: [bytes of its forgotten-sessions report, its settled mark]
+NO_REPORT = (b"", 0)
 
 
 class PendingConfirm:
     """One step's confirmation in flight. `build` makes this rank's rows [k, 4] and the rows
     every rank should have [k, 4] (digests included); the confirmation thread runs it, sets
-    `rows`, `expected`, `result` (or `error`), then `done`. Plain attributes only."""
+    `rows`, `expected`, `result` (or `error`), then `done`. Plain attributes only.
 
-    __slots__ = ("build", "rows", "expected", "gathered", "result", "error", "done")
+    `report` (SpillLedger.report: the sessions this rank forgot after failed spills, and the
+    epoch below which its spills are all finished) travels in the same all-gather, as a
+    trailer after the rows; `forgotten` and `settled` are what every rank agrees on (the
+    union of the names, fetched by one more collective only when some rank has any, and the
+    lowest mark)."""
 
-    def __init__(self, build: Rows) -> None:
+    __slots__ = ("build", "rows", "expected", "gathered", "result", "error", "done", "report",
+                 "forgotten", "settled")
+
+    def __init__(self, build: Rows, report: tuple[bytes, int] = NO_REPORT) -> None:
         self.build = build
         self.rows = self.expected = np.zeros((0, ROW), dtype=np.int64)
         self.gathered: np.ndarray | None = None  # [world, k, 4] once waited
         self.result: np.ndarray | None = None
         self.error: BaseException | None = None
         self.done = False
+        self.report = report
+        self.forgotten: frozenset[str] = frozenset()
+        self.settled = report[1]
 
     @classmethod
-    def local(cls, build: Rows) -> PendingConfirm:
+    def local(cls, build: Rows, report: tuple[bytes, int] = NO_REPORT) -> PendingConfirm:
         """A TP group of one: this rank's rows are all the rows."""
-        pending = cls(build)
+        pending = cls(build, report)
         pending.rows, pending.expected = build()
         pending.gathered, pending.done = pending.rows[None], True
+        pending.forgotten = frozenset(decode_names(report[0]))
         return pending
 
 
+def encode_names(names: list[str]) -> bytes:
+    return "\n".join(names).encode()
+
+
+def decode_names(data: bytes) -> list[str]:
+    return [n for n in data.decode(errors="replace").split("\n") if n]
+
+
 class Confirmer:
-    """One all-gather of the fixed-shape int64 rows of a step's plans with moves, on a side
-    thread: the step loop hands the rows over (a queue put) and later reads the answer (an
-    attribute, when it is there), so the collective (gloo on the CPU, or NCCL on a side
-    stream) runs beside compute; waiting happens only if compute was shorter than it."""
+    """One all-gather of the fixed-shape int64 rows of a step's plans with moves (and each
+    rank's two-number spill report after them: PendingConfirm.report), on a side thread: the
+    step loop hands the rows over (a queue put) and later reads the answer (an attribute,
+    when it is there), so the collective (gloo on the CPU, or NCCL on a side stream) runs
+    beside compute; waiting happens only if compute was shorter than it. A second all-gather
+    follows only when some rank reports forgotten sessions (their names). Jobs run in the
+    order started, so every rank makes the same collectives in the same order."""
 
     def __init__(self, group: BoundedGroup) -> None:
         self.group = group
@@ -198,8 +222,8 @@ class Confirmer:
                                         name=f"tpkv-confirm-r{group.rank}")
         self._thread.start()
 
-    def start(self, build: Rows) -> PendingConfirm:
-        pending = PendingConfirm(build)
+    def start(self, build: Rows, report: tuple[bytes, int] = NO_REPORT) -> PendingConfirm:
+        pending = PendingConfirm(build, report)
         self._jobs.put(pending)
         return pending
 
@@ -215,7 +239,7 @@ class Confirmer:
             if pending.error is not None:
                 raise pending.error
             assert pending.result is not None
-            pending.gathered = pending.result.reshape(self.group.world_size, -1, ROW)
+            pending.gathered = pending.result
         return pending.gathered
 
     def close(self) -> None:
@@ -225,16 +249,36 @@ class Confirmer:
         while (job := self._jobs.get()) is not None:
             try:
                 job.rows, job.expected = job.build()
-                job.result = self._gather(
-                    np.ascontiguousarray(job.rows, dtype=np.int64).reshape(-1).copy())
+                job.result = self._confirm(job)
             except BaseException as exc:  # handed to the step loop, which raises it
                 job.error = exc
             with self._cond:
                 job.done = True
                 self._cond.notify_all()
 
-    def _gather(self, flat: np.ndarray) -> np.ndarray:
-        what = f"confirmation of epochs {flat[0]}..{flat[-ROW]}"
+    def _confirm(self, job: PendingConfirm) -> np.ndarray:
+        """All-gather the job's rows and trailer; [world, k, 4] rows. Sets the job's agreed
+        `forgotten` (a second collective, only when some rank forgot sessions) and `settled`."""
+        rows = np.ascontiguousarray(job.rows, dtype=np.int64).reshape(-1)
+        names, mark = job.report
+        k = len(job.rows)
+        what = (f"confirmation of epochs {rows[0]}..{rows[-ROW]}" if k
+                else "agreement on spilled sessions")
+        flat = np.concatenate([rows, np.array([len(names), mark], dtype=np.int64)])
+        out = self._gather(flat, what).reshape(self.group.world_size, k * ROW + TRAILER)
+        sizes, marks = out[:, -2], out[:, -1]
+        job.settled = int(marks.min())
+        if sizes.any():  # some rank forgot sessions: every rank sees it, every rank fetches them
+            width = -(-int(sizes.max()) // 8)
+            mine = np.zeros(width * 8, dtype=np.uint8)
+            mine[:len(names)] = np.frombuffer(names, dtype=np.uint8)
+            every = self._gather(mine.view(np.int64), "exchange of forgotten sessions")
+            every = every.reshape(self.group.world_size, width).view(np.uint8)
+            job.forgotten = frozenset(n for r in range(self.group.world_size)
+                                      for n in decode_names(bytes(every[r, :int(sizes[r])])))
+        return out[:, :k * ROW].reshape(self.group.world_size, k, ROW)
+
+    def _gather(self, flat: np.ndarray, what: str) -> np.ndarray:
         inp = torch.from_numpy(flat)
         if not self.on_gpu:
             work, out, seq, deadline = self.group.all_gather(inp, what)

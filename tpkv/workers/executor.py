@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
@@ -18,6 +18,7 @@ import torch
 from tpkv.errors import SsdError, TierFullError, WaitTimeoutError
 from tpkv.types import MovePlan, Tier
 from tpkv.workers import cuda_rt
+from tpkv.workers.agreement import SpillLedger
 from tpkv.workers.copy_engine import CopyEngine, CopyHandle
 from tpkv.workers.mirror import Relocation
 from tpkv.workers.ssd_store import SsdStore
@@ -49,6 +50,7 @@ class _Commit:
 
     name: str
     future: Future[bool]
+    epoch: int  # of the oldest spill it commits
 
 
 @dataclass
@@ -180,6 +182,11 @@ def _by_session(session_idx: np.ndarray, idx: np.ndarray) -> list[np.ndarray]:
     return [idx[g] for g in groups]
 
 
+def _sessions(plan: MovePlan, mask: np.ndarray) -> set[str]:
+    """Names of the sessions of the plan's moves in `mask`."""
+    return {plan.session_names[s] for s in set(plan.session_idx[mask].tolist())}
+
+
 def _among(mark: np.ndarray, slots: np.ndarray, among: np.ndarray) -> np.ndarray:
     """Mask of `slots` that are in `among`, through `mark`, a scratch mask over the pool's
     slots kept all False."""
@@ -206,7 +213,9 @@ class PlanExecutor:
     them done. Whatever would overwrite their L2 source slots (an L1 -> L2 batch, an L3 read)
     or needs their records (an L3 read or a drop of the session) first waits for them, bounded.
     A spill that fails deletes the session's L3 records: its blocks there miss (recomputed),
-    never read back stale.
+    never read back stale. At TP > 1 (`ledger` and `agree` set by the Worker) every rank then
+    deletes them (SpillLedger), and a load of a session whose spills are not agreed settled
+    agrees first, so that no rank waits for a manifest another rank can no longer complete.
     """
 
     def __init__(self, engine: CopyEngine, store: SsdStore | None, timeout_s: float,
@@ -255,6 +264,11 @@ class PlanExecutor:
         # until that plan runs; and how many moves went so in all
         self.chained: Chain | None = None
         self.num_chained = 0
+        # TP > 1: the spill outcomes the group agreed on, and the call that agrees before a
+        # load (Worker._agree_loads: a collective on every rank); None: TP 1
+        self.ledger: SpillLedger | None = None
+        self.agree: Callable[[set[str], float], None] | None = None
+        self.last_epoch = 0  # of the last plan run
 
     # ---- one plan --------------------------------------------------------------------------
     def run(self, plan: MovePlan, ok: np.ndarray, later_l1: np.ndarray | None = None,
@@ -358,6 +372,12 @@ class PlanExecutor:
             with _blocked(out):
                 self.wait_spills(deadline)
         jobs: list[tuple[np.ndarray, Future[Any]]] = []
+        if self.agree is not None and self.ledger is not None:
+            loading = _sessions(plan, plan.mask(Tier.SSD, Tier.DRAM))  # applied here or not
+            if loading and self.ledger.needs_agreement(loading):
+                with _blocked(out):
+                    self.wait_spills(deadline, names=loading)
+                    self.agree(loading, deadline)
         if self.store is None:
             if len(pick["spill"]) or len(pick["load"]):
                 out.error = f"epoch {plan.epoch}: moves to or from L3, but L3 is disabled here"
@@ -384,6 +404,9 @@ class PlanExecutor:
                 wait_handle(prev_d2h, deadline, f"epoch {plan.epoch} L2 -> L3")
             self._submit_spills(plan, i)
             out.done[i], out.bytes_ssd_write = True, len(i) * block_bytes
+        if self.ledger is not None:
+            self.ledger.spilled(plan)
+        self.last_epoch = plan.epoch
         out.host_ns = time.perf_counter_ns() - started
         return out
 
@@ -569,7 +592,7 @@ class PlanExecutor:
         them are done writing; finishing them (manifest fsyncs, failures) is left to a later
         call, after the plan's copies are issued."""
         keep: list[_Spill] = []
-        written: set[str] = set()
+        written: dict[str, int] = {}  # session -> epoch of its oldest spill written
         failed: set[str] = set()
         for sp in self.spills:
             must = every or sp.name in names or (slots is not None and len(slots) > 0
@@ -584,17 +607,17 @@ class PlanExecutor:
                 continue
             exc = self._written(sp, deadline)
             if exc is None:
-                written.add(sp.name)
+                written[sp.name] = min(sp.epoch, written.get(sp.name, sp.epoch))
             else:
                 self.num_failed_spills += 1
                 failed.add(sp.name)
                 log.error("epoch %d: L3 write of session %r failed: %s", sp.epoch, sp.name, exc)
         self.spills = keep
-        for name in sorted(written - failed):
+        for name in sorted(written.keys() - failed):
             if self.background_commits:
                 assert self.store is not None
                 self.num_commits += 1
-                self.commits.append(_Commit(name, self.store.submit_commit(name)))
+                self.commits.append(_Commit(name, self.store.submit_commit(name), written[name]))
             else:
                 self._commit(name, deadline)
         for name in sorted(failed):
@@ -658,20 +681,46 @@ class PlanExecutor:
         log.error("manifest of session %r not written: %s", name, exc)
         self._forget(name, deadline)
 
-    def _forget(self, name: str, deadline: float) -> None:
-        """A spill of the session failed after its plan was confirmed: the controller counts
-        its blocks as in L3, and older records of the same blocks (a last block written again
-        with more tokens since) may still be on disk, where a read would take them as hits.
-        Delete every L3 record of the session: its blocks there miss and are recomputed."""
+    def _forget(self, name: str, deadline: float, elsewhere: bool = False) -> None:
+        """A spill of the session failed after its plan was confirmed (here, or on another
+        rank: `elsewhere`, agreed through the ledger): the controller counts its blocks as in
+        L3, and older records of the same blocks (a last block written again with more
+        tokens since) may still be on disk, where a read would take them as hits. Delete
+        every L3 record of the session: its blocks there miss and are recomputed. A failure
+        here is reported to the other ranks (SpillLedger), which then do the same."""
         assert self.store is not None
         self.wait_spills(deadline, names={name})  # none of its writes may land after the drop
+        where = "on some rank of the TP group" if elsewhere else "here"
+        if self.ledger is not None and not elsewhere:
+            self.ledger.forgot(name)
         try:
             self.store.drop_session(name)
         except (SsdError, OSError) as exc:
-            log.error("L3 records of session %r not deleted after a failed spill: %s", name, exc)
+            log.error("L3 records of session %r not deleted after a failed spill %s: %s", name,
+                      where, exc)
         else:
-            log.error("L3 records of session %r deleted after a failed spill: its blocks in L3 "
-                      "will miss and be recomputed", name)
+            (log.warning if elsewhere else log.error)(
+                "L3 records of session %r deleted after a failed spill %s: its blocks in L3 "
+                "will miss and be recomputed", name, where)
+
+    def finished_below(self) -> int:
+        """The epoch below which this rank's spills are all finished (written and committed,
+        or failed and forgotten)."""
+        return min([sp.epoch for sp in self.spills] + [c.epoch for c in self.commits],
+                   default=self.last_epoch + 1)
+
+    def report(self) -> tuple[bytes, int]:
+        """This rank's SpillLedger report for the next confirmation or agreement."""
+        assert self.ledger is not None
+        return self.ledger.report(self.finished_below())
+
+    def settle(self, forgotten: frozenset[str], settled_below: int, deadline: float,
+               loaded: set[str] | frozenset[str] = frozenset()) -> None:
+        """What every rank agreed on (a confirmation, or an agreement before a load of
+        `loaded`): forget here every session some rank forgot."""
+        assert self.ledger is not None
+        for name in self.ledger.agreed(forgotten, settled_below, loaded):
+            self._forget(name, deadline, elsewhere=True)
 
     def _await_manifest(self, name: str, deadline: float) -> None:
         """Records another rank wrote a moment ago are readable once the manifest covers them:
@@ -681,10 +730,13 @@ class PlanExecutor:
         assert self.store is not None
         # This rank's spills of the session are finished (run() waits for them before a load),
         # so what its own commit lacks was never written or was deleted: a miss now, no wait.
+        # At TP > 1 (agree) every rank's spills of it are finished and agreed on: one commit,
+        # no wait (a manifest not complete now never will be; the reads miss).
         end = min(deadline, time.monotonic() + self.timeout_s / 2)
         while not self.store.manifest_covers_commit(name):
             complete = self._commit(name, deadline)
-            if complete is None or complete or time.monotonic() > end:
+            if complete is None or complete or self.agree is not None \
+                    or time.monotonic() > end:
                 return
             time.sleep(0.001)
 

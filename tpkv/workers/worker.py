@@ -16,7 +16,9 @@ from tpkv.controller.messages import StepResult
 from tpkv.errors import PlanOrderError
 from tpkv.types import MovePlan, MoveResult, Tier
 from tpkv.workers import kernels
+from tpkv.workers.agreement import SpillLedger
 from tpkv.workers.confirm import (
+    NO_REPORT,
     ROW,
     STATUS_DIVERGED,
     STATUS_FAILED,
@@ -108,6 +110,10 @@ class Worker:
         self.mirror = SlotMirror(self.hbm.slots, self.host.slots)
         self.confirmer = Confirmer(group) if group is not None and group.world_size > 1 else None
         self.world_size = group.world_size if group is not None else 1
+        if self.confirmer is not None and self.store is not None:
+            # a spill that fails on one rank is forgotten on every rank (SpillLedger)
+            self.executor.ledger = SpillLedger()
+            self.executor.agree = self._agree_loads
         self.epoch = 0  # last plan applied
         self.last_applied: list[AppliedPlan] = []  # the plans of the last step, as applied here
         self.tick = 0
@@ -273,6 +279,8 @@ class Worker:
                                           names=set(gone))
             for name in gone:  # in the background: later calls about them wait for it
                 self.store.drop_session_later(name)
+            if self.executor.ledger is not None:
+                self.executor.ledger.closed(gone)
         self.executor.fence_compute(step.fresh_slots)
         self.tick = step.tick
 
@@ -284,9 +292,26 @@ class Worker:
                 return (np.asarray([a.row() for a in with_moves], dtype=np.int64),
                         np.asarray([[a.plan.epoch, a.plan.num_moves, plan_digest(a.plan), 0]
                                     for a in with_moves], dtype=np.int64))
-            applied.pending = (self.confirmer.start(rows) if self.confirmer
+            applied.pending = (self.confirmer.start(rows, self._report()) if self.confirmer
                                else PendingConfirm.local(rows))
         return applied
+
+    def _report(self) -> tuple[bytes, int]:
+        """What this confirmation tells the other ranks of its spills (SpillLedger)."""
+        return self.executor.report() if self.executor.ledger is not None else NO_REPORT
+
+    def _agree_loads(self, names: set[str], deadline: float) -> None:
+        """PlanExecutor.agree: every rank has finished its spills of `names`, which a plan is
+        about to load; agree now on the sessions some rank forgot (one all-gather through the
+        confirmation thread, in order with the confirmations, so bounded and in the same order
+        on every rank), and forget them here: their loads miss instead of waiting."""
+        ledger = self.executor.ledger
+        assert self.confirmer is not None and ledger is not None
+        empty = np.zeros((0, ROW), dtype=np.int64)
+        pending = self.confirmer.start(lambda: (empty, empty), self._report())
+        self.confirmer.wait(pending)
+        ledger.num_agreements += 1
+        self.executor.settle(pending.forgotten, pending.settled, deadline, loaded=names)
 
     def apply_plan(self, plan: MovePlan, later_l1: np.ndarray | None = None,
                    early: bool = False,
@@ -386,6 +411,9 @@ class Worker:
         if p is not None:
             gathered = self.confirmer.wait(p) if self.confirmer else p.gathered
             expected = p.expected
+            if self.executor.ledger is not None:  # sessions some rank forgot: forgotten here
+                self.executor.settle(p.forgotten, p.settled,
+                                     time.monotonic() + self.config.wait_timeout_s)
             own = {int(e): int(d) for e, d in zip(p.rows[:, 0], p.rows[:, 2])}
         assert gathered is not None
         results = [self._result(a, own.get(a.plan.epoch)) for a in applied.plans]
