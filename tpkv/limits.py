@@ -34,7 +34,8 @@ def check_count(name: str, value: Any, limit: int, limit_name: str, low: int = 0
                                 f"{_shown(value)}")
     v = int(value)
     if not low <= v <= limit:
-        raise ArgumentError(f"{name} got {v}, outside {low}..{limit} ({limit_name})")
+        sign = "negative, " if v < 0 <= low else ""
+        raise ArgumentError(f"{name} got {v}, {sign}outside {low}..{limit} ({limit_name})")
     return v
 
 
@@ -56,7 +57,8 @@ def check_counts(name: str, values: Any, limit: int, limit_name: str,
         return np.zeros(0, dtype=np.int64)
     if not negative_ok and arr.dtype.kind == "i" and arr.min() < 0:
         i = int(np.argmin(arr))
-        raise ArgumentError(f"{name}[{i}] got {int(arr[i])}, outside 0..{limit} ({limit_name})")
+        raise ArgumentError(f"{name}[{i}] got {int(arr[i])}, negative, outside 0..{limit} "
+                            f"({limit_name})")
     if arr.max() > limit:
         i = int(np.argmax(arr))
         raise ArgumentError(f"{name}[{i}] got {int(arr[i])}, outside 0..{limit} ({limit_name})")

@@ -180,6 +180,9 @@ class Controller:
                 raise ConfigError(f"rank {rank} sent a geometry that does not parse: "
                                   f"{exc}") from exc
         check_count("rank", rank, g.tp_size - 1, "tp_size - 1")
+        if not isinstance(geometry, KvGeometry):
+            raise ArgumentTypeError(f"geometry must be a KvGeometry or a map of its fields, "
+                                    f"got {type(geometry).__name__}")
         if not isinstance(host, str):
             raise ArgumentTypeError(f"host must be a str, got {type(host).__name__}")
         if geometry != g:

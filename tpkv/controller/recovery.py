@@ -23,6 +23,8 @@ _MAP_KEYS = ("block_ids", "tiers", "slots", "session_idx", "logical_idx", "sessi
 
 
 def _parse(m: Mapping[str, Any], tp: int) -> dict[str, Any]:
+    if not isinstance(m, Mapping):
+        raise ArgumentTypeError(f"a slot map must be a map, got {type(m).__name__}")
     try:
         out: dict[str, Any] = {k: np.asarray(m[k], dtype=np.int64).reshape(-1)
                                for k in _MAP_KEYS[:5]}
@@ -85,7 +87,8 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
     if not isinstance(slot_maps, (Sequence, np.ndarray)) or isinstance(slot_maps, (str, bytes)):
         raise ArgumentTypeError(f"slot_maps must be a list of maps, got "
                                 f"{type(slot_maps).__name__}")
-    for name, arg in (("ssd_manifests", ssd_manifests), ("ssd_records", ssd_records or {})):
+    ssd_records = {} if ssd_records is None else ssd_records
+    for name, arg in (("ssd_manifests", ssd_manifests), ("ssd_records", ssd_records)):
         if not isinstance(arg, Mapping):
             raise ArgumentTypeError(f"{name} must map session ids to block indices (counts), "
                                     f"got {type(arg).__name__}")
@@ -98,7 +101,7 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
                  for k, v in ssd_manifests.items()}
     records = {check_session_id(k): check_count(f"ssd_records[{k!r}]", v, MAX_SESSION_BLOCKS,
                                                 "MAX_SESSION_BLOCKS")
-               for k, v in (ssd_records or {}).items()}
+               for k, v in ssd_records.items()}
     agreed = _agreed(maps)
     # Blocks some rank's map knows: their tier is the maps' word. A manifest may still list an
     # older record of a block the maps hold nowhere (its last block written again since, then

@@ -249,8 +249,8 @@ def _refuse(S: SessionTable, batch: np.ndarray, add: np.ndarray) -> None:
     twice), with the session it concerns."""
     if len(add) and add.min() < 0:
         i = int(np.argmin(add))
-        raise BadRequestError(f"num_new_tokens must be >= 0; session {S.name(int(batch[i]))!r} "
-                              f"got {int(add[i])}")
+        raise ArgumentError(f"num_new_tokens must be >= 0; session {S.name(int(batch[i]))!r} "
+                            f"got {int(add[i])}")
     ordered = np.sort(batch)
     dup = int(ordered[1:][ordered[1:] == ordered[:-1]][0])
     raise DuplicateSessionError(f"session {S.name(dup)!r} appears twice in a step of "
