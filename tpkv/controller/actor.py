@@ -257,6 +257,15 @@ def detach(joined: bool) -> None:
         ray.shutdown()
 
 
+def _floats(mass: Any) -> Any:
+    """Attention mass as float64 for the wire; as given when it is not numbers (the actor
+    refuses it with a typed error)."""
+    try:
+        return np.asarray(mass, dtype=np.float64)
+    except (TypeError, ValueError):
+        return mass
+
+
 class ControllerClient:
     """Typed calls on the actor; one Ray round trip each."""
 
@@ -301,8 +310,7 @@ class ControllerClient:
             "commit", results=[move_result_to_dict(r) for r in results]))
 
     def report_attention(self, updates: Sequence[tuple[str, int, np.ndarray]]) -> None:
-        self.call("report_attention", updates=[[s, int(i), np.asarray(m, dtype=np.float64)]
-                                               for s, i, m in updates])
+        self.call("report_attention", updates=[[s, i, _floats(m)] for s, i, m in updates])
 
     def snapshot(self) -> dict[str, Any]:
         return dict(self.call("snapshot"))
