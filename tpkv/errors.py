@@ -75,6 +75,15 @@ class BadRequestError(TpkvError, ValueError):
     """A controller call got arguments it cannot act on (negative tokens, lengths that differ)."""
 
 
+class ArgumentError(BadRequestError):
+    """An argument of a public call is outside its bound (tpkv.limits) or of the wrong kind; the
+    message names the argument, the value given and the bound."""
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument of a public call has the wrong type (a float, bool or str for a count...)."""
+
+
 class ControllerRecoveringError(TpkvError):
     """The controller restarted and waits for the workers' slot maps before it plans again."""
 

@@ -9,7 +9,13 @@ import pytest
 from tpkv.config import HbmConfig, HostConfig, KvGeometry, SsdConfig, TpkvConfig
 from tpkv.controller import SlotMapReplica
 from tpkv.controller.actor import NAME, NAMESPACE, ControllerClient, get_existing, get_or_create
-from tpkv.errors import ControllerRecoveringError, PlanOrderError, UnknownSessionError
+from tpkv.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    ControllerRecoveringError,
+    PlanOrderError,
+    UnknownSessionError,
+)
 from tpkv.types import MoveResult
 
 pytestmark = pytest.mark.timeout(90)
@@ -73,6 +79,24 @@ def test_actor_steps_kill_restart_rebuild(ray_cluster, tmp_path):
     snap = client.snapshot()
     assert snap["restarts"] == 0 and snap["tiers"]["L3"]["used"] > 0
     assert snap["plan_latency_us"]["count"] == 7  # the refused step is not timed
+    # Bad arguments come back as typed errors across the actor, and change nothing (on 2bd07df
+    # the extend was taken, and a missing or unknown argument came back as Ray's wrapped
+    # TypeError/KeyError)
+    with pytest.raises(ArgumentError, match="num_tokens got 9223372036854775807.*MAX_SESSION"):
+        client.extend_session(session_id="a", num_tokens=2**63 - 1)
+    with pytest.raises(ArgumentTypeError, match="open_session: missing"):
+        client.call("open_session", num_tokens=1)
+    with pytest.raises(ArgumentTypeError, match="schedule: unknown argument 'bogus'"):
+        client.call("schedule", session_ids=["a"], num_new_tokens=[1], bogus=1)
+    with pytest.raises(ArgumentTypeError, match="schedule: missing argument 'num_new_tokens'"):
+        client.call("schedule", session_ids=["a"])
+    with pytest.raises(ArgumentTypeError, match="updates must be a list"):
+        client.call("report_attention", updates=[["a", 0]])
+    attention = client.session_blocks(session_id="a")["attention"]
+    with pytest.raises(ArgumentTypeError, match="start must be an integer"):
+        client.report_attention([("a", 0, [0.5]), ("b", "x", [0.5])])  # neither is applied
+    assert client.session_blocks(session_id="a")["attention"] == attention
+    client.check_integrity()
 
     ray.kill(handle, no_restart=False)
     snap = wait_for_restart(client)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tpkv.errors import BadRequestError, ConfigError, TierFullError
+from tpkv.errors import ArgumentError, BadRequestError, ConfigError, TierFullError
 from tpkv.models.engine import Finished, PagedEngine, StepReport
 from tpkv.models.llama import Llama, ModelConfig, build_model, dense_generate
 from tpkv.models.paged import paged_attention_ref
@@ -168,7 +168,10 @@ def test_misuse_is_refused():
         engine.add_turn("s", [3], 2)
     with pytest.raises(BadRequestError, match="max_new_tokens"):
         engine.add_turn("t", [3], 0)
-    engine.add_turn("big", list(range(40)), 1)  # 40 tokens need 10 blocks of a 4-slot L1
+    with pytest.raises(ArgumentError, match="more than L1's 4 slots"):
+        engine.add_turn("never", list(range(40)), 1)  # 10 blocks of a 4-slot L1: never runs
+    assert "never" not in engine.seqs and len(engine.waiting) == 1
+    engine.add_turn("big", list(range(16)), 1)  # 4 blocks: fits alone, not beside "s"
     with pytest.raises(TierFullError, match="free of 4"):
         engine.run()
     assert len(engine.waiting) == 2 and not engine.running  # nothing half-done: retry works

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import json
 import logging
 import time
@@ -32,6 +33,10 @@ from tpkv.controller.messages import (
 )
 from tpkv.types import MoveResult, decode, encode
 
+# Methods _dispatch unpacks itself: (required, optional) argument names.
+_OWN_ARGS = {"schedule": ({"session_ids", "num_new_tokens"}, {"upcoming"}),
+             "commit": ({"results"}, set()), "report_attention": ({"updates"}, set()),
+             "resync": (set(), set()), "check_integrity": (set(), set())}
 NAME = "tpkv-controller"
 NAMESPACE = "tpkv"
 _KV_PREFIX = b"tpkv-controller-inits:"
@@ -132,11 +137,31 @@ class ControllerActor:
     async def ping(self) -> int:
         return self.ctl.restarts
 
+    def _check_args(self, method: str, a: dict[str, Any]) -> None:
+        """ArgumentTypeError naming the method and argument for a missing or unknown one."""
+        if method in _OWN_ARGS:
+            required, optional = _OWN_ARGS[method]
+            names = set(a)
+            problem = (f"missing argument {sorted(required - names)[0]!r}" if required - names
+                       else f"unknown argument {sorted(names - required - optional)[0]!r}"
+                       if names - required - optional else "")
+        else:
+            try:
+                inspect.signature(getattr(self.ctl, method)).bind(**a)
+                problem = ""
+            except TypeError as exc:
+                problem = str(exc)
+        if problem:
+            raise errors.ArgumentTypeError(f"controller.{method}: {problem}")
+
     def _dispatch(self, method: str, a: dict[str, Any]) -> Any:
         c = self.ctl
+        self._check_args(method, a)
         if method == "schedule":
             return c.schedule(a["session_ids"], a["num_new_tokens"], a.get("upcoming")).to_dict()
         if method == "commit":
+            if not isinstance(a["results"], list):
+                raise errors.ArgumentTypeError("commit: results must be a list of move results")
             results = [move_result_from_dict(r) for r in a["results"]]
             plan = c.pending[0].plan if c.pending else None  # the plan these reports confirm
             outcome = c.commit(results)
@@ -147,7 +172,14 @@ class ControllerActor:
             self.recorder.on_resync(int(full["epoch"]), len(full["block_ids"]))
             return full
         if method == "report_attention":
-            for session_id, start, mass in a["updates"]:
+            updates = a["updates"]
+            if not isinstance(updates, list) or not all(
+                    isinstance(u, list) and len(u) == 3 for u in updates):
+                raise errors.ArgumentTypeError("report_attention: updates must be a list of "
+                                               "[session_id, start, mass]")
+            for session_id, start, mass in updates:  # every check before any change
+                c.attention_rows(session_id, mass, start)
+            for session_id, start, mass in updates:
                 c.report_attention(session_id, mass, start)
             return None
         if method == "check_integrity":
@@ -225,6 +257,15 @@ def detach(joined: bool) -> None:
         ray.shutdown()
 
 
+def _floats(mass: Any) -> Any:
+    """Attention mass as float64 for the wire; as given when it is not numbers (the actor
+    refuses it with a typed error)."""
+    try:
+        return np.asarray(mass, dtype=np.float64)
+    except (TypeError, ValueError):
+        return mass
+
+
 class ControllerClient:
     """Typed calls on the actor; one Ray round trip each."""
 
@@ -269,8 +310,7 @@ class ControllerClient:
             "commit", results=[move_result_to_dict(r) for r in results]))
 
     def report_attention(self, updates: Sequence[tuple[str, int, np.ndarray]]) -> None:
-        self.call("report_attention", updates=[[s, int(i), np.asarray(m, dtype=np.float64)]
-                                               for s, i, m in updates])
+        self.call("report_attention", updates=[[s, i, _floats(m)] for s, i, m in updates])
 
     def snapshot(self) -> dict[str, Any]:
         return dict(self.call("snapshot"))

@@ -11,17 +11,34 @@ from tpkv.controller.builder import group_sorted
 from tpkv.controller.digest import plan_digest, slot_map_digest
 from tpkv.controller.messages import CommitOutcome
 from tpkv.controller.sessions import add_counts
-from tpkv.errors import BadRequestError, PlanOrderError
+from tpkv.errors import ArgumentTypeError, BadRequestError, PlanOrderError
+from tpkv.limits import check_count, check_counts
 from tpkv.types import MoveResult, Tier
 
 if TYPE_CHECKING:
     from tpkv.controller.controller import Controller
 
 
+def _checked(results: object) -> list[MoveResult]:
+    """The reports as a list of MoveResults with integer fields (ArgumentTypeError if not)."""
+    if not isinstance(results, (Sequence, np.ndarray)) or isinstance(results, (str, bytes)):
+        raise ArgumentTypeError(f"results must be a list of MoveResult, got "
+                                f"{type(results).__name__}")
+    out = list(results)
+    for i, r in enumerate(out):
+        if not isinstance(r, MoveResult):
+            raise ArgumentTypeError(f"results[{i}] must be a MoveResult, got {type(r).__name__}")
+        for name in ("epoch", "rank", "status", "slot_map_digest"):
+            check_count(f"results[{i}].{name}", getattr(r, name), (1 << 64) - 1, "uint64",
+                        low=-(1 << 63))
+        check_counts(f"results[{i}].miss_block_ids", r.miss_block_ids, (1 << 63) - 1, "int64")
+    return out
+
+
 def commit(ctl: Controller, results: Sequence[MoveResult]) -> CommitOutcome:
     """All ranks' reports for the oldest unconfirmed epoch. Misses become Tier.NONE."""
     ctl.require_ready()
-    results = list(results)
+    results = _checked(results)
     tp = ctl.config.geometry.tp_size
     epochs = sorted({int(r.epoch) for r in results})
     if len(epochs) != 1:

@@ -25,9 +25,20 @@ from tpkv.controller.step import Upcoming, plan_deferred_step, schedule_step
 from tpkv.controller.table import PIN_EXPLICIT, SSD, BlockTable
 from tpkv.controller.warm import warm_kernels
 from tpkv.errors import (
+    ArgumentError,
+    ArgumentTypeError,
     BadRequestError,
     ConfigError,
     ControllerRecoveringError,
+)
+from tpkv.limits import (
+    MAX_SESSION_BLOCKS,
+    MAX_SESSION_TOKENS,
+    MAX_STEP_TOKENS,
+    check_block_range,
+    check_count,
+    check_counts,
+    check_seconds,
 )
 from tpkv.types import MovePlan, MoveResult, Tier
 
@@ -168,8 +179,12 @@ class Controller:
             except TypeError as exc:
                 raise ConfigError(f"rank {rank} sent a geometry that does not parse: "
                                   f"{exc}") from exc
-        if not 0 <= rank < g.tp_size:
-            raise BadRequestError(f"rank {rank} is outside 0..{g.tp_size - 1} (tp_size)")
+        check_count("rank", rank, g.tp_size - 1, "tp_size - 1")
+        if not isinstance(geometry, KvGeometry):
+            raise ArgumentTypeError(f"geometry must be a KvGeometry or a map of its fields, "
+                                    f"got {type(geometry).__name__}")
+        if not isinstance(host, str):
+            raise ArgumentTypeError(f"host must be a str, got {type(host).__name__}")
         if geometry != g:
             raise ConfigError(f"rank {rank} geometry {geometry} differs from the controller's {g}")
         self.ranks[rank] = host
@@ -181,8 +196,8 @@ class Controller:
     def open_session(self, session_id: str, num_tokens: int = 0) -> int:
         """Register a session; `num_tokens` of prompt get blocks at its first step. -> handle."""
         self.require_ready()
-        if not isinstance(num_tokens, int) or num_tokens < 0:
-            raise BadRequestError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        num_tokens = check_count("num_tokens", num_tokens, MAX_SESSION_TOKENS,
+                                 "MAX_SESSION_TOKENS")
         s = self.sessions.open(session_id, self.tick)
         self.sessions.pending[s] = num_tokens
         self._changed(s)
@@ -191,10 +206,15 @@ class Controller:
     def extend_session(self, session_id: str, num_tokens: int) -> None:
         """Announce tokens (e.g. the user's next turn) that its next step writes."""
         self.require_ready()
-        s = self.sessions.lookup(session_id)
-        if not isinstance(num_tokens, int) or num_tokens < 0:
-            raise BadRequestError(f"extend needs num_tokens >= 0, got {num_tokens!r}")
-        self.sessions.pending[s] += num_tokens
+        S = self.sessions
+        s = S.lookup(session_id)
+        n = check_count("num_tokens", num_tokens, MAX_SESSION_TOKENS, "MAX_SESSION_TOKENS")
+        total = int(S.tokens[s]) + int(S.pending[s]) + n
+        if total > MAX_SESSION_TOKENS:
+            raise ArgumentError(f"extend_session({session_id!r}, num_tokens={n}) would make the "
+                                f"session {total} tokens, over MAX_SESSION_TOKENS "
+                                f"({MAX_SESSION_TOKENS})")
+        S.pending[s] += n
 
     def close_session(self, session_id: str) -> int:
         """Forget a session and free its blocks everywhere; returns how many blocks it had."""
@@ -218,9 +238,10 @@ class Controller:
         self.require_ready()
         S = self.sessions
         s = S.lookup(session_id)
-        stop = S.nblocks(s) if stop is None else stop
-        if not 0 <= start <= stop:
-            raise BadRequestError(f"pin range [{start}, {stop}) is not a range of blocks")
+        start, given = check_block_range(start, stop)
+        stop = S.nblocks(s) if given is None else given
+        if start > stop:
+            raise ArgumentError(f"pin range [{start}, {stop}) is not a range of blocks")
         S.pins.setdefault(s, []).append((start, stop))
         rows = S.rows(s)[start:stop]
         self.table.pinned[rows] |= PIN_EXPLICIT
@@ -230,7 +251,8 @@ class Controller:
         self.require_ready()
         S = self.sessions
         s = S.lookup(session_id)
-        stop = (1 << 62) if stop is None else stop
+        start, given = check_block_range(start, stop)
+        stop = MAX_SESSION_BLOCKS if given is None else given
         kept: list[tuple[int, int]] = []
         for a, z in S.pins.get(s, []):
             kept += [(a, min(z, start))] if a < start else []
@@ -374,23 +396,37 @@ class Controller:
                          start: int = 0) -> None:
         """Add attention mass to blocks start, start+1, ... of a session (cumulative)."""
         self.require_ready()
-        S, T = self.sessions, self.table
-        s = S.lookup(session_id)
-        values = np.asarray(mass, dtype=np.float64).reshape(-1)
-        if not np.isfinite(values).all() or (values < 0).any():
-            raise BadRequestError(f"attention mass must be finite and >= 0 ({session_id!r})")
-        if start < 0 or start + len(values) > S.nblocks(s):
-            raise BadRequestError(f"attention for blocks [{start}, {start + len(values)}) of "
-                                  f"{session_id!r}, which has {S.nblocks(s)} blocks")
-        rows = S.rows(s)[start:start + len(values)]
-        T.attn[rows] += values.astype(np.float32)
-        S.attn_sum[s] += float(values.sum())
+        rows, values = self.attention_rows(session_id, mass, start)
+        self.table.attn[rows] += values.astype(np.float32)
+        s = self.sessions.lookup(session_id)
+        self.sessions.attn_sum[s] += float(values.sum())
         self._changed(s)
         self._pin_dirty = True
 
+    def attention_rows(self, session_id: str, mass: Sequence[float] | np.ndarray,
+                       start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """report_attention's checks, changing nothing: the rows and the mass to add."""
+        S = self.sessions
+        s = S.lookup(session_id)
+        start = check_count("start", start, MAX_SESSION_BLOCKS, "MAX_SESSION_BLOCKS")
+        if isinstance(mass, (str, bytes)):
+            raise ArgumentTypeError(f"attention mass must be numbers, got {type(mass).__name__}")
+        try:
+            values = np.asarray(mass, dtype=np.float64).reshape(-1)
+        except (TypeError, ValueError) as exc:
+            raise ArgumentTypeError(f"attention mass must be numbers ({session_id!r}): "
+                                    f"{exc}") from exc
+        if not np.isfinite(values).all() or (values < 0).any():
+            raise BadRequestError(f"attention mass must be finite and >= 0 ({session_id!r})")
+        if start + len(values) > S.nblocks(s):
+            raise BadRequestError(f"attention for blocks [{start}, {start + len(values)}) of "
+                                  f"{session_id!r}, which has {S.nblocks(s)} blocks")
+        return S.rows(s)[start:start + len(values)], values
+
     def report_prefill(self, num_tokens: int, seconds: float) -> None:
         """A measured prefill (tokens, seconds) for the cost model."""
-        self.rates.observe_prefill(int(num_tokens), float(seconds))
+        n = check_count("num_tokens", num_tokens, MAX_STEP_TOKENS, "MAX_STEP_TOKENS")
+        self.rates.observe_prefill(n, check_seconds("seconds", seconds))
 
     def refresh_pin_threshold(self) -> None:
         """Recompute the auto-pin mass threshold over L1 (at most every N steps)."""
@@ -423,7 +459,8 @@ class Controller:
         every rank (sent with the next step), recomputed when their session next runs, never
         served as the zeros that rank has. Unknown or already lost ids are ignored."""
         self.require_ready()
-        n = confirm.lose(self, np.asarray(block_ids, dtype=np.int64).reshape(-1))
+        ids = check_counts("block_ids", block_ids, (1 << 63) - 1, "int64")
+        n = confirm.lose(self, ids)
         if n:
             self.event("lost_in_resync", blocks=n)
         return n
@@ -441,7 +478,7 @@ class Controller:
         return summary
 
     def snapshot(self, max_sessions: int = 256) -> dict[str, Any]:
-        return snapshot.build(self, max_sessions)
+        return snapshot.build(self, check_count("max_sessions", max_sessions, 1 << 31, "2**31"))
 
     def session_blocks(self, session_id: str) -> dict[str, Any]:
         """Per-block state of one session (access history folded in first)."""

@@ -10,7 +10,8 @@ import numpy as np
 from tpkv.controller.batchtable import BatchTable
 from tpkv.controller.sessions import SessionTable, check_session_id
 from tpkv.controller.table import TIER_INDEX, BlockTable
-from tpkv.errors import BadRequestError
+from tpkv.errors import ArgumentTypeError, BadRequestError
+from tpkv.limits import MAX_SESSION_BLOCKS, MAX_SESSION_TOKENS, check_count, check_counts
 from tpkv.types import Tier
 
 if TYPE_CHECKING:
@@ -22,6 +23,8 @@ _MAP_KEYS = ("block_ids", "tiers", "slots", "session_idx", "logical_idx", "sessi
 
 
 def _parse(m: Mapping[str, Any], tp: int) -> dict[str, Any]:
+    if not isinstance(m, Mapping):
+        raise ArgumentTypeError(f"a slot map must be a map, got {type(m).__name__}")
     try:
         out: dict[str, Any] = {k: np.asarray(m[k], dtype=np.int64).reshape(-1)
                                for k in _MAP_KEYS[:5]}
@@ -39,6 +42,12 @@ def _parse(m: Mapping[str, Any], tp: int) -> dict[str, Any]:
                               f"rank is outside 0..{tp - 1}")
     if n and (out["session_idx"].min() < 0 or out["session_idx"].max() >= len(out["names"])):
         raise BadRequestError(f"slot map of rank {out['rank']}: session_idx out of range")
+    if n:
+        check_counts(f"slot map of rank {out['rank']}: logical_idx", out["logical_idx"],
+                     MAX_SESSION_BLOCKS, "MAX_SESSION_BLOCKS")
+    for name, tokens in out["tokens"].items():
+        check_count(f"slot map of rank {out['rank']}: session_tokens[{name!r}]", tokens,
+                    MAX_SESSION_TOKENS, "MAX_SESSION_TOKENS")
     return out
 
 
@@ -75,19 +84,24 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
     maps hold in L3 or do not know at all). Anything else is Tier.NONE: recomputed when its
     session next runs. Atomic: on bad input nothing changes."""
     g, pol = ctl.config.geometry, ctl.config.policy
+    if not isinstance(slot_maps, (Sequence, np.ndarray)) or isinstance(slot_maps, (str, bytes)):
+        raise ArgumentTypeError(f"slot_maps must be a list of maps, got "
+                                f"{type(slot_maps).__name__}")
+    ssd_records = {} if ssd_records is None else ssd_records
+    for name, arg in (("ssd_manifests", ssd_manifests), ("ssd_records", ssd_records)):
+        if not isinstance(arg, Mapping):
+            raise ArgumentTypeError(f"{name} must map session ids to block indices (counts), "
+                                    f"got {type(arg).__name__}")
     maps = [_parse(m, g.tp_size) for m in slot_maps]
     if len({m["rank"] for m in maps}) != len(maps):
         raise BadRequestError(f"two slot maps name the same rank: {[m['rank'] for m in maps]}")
-    manifests = {check_session_id(k): {int(x) for x in np.asarray(v).reshape(-1).tolist()}
+    manifests = {check_session_id(k): set(check_counts(f"ssd_manifests[{k!r}]", v,
+                                                       MAX_SESSION_BLOCKS,
+                                                       "MAX_SESSION_BLOCKS").tolist())
                  for k, v in ssd_manifests.items()}
-    try:
-        records = {check_session_id(k): int(v) for k, v in (ssd_records or {}).items()}
-    except (TypeError, ValueError) as exc:
-        raise BadRequestError(f"ssd_records must map session ids to record counts: {exc}") \
-            from exc
-    if any(n < 0 for n in records.values()):
-        raise BadRequestError(f"ssd_records holds a negative count: "
-                              f"{min(records.values())}")
+    records = {check_session_id(k): check_count(f"ssd_records[{k!r}]", v, MAX_SESSION_BLOCKS,
+                                                "MAX_SESSION_BLOCKS")
+               for k, v in ssd_records.items()}
     agreed = _agreed(maps)
     # Blocks some rank's map knows: their tier is the maps' word. A manifest may still list an
     # older record of a block the maps hold nowhere (its last block written again since, then

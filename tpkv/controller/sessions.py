@@ -11,6 +11,7 @@ import numpy as np
 from tpkv.controller.arena import RowArena
 from tpkv.controller.stepkernels import resolve_handles
 from tpkv.errors import (
+    ArgumentTypeError,
     DuplicateSessionError,
     InvalidSessionIdError,
     SessionClosedError,
@@ -221,11 +222,12 @@ class SessionTable:
 
     # ---- lookups -------------------------------------------------------------------------------
     def lookup(self, name: str) -> int:
+        if not isinstance(name, str):  # (an unhashable one would raise TypeError below)
+            raise UnknownSessionError(f"session ids are str, got {type(name).__name__} "
+                                      f"{repr(name)[:64]}")
         s = self.index.get(name)
         if s is not None:
             return s
-        if not isinstance(name, str):
-            raise UnknownSessionError(f"session ids are str, got {type(name).__name__}")
         if name in self.recently_closed:
             raise SessionClosedError(f"session {name!r} was closed at tick "
                                      f"{self.recently_closed[name]}")
@@ -234,7 +236,14 @@ class SessionTable:
     def resolve(self, sessions: Sequence[str] | np.ndarray) -> np.ndarray:
         """Session indices for ids (str) or handles (int64 array from `handle`)."""
         if isinstance(sessions, np.ndarray) and sessions.dtype.kind in "iu":
+            if sessions.ndim != 1:
+                raise ArgumentTypeError(f"session handles must be a 1-D array, got shape "
+                                        f"{sessions.shape}")
             return self._resolve_handles(sessions.astype(np.int64))
+        if isinstance(sessions, (str, bytes)) or not isinstance(sessions, (Sequence,
+                                                                            np.ndarray)):
+            raise ArgumentTypeError(f"session_ids must be a list of str or an array of handles, "
+                                    f"got {type(sessions).__name__} {repr(sessions)[:64]}")
         index = self.index
         try:
             return np.array([index[name] for name in sessions], dtype=np.int64)

@@ -16,7 +16,21 @@ from tpkv.controller.planner import MAX_PHASES, PlanContext, StepNeeds, plan_ste
 from tpkv.controller.sessions import SessionTable, add_counts
 from tpkv.controller.stepkernels import alloc_blocks, batch_blocks, outside, start_runs
 from tpkv.controller.table import DRAM, HBM, NONE, PIN_EXPLICIT, SSD
-from tpkv.errors import BadRequestError, DuplicateSessionError, PlanOrderError, TierFullError
+from tpkv.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    BadRequestError,
+    DuplicateSessionError,
+    PlanOrderError,
+    TierFullError,
+)
+from tpkv.limits import (
+    MAX_SESSION_TOKENS,
+    MAX_STEPS_AHEAD,
+    check_count,
+    check_counts,
+    check_flag,
+)
 from tpkv.types import MovePlan
 
 if TYPE_CHECKING:
@@ -34,17 +48,24 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     S, T, pol = ctl.sessions, ctl.table, ctl.config.policy
     bt = ctl.config.geometry.block_tokens
     # ---- validate everything before changing anything ------------------------------------------
+    check_flag("defer_marks", defer_marks)
+    if early is not None and not callable(early):
+        raise ArgumentTypeError(f"early must be callable or None, got {type(early).__name__}")
     batch = S.resolve(session_ids)
-    add = np.asarray(num_new_tokens).reshape(-1)
-    if len(add) != len(batch) or (len(add) and add.dtype.kind not in "iu"):
-        raise BadRequestError(f"num_new_tokens needs {len(batch)} integers, got {len(add)} of "
-                              f"dtype {add.dtype}")
-    add = add.astype(np.int64)
+    add = check_counts("num_new_tokens", num_new_tokens, MAX_SESSION_TOKENS,
+                       "MAX_SESSION_TOKENS", negative_ok=True)
+    if len(add) != len(batch):
+        raise BadRequestError(f"num_new_tokens needs {len(batch)} integers, got {len(add)}")
     code, tokens, nb_before, n_new, nb_after, missing, sum_before, new_total, sum_after = (
         batch_blocks(batch, add, S.tokens, S.pending, S.arena.length, S.counts[1], bt,
                      S.plan_local))
     if code:
         _refuse(S, batch, add)
+    if len(tokens) and tokens.max() > MAX_SESSION_TOKENS:  # (each part is at most that)
+        i = int(np.argmax(tokens))
+        raise ArgumentError(f"session {S.name(int(batch[i]))!r} would hold {int(tokens[i])} "
+                            f"tokens after this step (num_new_tokens {int(add[i])}), over "
+                            f"MAX_SESSION_TOKENS ({MAX_SESSION_TOKENS})")
     up = _upcoming(ctl, upcoming, batch)
     total = sum_before + new_total
     l1 = T.slots(HBM)
@@ -199,15 +220,23 @@ def plan_deferred_step(ctl: Controller, needs: StepNeeds) -> StepResult | None:
 
 def _upcoming(ctl: Controller, upcoming: Upcoming, batch: np.ndarray) -> np.ndarray:
     """Sessions expected within prefetch_steps steps, soonest first, without the batch."""
-    if not upcoming:
+    if upcoming is None:
+        return _EMPTY
+    if isinstance(upcoming, (str, bytes)) or not isinstance(upcoming, (Mapping, Sequence,
+                                                                        np.ndarray)):
+        raise ArgumentTypeError(f"upcoming must map session ids to steps ahead or list them, "
+                                f"got {type(upcoming).__name__} {repr(upcoming)[:64]}")
+    if not len(upcoming):
         return _EMPTY
     if isinstance(upcoming, Mapping):
-        steps = {name: int(k) for name, k in upcoming.items()}
-        if any(k < 0 for k in steps.values()):
-            raise BadRequestError(f"upcoming steps must be >= 0, got {sorted(steps.values())[0]}")
+        steps = {name: check_count(f"upcoming[{name!r}]", k, MAX_STEPS_AHEAD, "MAX_STEPS_AHEAD")
+                 for name, k in upcoming.items()}
         horizon = ctl.config.policy.prefetch_steps
         names = [n for n, k in sorted(steps.items(), key=lambda kv: kv[1]) if k <= horizon]
     else:
+        for name in upcoming:
+            if not isinstance(name, str):  # (unhashable ones too)
+                ctl.sessions.lookup(name)
         names = list(dict.fromkeys(upcoming))  # once each, in the order given
     if not names:
         return _EMPTY
@@ -220,8 +249,8 @@ def _refuse(S: SessionTable, batch: np.ndarray, add: np.ndarray) -> None:
     twice), with the session it concerns."""
     if len(add) and add.min() < 0:
         i = int(np.argmin(add))
-        raise BadRequestError(f"num_new_tokens must be >= 0; session {S.name(int(batch[i]))!r} "
-                              f"got {int(add[i])}")
+        raise ArgumentError(f"num_new_tokens must be >= 0; session {S.name(int(batch[i]))!r} "
+                            f"got {int(add[i])}")
     ordered = np.sort(batch)
     dup = int(ordered[1:][ordered[1:] == ordered[:-1]][0])
     raise DuplicateSessionError(f"session {S.name(dup)!r} appears twice in a step of "

@@ -21,6 +21,7 @@ from tpkv.controller.messages import (
 )
 from tpkv.errors import ControllerRecoveringError, RankMismatchError, TpkvError, WaitTimeoutError
 from tpkv.launch.bootstrap import RankContext, shutdown_ray
+from tpkv.limits import MAX_SESSION_TOKENS, check_counts
 from tpkv.types import MovePlan, MoveResult, decode, encode
 from tpkv.workers.confirm import STATUS_MISSES, mismatch_error
 from tpkv.workers.worker import StepReport, Worker
@@ -112,6 +113,11 @@ class TpkvRuntime:
         `defer_marks` (with late_ok; an in-process controller): a step that plans only for the
         watermarks is scheduled without those moves; apply_late() has the controller plan
         them and applies them (Controller.plan_deferred)."""
+        if isinstance(session_ids, (str, bytes)):
+            raise errors.ArgumentTypeError(f"session_ids must be a list of str, got "
+                                           f"{type(session_ids).__name__} {session_ids!r:.64}")
+        num_new_tokens = check_counts("num_new_tokens", num_new_tokens, MAX_SESSION_TOKENS,
+                                      "MAX_SESSION_TOKENS", negative_ok=True)
         return self._recovering(
             lambda: self._begin_step(session_ids, num_new_tokens, upcoming, late_ok,
                                      defer_marks))
@@ -241,7 +247,8 @@ class TpkvRuntime:
         step runs again with no new tokens (the first attempt added them) on repaired tiers.
         With `late_ok`, a step whose plans wait (begin_step) returns without end_step: it is
         confirmed at the next begin_step (it has no loads, so no miss can hit its batch)."""
-        tokens = np.asarray(num_new_tokens, dtype=np.int64).reshape(-1)
+        tokens = check_counts("num_new_tokens", num_new_tokens, MAX_SESSION_TOKENS,
+                              "MAX_SESSION_TOKENS", negative_ok=True)
         for attempt in range(max_retries + 1):
             step = self.begin_step(session_ids, tokens, upcoming, late_ok, defer_marks)
             out = fn(step)

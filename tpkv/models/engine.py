@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tpkv.errors import BadRequestError, ConfigError, UnknownSessionError
+from tpkv.errors import ArgumentError, BadRequestError, ConfigError, UnknownSessionError
+from tpkv.limits import MAX_SESSION_TOKENS, check_count, check_counts
 from tpkv.models.graphs import DecodeGraphs
 from tpkv.models.llama import Llama
 from tpkv.models.paged import (
@@ -25,6 +26,7 @@ from tpkv.models.paged import (
 from tpkv.models.readback import HostReadback
 from tpkv.models.scheduler import LocalScheduler, StepTables
 from tpkv.models.tp import tp_info
+from tpkv.workers.ssd_format import validate_session_id
 
 
 @dataclass(eq=False)
@@ -142,15 +144,27 @@ class PagedEngine:
     # ---- the step loop ---------------------------------------------------------------------
     def add_turn(self, session: str, prompt_token_ids: Sequence[int], max_new_tokens: int) -> None:
         """Queue a turn: its prompt follows whatever the session holds; it generates up to
-        `max_new_tokens` tokens (>= 1)."""
-        seq = self.seqs.setdefault(session, Seq(session))
-        if seq in self.waiting or seq in self.running:
+        `max_new_tokens` tokens (>= 1). Every check comes first: a refused turn leaves nothing
+        queued (a valid session id, token ids within the vocabulary, and a session that with
+        the prompt still fits L1)."""
+        validate_session_id(session)
+        old = self.seqs.get(session)
+        if old is not None and (old in self.waiting or old in self.running):
             raise BadRequestError(f"session {session!r} already has a turn in progress")
-        if max_new_tokens < 1 or not (len(prompt_token_ids) or seq.num_uncached):
-            raise BadRequestError(f"a turn needs max_new_tokens >= 1 (got {max_new_tokens}) and "
-                                  f"a token to start from (session {session!r})")
-        seq.token_ids.extend(int(t) for t in prompt_token_ids)
-        seq.max_new_tokens, seq.generated = max_new_tokens, []
+        new = check_count("max_new_tokens", max_new_tokens, MAX_SESSION_TOKENS,
+                          "MAX_SESSION_TOKENS", low=1)
+        vocab = self.model.config.vocab_size
+        prompt = check_counts("prompt_token_ids", prompt_token_ids, vocab - 1, "vocab_size - 1")
+        if not (len(prompt) or (old is not None and old.num_uncached)):
+            raise BadRequestError(f"a turn needs a token to start from (session {session!r})")
+        total, room = (len(old.token_ids) if old else 0) + len(prompt), self.num_slots
+        if -(-total // self.block_tokens) > room:
+            raise ArgumentError(f"session {session!r} would hold {total} tokens with this "
+                                f"prompt of {len(prompt)}: {-(-total // self.block_tokens)} "
+                                f"blocks, more than L1's {room} slots")
+        seq = self.seqs.setdefault(session, Seq(session))
+        seq.token_ids.extend(prompt.tolist())
+        seq.max_new_tokens, seq.generated = new, []
         self.waiting.append(seq)
 
     @property
@@ -278,6 +292,6 @@ class PagedEngine:
         return StepOutput(tuple(s.session for s in seqs), tuple(tokens), logits, mass)
 
     def _seq(self, session: str) -> Seq:
-        if session not in self.seqs:
+        if not isinstance(session, str) or session not in self.seqs:
             raise UnknownSessionError(f"the engine holds no session {session!r}")
         return self.seqs[session]

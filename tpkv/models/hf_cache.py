@@ -12,6 +12,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from tpkv.controller.messages import StepResult
 from tpkv.errors import ConfigError, TpkvError
 from tpkv.types import Tier
+from tpkv.workers.ssd_format import validate_session_id
 
 if TYPE_CHECKING:
     from tpkv.launch.runtime import TpkvRuntime
@@ -120,6 +121,7 @@ class TpkvCache(Cache):
 
     def __init__(self, rt: TpkvRuntime, session_id: str, stats: HfTierStats | None = None,
                  max_retries: int = 2) -> None:
+        validate_session_id(session_id)  # before anything holds it
         g = rt.config.geometry
         self.tier_layers = [_TierLayer(self, i) for i in range(g.num_layers)]
         super().__init__(layers=list(self.tier_layers))
