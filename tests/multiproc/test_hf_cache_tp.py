@@ -37,9 +37,8 @@ def hf_tp_rank(rank: int, world: int, model_dir: str, ssd_root: str,
 
     import tpkv
     from tpkv.config import HbmConfig, HostConfig, PolicyConfig, SsdConfig
-    from tpkv.models.hf_attach import model_geometry
-
     from tpkv.models.fingerprint import llama_fingerprint, params_digest
+    from tpkv.models.hf_attach import model_geometry
     from tpkv.models.llama import build_model
     from tpkv.models.tp import apply_tp
 
@@ -65,7 +64,8 @@ def hf_tp_rank(rank: int, world: int, model_dir: str, ssd_root: str,
                 "resumed": sorted({t for c in tiers.caches.values() for t in c.resumed_from}),
                 "kv_checked": same_kv(tiers, caches), "mismatches": tiers.rt.num_mismatches,
                 "fp": tiers.rt.config.model_fingerprint, "llama_fp": llama_fp,
-                "shard_digest": params_digest(model), "tp": tiers.geometry.tp_size, "heads_per_rank": tiers.geometry.heads_per_rank,
+                "shard_digest": params_digest(model), "tp": tiers.geometry.tp_size,
+                "heads_per_rank": tiers.geometry.heads_per_rank,
                 "cache_heads": int(caches["s0"].layers[0].keys.shape[1])}
 
 
