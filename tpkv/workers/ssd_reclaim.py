@@ -76,9 +76,7 @@ def reclaim(store: SsdStore) -> Found:
                     try:
                         manifest = parse_manifest(store._read_meta(paths.manifest),
                                                   store._ident(paths))
-                        store._view(paths, manifest.session_id)
-                    except FileNotFoundError:
-                        continue
+                        store._view(paths, manifest.session_id)  # rank 0's commit too
                     except (SsdError, OSError) as exc:
                         removed |= _remove(found, paths.manifest, f"unservable: {exc}")
         if removed:

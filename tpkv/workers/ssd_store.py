@@ -224,7 +224,8 @@ class SsdStore:
             return 0
         paths = self._paths(sid)
         self._await_drop(paths)
-        self._make_room(paths, len(indices))
+        self._make_room(paths.hex, len(indices) * self.record_bytes + (
+            0 if paths.hex in self._usage else ALIGN_BYTES))
         with self._stripe(paths):
             self._claim(paths.hex)
             try:
@@ -457,14 +458,12 @@ class SsdStore:
         with self._lock:
             self._inherited.pop(hexname, None)
 
-    def _make_room(self, paths: _Paths, num_blocks: int) -> None:
-        """Before a write of `num_blocks` to `paths`' session: delete sessions left by an earlier
-        run that nothing has named since (oldest first) while the write would not fit."""
+    def _make_room(self, writing: str, need: int) -> None:
+        """Delete sessions left by an earlier run that nothing has named since (oldest first,
+        never `writing`, the session hash of the write) while `need` more bytes would not fit."""
         while True:
             with self._lock:
-                need = num_blocks * self.record_bytes + (
-                    0 if paths.hex in self._usage else ALIGN_BYTES)
-                others = [h for h in self._inherited if h != paths.hex]
+                others = [h for h in self._inherited if h != writing]
                 if self._usage_total + need <= self.budget_bytes or not others:
                     return
                 victim = min(others, key=lambda h: self._inherited[h][0])
@@ -566,6 +565,7 @@ class SsdStore:
         self._usage = found.usage
         self._usage_total = sum(found.usage.values())
         self._inherited = {h: (found.mtimes[h], found.dirs[h]) for h in found.usage}
+        self._make_room("", 0)  # a smaller budget than the earlier run's: the oldest go
 
     def _own_commit_of(self, session_id: str) -> tuple[_Paths, CommitRecord] | None:
         """This rank's commit of a session once any pending delete of it is done, with its
