@@ -123,3 +123,29 @@ def _remove(found: Found, path: str, why: str) -> bool:
     if len(found.reasons) < 3:
         found.reasons.append(f"{os.path.basename(path)}: {why}")
     return True
+
+
+def make_room(store: SsdStore, writing: str, need: int) -> None:
+    """Delete sessions left by an earlier run that nothing has named since (oldest commit first,
+    never `writing`, the session hash of the write) while `need` more bytes would not fit."""
+    from tpkv.workers.ssd_store import _Paths
+
+    while True:
+        with store._lock:
+            others = [h for h in store._inherited if h != writing]
+            if store._usage_total + need <= store.budget_bytes or not others:
+                return
+            victim = min(others, key=lambda h: store._inherited[h][0])
+            sub = store._inherited[victim][1]
+        old = _Paths(bytes.fromhex(victim), victim, sub)
+        with store._stripe(old):
+            with store._lock:
+                if store._inherited.pop(victim, None) is None:
+                    continue  # named meanwhile: this run's now
+            try:
+                freed = store._drop_locked(f"(left by an earlier run, {victim[:16]})", old)
+            except (SsdError, OSError) as exc:
+                log.warning("L3 rank %d: %s", store.rank, exc)
+                return
+        log.info("L3 rank %d: deleted session %s (%d bytes), left by an earlier run and not "
+                 "named since, to make room", store.rank, victim[:16], freed)

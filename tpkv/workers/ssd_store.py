@@ -45,7 +45,7 @@ from tpkv.workers.ssd_format import (
     validate_session_id,
 )
 from tpkv.workers.ssd_owner import RootLock
-from tpkv.workers.ssd_reclaim import reclaim
+from tpkv.workers.ssd_reclaim import make_room, reclaim
 from tpkv.workers.ssd_segment import SegmentIo, last_positions
 
 log = logging.getLogger(__name__)
@@ -459,27 +459,7 @@ class SsdStore:
             self._inherited.pop(hexname, None)
 
     def _make_room(self, writing: str, need: int) -> None:
-        """Delete sessions left by an earlier run that nothing has named since (oldest first,
-        never `writing`, the session hash of the write) while `need` more bytes would not fit."""
-        while True:
-            with self._lock:
-                others = [h for h in self._inherited if h != writing]
-                if self._usage_total + need <= self.budget_bytes or not others:
-                    return
-                victim = min(others, key=lambda h: self._inherited[h][0])
-                sub = self._inherited[victim][1]
-            old = _Paths(bytes.fromhex(victim), victim, sub)
-            with self._stripe(old):
-                with self._lock:
-                    if self._inherited.pop(victim, None) is None:
-                        continue  # named meanwhile: this run's now
-                try:
-                    freed = self._drop_locked(f"(left by an earlier run, {victim[:16]})", old)
-                except (SsdError, OSError) as exc:
-                    log.warning("L3 rank %d: %s", self.rank, exc)
-                    return
-            log.info("L3 rank %d: deleted session %s (%d bytes), left by an earlier run and "
-                     "not named since, to make room", self.rank, victim[:16], freed)
+        make_room(self, writing, need)
 
     def _await_drop(self, paths: _Paths) -> None:
         """Wait for a pending drop_session_later of this session; SsdIoError if it failed (its
