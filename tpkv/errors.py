@@ -11,6 +11,11 @@ class ConfigError(TpkvError, ValueError):
     """A configuration value is invalid (raised at construction, before anything is allocated)."""
 
 
+class SsdRootInUseError(ConfigError):
+    """Another live SsdStore (this process or another) owns the L3 root for this rank; the
+    message names the root, the rank and the holder's pid, host and model."""
+
+
 class TierFullError(TpkvError):
     """A tier has fewer free slots than a request needs: `L2 needs 512 slots, 37 free of 4096`."""
 

@@ -126,13 +126,16 @@ def test_a_full_disk_refuses_writes_keeps_every_acked_block_and_recovers(small_f
     assert len(spiller.refusals) == refused_before
     spiller.check()
     # A restarted node sees exactly the acked sessions and agrees on the bytes on disk.
+    usage = [store.usage_bytes() for store in stores]
+    for store in stores:  # one live store per (root, rank): the node restarts after it closed
+        store.close()
     again = stores_on(root, budget_bytes=1 << 30)
-    for store, old in zip(again, stores):
+    for store, old in zip(again, usage):
         assert store.list_sessions() == sorted(spiller.acked)
-        assert store.usage_bytes() == old.usage_bytes()
+        assert store.usage_bytes() == old
     spiller.stores = again
     spiller.check()
-    for store in (*stores, *again):
+    for store in again:
         store.close()
     print(f"\ndisk full: writes refused={len(spiller.refusals)} (ENOSPC {len(enospc)}), "
           f"sessions kept={len(spiller.acked)}, wrong=0, lost=0")

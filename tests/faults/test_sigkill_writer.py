@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +61,9 @@ def test_sigkilled_spill_writer_never_loses_acked_data_or_serves_wrong_blocks(
     # leak can only make the count grow).
     assert len(os.listdir("/proc/self/fd")) <= fds
     # Stale data: the same directory under any other fingerprint, dtype, TP size, block size or
-    # format version loads zero blocks; the original stores still read every acked block.
+    # format version loads zero blocks; the original stores still read every acked block. (A
+    # copy each: a stale store reclaims the files it can never read when it starts, and a copy
+    # that lands after that still loads zero blocks.)
     stores = open_stores(root)
     extra = Op("put", "sess-00", ((7, model.next_version),))  # at least one session to find
     run_op(stores, extra)
@@ -70,7 +73,11 @@ def test_sigkilled_spill_writer_never_loses_acked_data_or_serves_wrong_blocks(
     for geo, model_name, version in stale:
         with monkeypatch.context() as patch:
             patch.setattr(ssd_format, "FORMAT_VERSION", version)
-            for store in open_stores(root, geo, model_name):
+            copy = tmp_path / f"stale-{len(list(tmp_path.glob('stale-*')))}"
+            stale_stores = open_stores(copy, geo, model_name)
+            shutil.copytree(root, copy, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("owner.*"))
+            for store in stale_stores:
                 assert store.list_sessions() == []
                 for sid in model.acked:
                     out = [np.empty(geo.block_bytes, np.uint8) for _ in range(8)]

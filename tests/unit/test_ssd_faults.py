@@ -52,6 +52,18 @@ def tree(root: Path) -> dict[str, bytes]:
             if p.is_file()}
 
 
+def data_files(root: Path) -> dict[str, bytes]:
+    """tree() without the stores' owner locks: the session files."""
+    return {k: v for k, v in tree(root).items() if not k.startswith("owner.")}
+
+
+def copy_in(root: Path, saved: dict[str, bytes]) -> None:
+    """Files that appear after the stores started (a copy, a backup restored)."""
+    for rel, data in saved.items():
+        (root / rel).parent.mkdir(exist_ok=True)
+        (root / rel).write_bytes(data)
+
+
 class Setup:
     """Two sessions on a TP-2 root, complete; remembers what every rank wrote."""
 
@@ -301,45 +313,64 @@ def test_a_header_resealed_with_a_valid_crc_but_wrong_fields_is_still_a_miss(
     dict(num_layers=3), dict(tp_size=4), dict(tp_size=1, num_kv_heads=2),
 ], ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_a_changed_geometry_loads_zero_blocks(setup: Setup, change: dict) -> None:
+    saved = data_files(setup.root)
+    for store in setup.stores:  # one live store per (root, rank): the old ones go first
+        store.close()
     geo = geometry(**{"tp_size": 2, **change})
-    for store in make_stores(setup.root, geo):
+    stores = make_stores(setup.root, geo)
+    for store in stores:  # the other geometry's files of its rank were reclaimed at start
+        assert store.usage_bytes() == 0
+        assert not list(setup.root.glob(f"*/*.r{store.rank}.*"))
+    copy_in(setup.root, saved)  # and the same files copied in later still read as misses
+    for store in stores:
         assert store.list_sessions() == []
         out = [np.empty(geo.block_bytes, np.uint8) for _ in range(NUM_BLOCKS)]
         assert not store.read_blocks("s1", np.arange(NUM_BLOCKS), out).any()
-        assert store.usage_bytes() == (0 if store.rank >= 2 else
-                                       2 * (PAGE + NUM_BLOCKS * setup.record_bytes))
 
 
 def test_a_changed_model_fingerprint_loads_zero_blocks(setup: Setup) -> None:
+    saved = data_files(setup.root)
+    for store in setup.stores:
+        store.close()
     other = make_stores(setup.root, setup.geo, model="model-b")
+    assert data_files(setup.root) == {}  # model-a's files can never be read here: reclaimed
+    assert [s.usage_bytes() for s in other] == [0, 0]
+    copy_in(setup.root, saved)
     assert other[0].list_sessions() == [] and other[1].list_sessions() == []
     assert setup.read(store=other[0]) == NONE
-    assert setup.read() == ALL  # the original model still reads its blocks
 
 
 def test_a_changed_format_version_loads_zero_blocks(setup: Setup,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    saved = data_files(setup.root)
+    for store in setup.stores:
+        store.close()
     monkeypatch.setattr(ssd_format, "FORMAT_VERSION", ssd_format.FORMAT_VERSION + 1)
     newer = make_stores(setup.root, setup.geo)
+    assert data_files(setup.root) == {}
+    copy_in(setup.root, saved)
     assert newer[0].list_sessions() == []
     assert setup.read(store=newer[0]) == NONE
 
 
 def test_a_stale_segment_is_replaced_by_the_next_write(setup: Setup) -> None:
+    saved = data_files(setup.root)
+    for store in setup.stores:
+        store.close()
     geo = geometry(dtype="bfloat16")
     stores = make_stores(setup.root, geo)
+    copy_in(setup.root, saved)  # stale files that appear after the start (not reclaimed)
     rng = np.random.default_rng(2)
     fresh = {r: [rng.integers(0, 256, geo.block_bytes, dtype=np.uint8)] for r in range(2)}
     for rank, store in enumerate(stores):
         assert store.write_blocks("s1", np.array([0]), fresh[rank]) == PAGE + store.record_bytes
-        # The old segment's bytes were accounted, then replaced by the new one.
-        assert store.usage_bytes() == (PAGE + store.record_bytes
-                                       + PAGE + NUM_BLOCKS * setup.record_bytes)
+        assert store.usage_bytes() == PAGE + store.record_bytes
+        # the stale segment was replaced by the new one
+        assert files(setup.root, "s1")[f"seg{rank}"].stat().st_size == PAGE + store.record_bytes
     assert stores[0].commit_manifest("s1")
     out = [np.empty(geo.block_bytes, np.uint8)]
     assert stores[1].read_blocks("s1", np.array([0]), out).all()
     np.testing.assert_array_equal(out[0], fresh[1][0])
-    assert setup.read() == NONE  # and the old geometry sees nothing of s1 any more
 
 
 # ---- missing and foreign files ------------------------------------------------------------------
@@ -468,7 +499,7 @@ def test_enospc_during_a_first_write_leaves_no_file(tmp_path: Path,
     with pytest.raises(SsdIoError, match="new segment of 2 blocks") as info:
         stores[0].write_blocks("s", np.arange(2), [np.ones(geo.block_bytes, np.uint8)] * 2)
     assert info.value.errno == errno.ENOSPC
-    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    assert data_files(tmp_path) == {}
     assert stores[0].usage_bytes() == 0
 
 

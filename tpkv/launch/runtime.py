@@ -77,7 +77,22 @@ class TpkvRuntime:
         freed = int(self._on_rank0("close_session", session_id=session_id))
         self.closing.add(session_id)  # the ranks release its blocks with the next step
         self.pins.pop(session_id, None)
+        self._drop_l3(session_id)
         return freed
+
+    def _drop_l3(self, session_id: str) -> None:
+        """Closed means deleted: this rank's L3 files of the session go now, not with the next
+        step (which may never come); its spills in flight finish first, so none lands after."""
+        store = self.worker.store
+        if store is None:
+            return
+        self.worker.executor.wait_spills(time.monotonic() + self.timeout_s,
+                                         names={session_id})
+        try:
+            store.drop_session(session_id)
+        except (errors.SsdError, OSError) as exc:  # the next step's delete tries again
+            log.warning("rank %d: L3 files of closed session %r not deleted: %s", self.rank,
+                        session_id, exc)
 
     def pin(self, session_id: str, start: int = 0, stop: int | None = None) -> int:
         n = int(self._on_rank0("pin", session_id=session_id, start=start, stop=stop))

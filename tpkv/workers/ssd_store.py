@@ -44,6 +44,8 @@ from tpkv.workers.ssd_format import (
     parse_manifest,
     validate_session_id,
 )
+from tpkv.workers.ssd_owner import RootLock
+from tpkv.workers.ssd_reclaim import make_room, reclaim
 from tpkv.workers.ssd_segment import SegmentIo, last_positions
 
 log = logging.getLogger(__name__)
@@ -160,6 +162,15 @@ class SsdStore:
                 f"L3 budget of {config.budget_bytes} bytes over {geometry.tp_size} ranks "
                 f"({self.budget_bytes} per rank) holds no segment of one "
                 f"{self.record_bytes}-byte record plus its {ALIGN_BYTES}-byte header")
+        # Taken before anything is read or written: one live store per (root, rank).
+        self._owner = RootLock(self.root, rank, model_fingerprint)
+        try:
+            self._start(config, rank)
+        except BaseException:
+            self._owner.release()
+            raise
+
+    def _start(self, config: SsdConfig, rank: int) -> None:
         self._backend = select_backend(config)
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix=f"tpkv-l3-r{rank}")
         self._writers = ThreadPoolExecutor(config.write_threads,
@@ -176,6 +187,10 @@ class SsdStore:
         self._gate = _ReadsFirst() if config.reads_first else None
         self._usage: dict[str, int] = {}
         self._usage_total = 0
+        # Sessions found at start that nothing has named since (write, read, list_sessions):
+        # session hash (hex) -> (commit mtime, fan-out dir). Deleted, oldest first, when a write
+        # needs their room: a controller that started afresh does not know them.
+        self._inherited: dict[str, tuple[int, str]] = {}
         self._read_jobs = self._read_bytes = self._read_ns = 0
         self._scan()
 
@@ -209,7 +224,10 @@ class SsdStore:
             return 0
         paths = self._paths(sid)
         self._await_drop(paths)
+        self._make_room(paths.hex, len(indices) * self.record_bytes + (
+            0 if paths.hex in self._usage else ALIGN_BYTES))
         with self._stripe(paths):
+            self._claim(paths.hex)
             try:
                 self._check_dir(paths.dir, create=True)
             except OSError as exc:
@@ -250,6 +268,8 @@ class SsdStore:
             for i in np.flatnonzero(~hits):
                 out[int(i)].fill(0)
         with self._lock:
+            if self._inherited:
+                self._inherited.pop(self._paths(sid).hex, None)
             self._read_jobs += 1
             self._read_bytes += len(indices) * self.block_bytes
             self._read_ns += time.perf_counter_ns() - began
@@ -339,6 +359,7 @@ class SsdStore:
                     log.debug("L3 rank %d: skipping %s: %s", self.rank, name, exc)
                     continue
                 found.append(manifest.session_id)
+                self._claim(paths.hex)  # a rebuilt controller takes these over
         return sorted(found)
 
     def session_indices(self, session_id: str) -> np.ndarray:
@@ -403,28 +424,42 @@ class SsdStore:
 
     def _drop(self, sid: str, paths: _Paths) -> int:
         with self._stripe(paths):
-            if self._check_dir(paths.dir, create=False):
-                segment, commit = paths.segment(self.rank), paths.commit(self.rank)
-                try:
-                    for path in (paths.manifest, commit, segment, segment + ".tmp",
-                                 commit + ".tmp"):
-                        unlink_missing_ok(path)
-                    self._io.forget(paths.session_hash, self.rank)
-                    fsync_dir(paths.dir)
-                except OSError as exc:
-                    self._settle(paths)
-                    raise SsdIoError(f"L3 rank {self.rank}: dropping session {sid} failed: "
-                                     f"{exc}", exc.errno) from exc
-            with self._lock:
-                freed = self._usage.pop(paths.hex, 0)
-                self._usage_total -= freed
+            return self._drop_locked(sid, paths)
+
+    def _drop_locked(self, sid: str, paths: _Paths) -> int:
+        if self._check_dir(paths.dir, create=False):
+            segment, commit = paths.segment(self.rank), paths.commit(self.rank)
+            try:
+                for path in (paths.manifest, commit, segment, segment + ".tmp",
+                             commit + ".tmp"):
+                    unlink_missing_ok(path)
+                self._io.forget(paths.session_hash, self.rank)
+                fsync_dir(paths.dir)
+            except OSError as exc:
+                self._settle(paths)
+                raise SsdIoError(f"L3 rank {self.rank}: dropping session {sid} failed: "
+                                 f"{exc}", exc.errno) from exc
+        with self._lock:
+            freed = self._usage.pop(paths.hex, 0)
+            self._usage_total -= freed
+            self._inherited.pop(paths.hex, None)
         return freed
 
     def close(self) -> None:
+        """Finish every submitted job (pending deletes too), then give up the root."""
         self._committer.shutdown(wait=True)
         self._janitor.shutdown(wait=True)
         self._writers.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+        self._owner.release()
+
+    def _claim(self, hexname: str) -> None:
+        """A session named since the start is this run's: never deleted to make room."""
+        with self._lock:
+            self._inherited.pop(hexname, None)
+
+    def _make_room(self, writing: str, need: int) -> None:
+        make_room(self, writing, need)
 
     def _await_drop(self, paths: _Paths) -> None:
         """Wait for a pending drop_session_later of this session; SsdIoError if it failed (its
@@ -505,21 +540,12 @@ class SsdStore:
         yield from subs
 
     def _scan(self) -> None:
-        """Remove this rank's leftover temp files; account the segments already on disk."""
-        temp_re = re.compile(
-            rf"[0-9a-f]{{64}}\.(r{self.rank}\.seg|r{self.rank}\.commit|manifest\.r{self.rank})"
-            r"\.tmp")
-        seg_re = re.compile(rf"([0-9a-f]{{64}})\.r{self.rank}\.seg")
-        for sub in self._fanout_dirs():
-            with os.scandir(sub) as entries:
-                names = [e.name for e in entries]
-            for name in names:
-                if temp_re.fullmatch(name):
-                    unlink_missing_ok(os.path.join(sub, name))
-                elif match := seg_re.fullmatch(name):
-                    paths = _Paths(bytes.fromhex(match.group(1)), match.group(1), sub)
-                    self._usage[paths.hex] = self._disk_usage(paths)
-        self._usage_total = sum(self._usage.values())
+        """Reclaim this rank's files that can never be read; account the segments kept."""
+        found = reclaim(self)
+        self._usage = found.usage
+        self._usage_total = sum(found.usage.values())
+        self._inherited = {h: (found.mtimes[h], found.dirs[h]) for h in found.usage}
+        self._make_room("", 0)  # a smaller budget than the earlier run's: the oldest go
 
     def _own_commit_of(self, session_id: str) -> tuple[_Paths, CommitRecord] | None:
         """This rank's commit of a session once any pending delete of it is done, with its
