@@ -335,6 +335,7 @@ class TpkvConfig:
     dashboard_host: str = "127.0.0.1"
     dashboard_port: int = 8470
     dashboard_token: str | None = None
+    dashboard_cache_s: float = 0.5  # a dashboard snapshot is built at most this often
     wait_timeout_s: float = 30.0
     ray_address: str | None = None
     # TP workers (tpkv.workers.worker) and their all-gather confirmation:
@@ -350,6 +351,8 @@ class TpkvConfig:
     def __post_init__(self) -> None:
         if not (0 <= self.dashboard_port <= 65535):
             raise ConfigError(f"dashboard_port must be in 0..65535, got {self.dashboard_port}")
+        if not self.dashboard_cache_s >= 0:
+            raise ConfigError(f"dashboard_cache_s must be >= 0, got {self.dashboard_cache_s}")
         if self.wait_timeout_s <= 0:
             raise ConfigError(f"wait_timeout_s must be > 0, got {self.wait_timeout_s}")
         if self.confirm_backend not in ("auto", "gloo", "nccl"):

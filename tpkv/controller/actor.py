@@ -3,7 +3,8 @@
 The only module in tpkv that imports ray. One actor call per step (`schedule`), never one per
 block. Arguments and answers cross as msgpack bytes (tpkv.types.encode/decode, strict limits);
 typed errors come back as the same tpkv.errors class. The actor also serves the dashboard
-(tpkv.controller.dashboard) from its own event loop, and hands its metrics to ray.util.metrics.
+(tpkv.controller.dashboard) from a thread of its own, with snapshots built on the actor's loop at
+most once per `dashboard_cache_s`, and hands its metrics to ray.util.metrics.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import ray
 from tpkv import errors
 from tpkv.config import TpkvConfig
 from tpkv.controller.controller import Controller
-from tpkv.controller.dashboard import DashboardServer, MetricSpec, Recorder
+from tpkv.controller.dashboard import DashboardServer, MetricSpec, Recorder, ServerThread
 from tpkv.controller.dashboard.view import dumps
 from tpkv.controller.messages import (
     CommitOutcome,
@@ -70,6 +71,7 @@ class ControllerActor:
             self.ctl.snapshot, recorder=self.recorder, blocks_fn=self.ctl.session_blocks,
             host=config.dashboard_host, port=config.dashboard_port,
             token=config.dashboard_token, export_fn=RayMetrics().export,
+            cache_s=config.dashboard_cache_s,
             info={"geometry": dataclasses.asdict(g), "block_bytes": g.block_bytes,
                   "tp_size": g.tp_size})
         self._dashboard_error: str | None = None
@@ -81,10 +83,11 @@ class ControllerActor:
             pass
 
     async def _serve(self) -> None:
+        s = self.dashboard_server  # serves on its own thread; builds snapshots on this loop
+        loop = s.frames.owner = asyncio.get_running_loop()
         try:
-            await self.dashboard_server.start()
+            await loop.run_in_executor(None, ServerThread(s).start)
         except OSError as exc:  # the controller works on without its dashboard
-            s = self.dashboard_server
             self._dashboard_error = f"cannot listen on {s.host}:{s.port}: {exc}"
             log.warning("tpkv dashboard not started: %s", self._dashboard_error)
 
