@@ -3,8 +3,9 @@
 The only module in tpkv that imports ray. One actor call per step (`schedule`), never one per
 block. Arguments and answers cross as msgpack bytes (tpkv.types.encode/decode, strict limits);
 typed errors come back as the same tpkv.errors class. The actor also serves the dashboard
-(tpkv.controller.dashboard) from a thread of its own, with snapshots built on the actor's loop at
-most once per `dashboard_cache_s`, and hands its metrics to ray.util.metrics.
+(tpkv.controller.dashboard) from a thread of its own, with snapshots taken on the actor's loop at
+most once per `dashboard_cache_s` (only a copy there: Controller.capture; the page, JSON and
+metrics are made from it on the dashboard's thread), and hands its metrics to ray.util.metrics.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class ControllerActor:
             self.ctl.snapshot, recorder=self.recorder, blocks_fn=self.ctl.session_blocks,
             host=config.dashboard_host, port=config.dashboard_port,
             token=config.dashboard_token, export_fn=RayMetrics().export,
-            cache_s=config.dashboard_cache_s,
+            cache_s=config.dashboard_cache_s, capture_fn=self.ctl.capture,
             info={"geometry": dataclasses.asdict(g), "block_bytes": g.block_bytes,
                   "tp_size": g.tp_size})
         self._dashboard_error: str | None = None
@@ -83,7 +84,7 @@ class ControllerActor:
             pass
 
     async def _serve(self) -> None:
-        s = self.dashboard_server  # serves on its own thread; builds snapshots on this loop
+        s = self.dashboard_server  # serves on its own thread; captures snapshots on this loop
         loop = s.frames.owner = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(None, ServerThread(s).start)
@@ -101,8 +102,10 @@ class ControllerActor:
                 "token_required": s.token is not None, "error": self._dashboard_error}
 
     async def dashboard_payload(self) -> str:
-        """What /api/snapshot serves, less the heat map, as JSON (for `tpkv status`)."""
-        return dumps(self.dashboard_server.payload(heatmap=False))
+        """What /api/snapshot serves, less the heat map, as JSON (for `tpkv status`): captured
+        here, rendered on a thread of the loop's executor."""
+        make = self.dashboard_server.capture(heatmap=False)
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: dumps(make()))
 
     async def call(self, method: str, payload: bytes) -> bytes:
         if self._dashboard_task is None:

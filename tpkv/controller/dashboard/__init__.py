@@ -1,10 +1,11 @@
 """The controller's read-only dashboard: live page, /api/snapshot JSON, /metrics (Prometheus).
 
 `DashboardServer` serves from a thread of its own (`ServerThread`) and reads the controller only
-through callables (`Controller.snapshot`, `Controller.session_blocks`), called on the
-controller's loop at most once per `cache_s` (`FrameCache`), never per request; `Recorder` keeps the
-series the snapshot lacks (moves and bytes per direction, per-rank confirmations), fed by the
-actor on each commit and resync. `docs/dashboard.md` describes the page and the rules.
+through callables (`Controller.capture`, or `Controller.snapshot` and `session_blocks`), called
+on the controller's loop at most once per `cache_s` (`FrameCache`), never per request; with
+`capture` only a copy is taken there and the page is made from it off that loop. `Recorder`
+keeps the series the snapshot lacks (moves and bytes per direction, per-rank confirmations),
+fed by the actor on each commit and resync. `docs/dashboard.md` describes the page and the rules.
 """
 
 from tpkv.controller.dashboard.frames import Frame, FrameCache

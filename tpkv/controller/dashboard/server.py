@@ -8,12 +8,12 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from importlib import resources
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from tpkv.controller.dashboard import metrics, view
-from tpkv.controller.dashboard.frames import Frame, FrameCache
+from tpkv.controller.dashboard.frames import Frame, FrameCache, Render
 from tpkv.controller.dashboard.guard import Guard, security_headers
 from tpkv.controller.dashboard.recorder import Recorder
 
@@ -21,6 +21,17 @@ log = logging.getLogger(__name__)
 
 SnapshotFn = Callable[[], Mapping[str, Any]]
 ExportFn = Callable[[list[metrics.MetricSpec]], None]
+
+
+class Captured(Protocol):
+    """A copy of the controller's state (tpkv.controller.capture.Capture), rendered anywhere."""
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+    def blocks(self, session_id: str) -> Mapping[str, Any]: ...
+
+
+CaptureFn = Callable[[], Captured]
 # Page assets (no data in them): served without the token. Everything else needs it.
 ASSETS = {"/": ("index.html", "text/html"), "/static/app.js": ("app.js", "text/javascript"),
           "/static/charts.js": ("charts.js", "text/javascript"),
@@ -40,12 +51,16 @@ class DashboardServer:
     Serves on the loop that runs `await start()` / `await stop()` (the actor runs it on a
     ServerThread of its own). Requests never call the controller: they get the bodies of the
     latest Frame, rendered once, and a new one is built only when it is older than `cache_s`,
-    once for all requests that wait, on `owner_loop` (the loop that owns the controller and
-    its `recorder`: the actor's; None: the serving loop). `recorder` adds traffic and
-    TP-consistency series and is sampled every `sample_interval_s` on the owner (None: only
-    at builds); `blocks_fn` (the controller's `session_blocks`) gives the heat map positions;
-    `export_fn` receives the metrics every `export_interval_s` on the owner (the actor passes
-    them on to ray.util.metrics).
+    once for all requests that wait. Only its capture runs on `owner_loop` (the loop that owns
+    the controller and its `recorder`: the actor's; None: the serving loop): with `capture_fn`
+    (the controller's `capture`) that is a copy of what the page shows (a Capture, a frozen
+    Recorder), and the view, heat map, JSON and /metrics text are made from it on the serving
+    loop; without it, `snapshot_fn` and `blocks_fn` (the controller's `session_blocks`, the
+    heat map's rows) are called on the owner and only the bodies are made on the serving loop.
+    `recorder` adds traffic and TP-consistency series and is sampled every
+    `sample_interval_s` on the owner (None: only at builds); `export_fn` receives the metrics
+    of a frame every `export_interval_s`, on the serving loop (the actor passes them on to
+    ray.util.metrics).
     """
 
     def __init__(self, snapshot_fn: SnapshotFn, *, recorder: Recorder | None = None,
@@ -54,7 +69,8 @@ class DashboardServer:
                  info: Mapping[str, Any] | None = None, sample_interval_s: float | None = 1.0,
                  export_fn: ExportFn | None = None, export_interval_s: float = 5.0,
                  cache_s: float = 0.5, extra_hosts: Iterable[str] = (),
-                 owner_loop: asyncio.AbstractEventLoop | None = None) -> None:
+                 owner_loop: asyncio.AbstractEventLoop | None = None,
+                 capture_fn: CaptureFn | None = None) -> None:
         self.snapshot_fn = snapshot_fn
         self.recorder = recorder
         self.blocks_fn = blocks_fn
@@ -62,12 +78,13 @@ class DashboardServer:
         self.info = dict(info or {})
         self.sample_interval_s = sample_interval_s
         self.export_fn, self.export_interval_s = export_fn, export_interval_s
-        self.frames = FrameCache(self.build_frame, cache_s, owner_loop)
+        self.capture_fn = capture_fn
+        self.frames = FrameCache(self.capture_frame, cache_s, owner_loop)
         self.extra_hosts = tuple(extra_hosts)
         self.guard: Guard | None = None
         self.assets = load_assets()
         self._runner: web.AppRunner | None = None
-        self._task: asyncio.Future[None] | None = None
+        self._tasks: list[asyncio.Future[None]] = []
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> str:
@@ -86,22 +103,25 @@ class DashboardServer:
         if sockets:
             self.port = int(sockets[0].getsockname()[1])
         self.guard = Guard.for_bind(self.host, self.port, self.token, self.extra_hosts)
-        if self.sample_interval_s or self.export_fn:  # on the owner: it reads the recorder
+        loop = asyncio.get_running_loop()
+        if self.recorder is not None and self.sample_interval_s:  # on the owner: it feeds it
             owner = self.frames.owner
-            if owner is None or owner is asyncio.get_running_loop():
-                self._task = asyncio.get_running_loop().create_task(self._background())
+            if owner is None or owner is loop:
+                self._tasks.append(loop.create_task(self._sampling(self.sample_interval_s)))
             else:
-                self._task = asyncio.wrap_future(
-                    asyncio.run_coroutine_threadsafe(self._background(), owner))
+                self._tasks.append(asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                    self._sampling(self.sample_interval_s), owner)))
+        if self.export_fn is not None:  # here: it takes the frames requests get
+            self._tasks.append(loop.create_task(self._exporting(self.export_fn)))
         log.info("tpkv dashboard at %s", self.url)
         return self.url
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError, RuntimeError):
-                await asyncio.wait_for(self._task, 5.0)
-            self._task = None
+                await asyncio.wait_for(task, 5.0)
+        self._tasks = []
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -114,44 +134,76 @@ class DashboardServer:
     def cache_s(self) -> float:
         return self.frames.cache_s
 
-    async def _background(self) -> None:
-        interval = self.sample_interval_s or self.export_interval_s
-        next_export = time.monotonic() + self.export_interval_s
+    async def _sampling(self, interval_s: float) -> None:
+        assert self.recorder is not None
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(interval_s)
             try:
-                if self.recorder is not None and self.sample_interval_s:
-                    self.recorder.sample()
-                if self.export_fn is not None and time.monotonic() >= next_export:
-                    next_export = time.monotonic() + self.export_interval_s
-                    frame = self.frames.refresh()  # the frame requests get (one build)
-                    if frame.error is None:
-                        self.export_fn(frame.specs)
+                self.recorder.sample()
             except Exception:  # never let a bad sample end the loop
                 log.exception("tpkv dashboard: sampling failed")
 
+    async def _exporting(self, export_fn: ExportFn) -> None:
+        while True:
+            await asyncio.sleep(self.export_interval_s)
+            try:
+                frame = await self.frames.get()  # the frame requests get (one build)
+                if frame.error is None:
+                    export_fn(frame.specs)
+            except Exception:  # never let a bad export end the loop
+                log.exception("tpkv dashboard: export failed")
+
     # ---- data --------------------------------------------------------------------------------
+    def capture(self, heatmap: bool = True) -> Callable[[], dict[str, Any]]:
+        """On the owner's loop: what the payload needs, taken now; the returned callable makes
+        the payload from it, on any thread. With `capture_fn` only copies are taken here (the
+        controller's Capture, a frozen Recorder); without it the payload is built here."""
+        rec = self.recorder
+        if rec is not None:
+            rec.sample()
+        if self.capture_fn is None:
+            out = view.payload(self.snapshot_fn(), rec, self.blocks_fn, self.info,
+                               with_heatmap=heatmap)
+            return lambda: out
+        cap = self.capture_fn()
+        frozen = rec.frozen() if rec is not None else None
+        return lambda: view.payload(cap.snapshot(), frozen, cap.blocks, self.info,
+                                    with_heatmap=heatmap)
+
     def payload(self, heatmap: bool = True) -> dict[str, Any]:
         """Snapshot plus derived series, built now: call it on the owner's loop only."""
-        if self.recorder is not None:
-            self.recorder.sample()
-        return view.payload(self.snapshot_fn(), self.recorder, self.blocks_fn, self.info,
-                            with_heatmap=heatmap)
+        return self.capture(heatmap)()
 
-    def build_frame(self) -> Frame:
-        """One payload, rendered as both bodies (FrameCache calls it, on the owner's loop)."""
+    def capture_frame(self) -> Render:
+        """On the owner's loop (FrameCache calls it): the capture, timed; returns the Render
+        that makes both bodies of it, off the owner's loop."""
         t_mono, t_unix, start = time.monotonic(), time.time(), time.perf_counter()
         try:
-            out = self.payload()
-            out["dashboard"].update(snapshot_unix_s=round(t_unix, 3), cache_s=self.cache_s)
-            body = view.dumps(out).encode()
-            specs = metrics.collect(out)
-            text = metrics.prometheus_text(specs)
+            make = self.capture()
         except Exception as exc:
             log.exception("tpkv dashboard: snapshot failed")
-            return Frame(t_mono, t_unix, build_s=time.perf_counter() - start,
-                         error=(type(exc).__name__, str(exc)))
-        return Frame(t_mono, t_unix, body, text, specs, time.perf_counter() - start)
+            failed = Frame(t_mono, t_unix, hold_s=time.perf_counter() - start,
+                           error=(type(exc).__name__, str(exc)))
+            return lambda: failed
+        hold_s = time.perf_counter() - start
+
+        def render() -> Frame:
+            begin = time.perf_counter()
+            try:
+                out = make()
+                out["dashboard"].update(snapshot_unix_s=round(t_unix, 3), cache_s=self.cache_s,
+                                        snapshot_hold_s=round(hold_s, 6))
+                body = view.dumps(out).encode()
+                specs = metrics.collect(out)
+                text = metrics.prometheus_text(specs)
+            except Exception as exc:
+                log.exception("tpkv dashboard: snapshot failed")
+                return Frame(t_mono, t_unix, hold_s=hold_s,
+                             render_s=time.perf_counter() - begin,
+                             error=(type(exc).__name__, str(exc)))
+            return Frame(t_mono, t_unix, body, text, specs, hold_s, time.perf_counter() - begin)
+
+        return render
 
     async def frame(self) -> Frame:
         """The frame a request serves (with `error` when there is none to serve)."""
