@@ -12,7 +12,9 @@ loaded phase a separate process (so its threads take no GIL time from the timing
 by --max-load-s). The idle p99 (both idle phases) is the ceiling; the ratio loaded/idle is the
 goal (<= 1.1). Also recorded: requests answered and their rate, status codes, how many distinct
 snapshots the /metrics bodies came from (their tpkv_controller_uptime_seconds), the largest
-X-Tpkv-Snapshot-Age seen. Writes bench/results/dashboard_load.json and a PNG beside it.
+X-Tpkv-Snapshot-Age seen, and how long taking each snapshot held the controller's loop (its
+tpkv_dashboard_snapshot_hold_seconds: `snapshot_hold_ms` p50/max over the distinct snapshots).
+Writes bench/results/dashboard_load.json and a PNG beside it.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def load_process(port: int, rate: float, clients: int, max_s: float, stop: Any,
     """`clients` threads, paced to `rate` requests/s in all, until `stop` or `max_s`."""
     lock = threading.Lock()
     stats: dict[str, Any] = {"requests": 0, "status": {}, "uptimes": set(), "max_age_s": 0.0,
-                             "errors": 0, "lat_ms": []}
+                             "errors": 0, "lat_ms": [], "holds": {}}
     t0 = time.monotonic()
     end = t0 + max_s
     period = clients / rate
@@ -88,17 +90,21 @@ def load_process(port: int, rate: float, clients: int, max_s: float, stop: Any,
                     stats["errors"] += 1
                 continue
             ms = (time.perf_counter() - start) * 1e3
-            uptime = None
+            uptime = hold = None
             if path == "/metrics" and status == 200:
                 for line in body.decode().splitlines():
                     if line.startswith("tpkv_controller_uptime_seconds "):
                         uptime = float(line.split()[1])
+                    elif line.startswith("tpkv_dashboard_snapshot_hold_seconds "):
+                        hold = float(line.split()[1])
             with lock:
                 stats["requests"] += 1
                 stats["status"][status] = stats["status"].get(status, 0) + 1
                 stats["lat_ms"].append(ms)
                 if uptime is not None:
                     stats["uptimes"].add(uptime)
+                    if hold is not None:
+                        stats["holds"][uptime] = hold
                 if age is not None:
                     stats["max_age_s"] = max(stats["max_age_s"], float(age))
         conn.close()
@@ -111,12 +117,17 @@ def load_process(port: int, rate: float, clients: int, max_s: float, stop: Any,
         t.join(max_s + 30)
     elapsed = time.monotonic() - t0
     lat = np.asarray(stats["lat_ms"]) if stats["lat_ms"] else np.zeros(1)
+    holds = np.asarray(list(stats["holds"].values())) * 1e3
     out.put({"requests": stats["requests"], "elapsed_s": elapsed,
              "rate_per_s": stats["requests"] / elapsed, "errors": stats["errors"],
              "status": {str(k): v for k, v in stats["status"].items()},
              "distinct_snapshots": len(stats["uptimes"]), "max_age_s": stats["max_age_s"],
              "request_p50_ms": float(np.percentile(lat, 50)),
-             "request_p99_ms": float(np.percentile(lat, 99))})
+             "request_p99_ms": float(np.percentile(lat, 99)),
+             "snapshot_hold_ms": {  # on the controller's loop, per distinct snapshot
+                 "snapshots": len(holds),
+                 "p50": float(np.percentile(holds, 50)) if len(holds) else None,
+                 "max": float(holds.max()) if len(holds) else None}})
 
 
 def timed_calls(client: Any, n: int, tag: str) -> np.ndarray:
@@ -259,6 +270,10 @@ def main() -> None:
           f"{out['loaded']['p99_us'] / 1e3:.3f} ms at {load['rate_per_s']:.0f} dashboard "
           f"req/s: ratio {out['p99_ratio']:.2f} (goal <= 1.1); p50 ratio "
           f"{out['p50_ratio']:.2f}; {load['distinct_snapshots']} snapshots served")
+    hold = load["snapshot_hold_ms"]
+    if hold["snapshots"]:
+        print(f"snapshot capture on the controller's loop: p50 {hold['p50']:.3f} ms, max "
+              f"{hold['max']:.3f} ms over {hold['snapshots']} snapshots")
 
 
 if __name__ == "__main__":
