@@ -349,6 +349,7 @@ class TpkvConfig:
     dashboard_host: str = "127.0.0.1"
     dashboard_port: int = 8470
     dashboard_token: str | None = None
+    dashboard_cache_s: float = 0.5  # a dashboard snapshot is built at most this often
     wait_timeout_s: float = 30.0
     ray_address: str | None = None
     # TP workers (tpkv.workers.worker) and their all-gather confirmation:
@@ -368,6 +369,7 @@ class TpkvConfig:
         check_str("model_fingerprint", self.model_fingerprint)
         settings.check_host("dashboard_host", self.dashboard_host)
         check_int("dashboard_port", self.dashboard_port, 0, 65535)
+        check_float("dashboard_cache_s", self.dashboard_cache_s, 0.0, settings.MAX_WAIT_S)
         if self.dashboard_token is not None:
             settings.check_token("dashboard_token", self.dashboard_token)
         check_float("wait_timeout_s", self.wait_timeout_s, 0.0, settings.MAX_WAIT_S,

@@ -58,7 +58,9 @@ def start(state: DemoState | None, snapshot_fn: Any = None, token: str | None = 
     server = DashboardServer(snapshot_fn or state.ctl.snapshot,  # type: ignore[union-attr]
                              recorder=state.recorder if state else None,
                              blocks_fn=state.ctl.session_blocks if state else None, port=0,
-                             token=token, info=info, sample_interval_s=None, cache_s=0.0)
+                             capture_fn=state.ctl.capture if state else None,  # as the actor
+                             token=token, info=info, sample_interval_s=None,
+                             cache_s=60.0)  # one frame: the page and the test see the same
     thread = ServerThread(server)
     thread.start()
     return thread

@@ -145,3 +145,45 @@ def test_ray_metrics_take_the_dashboards_numbers(ray_cluster: None, tmp_path: An
     exporter.export(collect(payload))  # counters grow by the difference
     assert exporter.last[("tpkv_moves", ("L1->L2",))] == 5
     assert set(exporter.metrics) >= {"tpkv_tier_used_blocks", "tpkv_moves", "tpkv_sessions"}
+
+
+def test_polling_clients_share_one_snapshot_per_interval(ray_cluster: None, tmp_path: Any) -> None:
+    """16 clients poll /metrics while the controller is called: the bodies come from at most
+    one snapshot per dashboard_cache_s (distinct uptimes), and every call is answered."""
+    import math
+    import threading
+
+    handle = get_or_create(config(tmp_path))
+    client = ControllerClient(handle)
+    url = client.dashboard()["url"]
+    uptimes: list[float] = []
+    statuses: list[int] = []
+    duration_s = 1.5
+    end = time.monotonic() + duration_s
+
+    def poll() -> None:
+        while time.monotonic() < end:
+            status, body = fetch(url + "metrics")
+            statuses.append(status)
+            for line in body.decode().splitlines():
+                if line.startswith("tpkv_controller_uptime_seconds "):
+                    uptimes.append(float(line.split()[1]))
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=poll) for _ in range(16)]
+    for t in threads:
+        t.start()
+    calls = 0
+    while time.monotonic() < end:
+        client.open_session(session_id=f"s{calls}", num_tokens=3)
+        client.close_session(session_id=f"s{calls}")
+        calls += 1
+    for t in threads:
+        t.join(30)
+    elapsed = time.monotonic() - start
+    kill(handle)
+    assert calls > 0 and len(statuses) > 20 and set(statuses) == {200}, (calls, len(statuses))
+    assert len(uptimes) == len(statuses)
+    cache_s = 0.5  # the default
+    assert len(set(uptimes)) <= math.ceil(elapsed / cache_s) + 1, (len(set(uptimes)), elapsed)
+    assert config(tmp_path).dashboard_cache_s == cache_s

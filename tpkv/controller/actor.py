@@ -3,7 +3,9 @@
 The only module in tpkv that imports ray. One actor call per step (`schedule`), never one per
 block. Arguments and answers cross as msgpack bytes (tpkv.types.encode/decode, strict limits);
 typed errors come back as the same tpkv.errors class. The actor also serves the dashboard
-(tpkv.controller.dashboard) from its own event loop, and hands its metrics to ray.util.metrics.
+(tpkv.controller.dashboard) from a thread of its own, with snapshots taken on the actor's loop at
+most once per `dashboard_cache_s` (only a copy there: Controller.capture; the page, JSON and
+metrics are made from it on the dashboard's thread), and hands its metrics to ray.util.metrics.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import ray
 from tpkv import errors
 from tpkv.config import TpkvConfig
 from tpkv.controller.controller import Controller
-from tpkv.controller.dashboard import DashboardServer, MetricSpec, Recorder
+from tpkv.controller.dashboard import DashboardServer, MetricSpec, Recorder, ServerThread
 from tpkv.controller.dashboard.view import dumps
 from tpkv.controller.messages import (
     CommitOutcome,
@@ -75,6 +77,7 @@ class ControllerActor:
             self.ctl.snapshot, recorder=self.recorder, blocks_fn=self.ctl.session_blocks,
             host=config.dashboard_host, port=config.dashboard_port,
             token=config.dashboard_token, export_fn=RayMetrics().export,
+            cache_s=config.dashboard_cache_s, capture_fn=self.ctl.capture,
             info={"geometry": dataclasses.asdict(g), "block_bytes": g.block_bytes,
                   "tp_size": g.tp_size})
         self._dashboard_error: str | None = None
@@ -86,10 +89,11 @@ class ControllerActor:
             pass
 
     async def _serve(self) -> None:
+        s = self.dashboard_server  # serves on its own thread; captures snapshots on this loop
+        loop = s.frames.owner = asyncio.get_running_loop()
         try:
-            await self.dashboard_server.start()
+            await loop.run_in_executor(None, ServerThread(s).start)
         except OSError as exc:  # the controller works on without its dashboard
-            s = self.dashboard_server
             self._dashboard_error = f"cannot listen on {s.host}:{s.port}: {exc}"
             log.warning("tpkv dashboard not started: %s", self._dashboard_error)
 
@@ -103,8 +107,10 @@ class ControllerActor:
                 "token_required": s.token is not None, "error": self._dashboard_error}
 
     async def dashboard_payload(self) -> str:
-        """What /api/snapshot serves, less the heat map, as JSON (for `tpkv status`)."""
-        return dumps(self.dashboard_server.payload(heatmap=False))
+        """What /api/snapshot serves, less the heat map, as JSON (for `tpkv status`): captured
+        here, rendered on a thread of the loop's executor."""
+        make = self.dashboard_server.capture(heatmap=False)
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: dumps(make()))
 
     async def call(self, method: str, payload: bytes) -> bytes:
         if self._dashboard_task is None:

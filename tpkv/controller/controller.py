@@ -16,6 +16,7 @@ from tpkv.config import KvGeometry, TpkvConfig
 from tpkv.controller import confirm, recovery, snapshot
 from tpkv.controller.batchtable import BatchTable
 from tpkv.controller.builder import PlanBuilder
+from tpkv.controller.capture import Capture, capture
 from tpkv.controller.cost import RateMeter
 from tpkv.controller.messages import CommitOutcome, StepResult
 from tpkv.controller.planner import PlanContext, PreparedOrders, StepNeeds, prepare_orders
@@ -479,6 +480,10 @@ class Controller:
 
     def snapshot(self, max_sessions: int = 256) -> dict[str, Any]:
         return snapshot.build(self, check_count("max_sessions", max_sessions, 1 << 31, "2**31"))
+
+    def capture(self, max_sessions: int = 256) -> Capture:
+        """What snapshot() shows, copied fast; render it anywhere (`.snapshot()`)."""
+        return capture(self, max_sessions)
 
     def session_blocks(self, session_id: str) -> dict[str, Any]:
         """Per-block state of one session (access history folded in first)."""

@@ -1,4 +1,7 @@
-"""snapshot(): the controller's state as a plain, JSON-friendly dict (for the dashboard)."""
+"""snapshot(): the controller's state as a plain, JSON-friendly dict (for the dashboard).
+
+`build` = `render(capture(ctl))`: the capture (tpkv.controller.capture) is the only part that
+reads the controller; `render` works on its copies, on any thread (the dashboard's)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tpkv.controller.capture import TIERS, Capture, capture
 from tpkv.controller.policy import heat
 from tpkv.controller.sessions import CHOICE_NAMES
 from tpkv.controller.table import PIN_EXPLICIT
@@ -23,86 +27,97 @@ def _num(x: float) -> float | None:
     return None if not math.isfinite(x) else round(float(x), 9)
 
 
-def _tiers(ctl: Controller) -> dict[str, Any]:
-    T = ctl.table
+def _tiers(cap: Capture) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for tier, name in _TIER_NAMES.items():
-        slots, used = T.slots(tier), T.used(tier)
-        high, low = ctl.marks[tier]
-        out[name] = {"slots": slots, "used": used, "free": T.num_free(tier),
-                     "occupancy": _num(used / slots) if slots else None, "high_watermark": high,
-                     "low_watermark": low, "draining": bool(ctl.draining[tier]),
-                     "enabled": tier != Tier.SSD or ctl.l3_enabled}
+    for tier in TIERS:
+        t = cap.tiers[tier]
+        slots, used = t["slots"], t["used"]
+        high, low = t["marks"]
+        out[_TIER_NAMES[tier]] = {
+            "slots": slots, "used": used, "free": t["free"],
+            "occupancy": _num(used / slots) if slots else None, "high_watermark": high,
+            "low_watermark": low, "draining": t["draining"], "enabled": t["enabled"]}
     # L2 slots holding copies of L1 blocks (counted in "free": given back on demand)
-    out["L2"]["kept_copies"] = T.num_kept
+    out["L2"]["kept_copies"] = cap.num_kept
     # L3 records that are not blocks in L3: copies of blocks loaded back (a spill of their
     # block writes nothing) and dead ones; they hold room (not in "free") until their segment
     # goes
-    out["L3"]["other_records"] = T.l3_other
-    out["none"] = {"blocks": T.used(Tier.NONE)}
+    out["L3"]["other_records"] = cap.l3_other
+    out["none"] = {"blocks": cap.unplaced}
     return out
 
 
-def _session(ctl: Controller, s: int) -> dict[str, Any]:
-    T, S, pol = ctl.table, ctl.sessions, ctl.config.policy
-    rows = S.rows(s)
-    nblocks = len(rows)
-    last = int(S.run_hist[0, s])
-    idle = ctl.tick - last if last >= 0 else None
-    mean_attn = float(S.attn_sum[s]) / max(nblocks, 1)
-    session_heat = float(heat(np.array([mean_attn]), np.array([idle if idle is not None
-                                                                 else ctl.tick]),
-                              pol.w_attn, pol.w_recency)[0])
-    on_l1 = T.tier[rows] == Tier.HBM
-    counts = S.counts[:, s]
-    return {
-        "session": S.name(s), "tokens": int(S.tokens[s]), "pending_tokens": int(S.pending[s]),
-        "blocks": nblocks, "tiers": {"L1": int(counts[1]), "L2": int(counts[2]),
-                                     "L3": int(counts[3]), "none": int(counts[0])},
-        "heat": _num(session_heat), "mean_attention": _num(mean_attn), "last_run_tick": last,
-        "ticks_idle": idle, "runs": int(S.runs[s]),
-        "pins": [list(r) for r in S.pins.get(s, [])],
-        "pinned_blocks": int((T.pinned[rows] & PIN_EXPLICIT != 0).sum()),
-        "auto_pinned_blocks": int((on_l1 & (T.attn[rows] >= ctl.pin_threshold)).sum()),
-        "in_flight": int(T.in_flight[rows].sum()),
-        "cost": {"choice": CHOICE_NAMES[int(S.choice[s])], "load_s": _num(float(S.load_s[s])),
-                 "recompute_s": _num(float(S.recompute_s[s]))},
-    }
+def _per_session(values: np.ndarray, offsets: np.ndarray) -> list[int]:
+    """Sum of `values` over each session's rows (vectorized; empty sessions give 0)."""
+    sums = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum(values, out=sums[1:])
+    return (sums[offsets[1:]] - sums[offsets[:-1]]).tolist()
 
 
-def build(ctl: Controller, max_sessions: int = 256) -> dict[str, Any]:
-    S, T = ctl.sessions, ctl.table
-    open_idx = S.open_indices()
-    recent = open_idx[np.argsort(-S.run_hist[0, open_idx].astype(np.int64), kind="stable")]
-    lat = np.asarray(ctl.latency_us, dtype=np.float64)
-    live = T.capacity - T.free_rows.top
+def _sessions(cap: Capture) -> list[dict[str, Any]]:
+    S, pol = cap.sessions, cap.policy
+    nblocks = np.diff(S.offsets)
+    last = S.run_hist[0].astype(np.int64)
+    idle = np.where(last >= 0, cap.tick - last, cap.tick)
+    mean_attn = S.attn_sum.astype(np.float64) / np.maximum(nblocks, 1)
+    session_heat = heat(mean_attn, idle, pol.w_attn, pol.w_recency).tolist()
+    on_l1 = S.tier == Tier.HBM
+    pinned = _per_session((S.pinned & PIN_EXPLICIT) != 0, S.offsets)
+    auto = _per_session(on_l1 & (S.attn >= cap.pin_threshold), S.offsets)
+    in_flight = _per_session(S.in_flight, S.offsets)
+    c = S.counts.tolist()
+    cols = (S.tokens.tolist(), S.pending.tolist(), nblocks.tolist(), mean_attn.tolist(),
+            last.tolist(), S.runs.tolist(), S.choice.tolist(), S.load_s.tolist(),
+            S.recompute_s.tolist())
+    out = []
+    for i, (tokens, pending, n, attn, lt, runs, choice, load, recompute) in enumerate(
+            zip(*cols)):
+        out.append({
+            "session": S.names[i], "tokens": tokens, "pending_tokens": pending,
+            "blocks": n, "tiers": {"L1": c[1][i], "L2": c[2][i], "L3": c[3][i],
+                                   "none": c[0][i]},
+            "heat": _num(session_heat[i]), "mean_attention": _num(attn), "last_run_tick": lt,
+            "ticks_idle": cap.tick - lt if lt >= 0 else None, "runs": runs,
+            "pins": [list(r) for r in S.pins.get(i, [])], "pinned_blocks": pinned[i],
+            "auto_pinned_blocks": auto[i], "in_flight": in_flight[i],
+            "cost": {"choice": CHOICE_NAMES[choice], "load_s": _num(load),
+                     "recompute_s": _num(recompute)}})
+    return out
+
+
+def render(cap: Capture) -> dict[str, Any]:
+    """The snapshot dict of a capture (reads only the capture: call it on any thread)."""
+    lat = np.asarray(cap.latency_us, dtype=np.float64)
     return {
-        "tick": ctl.tick,
-        "uptime_s": _num(ctl.now_s()),
-        "epoch": {"next": ctl.next_epoch, "committed": ctl.committed_epoch,
-                  "pending": [p.plan.epoch for p in ctl.pending][:32],
-                  "num_pending": len(ctl.pending)},
-        "restarts": ctl.restarts,
-        "awaiting_rebuild": ctl.awaiting_rebuild,
-        "recovery": ctl.recovery,
-        "ranks": {str(r): h for r, h in sorted(ctl.ranks.items())},
-        "tiers": _tiers(ctl),
-        "num_sessions": len(open_idx),
-        "sessions": [_session(ctl, int(s)) for s in recent[:max_sessions]],
+        "tick": cap.tick,
+        "uptime_s": _num(cap.uptime_s),
+        "epoch": {"next": cap.next_epoch, "committed": cap.committed_epoch,
+                  "pending": cap.pending_epochs, "num_pending": cap.num_pending},
+        "restarts": cap.restarts,
+        "awaiting_rebuild": cap.awaiting_rebuild,
+        "recovery": cap.recovery,
+        "ranks": {str(r): h for r, h in sorted(cap.ranks.items())},
+        "tiers": _tiers(cap),
+        "num_sessions": cap.num_sessions,
+        "sessions": _sessions(cap),
         "plan_latency_us": {
             "count": len(lat),
             "p50": _num(float(np.percentile(lat, 50))) if len(lat) else None,
             "p99": _num(float(np.percentile(lat, 99))) if len(lat) else None,
             "max": _num(float(lat.max())) if len(lat) else None},
-        "auto_pin_threshold": _num(ctl.pin_threshold),
-        "rates": ctl.rates.as_dict(),
-        "policy": dataclasses.asdict(ctl.config.policy),
-        "table": {"capacity": T.capacity, "live_blocks": live,
-                  "metadata_bytes": ctl.metadata_bytes(),
-                  "bytes_per_block": _num(ctl.metadata_bytes() / max(T.capacity, 1))},
-        "events": [dict(e) for e in list(ctl.events)[-64:]],
-        "event_counts": dict(sorted(ctl.event_counts.items())),
+        "auto_pin_threshold": _num(cap.pin_threshold),
+        "rates": cap.rates,
+        "policy": dataclasses.asdict(cap.policy),
+        "table": {"capacity": cap.capacity, "live_blocks": cap.live_blocks,
+                  "metadata_bytes": cap.metadata_bytes,
+                  "bytes_per_block": _num(cap.metadata_bytes / max(cap.capacity, 1))},
+        "events": cap.events,
+        "event_counts": dict(sorted(cap.event_counts.items())),
     }
+
+
+def build(ctl: Controller, max_sessions: int = 256) -> dict[str, Any]:
+    return render(capture(ctl, max_sessions))
 
 
 def session_blocks(ctl: Controller, session_id: str) -> dict[str, Any]:

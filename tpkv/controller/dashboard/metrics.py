@@ -103,6 +103,13 @@ def collect(payload: Mapping[str, Any]) -> list[MetricSpec]:
     b.add("tpkv_ranks_registered", "gauge", "TP ranks registered with the controller",
           value=len(payload.get("ranks") or {}))
     dash = payload.get("dashboard") or {}
+    if dash.get("snapshot_unix_s") is not None:  # served from a cache: how old it is
+        b.add("tpkv_dashboard_snapshot_timestamp_seconds", "gauge",
+              "Unix time the served snapshot was taken", value=dash["snapshot_unix_s"])
+    if dash.get("snapshot_hold_s") is not None:
+        b.add("tpkv_dashboard_snapshot_hold_seconds", "gauge",
+              "How long taking the served snapshot held the controller's loop",
+              value=dash["snapshot_hold_s"])
     traffic = dash.get("traffic")
     if traffic:
         totals = traffic["totals"]

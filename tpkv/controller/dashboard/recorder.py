@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -99,6 +101,18 @@ class Recorder:
             return False
         self.samples.append((now, dict(self.moves)))
         return True
+
+    def frozen(self) -> Recorder:
+        """A copy of the counters and samples now, with its clock stopped here: its views are
+        what this one's give now, on any thread, whatever is fed to this one meanwhile."""
+        now = self.clock()
+        out = copy.copy(self)
+        out.clock = lambda: now
+        out.moves = dict(self.moves)
+        out.ranks = {r: dataclasses.replace(rec) for r, rec in self.ranks.items()}
+        out.incidents = deque(self.incidents, maxlen=self.incidents.maxlen)
+        out.samples = deque(self.samples, maxlen=self.samples.maxlen)  # tuples, never changed
+        return out
 
     # ---- views -------------------------------------------------------------------------------
     def traffic(self) -> dict[str, Any]:

@@ -8,11 +8,12 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from importlib import resources
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from tpkv.controller.dashboard import metrics, view
+from tpkv.controller.dashboard.frames import Frame, FrameCache, Render
 from tpkv.controller.dashboard.guard import Guard, security_headers
 from tpkv.controller.dashboard.recorder import Recorder
 
@@ -20,11 +21,23 @@ log = logging.getLogger(__name__)
 
 SnapshotFn = Callable[[], Mapping[str, Any]]
 ExportFn = Callable[[list[metrics.MetricSpec]], None]
+
+
+class Captured(Protocol):
+    """A copy of the controller's state (tpkv.controller.capture.Capture), rendered anywhere."""
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+    def blocks(self, session_id: str) -> Mapping[str, Any]: ...
+
+
+CaptureFn = Callable[[], Captured]
 # Page assets (no data in them): served without the token. Everything else needs it.
 ASSETS = {"/": ("index.html", "text/html"), "/static/app.js": ("app.js", "text/javascript"),
           "/static/charts.js": ("charts.js", "text/javascript"),
           "/static/style.css": ("style.css", "text/css")}
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+AGE_HEADER = "X-Tpkv-Snapshot-Age"  # seconds since the served snapshot was taken
 
 
 def load_assets() -> dict[str, tuple[bytes, str]]:
@@ -35,11 +48,19 @@ def load_assets() -> dict[str, tuple[bytes, str]]:
 class DashboardServer:
     """Serves what `snapshot_fn` returns (the controller's `snapshot`), never writing to it.
 
-    Runs on the caller's event loop (the controller actor's): `await start()`, `await stop()`.
+    Serves on the loop that runs `await start()` / `await stop()` (the actor runs it on a
+    ServerThread of its own). Requests never call the controller: they get the bodies of the
+    latest Frame, rendered once, and a new one is built only when it is older than `cache_s`,
+    once for all requests that wait. Only its capture runs on `owner_loop` (the loop that owns
+    the controller and its `recorder`: the actor's; None: the serving loop): with `capture_fn`
+    (the controller's `capture`) that is a copy of what the page shows (a Capture, a frozen
+    Recorder), and the view, heat map, JSON and /metrics text are made from it on the serving
+    loop; without it, `snapshot_fn` and `blocks_fn` (the controller's `session_blocks`, the
+    heat map's rows) are called on the owner and only the bodies are made on the serving loop.
     `recorder` adds traffic and TP-consistency series and is sampled every
-    `sample_interval_s` (None: only when the page asks); `blocks_fn` (the controller's
-    `session_blocks`) gives the heat map positions; `export_fn` receives the metrics every
-    `export_interval_s` (the actor passes them on to ray.util.metrics).
+    `sample_interval_s` on the owner (None: only at builds); `export_fn` receives the metrics
+    of a frame every `export_interval_s`, on the serving loop (the actor passes them on to
+    ray.util.metrics).
     """
 
     def __init__(self, snapshot_fn: SnapshotFn, *, recorder: Recorder | None = None,
@@ -47,7 +68,9 @@ class DashboardServer:
                  port: int = 8470, token: str | None = None,
                  info: Mapping[str, Any] | None = None, sample_interval_s: float | None = 1.0,
                  export_fn: ExportFn | None = None, export_interval_s: float = 5.0,
-                 cache_s: float = 1.0, extra_hosts: Iterable[str] = ()) -> None:
+                 cache_s: float = 0.5, extra_hosts: Iterable[str] = (),
+                 owner_loop: asyncio.AbstractEventLoop | None = None,
+                 capture_fn: CaptureFn | None = None) -> None:
         self.snapshot_fn = snapshot_fn
         self.recorder = recorder
         self.blocks_fn = blocks_fn
@@ -55,13 +78,13 @@ class DashboardServer:
         self.info = dict(info or {})
         self.sample_interval_s = sample_interval_s
         self.export_fn, self.export_interval_s = export_fn, export_interval_s
-        self.cache_s = cache_s
+        self.capture_fn = capture_fn
+        self.frames = FrameCache(self.capture_frame, cache_s, owner_loop)
         self.extra_hosts = tuple(extra_hosts)
         self.guard: Guard | None = None
         self.assets = load_assets()
         self._runner: web.AppRunner | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._cache: tuple[float, dict[str, Any]] | None = None
+        self._tasks: list[asyncio.Future[None]] = []
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> str:
@@ -86,17 +109,25 @@ class DashboardServer:
         if sockets:
             self.port = int(sockets[0].getsockname()[1])
         self.guard = Guard.for_bind(self.host, self.port, self.token, self.extra_hosts)
-        if self.sample_interval_s or self.export_fn:
-            self._task = asyncio.get_running_loop().create_task(self._background())
+        loop = asyncio.get_running_loop()
+        if self.recorder is not None and self.sample_interval_s:  # on the owner: it feeds it
+            owner = self.frames.owner
+            if owner is None or owner is loop:
+                self._tasks.append(loop.create_task(self._sampling(self.sample_interval_s)))
+            else:
+                self._tasks.append(asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                    self._sampling(self.sample_interval_s), owner)))
+        if self.export_fn is not None:  # here: it takes the frames requests get
+            self._tasks.append(loop.create_task(self._exporting(self.export_fn)))
         log.info("tpkv dashboard at %s", self.url)
         return self.url
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RuntimeError):
+                await asyncio.wait_for(task, 5.0)
+        self._tasks = []
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -105,33 +136,88 @@ class DashboardServer:
     def url(self) -> str:
         return Guard.url_for(self.host, self.port)
 
-    async def _background(self) -> None:
-        interval = self.sample_interval_s or self.export_interval_s
-        next_export = time.monotonic() + self.export_interval_s
+    @property
+    def cache_s(self) -> float:
+        return self.frames.cache_s
+
+    async def _sampling(self, interval_s: float) -> None:
+        assert self.recorder is not None
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(interval_s)
             try:
-                if self.recorder is not None and self.sample_interval_s:
-                    self.recorder.sample()
-                if self.export_fn is not None and time.monotonic() >= next_export:
-                    next_export = time.monotonic() + self.export_interval_s
-                    self.export_fn(metrics.collect(self.payload(heatmap=False)))
+                self.recorder.sample()
             except Exception:  # never let a bad sample end the loop
                 log.exception("tpkv dashboard: sampling failed")
 
+    async def _exporting(self, export_fn: ExportFn) -> None:
+        while True:
+            await asyncio.sleep(self.export_interval_s)
+            try:
+                frame = await self.frames.get()  # the frame requests get (one build)
+                if frame.error is None:
+                    export_fn(frame.specs)
+            except Exception:  # never let a bad export end the loop
+                log.exception("tpkv dashboard: export failed")
+
     # ---- data --------------------------------------------------------------------------------
+    def capture(self, heatmap: bool = True) -> Callable[[], dict[str, Any]]:
+        """On the owner's loop: what the payload needs, taken now; the returned callable makes
+        the payload from it, on any thread. With `capture_fn` only copies are taken here (the
+        controller's Capture, a frozen Recorder); without it the payload is built here."""
+        rec = self.recorder
+        if rec is not None:
+            rec.sample()
+        if self.capture_fn is None:
+            out = view.payload(self.snapshot_fn(), rec, self.blocks_fn, self.info,
+                               with_heatmap=heatmap)
+            return lambda: out
+        cap = self.capture_fn()
+        frozen = rec.frozen() if rec is not None else None
+        return lambda: view.payload(cap.snapshot(), frozen, cap.blocks, self.info,
+                                    with_heatmap=heatmap)
+
     def payload(self, heatmap: bool = True) -> dict[str, Any]:
-        """Snapshot plus derived series; the full one is cached for `cache_s`."""
-        now = time.monotonic()
-        if heatmap and self._cache is not None and now - self._cache[0] < self.cache_s:
-            return self._cache[1]
-        if self.recorder is not None:
-            self.recorder.sample()
-        out = view.payload(self.snapshot_fn(), self.recorder, self.blocks_fn, self.info,
-                           with_heatmap=heatmap)
-        if heatmap:
-            self._cache = (now, out)
-        return out
+        """Snapshot plus derived series, built now: call it on the owner's loop only."""
+        return self.capture(heatmap)()
+
+    def capture_frame(self) -> Render:
+        """On the owner's loop (FrameCache calls it): the capture, timed; returns the Render
+        that makes both bodies of it, off the owner's loop."""
+        t_mono, t_unix, start = time.monotonic(), time.time(), time.perf_counter()
+        try:
+            make = self.capture()
+        except Exception as exc:
+            log.exception("tpkv dashboard: snapshot failed")
+            failed = Frame(t_mono, t_unix, hold_s=time.perf_counter() - start,
+                           error=(type(exc).__name__, str(exc)))
+            return lambda: failed
+        hold_s = time.perf_counter() - start
+
+        def render() -> Frame:
+            begin = time.perf_counter()
+            try:
+                out = make()
+                out["dashboard"].update(snapshot_unix_s=round(t_unix, 3), cache_s=self.cache_s,
+                                        snapshot_hold_s=round(hold_s, 6))
+                body = view.dumps(out).encode()
+                specs = metrics.collect(out)
+                text = metrics.prometheus_text(specs)
+            except Exception as exc:
+                log.exception("tpkv dashboard: snapshot failed")
+                return Frame(t_mono, t_unix, hold_s=hold_s,
+                             render_s=time.perf_counter() - begin,
+                             error=(type(exc).__name__, str(exc)))
+            return Frame(t_mono, t_unix, body, text, specs, hold_s, time.perf_counter() - begin)
+
+        return render
+
+    async def frame(self) -> Frame:
+        """The frame a request serves (with `error` when there is none to serve)."""
+        try:
+            return await self.frames.get()
+        except Exception as exc:  # the owner's loop is gone or stuck
+            log.warning("tpkv dashboard: no snapshot: %s", exc)
+            return Frame(0.0, 0.0, error=(type(exc).__name__, str(exc)))
 
     # ---- HTTP --------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
@@ -163,18 +249,17 @@ class DashboardServer:
         return web.Response(body=body, content_type=ctype, charset="utf-8")
 
     async def _snapshot(self, request: web.Request) -> web.Response:
-        try:
-            text = view.dumps(self.payload())
-        except Exception as exc:
-            log.exception("tpkv dashboard: snapshot failed")
-            return web.json_response({"error": type(exc).__name__, "message": str(exc)},
-                                     status=503)
-        return web.Response(text=text, content_type="application/json")
+        frame = await self.frame()
+        if frame.error is not None:
+            name, message = frame.error
+            return web.json_response({"error": name, "message": message}, status=503)
+        return web.Response(body=frame.snapshot_json, content_type="application/json",
+                            headers={AGE_HEADER: f"{frame.age_s():.3f}"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        try:
-            body = metrics.prometheus_text(metrics.collect(self.payload(heatmap=False)))
-        except Exception as exc:
-            log.exception("tpkv dashboard: metrics failed")
-            return web.Response(status=503, text=f"{type(exc).__name__}: {exc}\n")
-        return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TYPE})
+        frame = await self.frame()
+        if frame.error is not None:
+            name, message = frame.error
+            return web.Response(status=503, text=f"{name}: {message}\n")
+        return web.Response(body=frame.metrics_text, headers={
+            "Content-Type": PROMETHEUS_TYPE, AGE_HEADER: f"{frame.age_s():.3f}"})

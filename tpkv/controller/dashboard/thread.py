@@ -10,7 +10,8 @@ from tpkv.controller.dashboard.server import DashboardServer
 
 class ServerThread:
     """Runs `server` on a private loop in a daemon thread. The controller it reads must not be
-    changed while it runs (the actor avoids this by serving from its own loop instead)."""
+    changed while it runs unless `server` builds its snapshots on the loop that changes it
+    (`owner_loop`: the actor passes its own)."""
 
     def __init__(self, server: DashboardServer) -> None:
         self.server = server

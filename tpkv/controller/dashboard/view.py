@@ -38,10 +38,15 @@ def dumps(value: Any) -> str:
 
 
 def _row_from_blocks(blocks: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    names = np.asarray(blocks.get("tier", []), dtype=object)
-    codes = np.zeros(len(names), dtype=np.int8)
-    for name, code in _CODE.items():
-        codes[names == name] = code
+    """Tier codes and heat of a session's blocks: from "tier_code" (0 none, 1-3 L1-L3, as
+    Capture.blocks gives them) or else from the tier names of "tier" (session_blocks)."""
+    if "tier_code" in blocks:
+        codes = np.clip(np.asarray(blocks["tier_code"], dtype=np.int8).reshape(-1), 0, 3)
+    else:
+        names = np.asarray(blocks.get("tier", []), dtype=object)
+        codes = np.zeros(len(names), dtype=np.int8)
+        for name, code in _CODE.items():
+            codes[names == name] = code
     heat = np.asarray(blocks.get("heat", []), dtype=np.float64).reshape(-1)
     if len(heat) != len(codes):
         heat = np.zeros(len(codes))
