@@ -21,8 +21,9 @@ GEOMS = [
 
 
 def tree(root: Path) -> dict[str, bytes]:
+    """The store's data files (not the per-rank owner locks, which name their process)."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file()}
+            if p.is_file() and not (p.name.startswith("owner.r") and p.suffix == ".lock")}
 
 
 def open_stores(root: Path, geo: KvGeometry, backend: str) -> list[SsdStore]:
