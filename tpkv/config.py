@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -25,6 +24,7 @@ from tpkv.checks import (
     check_watermarks,
 )
 from tpkv.errors import ConfigError
+from tpkv.settings import parse_bytes  # noqa: F401  (tpkv.config.parse_bytes stays public)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -45,21 +45,6 @@ DTYPE_BYTES = {
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
 }
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_bytes(text: str | int) -> int:
-    """'8GiB', '512M', '4096' -> bytes (binary units either way)."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ConfigError(f"cannot read {text!r} as a size; use e.g. 4096, 512MiB, 8GiB")
-    unit = (m.group(2) or "").upper().rstrip("B").rstrip("I")
-    return int(float(m.group(1)) * _UNITS[unit])
-
 
 def machine_memory_bytes() -> int:
     """Physical memory of this machine."""

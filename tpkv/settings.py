@@ -17,6 +17,21 @@ from typing import TypeVar
 
 from tpkv.errors import ConfigError
 
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'8GiB', '512M', '4096' -> bytes (binary units either way)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ConfigError(f"cannot read {text!r} as a size; use e.g. 4096, 512MiB, 8GiB")
+    unit = (m.group(2) or "").upper().rstrip("B").rstrip("I")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
 Env = Mapping[str, str]
 T = TypeVar("T")
 
@@ -128,7 +143,6 @@ def check_token(name: str, token: object) -> str:
 
 
 def parse_bytes_env(name: str, raw: str) -> int:
-    from tpkv.config import parse_bytes
 
     allowed = "expected a positive size in bytes, e.g. 4096, 512MiB or 64GiB"
     try:

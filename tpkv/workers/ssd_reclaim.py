@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING
 from tpkv.errors import SsdError, SsdFormatError
 from tpkv.workers.ssd_backend import fsync_dir, unlink_missing_ok
 from tpkv.workers.ssd_format import ALIGN_BYTES, check_segment_header, parse_commit, parse_manifest
+from tpkv.workers.ssd_paths import SessionPaths as _Paths
 
 if TYPE_CHECKING:
-    from tpkv.workers.ssd_store import SsdStore, _Paths
+    from tpkv.workers.ssd_store import SsdStore
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,6 @@ def reclaim(store: SsdStore) -> Found:
     without a valid commit record or shorter than it, a commit without its segment). A torn tail
     past the committed length is cut off. Rank 0 also deletes manifests it cannot serve (every
     live TP group holds a rank 0 lock, so none is being written). Only tpkv-named files go."""
-    from tpkv.workers.ssd_store import _Paths
 
     rank = store.rank
     temp_re = re.compile(
@@ -128,7 +128,6 @@ def _remove(found: Found, path: str, why: str) -> bool:
 def make_room(store: SsdStore, writing: str, need: int) -> None:
     """Delete sessions left by an earlier run that nothing has named since (oldest commit first,
     never `writing`, the session hash of the write) while `need` more bytes would not fit."""
-    from tpkv.workers.ssd_store import _Paths
 
     while True:
         with store._lock:

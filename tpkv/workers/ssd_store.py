@@ -45,6 +45,7 @@ from tpkv.workers.ssd_format import (
     validate_session_id,
 )
 from tpkv.workers.ssd_owner import RootLock
+from tpkv.workers.ssd_paths import SessionPaths as _Paths
 from tpkv.workers.ssd_reclaim import make_room, reclaim
 from tpkv.workers.ssd_segment import SegmentIo, last_positions
 
@@ -108,25 +109,6 @@ class _ReadsFirst:
 def new_segment_id() -> int:
     """A random, nonzero 64-bit id for a new segment file."""
     return int.from_bytes(os.urandom(8), "little") | 1
-
-
-@dataclass(frozen=True)
-class _Paths:
-    """Every file of one session, all named from the hash of its id (never the raw id)."""
-
-    session_hash: bytes
-    hex: str
-    dir: str
-
-    def segment(self, rank: int) -> str:
-        return os.path.join(self.dir, f"{self.hex}.r{rank}.seg")
-
-    def commit(self, rank: int) -> str:
-        return os.path.join(self.dir, f"{self.hex}.r{rank}.commit")
-
-    @property
-    def manifest(self) -> str:
-        return os.path.join(self.dir, f"{self.hex}.manifest")
 
 
 class SsdStore:
