@@ -187,3 +187,85 @@ def test_polling_clients_share_one_snapshot_per_interval(ray_cluster: None, tmp_
     cache_s = 0.5  # the default
     assert len(set(uptimes)) <= math.ceil(elapsed / cache_s) + 1, (len(set(uptimes)), elapsed)
     assert config(tmp_path).dashboard_cache_s == cache_s
+
+
+def _listeners(port: int) -> set[int]:
+    """Pids (of those readable here) holding the socket that listens on `port` (/proc)."""
+    import glob
+    import os
+
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":
+                    inodes.add(f"socket:[{cols[9]}]")
+    pids = set()
+    for fd in glob.glob("/proc/[0-9]*/fd/*"):
+        try:
+            if os.readlink(fd) in inodes:
+                pids.add(int(fd.split("/")[2]))
+        except OSError:
+            pass
+    return pids
+
+
+def test_dashboard_is_served_and_rendered_outside_the_controllers_process(
+        ray_cluster: None, tmp_path: Any) -> None:
+    """The socket that listens is held by a child of the actor's process, not by it, and
+    serving frames runs no render in the actor's process (payload, which renders there for
+    `tpkv status`, proves the counters count)."""
+    import os
+
+    import ray
+
+    def _install_counters(actor: Any) -> int:
+        """In the actor's process: count snapshot.render and view.payload calls; its pid."""
+        import os
+
+        from tpkv.controller import snapshot
+        from tpkv.controller.dashboard import view
+
+        counts = actor._test_counts = Counter()
+        def counting(name: str, f: Any) -> Any:
+            def counted(*a: Any, **k: Any) -> Any:
+                counts[name] += 1
+                return f(*a, **k)
+            return counted
+
+        snapshot.render = counting("render", snapshot.render)  # type: ignore[assignment]
+        view.payload = counting("payload", view.payload)  # type: ignore[assignment]
+        return os.getpid()
+
+    handle = get_or_create(dataclasses.replace(config(tmp_path), dashboard_cache_s=0.05))
+    client = ControllerClient(handle)
+    url = client.dashboard()["url"]
+    actor_pid = ray.get(handle.__ray_call__.remote(_install_counters))
+    client.open_session(session_id="a", num_tokens=16)
+    seen = set()
+    for _ in range(6):
+        for path in ("api/snapshot", "metrics"):
+            status, body = fetch(url + path)
+            assert status == 200, body
+        seen.add(json.loads(fetch(url + "api/snapshot")[1])["dashboard"]["snapshot_unix_s"])
+        time.sleep(0.1)
+    assert len(seen) >= 3  # several frames were made
+    counts = ray.get(handle.__ray_call__.remote(lambda a: dict(a._test_counts)))
+    assert counts == {}, counts
+    assert client.dashboard_payload()["num_sessions"] == 1
+    counts = ray.get(handle.__ray_call__.remote(lambda a: dict(a._test_counts)))
+    assert counts["render"] >= 1 and counts["payload"] >= 1
+    port = int(url.rsplit(":", 1)[1].strip("/"))
+    owners = _listeners(port)
+    assert owners and actor_pid not in owners, (owners, actor_pid)
+    for pid in owners:
+        with open(f"/proc/{pid}/stat") as f:
+            assert int(f.read().rsplit(")", 1)[1].split()[1]) == actor_pid  # its child
+    kill(handle)
+    end = time.monotonic() + 20
+    while time.monotonic() < end and any(os.path.exists(f"/proc/{p}") and
+                                         "Z" not in open(f"/proc/{p}/stat").read().rsplit(
+                                             ")", 1)[1].split()[0] for p in owners):
+        time.sleep(0.1)
+    assert not _listeners(port), "the dashboard outlived its actor"

@@ -3,9 +3,10 @@
 The only module in tpkv that imports ray. One actor call per step (`schedule`), never one per
 block. Arguments and answers cross as msgpack bytes (tpkv.types.encode/decode, strict limits);
 typed errors come back as the same tpkv.errors class. The actor also serves the dashboard
-(tpkv.controller.dashboard) from a thread of its own, with snapshots taken on the actor's loop at
-most once per `dashboard_cache_s` (only a copy there: Controller.capture; the page, JSON and
-metrics are made from it on the dashboard's thread), and hands its metrics to ray.util.metrics.
+(tpkv.controller.dashboard) from a child process of its own (ServerProcess), with snapshots taken
+on the actor's loop at most once per `dashboard_cache_s` (only a copy there: Controller.capture;
+the page, JSON and metrics are made from it in the child), and hands its metrics to
+ray.util.metrics.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import ray
 from tpkv import errors
 from tpkv.config import TpkvConfig
 from tpkv.controller.controller import Controller
-from tpkv.controller.dashboard import DashboardServer, MetricSpec, Recorder, ServerThread
+from tpkv.controller.dashboard import DashboardServer, MetricSpec, Recorder
+from tpkv.controller.dashboard.process import ServerProcess
 from tpkv.controller.dashboard.view import dumps
 from tpkv.controller.messages import (
     CommitOutcome,
@@ -80,6 +82,8 @@ class ControllerActor:
             cache_s=config.dashboard_cache_s, capture_fn=self.ctl.capture,
             info={"geometry": dataclasses.asdict(g), "block_bytes": g.block_bytes,
                   "tp_size": g.tp_size})
+        self.dashboard_process: ServerProcess | None = None
+        self._sample_task: asyncio.Task[None] | None = None
         self._dashboard_error: str | None = None
         self._dashboard_task: asyncio.Task[None] | None = None
         self._prepare_task: asyncio.Task[None] | None = None  # held: the loop keeps weak refs
@@ -89,13 +93,26 @@ class ControllerActor:
             pass
 
     async def _serve(self) -> None:
-        s = self.dashboard_server  # serves on its own thread; captures snapshots on this loop
+        s = self.dashboard_server  # serves from a child process; captures on this loop
         loop = s.frames.owner = asyncio.get_running_loop()
+        proc = ServerProcess(s, loop)
         try:
-            await loop.run_in_executor(None, ServerThread(s).start)
+            await loop.run_in_executor(None, proc.start)
         except OSError as exc:  # the controller works on without its dashboard
             self._dashboard_error = f"cannot listen on {s.host}:{s.port}: {exc}"
             log.warning("tpkv dashboard not started: %s", self._dashboard_error)
+            return
+        self.dashboard_process = proc
+        if s.recorder is not None and s.sample_interval_s:  # fed here, sampled here
+            self._sample_task = loop.create_task(s.sampling(s.sample_interval_s))
+
+    async def close_dashboard(self) -> None:
+        """Stops the dashboard's process (it also ends by itself when this actor ends)."""
+        proc, self.dashboard_process = self.dashboard_process, None
+        if self._sample_task is not None:
+            self._sample_task.cancel()
+        if proc is not None:
+            await asyncio.get_running_loop().run_in_executor(None, proc.stop)
 
     async def dashboard(self) -> dict[str, Any]:
         """Where the dashboard listens: url, host, port, token_required, error."""

@@ -1,6 +1,7 @@
 """The controller's read-only dashboard: live page, /api/snapshot JSON, /metrics (Prometheus).
 
-`DashboardServer` serves from a thread of its own (`ServerThread`) and reads the controller only
+`DashboardServer` serves from a thread of its own (`ServerThread`; the actor's from a child
+process, `process.ServerProcess`) and reads the controller only
 through callables (`Controller.capture`, or `Controller.snapshot` and `session_blocks`), called
 on the controller's loop at most once per `cache_s` (`FrameCache`), never per request; with
 `capture` only a copy is taken there and the page is made from it off that loop. `Recorder`

@@ -31,6 +31,16 @@ class RankRecord:
     last_mismatch_t_s: float | None = None
 
 
+class StoppedClock:
+    """A clock that always reads `t` (a frozen Recorder's; unlike a lambda, it pickles)."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
 class Recorder:
     """Cumulative counters, fed by whoever calls `Controller.commit` / `resync` (the actor), and
     a ring buffer of samples of them, one per `interval_s`, for the page's traffic chart.
@@ -107,7 +117,7 @@ class Recorder:
         what this one's give now, on any thread, whatever is fed to this one meanwhile."""
         now = self.clock()
         out = copy.copy(self)
-        out.clock = lambda: now
+        out.clock = StoppedClock(now)  # picklable: the actor sends copies to its dashboard
         out.moves = dict(self.moves)
         out.ranks = {r: dataclasses.replace(rec) for r, rec in self.ranks.items()}
         out.incidents = deque(self.incidents, maxlen=self.incidents.maxlen)

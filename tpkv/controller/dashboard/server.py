@@ -113,10 +113,10 @@ class DashboardServer:
         if self.recorder is not None and self.sample_interval_s:  # on the owner: it feeds it
             owner = self.frames.owner
             if owner is None or owner is loop:
-                self._tasks.append(loop.create_task(self._sampling(self.sample_interval_s)))
+                self._tasks.append(loop.create_task(self.sampling(self.sample_interval_s)))
             else:
                 self._tasks.append(asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
-                    self._sampling(self.sample_interval_s), owner)))
+                    self.sampling(self.sample_interval_s), owner)))
         if self.export_fn is not None:  # here: it takes the frames requests get
             self._tasks.append(loop.create_task(self._exporting(self.export_fn)))
         log.info("tpkv dashboard at %s", self.url)
@@ -140,7 +140,7 @@ class DashboardServer:
     def cache_s(self) -> float:
         return self.frames.cache_s
 
-    async def _sampling(self, interval_s: float) -> None:
+    async def sampling(self, interval_s: float) -> None:
         assert self.recorder is not None
         while True:
             await asyncio.sleep(interval_s)
@@ -192,24 +192,43 @@ class DashboardServer:
                            error=(type(exc).__name__, str(exc)))
             return lambda: failed
         hold_s = time.perf_counter() - start
+        return lambda: self.render_frame(make, t_mono, t_unix, hold_s)
 
-        def render() -> Frame:
-            begin = time.perf_counter()
-            try:
-                out = make()
-                out["dashboard"].update(snapshot_unix_s=round(t_unix, 3), cache_s=self.cache_s,
-                                        snapshot_hold_s=round(hold_s, 6))
-                body = view.dumps(out).encode()
-                specs = metrics.collect(out)
-                text = metrics.prometheus_text(specs)
-            except Exception as exc:
-                log.exception("tpkv dashboard: snapshot failed")
-                return Frame(t_mono, t_unix, hold_s=hold_s,
-                             render_s=time.perf_counter() - begin,
-                             error=(type(exc).__name__, str(exc)))
-            return Frame(t_mono, t_unix, body, text, specs, hold_s, time.perf_counter() - begin)
+    def capture_copy(self) -> tuple[Captured, Recorder | None, float, float, float]:
+        """On the owner's loop: what a dashboard in another process renders a frame from (the
+        controller's Capture, the frozen Recorder, time.monotonic, time.time, the hold in s)."""
+        if self.capture_fn is None:
+            raise ValueError("capture_copy needs the server's capture_fn")
+        t_mono, t_unix, start = time.monotonic(), time.time(), time.perf_counter()
+        rec = self.recorder
+        if rec is not None:
+            rec.sample()
+        cap = self.capture_fn()
+        frozen = rec.frozen() if rec is not None else None
+        return cap, frozen, t_mono, t_unix, time.perf_counter() - start
 
-        return render
+    def render_copy(self, cap: Captured, frozen: Recorder | None, t_mono: float, t_unix: float,
+                    hold_s: float) -> Frame:
+        """Both bodies of what `capture_copy` took (in this process or another)."""
+        return self.render_frame(lambda: view.payload(cap.snapshot(), frozen, cap.blocks,
+                                                      self.info), t_mono, t_unix, hold_s)
+
+    def render_frame(self, make: Callable[[], dict[str, Any]], t_mono: float, t_unix: float,
+                     hold_s: float) -> Frame:
+        """Off the owner's loop: the payload `make` builds, as JSON and /metrics text."""
+        begin = time.perf_counter()
+        try:
+            out = make()
+            out["dashboard"].update(snapshot_unix_s=round(t_unix, 3), cache_s=self.cache_s,
+                                    snapshot_hold_s=round(hold_s, 6))
+            body = view.dumps(out).encode()
+            specs = metrics.collect(out)
+            text = metrics.prometheus_text(specs)
+        except Exception as exc:
+            log.exception("tpkv dashboard: snapshot failed")
+            return Frame(t_mono, t_unix, hold_s=hold_s, render_s=time.perf_counter() - begin,
+                         error=(type(exc).__name__, str(exc)))
+        return Frame(t_mono, t_unix, body, text, specs, hold_s, time.perf_counter() - begin)
 
     async def frame(self) -> Frame:
         """The frame a request serves (with `error` when there is none to serve)."""
