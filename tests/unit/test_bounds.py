@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.unit.test_controller import run
 from tpkv.controller import Controller, SlotMapReplica, StepResult
 from tpkv.errors import ArgumentError, ArgumentTypeError, TierFullError, TpkvError
 from tpkv.limits import MAX_SESSION_TOKENS
@@ -33,12 +34,7 @@ def _state(c: Controller) -> tuple:
 
 
 def _step(c: Controller, reps: list[SlotMapReplica], batch: list[str], tokens: list[int]) -> Any:
-    res = c.schedule(batch, tokens)
-    reports = [r.apply_step(res) for r in reps]
-    for i in range(len(res.plans)):
-        assert c.commit([rep[i] for rep in reports]).committed
-    assert reps[0].digest() == c.slot_map()["digest"]
-    return res
+    return run(c, reps, batch, tokens)  # schedule, apply on every replica, commit, digests agree
 
 
 @pytest.fixture
