@@ -66,7 +66,7 @@ class ControllerActor:
     _METHODS = ("register_rank", "open_session", "extend_session", "close_session", "pin",
                 "unpin", "schedule", "report_attention", "report_prefill", "commit", "resync",
                 "rebuild", "snapshot", "session_blocks", "slot_map", "check_integrity",
-                "mark_lost")
+                "mark_lost", "set_l2_online")
 
     def __init__(self, config: TpkvConfig) -> None:
         restarts = _count_inits() - 1

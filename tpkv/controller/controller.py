@@ -466,6 +466,16 @@ class Controller:
             self.event("lost_in_resync", blocks=n)
         return n
 
+    def set_l2_online(self, num_slots: int) -> int:
+        """The ranks have pinned L2 slots [0, num_slots) (pinning runs in the background after
+        start): only those are handed out. -> the L2 slots online after the call."""
+        n = check_count("num_slots", num_slots, self.table.full_slots(Tier.DRAM), "L2 slots")
+        before = self.table.slots(Tier.DRAM)
+        after = self.table.set_l2_online(n)
+        if after != before:
+            self.event("l2_online", slots=after, of=self.table.full_slots(Tier.DRAM))
+        return after
+
     # ---- recovery and observability --------------------------------------------------------
     def rebuild(self, slot_maps: Sequence[Mapping[str, Any]],
                 ssd_manifests: Mapping[str, Sequence[int] | np.ndarray],

@@ -124,12 +124,12 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
     cap = max(old.capacity, total + 1024, max(seen_gen, default=0) + 1)
     if cap > pol.max_tracked_blocks:
         raise BadRequestError(f"rebuild needs {cap} rows, at most {pol.max_tracked_blocks}")
-    T = BlockTable(old.slots(Tier.HBM), old.slots(Tier.DRAM), old.l3_capacity, pol.lru_k, cap,
+    T = BlockTable(old.full_slots(Tier.HBM), old.full_slots(Tier.DRAM), old.l3_capacity,
+                   pol.lru_k, cap,
                    pol.l1_reuse, pol.l2_reuse, pol.keep_l2_copies,
                    pol.keep_l3_copies and ctl.l3_enabled)
     S = SessionTable(pol.lru_k)
-    taken = {Tier.HBM: np.zeros(T.slots(Tier.HBM), bool), Tier.DRAM: np.zeros(T.slots(Tier.DRAM),
-                                                                                bool)}
+    taken = {t: np.zeros(T.full_slots(t), bool) for t in (Tier.HBM, Tier.DRAM)}
     used_rows: set[int] = set()
     plan: list[tuple[int, int, int, int, int, int]] = []  # (row, gen, tier, slot, sess, logical)
     unplaced: list[tuple[int, int, int]] = []  # (tier, sess, logical) needing a fresh row
@@ -163,6 +163,7 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
         row = next(free)
         plan.append((row, seen_gen.get(row, -1) + 1, tier, -1 if tier != Tier.SSD else -1, s, j))
     _install(T, S, plan)
+    T.set_l2_online(old.slots(Tier.DRAM))  # the ranks' maps hold nothing past it
     ctl.table, ctl.sessions = T, S
     ctl.outbox_ssd_dropped = _count_l3_records(T, S, manifests, records) if T.keep_l3 else []
     ctl.l3_emptied = []  # rebuilt from the files as they are

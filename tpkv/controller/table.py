@@ -210,7 +210,30 @@ class BlockTable:
         return int(self.num_in[TIER_INDEX[tier]])
 
     def slots(self, tier: int) -> int:
-        return self.l3_capacity if tier == SSD else len(self.owner[tier])
+        """The tier's capacity now: L2 grows to its full size as the ranks pin it."""
+        return self.l3_capacity if tier == SSD else self.free[tier].size
+
+    def full_slots(self, tier: int) -> int:
+        """The pool's size on every rank (L1, L2), online or not."""
+        return len(self.owner[tier])
+
+    def set_l2_online(self, num_slots: int) -> int:
+        """L2 slots [0, num_slots) may be handed out (the ranks have pinned them); -> the
+        online count after the call. It grows to the pool's size; it shrinks only over slots
+        that are all free (a restarted controller told less than it assumed)."""
+        stack, full = self.free[DRAM], len(self.owner[DRAM])
+        n = min(max(int(num_slots), 1), full)
+        if n > stack.size:
+            stack.grow(n)
+        elif n < stack.size:
+            free = stack.stack[:stack.top]
+            keep = free[free < n]
+            if len(free) - len(keep) != stack.size - n:  # a slot past n is used or kept
+                return stack.size
+            stack._place(np.concatenate([keep, np.zeros(n - len(keep), dtype=np.int32)]),
+                         len(keep))
+        self.keep_reserve = stack.size // 8
+        return stack.size
 
     @property
     def l3_held(self) -> int:
@@ -402,7 +425,7 @@ class BlockTable:
             owner, stack, name = self.owner[t], self.free[t], Tier(t).name
             on = rows[tier == t]
             assert len(np.unique(self.slot[on])) == len(on), f"{name}: two blocks share a slot"
-            assert ((self.slot[on] >= 0) & (self.slot[on] < len(owner))).all(), "slot range"
+            assert ((self.slot[on] >= 0) & (self.slot[on] < stack.size)).all(), "slot range"
             assert (owner[self.slot[on]] == on).all(), f"{name}: owner map disagrees"
             assert int((owner >= 0).sum()) == len(on), f"{name}: stale owner entries"
             free = stack.stack[:stack.top]
@@ -416,10 +439,11 @@ class BlockTable:
                 assert extra == self.num_kept, f"kept copies {extra} != count {self.num_kept}"
                 assert (self.owner[HBM][at] >= 0).all(), "an L2 copy kept for a free L1 slot"
                 assert len(np.unique(ks)) == extra, "two kept copies share an L2 slot"
-                assert ((ks >= 0) & (ks < len(owner))).all(), "kept slot range"
+                assert ((ks >= 0) & (ks < stack.size)).all(), "kept slot range"
                 assert (owner[ks] == -1).all(), "a kept L2 copy sits in an owned slot"
                 assert not np.isin(ks, free).any(), "a kept L2 copy sits in a free slot"
-            assert len(on) + stack.top + extra <= len(owner), f"{name}: used + free > capacity"
+            assert len(on) + stack.top + extra <= stack.size, f"{name}: used + free > capacity"
+            assert (owner[stack.size:] == -1).all(), f"{name}: a slot past the online ones is owned"
             if settled:
-                assert len(on) + stack.top + extra == len(owner), \
+                assert len(on) + stack.top + extra == stack.size, \
                     f"{name}: slot neither used nor free"

@@ -60,6 +60,7 @@ def rebuild_controller(rt: TpkvRuntime) -> dict[str, Any]:
     full = rt.from_rank0(lambda: dict(rt._call("resync")), "resync after a controller rebuild")
     rt._resync(full)
     rt.num_rebuilds += 1
+    rt._l2_told = -1  # the rebuilt controller hears again how much of L2 is pinned
     log.warning("rank %d: the controller restarted and was rebuilt from %d slot maps and %d L3 "
                 "sessions in %.2f s: %s", rt.rank, len(maps), summary.get("from_manifests", 0),
                 time.perf_counter() - started, summary)

@@ -62,6 +62,7 @@ class TpkvRuntime:
         self.last_mismatch: RankMismatchError | None = None
         self._restore: dict[str, Any] | None = None
         self.num_rebuilds = 0  # times a restarted controller was rebuilt from the ranks
+        self._l2_told = -1  # L2 slots rank 0 last told the controller are pinned (-1: none)
         self.closing: set[str] = set()  # closed at the controller, blocks not yet released here
         self.pins: dict[str, list[tuple[int, int]]] = {}  # explicit pins, block ranges
 
@@ -190,6 +191,7 @@ class TpkvRuntime:
 
         def plan() -> dict[str, Any]:
             resync = self._resync_if_commit_failed()
+            self._sync_l2_online()
             # only an in-process controller plans between calls (the Ray client lacks it)
             local = hasattr(self.controller, "plan_deferred")
             extra: dict[str, Any] = {"defer_marks": True} if defer_marks and late_ok and local \
@@ -320,6 +322,14 @@ class TpkvRuntime:
         if step is None:
             return None
         return step.detached() if self.world_size == 1 else step.to_dict()
+
+    def _sync_l2_online(self) -> None:
+        """Rank 0, before a schedule: tell the controller how much of L2 is pinned (the rest
+        is pinned in the background; the other ranks wait for an arena a copy needs)."""
+        ready = self.worker.host.ready_slots
+        if ready != self._l2_told:
+            self._call("set_l2_online", ready)
+            self._l2_told = ready
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """A controller call on rank 0 (one at a time for an in-process controller)."""

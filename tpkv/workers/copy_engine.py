@@ -143,6 +143,7 @@ class CopyEngine:
                                    ("L2", host_slots, self.host.num_slots)):
             if len(slots) and (slots.min() < 0 or slots.max() >= limit):
                 raise SlotError(f"{direction}: {name} slot outside 0..{limit - 1}")
+        self.host.await_pinned(host_slots)  # an L2 arena still being pinned: wait for it
         n = len(hbm_slots)
         method = self.choose_method(direction)
         if n == 0 or not self.on_gpu:

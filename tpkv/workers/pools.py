@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -78,10 +79,16 @@ class HbmPool:
 
 class HostPool:
     """L2 of one rank: page-aligned anonymous mmap arenas of about `arena_bytes`, each holding a
-    whole number of blocks, pinned with cudaHostRegister (in parallel) when CUDA is present.
+    whole number of blocks, pinned with cudaHostRegister when CUDA is present.
 
     Slot s lives in arena `s // slots_per_arena` at index `s % slots_per_arena`; a block is always
     one contiguous run of `block_bytes` bytes.
+
+    Pinning runs in the background: the first arena is pinned before the constructor returns,
+    the others in order on a thread (several at once), and `ready_slots` counts the slots of
+    the pinned prefix (the controller hands out only those). A copy that touches an arena not
+    pinned yet waits for it (`await_pinned`). An arena cudaHostRegister refuses ends the
+    pinning there: `ready_slots` stays at the prefix and a warning says how much L2 is left.
     """
 
     def __init__(self, geometry: KvGeometry, num_slots: int, config: HostConfig | None = None
@@ -110,10 +117,26 @@ class HostPool:
         # every block starts on a page and is whole pages long: O_DIRECT takes it as it is
         self.page_aligned = block_bytes % IO_PAGE_BYTES == 0 and bool(
             (self.arena_ptrs % IO_PAGE_BYTES == 0).all())
-        self.pinned = False
+        self.pinned = False  # the memory is (being) pinned: copies may use the pinned paths
+        self._cond = threading.Condition()
+        self._num_ready = len(self._maps)  # arenas of the usable prefix (pinned, if pinning)
+        self._registered: set[int] = set()  # arenas registered with CUDA
+        self._stop = False
+        self._pinner: threading.Thread | None = None
+        self.pin_error: str | None = None
+        self.pin_seconds = 0.0  # wall time from the start of pinning to its end
         want_pin = config.pin == "always" or (config.pin == "auto" and cuda_rt.cuda_available())
         if want_pin:
-            self._pin_all()
+            self.pinned = True
+            self._num_ready = 0
+            self._t0 = time.perf_counter()
+            self._pin_prefix(range(1))
+            if len(self._maps) > 1:
+                self._pinner = threading.Thread(target=self._pin_rest, name="tpkv-l2-pin",
+                                                daemon=True)
+                self._pinner.start()
+            else:
+                self.pin_seconds = time.perf_counter() - self._t0
 
     @property
     def block_bytes(self) -> int:
@@ -128,7 +151,41 @@ class HostPool:
         """Host bytes this pool holds registered with CUDA (whole arenas, spare pages included):
         its share of the process's pinned memory, for soaks that check it stays flat; 0 when
         not pinned or closed."""
-        return sum(len(m) for m in self._maps) if self.pinned else 0
+        with self._cond:
+            return sum(len(self._maps[i]) for i in self._registered)
+
+    @property
+    def ready_slots(self) -> int:
+        """Slots usable now: those of the arenas pinned so far, in order (all when not pinning)."""
+        return min(self.num_slots, self._num_ready * self.slots_per_arena)
+
+    @property
+    def pinning(self) -> bool:
+        """Whether arenas are still being pinned in the background."""
+        return self._pinner is not None and self._pinner.is_alive()
+
+    def wait_pinned(self, timeout_s: float | None = None) -> int:
+        """Wait until the background pinning ended (done or stopped); -> ready_slots."""
+        if self._pinner is not None:
+            self._pinner.join(timeout_s)
+        return self.ready_slots
+
+    def await_pinned(self, slots: np.ndarray, timeout_s: float = 300.0) -> None:
+        """Return once every arena holding `slots` is pinned (at once when all are). A slot of
+        an arena that will never be pinned (its pinning failed) is a SlotError."""
+        if self._num_ready == len(self._maps) or not len(slots):
+            return
+        need = int(np.max(slots)) // self.slots_per_arena + 1
+        if need <= self._num_ready:
+            return
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self._num_ready >= need or self._stop
+                                     or self.pin_error is not None, timeout_s)
+            if self._num_ready >= need:
+                return
+        raise SlotError(f"L2 slot {int(np.max(slots))} is in arena {need - 1}, not pinned "
+                        f"({self._num_ready} of {len(self._maps)} arenas are"
+                        f"{'' if ok else f' after {timeout_s:g} s'}; {self.pin_error or ''})")
 
     def _locate(self, slot: int) -> tuple[int, int]:
         if not 0 <= slot < self.num_slots:
@@ -154,13 +211,16 @@ class HostPool:
         return BlockViews(self.block_bytes_view, slots, self.block_bytes, self.page_aligned)
 
     def slot_ptrs(self, slots: np.ndarray) -> np.ndarray:
+        """Host addresses of `slots`, for copies: waits for arenas still being pinned."""
         slots = np.asarray(slots, dtype=np.int64)
+        self.await_pinned(slots)
         arena, index = np.divmod(slots, self.slots_per_arena)
         return self.arena_ptrs[arena] + index * self.block_bytes
 
     def group_by_arena(self, slots: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """[(arena, positions into `slots`, indices within the arena)] for index-op copies."""
         slots = np.asarray(slots, dtype=np.int64)
+        self.await_pinned(slots)
         arena, index = np.divmod(slots, self.slots_per_arena)
         out = []
         for a in np.unique(arena):
@@ -168,24 +228,67 @@ class HostPool:
             out.append((int(a), pos, index[pos]))
         return out
 
-    def _pin_all(self) -> None:
-        t0 = time.perf_counter()
+    def _register(self, i: int) -> None:
+        cuda_rt.host_register(int(self.arena_ptrs[i]), len(self._maps[i]))
+        with self._cond:
+            self._registered.add(i)
 
-        def pin(i: int) -> None:
-            cuda_rt.host_register(int(self.arena_ptrs[i]), len(self._maps[i]))
+    def _pin_prefix(self, arenas: range) -> None:
+        """Pin these arenas (the next of the prefix) on the calling thread."""
+        for i in arenas:
+            self._register(i)
+            with self._cond:
+                self._num_ready = i + 1
+                self._cond.notify_all()
 
-        with ThreadPoolExecutor(max_workers=min(8, len(self._maps))) as pool:
-            list(pool.map(pin, range(len(self._maps))))
-        self.pinned = True
-        log.info("L2: pinned %d arenas, %.2f GiB in %.2f s", len(self._maps),
-                 sum(len(m) for m in self._maps) / GiB, time.perf_counter() - t0)
+    def _pin_rest(self) -> None:
+        """The pinner thread: arenas 1.. in order, up to 8 registering at once; the prefix
+        grows as each one and those before it are done. Stops at the first failure."""
+        todo = list(range(self._num_ready, len(self._maps)))
+        with ThreadPoolExecutor(max_workers=min(8, len(todo)),
+                                thread_name_prefix="tpkv-l2-pin") as pool:
+            futures = {i: pool.submit(self._register_unless_stopped, i) for i in todo}
+            for i in todo:
+                try:
+                    futures[i].result()
+                except Exception as exc:  # cudaHostRegister refused (a size, a memory limit)
+                    for f in futures.values():
+                        f.cancel()
+                    with self._cond:
+                        self.pin_error = f"arena {i}: {exc}"
+                        self._cond.notify_all()
+                    if not self._stop:
+                        log.warning("L2: pinning stopped at arena %d of %d: %s; L2 holds %d "
+                                    "slots (%.2f GiB) instead of %d", i, len(self._maps), exc,
+                                    self.ready_slots, self.ready_slots * self.block_bytes / GiB,
+                                    self.num_slots)
+                    break
+                with self._cond:
+                    if self._stop:
+                        break
+                    self._num_ready = i + 1
+                    self._cond.notify_all()
+        self.pin_seconds = time.perf_counter() - self._t0
+        if self.pin_error is None and not self._stop:
+            log.info("L2: pinned %d arenas, %.2f GiB in %.2f s (in the background)",
+                     len(self._maps), sum(len(m) for m in self._maps) / GiB, self.pin_seconds)
+
+    def _register_unless_stopped(self, i: int) -> None:
+        if not self._stop:
+            self._register(i)
 
     def close(self) -> None:
-        """Unpin and release the arenas; the pool is unusable afterwards."""
-        if self.pinned:
-            for ptr in self.arena_ptrs:
-                cuda_rt.host_unregister(int(ptr))
-            self.pinned = False
+        """Stop the pinning, unpin and release the arenas; the pool is unusable afterwards."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._pinner is not None:
+            self._pinner.join()
+        for i in sorted(self._registered):
+            cuda_rt.host_unregister(int(self.arena_ptrs[i]))
+        self._registered.clear()
+        self.pinned = False
+        self._num_ready = 0
         self.arenas.clear()
         self._bytes_views.clear()
         for mm in self._maps:

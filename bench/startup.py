@@ -1,0 +1,171 @@
+"""Start-up: time from `tpkv.init` to the first step at a large pinned L2, in a fresh process and
+in a second one (numba's kernels then load from its disk cache), and until the whole L2 is
+pinned, against the raw cudaHostRegister speed measured in the same run.
+
+    python bench/startup.py [--l2-gib 96] [--l1-gib 2]        # on the GPU machine
+
+Each measured process: `tpkv.init(config, controller="local", device="cuda")` with L1 and L2 of
+the given sizes and L3 off; then a first step (one session, one token); then quiet steps while
+L2 is still being pinned in the background and after it is done (their host time: pinning must
+not slow steps); then close. After both, raw cudaHostRegister of a fresh mmap of 8 GiB (faulted
+in by the call, as L2 is) in 1 GiB pieces, 8 at once: the ceiling of pinning speed. Writes
+bench/results/startup.json and a PNG. Goals (#34): first step <= 5 s after init at 96 GiB,
+<= 3 s in the second process, whole L2 pinned at >= 0.9 of the raw speed, steps while pinning
+as fast as after (p50 within 1.1x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 1 << 30
+
+
+def one_process(l1_gib: float, l2_gib: float, device: str = "cuda") -> dict[str, Any]:
+    """Runs inside a fresh process; returns its figures."""
+    t_import = time.perf_counter()
+    import tpkv
+    from tpkv.config import HbmConfig, HostConfig, KvGeometry, TpkvConfig
+
+    init = tpkv.init  # imports tpkv.launch (torch, ray, numba): timed as the import
+    imported_s = time.perf_counter() - t_import
+    g = KvGeometry(num_layers=16, num_kv_heads=8, head_dim=64, dtype="bfloat16",
+                   block_tokens=16)  # 512 KiB blocks (a 1B Llama's shape)
+    cfg = TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=int(l1_gib * GiB) // g.block_bytes),
+                     l2=HostConfig(budget_bytes=int(l2_gib * GiB), max_memory_fraction=0.9))
+    t0 = time.perf_counter()
+    rt = init(cfg, controller="local", device=device)
+    init_s = time.perf_counter() - t0
+    host = rt.worker.host
+    ready_at_init = host.ready_slots
+    rt.open_session("s", num_tokens=1)
+    rt.run_step(["s"], [1], lambda step: None)
+    first_step_s = time.perf_counter() - t0
+    during: list[float] = []
+    while host.pinning:
+        t = time.perf_counter()
+        rt.run_step(["s"], [1], lambda step: None)
+        during.append(time.perf_counter() - t)
+    pinned_s = time.perf_counter() - t0
+    after: list[float] = []
+    for _ in range(max(200, len(during))):
+        t = time.perf_counter()
+        rt.run_step(["s"], [1], lambda step: None)
+        after.append(time.perf_counter() - t)
+    l2_bytes = host.num_slots * host.block_bytes
+    online = rt.controller.table.slots(tpkv.Tier.DRAM)
+    t1 = time.perf_counter()
+    rt.close()
+    close_s = time.perf_counter() - t1
+
+    def ms(xs: list[float], q: float) -> float | None:
+        return float(np.percentile(xs, q) * 1e3) if xs else None
+
+    return {"import_s": imported_s, "init_s": init_s, "first_step_s": first_step_s,
+            "ready_slots_at_init": ready_at_init, "l2_slots": host.num_slots,
+            "l2_bytes": l2_bytes, "controller_l2_slots_at_end": online,
+            "l2_pinned_s": host.pin_seconds, "l2_usable_s_after_init": pinned_s,
+            "pin_error": host.pin_error, "close_s": close_s,
+            "steps_while_pinning": len(during), "step_ms_while_pinning_p50": ms(during, 50),
+            "step_ms_while_pinning_p99": ms(during, 99), "steps_after": len(after),
+            "step_ms_after_p50": ms(after, 50), "step_ms_after_p99": ms(after, 99)}
+
+
+def raw_register(gib: int) -> dict[str, Any]:
+    """cudaHostRegister of a fresh anonymous mmap in 1 GiB pieces, 8 at once."""
+    from tpkv.workers import cuda_rt
+
+    maps = [mmap.mmap(-1, GiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) for _ in range(gib)]
+    import ctypes
+    ptrs = [ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in maps]
+    t = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda p: cuda_rt.host_register(p, GiB), ptrs))
+    took = time.perf_counter() - t
+    for p in ptrs:
+        cuda_rt.host_unregister(p)
+    return {"gib": gib, "seconds": took, "gb_per_s": gib * GiB / took / 1e9}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--l2-gib", type=float, default=96.0, help="L2 budget (GiB)")
+    ap.add_argument("--l1-gib", type=float, default=2.0, help="L1 size (GiB)")
+    ap.add_argument("--raw-gib", type=int, default=8, help="size of the raw register ceiling")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run (nothing is pinned)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "startup.json"))
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(one_process(a.l1_gib, a.l2_gib, a.device)))
+        return
+    runs = []
+    for name in ("first process", "second process"):
+        print(f"{name}: tpkv.init with L1 {a.l1_gib:g} GiB, L2 {a.l2_gib:g} GiB ...", flush=True)
+        out = subprocess.run([sys.executable, __file__, "--child", "--l2-gib", str(a.l2_gib),
+                              "--l1-gib", str(a.l1_gib), "--device", a.device],
+                             capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": f"{ROOT}:" +
+                                  os.environ.get("PYTHONPATH", "")})
+        if out.returncode:
+            sys.exit(f"{name} failed:\n{out.stderr[-4000:]}")
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r["process"] = name
+        runs.append(r)
+        print(f"  init {r['init_s']:.2f} s, first step {r['first_step_s']:.2f} s after init's "
+              f"start, whole L2 usable {r['l2_usable_s_after_init']:.2f} s, close "
+              f"{r['close_s']:.2f} s; steps while pinning p50 "
+              f"{r['step_ms_while_pinning_p50']} ms ({r['steps_while_pinning']}), after "
+              f"{r['step_ms_after_p50']:.3f} ms", flush=True)
+    raw = raw_register(a.raw_gib) if a.device == "cuda" else {"gib": 0, "seconds": 0.0,
+                                                                "gb_per_s": float("nan")}
+    for r in runs:
+        r["pin_gb_per_s"] = r["l2_bytes"] / r["l2_pinned_s"] / 1e9 if r["l2_pinned_s"] else None
+        r["pin_ratio_to_raw"] = (r["pin_gb_per_s"] / raw["gb_per_s"]
+                                 if r["pin_gb_per_s"] else None)
+    print(f"raw cudaHostRegister: {raw['gb_per_s']:.2f} GB/s ({raw['gib']} GiB, 8 at once); "
+          f"L2 pinned at {runs[0]['pin_gb_per_s'] or 0:.2f} and {runs[1]['pin_gb_per_s'] or 0:.2f}"
+          f" GB/s: ratio {runs[0]['pin_ratio_to_raw'] or 0:.2f} / "
+          f"{runs[1]['pin_ratio_to_raw'] or 0:.2f} (goal >= 0.9)")
+    result = {"command": "python bench/startup.py " + " ".join(sys.argv[1:]),
+              "l1_gib": a.l1_gib, "l2_gib": a.l2_gib, "runs": runs, "raw_register": raw,
+              "goals": {"first_step_s_first": 5.0, "first_step_s_second": 3.0,
+                        "pin_ratio_to_raw": 0.9}}
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3))
+        names = [r["process"] for r in runs]
+        ax.barh(names, [r["init_s"] for r in runs], label="init")
+        ax.barh(names, [r["first_step_s"] - r["init_s"] for r in runs],
+                left=[r["init_s"] for r in runs], label="to first step")
+        ax.scatter([r["l2_usable_s_after_init"] for r in runs], names, color="k", zorder=3,
+                   label="whole L2 pinned")
+        ax.set_xlabel("seconds from tpkv.init")
+        ax.set_title(f"start-up, L2 {a.l2_gib:g} GiB")
+        ax.legend(loc="lower right", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(Path(a.out).with_suffix(".png"), dpi=120)
+    except ImportError:
+        pass
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
