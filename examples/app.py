@@ -3,7 +3,7 @@ them, so between its turns a chat's blocks move L1 -> L2 -> L3 and back. Each tu
 moved; the end prints how full each tier is. No model: `forward` stands in for the decode step.
 
     python examples/app.py                       # TP 1, controller on Ray: prints the dashboard
-    python examples/app.py --local               # TP 1, in-process controller: no Ray, no dashboard
+    python examples/app.py --no-ray              # TP 1, in-process controller: no Ray, no dashboard
     torchrun --nproc-per-node 2 examples/app.py  # TP 2 (gloo on CPU, NCCL on GPUs)
     tpkv launch --tp 2 examples.app:main         # the same through Ray actors
 
@@ -32,8 +32,8 @@ def make_config(tp: int) -> TpkvConfig:
     g = KvGeometry(num_layers=4, num_kv_heads=8, head_dim=64, dtype="float16", tp_size=tp)
     root = os.path.join(tempfile.gettempdir(), f"tpkv-example-{os.getuid()}")
     return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=12),
-                      l2=HostConfig(budget_bytes=16 * g.block_bytes,
-                                    arena_bytes=16 * g.block_bytes // tp),
+                      l2=HostConfig(budget_bytes=16 * tp * g.block_bytes,  # of the node
+                                    arena_bytes=16 * g.block_bytes),
                       l3=SsdConfig(root=root, o_direct=False),
                       # move at once (no cooldown); a slow prefill makes loading beat recomputing
                       policy=PolicyConfig(cooldown_s=0.0, spill="always",
@@ -77,7 +77,7 @@ def main(controller: str = "ray", pause_s: float = 0.0) -> dict[str, int]:
                            for t in rt.controller.session_blocks(session_id=f"chat-{c}")["tier"])
             say(f"blocks moved: {_moves(moved)}")
             say("where the blocks are now: " + ", ".join(f"{k} {used.get(k, 0)}"
-                                                      for k in ("L1", "L2", "L3")))
+                                                      for k in ("L1", "L2", "L3", "none")))
         for c in range(CHATS):
             rt.close_session(f"chat-{c}")  # frees its blocks on every tier (and its L3 files)
     return dict(moved)
@@ -91,7 +91,7 @@ def _moves(counts: Counter[str]) -> str:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--local", action="store_true", help="in-process controller: no Ray")
+    ap.add_argument("--no-ray", action="store_true", help="in-process controller: no Ray")
     ap.add_argument("--pause", type=float, default=0.0, help="seconds between turns")
     a = ap.parse_args()
-    main("local" if a.local else "ray", a.pause)
+    main("local" if a.no_ray else "ray", a.pause)
