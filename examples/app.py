@@ -44,7 +44,10 @@ def main(controller: str = "ray", pause_s: float = 0.0) -> dict[str, int]:
     """Every rank runs this; rank 0 prints. Returns the moves by direction."""
     tp = int(os.environ.get("WORLD_SIZE", "1"))
     with tpkv.init(make_config(tp), controller=controller) as rt:
-        say = print if rt.rank == 0 else (lambda *a, **k: None)
+        def say(text: str) -> None:
+            if rt.rank == 0:
+                print(text, flush=True)
+
         if controller == "local":
             say("controller='local': no dashboard (the default, 'ray', serves one and prints "
                 "its URL)")
