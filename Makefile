@@ -1,4 +1,6 @@
-# make demo / make test do all set-up on a fresh machine: .venv, CPU torch when no CUDA, tpkv[test].
+# make demo / make test do all set-up on a fresh machine: .venv, torch, tpkv[test]. Without a GPU,
+# torch==2.13.0 is the CPU build only where pip finds a local CPU wheel; from the index alone it
+# is the CUDA build (README, Set-up). A torch already in .venv is kept.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

@@ -177,3 +177,23 @@ def check_l3_miss_refed(out: dict[str, Any], num_layers: int) -> None:
     assert out["got"] == out["want"]
     assert out["kv_checked"] == SESSIONS * 2 * num_layers
     assert out["mismatches"] == 0
+
+
+CHAT_WORDS = ("[UNK]", "user", "assistant", ":", "Hello", "And", "then", "?")
+
+
+def save_tiny_chat_model(path: str, kv_heads: int = 2) -> str:
+    """A tiny seeded Llama with a word-level tokenizer and a chat template, saved with
+    save_pretrained: what a README example loads with from_pretrained(path) (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = models.WordLevel(vocab={w: i for i, w in enumerate(CHAT_WORDS)}, unk_token="[UNK]")
+    raw = Tokenizer(words)
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]")
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} "
+                         "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    tok.save_pretrained(path)
+    tiny_llama(kv_heads=kv_heads).save_pretrained(path)
+    return path

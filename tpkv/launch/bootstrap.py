@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -127,16 +128,19 @@ def init_groups(config: TpkvConfig, device: torch.device) -> RankContext:
 def connect_ray(config: TpkvConfig, ctx: RankContext) -> tuple[Any, bool, int]:
     """Rank 0 starts a local Ray head (or joins config.ray_address, or the Ray it runs in) and
     creates the named controller; the others join the same cluster and find it by name.
+    Rank 0 prints the dashboard's URL when it created the controller (once per controller).
     Returns (ControllerClient, whether this process called ray.init, the next epoch)."""
     import ray
 
     from tpkv.controller import actor
 
     joined = not ray.is_initialized()
+    created = False
     if ctx.rank == 0:
         if joined:
             ray.init(address=config.ray_address or "local", namespace=actor.NAMESPACE,
                      include_dashboard=False, log_to_driver=False)
+        created = not _controller_exists(actor.NAME, actor.NAMESPACE)
         handle = actor.get_or_create(config)
         ray.get(handle.ping.remote(), timeout=config.wait_timeout_s)
         # A local head enables Ray's token auth for this process (RAY_AUTH_MODE, token file in
@@ -152,9 +156,34 @@ def connect_ray(config: TpkvConfig, ctx: RankContext) -> tuple[Any, bool, int]:
             ray.init(address=info["gcs"], namespace=actor.NAMESPACE, log_to_driver=False)
         handle = actor.get_existing(timeout_s=config.wait_timeout_s)
     client = actor.ControllerClient(handle, timeout_s=config.wait_timeout_s)
+    if ctx.rank == 0 and created:
+        print(f"tpkv: {dashboard_line(client)}", file=sys.stderr, flush=True)
     answer = client.register_rank(rank=ctx.rank, geometry=dataclasses.asdict(config.geometry),
                                   host=socket.gethostname())
     return client, joined, int(answer["next_epoch"])
+
+
+def _controller_exists(name: str, namespace: str) -> bool:
+    import ray
+
+    try:
+        ray.get_actor(name, namespace=namespace)
+        return True
+    except ValueError:
+        return False
+
+
+def dashboard_line(client: Any) -> str:
+    """Where the controller's dashboard is (or why there is none), for the console."""
+    try:
+        info = client.dashboard()
+    except Exception as exc:  # the app runs on without it
+        return f"dashboard unknown ({type(exc).__name__}: {exc})"
+    if not info.get("url"):
+        return f"no dashboard: {info.get('error')}"
+    token = " (needs the bearer token: open it with #token=<token>)" \
+        if info.get("token_required") else ""
+    return f"dashboard at {info['url']}{token}; `tpkv status` shows it in the terminal"
 
 
 def _set_ray_auth_mode(mode: str) -> None:
