@@ -26,14 +26,14 @@ demo: $(STAMP)
 	$(BIN)/tpkv demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check tpkv tests bench
+	$(BIN)/ruff check tpkv tests bench examples
 	$(BIN)/mypy tpkv
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 test: $(STAMP)
-	$(BIN)/ruff check tpkv tests bench
+	$(BIN)/ruff check tpkv tests bench examples
 	$(BIN)/mypy tpkv
 	RAY_USAGE_STATS_ENABLED=0 $(BIN)/python -m pytest -q -p no:cacheprovider tests
 
