@@ -148,7 +148,7 @@ def test_page_shows_the_numbers_of_the_api(browser: Any, demo: DemoState, tmp_pa
         assert axes[1] == ["MB/s", ["0.0", "2.5", "5.0", "7.5", "10.0"]]
         assert axes[2] == ["MB/s", ["0", "200", "400", "600", "800"]]
         assert axes[3] == ["GB/s", ["0", "1", "2", "3"]]
-        for unit_, labels in axes:
+        for _, labels in axes:
             assert len(set(labels)) == len(labels), labels
         # plain text where JSON was, and rates that say whether they were measured
         footer = page.text_content("#footer")
@@ -245,5 +245,37 @@ def test_page_asks_for_the_token(browser: Any, demo: DemoState) -> None:
         page2, _ = open_page(browser, thread.url + "#token=tok-123")
         page2.wait_for_selector("#status.live")
         assert "tok-123" not in page2.url  # taken out of the address bar
+    finally:
+        thread.stop()
+
+
+def test_idle_page_keeps_the_last_sessions(browser: Any, tmp_path: Path) -> None:
+    state = build_demo(str(tmp_path), num_sessions=14, num_steps=50)
+    thread = start(state)  # one frame until cache_s is lowered below: no capture races this
+    try:
+        page, problems = open_page(browser, thread.url)
+        page.wait_for_selector("#status.live")
+        page.wait_for_selector("#session-table tbody tr")
+        names = [r[0] for r in cells(page, "#session-table tbody tr")]
+        assert page.is_hidden("#sessions-kept") and len(names) >= 10
+        for name in names:
+            state.ctl.close_session(name)
+        state.clock.advance(30.0)  # no step for 30 s
+        thread.server.frames.cache_s = 0.0  # the next request builds a frame of this state
+        page.evaluate("window.tpkvDashboard.refresh()")
+        page.wait_for_selector("#status.idle")
+        assert page.text_content("#status").startswith("idle since ")
+        assert page.text_content("#h-sessions") == "0"
+        # the last sessions stay in view, said to be so
+        assert [r[0] for r in cells(page, "#session-table tbody tr")] == names
+        note = page.text_content("#sessions-kept")
+        assert note.startswith("No session is open now.") and f"the {len(names)} sessions" in note
+        assert page.is_visible("#heat-kept")
+        assert page.get_attribute("#heat-canvas", "data-rows") == str(len(names))
+        # confirmations read as clock times, not as a growing "ago"
+        confirmed = [r[3] for r in cells(page, "#rank-table tbody tr")]
+        assert confirmed and all(c.startswith("at ") for c in confirmed), confirmed
+        page.screenshot(path=str(tmp_path / "idle.png"), full_page=True)
+        assert problems == []
     finally:
         thread.stop()

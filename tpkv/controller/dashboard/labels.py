@@ -34,6 +34,7 @@ def size(n: float) -> str:
 
 def rate(x: float, unit: str) -> str:
     """A rate in decimal units (B/s: kB/s, MB/s, GB/s; tokens/s: k, M), three digits."""
+    steps: tuple[tuple[float, str], ...]
     if unit == "B/s":
         steps = ((1e9, "GB/s"), (1e6, "MB/s"), (1e3, "kB/s"), (1.0, "B/s"))
     else:
