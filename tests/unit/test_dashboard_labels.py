@@ -101,8 +101,11 @@ def test_last_sessions_are_kept_once_all_closed(demo: DemoState) -> None:
     server, before = served(demo)
     assert before["num_sessions"] > 20 and before["dashboard"]["last_active"] is None
     names = [s["session"] for s in before["sessions"]]
-    for name in names:
+    for name in names[1:]:  # the workload ends: its sessions close one by one
         demo.ctl.close_session(name)
+    _, last_one = served(demo, server)
+    assert last_one["num_sessions"] == 1 and last_one["dashboard"]["last_active"] is None
+    demo.ctl.close_session(names[0])
     _, after = served(demo, server)
     assert after["num_sessions"] == 0 and after["sessions"] == []
     kept = after["dashboard"]["last_active"]
@@ -115,3 +118,20 @@ def test_last_sessions_are_kept_once_all_closed(demo: DemoState) -> None:
     step(demo, ["back-again"], [4], {}, np.random.default_rng(0))
     _, again = served(demo, server)
     assert again["num_sessions"] == 1 and again["dashboard"]["last_active"] is None
+
+
+def test_kept_state_is_the_fullest_of_the_last_minute() -> None:
+    keep = idle.LastActive(window_s=60.0)
+
+    def frame(n: int, t: float) -> dict[str, Any]:
+        out = {"num_sessions": n, "tick": int(t), "sessions": [{"session": f"s{i}"}
+                                                               for i in range(n)]}
+        keep.finish(out, t)
+        return out
+
+    frame(5, 1000.0)
+    frame(3, 1030.0)  # fewer, within the minute: the 5 stay kept
+    assert frame(0, 1031.0)["dashboard"]["last_active"]["num_sessions"] == 5
+    frame(2, 1070.0)  # the 5 are older than a minute now: the 2 replace them
+    kept = frame(0, 1071.0)["dashboard"]["last_active"]
+    assert (kept["num_sessions"], kept["tick"], kept["t_unix_s"]) == (2, 1070, 1070.0)

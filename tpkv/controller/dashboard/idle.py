@@ -23,23 +23,29 @@ def activity(snapshot: Mapping[str, Any], t_unix: float,
 
 
 class LastActive:
-    """The sessions (and heat map) of the last payload that had open sessions: a payload with
-    none gets them as `dashboard.last_active`, with when they were seen, so the page keeps
-    something to look at after a workload closed them all. Kept by the server that renders the
-    frames (so from its frames only: at least one every export interval, 5 s)."""
+    """What the page shows once no session is open: the sessions (and heat map) of the fullest
+    payload (most open sessions) of the last `window_s` seconds before they all closed, as
+    `dashboard.last_active`, with when it was seen. A workload closes its sessions one by one
+    as it ends; the last payload with any may hold only one, the fullest of its last minute
+    shows what ran. Kept by the server that renders the frames, so from its frames only (at
+    least one every export interval, 5 s; one per `dashboard_cache_s` while a page is open)."""
 
-    def __init__(self) -> None:
+    def __init__(self, window_s: float = 60.0) -> None:
+        self.window_s = window_s
         self.kept: dict[str, Any] | None = None
 
     def update(self, out: dict[str, Any], t_unix: float) -> None:
         derived = out.setdefault("dashboard", {})
-        if out.get("num_sessions"):
-            self.kept = {"t_unix_s": round(t_unix, 3), "tick": out.get("tick"),
-                         "num_sessions": out.get("num_sessions"),
-                         "sessions": out.get("sessions", []), "heatmap": derived.get("heatmap")}
-            derived["last_active"] = None
-        else:
+        n = int(out.get("num_sessions") or 0)
+        if not n:
             derived["last_active"] = self.kept
+            return
+        derived["last_active"] = None
+        kept = self.kept
+        if kept is None or n >= kept["num_sessions"] or t_unix - kept["t_unix_s"] > self.window_s:
+            self.kept = {"t_unix_s": round(t_unix, 3), "tick": out.get("tick"),
+                         "num_sessions": n, "sessions": out.get("sessions", []),
+                         "heatmap": derived.get("heatmap")}
 
     def finish(self, out: dict[str, Any], t_unix: float) -> None:
         """Both: the payload's `dashboard.activity` and `dashboard.last_active`."""

@@ -40,6 +40,13 @@
     while (Math.abs(b) >= 1024 && i < u.length - 1) { b /= 1024; i++; }
     return (i ? b.toFixed(1) : String(b)) + " " + u[i];
   }
+  // three significant digits in the largest unit x reaches: "2.5 MB/s", "94.4 MB" (strip "/s")
+  function sig(x, units, strip) {
+    if (!isNum(x)) return "-";
+    const [k, u] = units.find(([s]) => Math.abs(x) >= s) || units[units.length - 1];
+    const v = x / k, d = v === 0 ? 0 : Math.max(0, 2 - Math.floor(Math.log10(Math.abs(v))));
+    return String(Number(v.toFixed(d))) + " " + (strip ? u.replace(strip, "") : u);
+  }
   function duration(s) {
     if (!isNum(s)) return "-";
     if (s < 120) return s.toFixed(0) + " s";
@@ -140,8 +147,8 @@
     $("bytes-caption").textContent = ax.unit + " (all ranks)";
     fill(body, tr.directions.map((dir) => el("tr", { data: { direction: dir } },
       el("td", {}, el("span", { cls: "swatch", title: dir }), dir),
-      td(fixed(tr.latest.moves_per_s[dir], 1), "n"), td(fixed(tr.latest.bytes_per_s[dir] / 1e9, 3), "n"),
-      td(String(tr.totals.moves[dir]), "n"), td(fixed(tr.totals.bytes[dir] / 1e9, 2), "n"))));
+      td(fixed(tr.latest.moves_per_s[dir], 1), "n"), td(sig(tr.latest.bytes_per_s[dir], BYTE_UNITS), "n"),
+      td(String(tr.totals.moves[dir]), "n"), td(sig(tr.totals.bytes[dir], BYTE_UNITS, "/s"), "n"))));
     body.querySelectorAll(".swatch").forEach((s) => { s.style.background = DIR_COLORS[s.title] || "#888"; });
   }
 
@@ -177,8 +184,8 @@
   function keptNote(id, kept) {
     $(id).hidden = !kept;
     $(id).textContent = kept ? "No session is open now. Shown: the " + kept.num_sessions +
-      " sessions open at " + hhmmss(kept.t_unix_s) + " (step " + kept.tick + "), the last state " +
-      "with sessions this dashboard saw." : "";
+      " sessions open at " + hhmmss(kept.t_unix_s) + " (step " + kept.tick + "), the fullest state " +
+      "of the last minute with sessions open." : "";
   }
 
   // "rows a-b of n in view": the rows wholly inside the scrolled box, under its header
