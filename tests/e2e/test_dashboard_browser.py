@@ -112,9 +112,57 @@ def test_page_shows_the_numbers_of_the_api(browser: Any, demo: DemoState, tmp_pa
             assert row[:3] == [s["session"], str(s["tokens"]), str(s["blocks"])]
             assert row[4:8] == [str(t["L1"]), str(t["L2"]), str(t["L3"]), str(t["none"])]
             assert float(row[8]) == pytest.approx(s["heat"], abs=6e-4)
-            assert row[9] == str(s["last_run_tick"]) and row[12] == cost["choice"]
+            assert row[9] == str(s["last_run_tick"])
+            assert row[12] == {"none": "all in L1"}.get(cost["choice"], cost["choice"])
             assert float(row[13]) == pytest.approx(cost["load_s"] * 1e3, abs=6e-3)
         assert {r[12] for r in rows} == {"load", "recompute"}
+        # the count above the table names the rows in view, and that many are in view
+        box = page.evaluate("""() => { const b = document.getElementById('session-scroll')
+            .getBoundingClientRect(), h = document.querySelector('#session-table thead')
+            .getBoundingClientRect(); return [Math.max(b.top, h.bottom), b.bottom]; }""")
+        in_view = [r for r in page.eval_on_selector_all(
+            "#session-table tbody tr", "rows => rows.map(r => { const b = "
+            "r.getBoundingClientRect(); return [b.top, b.bottom]; })")
+            if r[0] >= box[0] - 1 and r[1] <= box[1] + 1]
+        count = page.text_content("#session-count")
+        assert 0 < len(in_view) < n  # the box scrolls: not every row is in view
+        assert f"rows 1\u2013{len(in_view)} of {n} in view" in count, count
+        assert f"{api['num_sessions']} open" in count
+        page.eval_on_selector("#session-scroll", "b => { b.scrollTop = b.scrollHeight; }")
+        page.wait_for_timeout(100)
+        assert f"\u2013{n} of {n} in view" in page.text_content("#session-count")
+        page.eval_on_selector("#session-scroll", "b => { b.scrollTop = 0; }")
+        # the y axis labels read differently, in a unit the values need
+        for chart in ("#chart-moves", "#chart-bytes"):
+            ticks = page.get_attribute(chart, "data-ticks").split("|")
+            assert len(ticks) >= 2 and len(set(ticks)) == len(ticks), ticks
+        unit = page.get_attribute("#chart-bytes", "data-unit")
+        assert page.text_content("#bytes-caption") == f"{unit} (all ranks)"
+        peak = max(v for vals in d["traffic"]["bytes_per_s"].values() for v in vals)
+        scale = {"GB/s": 1e9, "MB/s": 1e6, "kB/s": 1e3, "B/s": 1}[unit]
+        assert 1 <= peak / scale < 1000 or unit == "B/s"
+        axes = page.evaluate("""() => [0.01, 9e6, 7.5e8, 2.2e9, 0].map((y) => {
+            const a = window.tpkvCharts.axis(y, [[1e9, "GB/s"], [1e6, "MB/s"], [1e3, "kB/s"],
+                                                 [1, "B/s"]]); return [a.unit, a.labels]; })""")
+        assert axes[0] == ["B/s", ["0.0000", "0.0025", "0.0050", "0.0075", "0.0100"]]
+        assert axes[1] == ["MB/s", ["0.0", "2.5", "5.0", "7.5", "10.0"]]
+        assert axes[2] == ["MB/s", ["0", "200", "400", "600", "800"]]
+        assert axes[3] == ["GB/s", ["0", "1", "2", "3"]]
+        for _, labels in axes:
+            assert len(set(labels)) == len(labels), labels
+        # plain text where JSON was, and rates that say whether they were measured
+        footer = page.text_content("#footer")
+        assert d["geometry_text"] in footer and "{" not in footer
+        assert "layers x" in d["geometry_text"] and "per block per rank" in d["geometry_text"]
+        health = page.text_content("#health-list")
+        for rate in d["rates"].values():
+            assert rate["text"] in health
+        assert "(configured, not yet measured)" in health  # the demo measures no L3 read
+        assert "(measured, " in health  # its prefill reports
+        for tier, acc in d["accounting"].items():
+            assert page.text_content(f'#tier-accounting [data-tier="{tier}"]') == (
+                f"{tier}: {acc['text']}")
+            assert sum(p["blocks"] for p in acc["parts"]) == acc["slots"] and acc["rest"] == 0
         assert {k for s in api["sessions"] for k in ("L1", "L2", "L3") if s["tiers"][k]} == {
             "L1", "L2", "L3"}  # a realistic state: sessions in every tier
         page.fill("#search", "rag-")
@@ -197,5 +245,37 @@ def test_page_asks_for_the_token(browser: Any, demo: DemoState) -> None:
         page2, _ = open_page(browser, thread.url + "#token=tok-123")
         page2.wait_for_selector("#status.live")
         assert "tok-123" not in page2.url  # taken out of the address bar
+    finally:
+        thread.stop()
+
+
+def test_idle_page_keeps_the_last_sessions(browser: Any, tmp_path: Path) -> None:
+    state = build_demo(str(tmp_path), num_sessions=14, num_steps=50)
+    thread = start(state)  # one frame until cache_s is lowered below: no capture races this
+    try:
+        page, problems = open_page(browser, thread.url)
+        page.wait_for_selector("#status.live")
+        page.wait_for_selector("#session-table tbody tr")
+        names = [r[0] for r in cells(page, "#session-table tbody tr")]
+        assert page.is_hidden("#sessions-kept") and len(names) >= 10
+        for name in names:
+            state.ctl.close_session(name)
+        state.clock.advance(30.0)  # no step for 30 s
+        thread.server.frames.cache_s = 0.0  # the next request builds a frame of this state
+        page.evaluate("window.tpkvDashboard.refresh()")
+        page.wait_for_selector("#status.idle")
+        assert page.text_content("#status").startswith("idle since ")
+        assert page.text_content("#h-sessions") == "0"
+        # the last sessions stay in view, said to be so
+        assert [r[0] for r in cells(page, "#session-table tbody tr")] == names
+        note = page.text_content("#sessions-kept")
+        assert note.startswith("No session is open now.") and f"the {len(names)} sessions" in note
+        assert page.is_visible("#heat-kept")
+        assert page.get_attribute("#heat-canvas", "data-rows") == str(len(names))
+        # confirmations read as clock times, not as a growing "ago"
+        confirmed = [r[3] for r in cells(page, "#rank-table tbody tr")]
+        assert confirmed and all(c.startswith("at ") for c in confirmed), confirmed
+        page.screenshot(path=str(tmp_path / "idle.png"), full_page=True)
+        assert problems == []
     finally:
         thread.stop()

@@ -82,6 +82,8 @@ class Capture:
     metadata_bytes: int
     events: list[dict[str, Any]]
     event_counts: dict[str, int]
+    l3_held: int = 0  # L3 room freed but held until the ranks apply the last step
+    last_step_s: float | None = None  # now_s() when the last step started (None: no step yet)
     _index: dict[str, int] = field(default_factory=dict)
 
     def snapshot(self) -> dict[str, Any]:
@@ -146,4 +148,4 @@ def capture(ctl: Controller, max_sessions: int = 256) -> Capture:
         rates=ctl.rates.as_dict(), policy=ctl.config.policy, capacity=T.capacity,
         live_blocks=T.capacity - T.free_rows.top, metadata_bytes=ctl.metadata_bytes(),
         events=[dict(e) for e in list(events)[-64:]] if events else [],
-        event_counts=dict(ctl.event_counts))
+        event_counts=dict(ctl.event_counts), l3_held=T.l3_held, last_step_s=ctl.last_step_s)

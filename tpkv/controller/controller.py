@@ -98,6 +98,7 @@ class Controller:
         self.rates = RateMeter(pol)
         self.check_invariants = check_invariants
         self.tick = 0
+        self.last_step_s: float | None = None  # now_s() of the last step's start
         self.next_epoch = 1
         self.committed_epoch = 0
         self.pending: deque[PendingPlan] = deque()

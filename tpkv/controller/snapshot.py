@@ -43,6 +43,9 @@ def _tiers(cap: Capture) -> dict[str, Any]:
     # block writes nothing) and dead ones; they hold room (not in "free") until their segment
     # goes
     out["L3"]["other_records"] = cap.l3_other
+    # L3 room freed (blocks gone up, emptied segments' headers) but held until the ranks have
+    # applied the step that freed it: slots = used + free + other_records + held
+    out["L3"]["held"] = cap.l3_held
     out["none"] = {"blocks": cap.unplaced}
     return out
 
@@ -91,6 +94,7 @@ def render(cap: Capture) -> dict[str, Any]:
     return {
         "tick": cap.tick,
         "uptime_s": _num(cap.uptime_s),
+        "last_step_s": None if cap.last_step_s is None else _num(cap.last_step_s),
         "epoch": {"next": cap.next_epoch, "committed": cap.committed_epoch,
                   "pending": cap.pending_epochs, "num_pending": cap.num_pending},
         "restarts": cap.restarts,

@@ -84,6 +84,7 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     # ---- the step is valid: from here on the table changes -------------------------------------
     ctl.changing = True
     ctl.tick += 1
+    ctl.last_step_s = ctl.now_s()  # the dashboard tells idle from live by it
     tick = ctl.tick
     tokens_before = S.tokens[batch] if T.keep_copies or T.keep_l3 else None
     start_runs(batch, tokens, tick, S.tokens, S.pending, S.runs, S.run_hist, S.clean)

@@ -15,6 +15,7 @@ from aiohttp import web
 from tpkv.controller.dashboard import metrics, view
 from tpkv.controller.dashboard.frames import Frame, FrameCache, Render
 from tpkv.controller.dashboard.guard import Guard, security_headers
+from tpkv.controller.dashboard.idle import LastActive
 from tpkv.controller.dashboard.recorder import Recorder
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class DashboardServer:
         self.extra_hosts = tuple(extra_hosts)
         self.guard: Guard | None = None
         self.assets = load_assets()
+        self.last_active = LastActive()  # the last frame's sessions while none are open
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Future[None]] = []
 
@@ -221,6 +223,7 @@ class DashboardServer:
             out = make()
             out["dashboard"].update(snapshot_unix_s=round(t_unix, 3), cache_s=self.cache_s,
                                     snapshot_hold_s=round(hold_s, 6))
+            self.last_active.finish(out, t_unix)
             body = view.dumps(out).encode()
             specs = metrics.collect(out)
             text = metrics.prometheus_text(specs)

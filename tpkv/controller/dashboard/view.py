@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from tpkv.controller.dashboard import labels
 from tpkv.controller.dashboard.recorder import Recorder
 
 BlocksFn = Callable[[str], Mapping[str, Any]]
@@ -122,7 +123,9 @@ def payload(snapshot: Mapping[str, Any], recorder: Recorder | None,
     sessions = list(snapshot.get("sessions", []))
     ranks = snapshot.get("ranks", {}) or {}
     derived: dict[str, Any] = {
-        "info": dict(info), "heatmap": heatmap(sessions, blocks_fn) if with_heatmap else None}
+        "info": dict(info), "heatmap": heatmap(sessions, blocks_fn) if with_heatmap else None,
+        "geometry_text": labels.geometry_text(info), "rates": labels.rates(snapshot),
+        "accounting": labels.accounting(snapshot.get("tiers") or {})}
     if recorder is not None:
         derived["now_s"] = recorder.clock()
         derived["traffic"] = recorder.traffic()

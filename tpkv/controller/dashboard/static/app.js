@@ -7,7 +7,13 @@
   const DIR_COLORS = { "L1->L2": "#d1453b", "L2->L1": "#1f9e89", "L2->L3": "#e0912f",
                        "L3->L2": "#3b6fd8" };
   const $ = (id) => document.getElementById(id);
-  const state = { data: null, renders: 0, sortKey: null, sortDir: -1, query: "", heat: null };
+  const BYTE_UNITS = [[1e9, "GB/s"], [1e6, "MB/s"], [1e3, "kB/s"], [1, "B/s"]];
+  const CHOICES = {  // the cost model's choice for a session resumed now, in words
+    none: ["all in L1", "every block is in L1: nothing to bring back"],
+    load: ["load", "bring its blocks back from L2/L3 (cheaper than recomputing them)"],
+    recompute: ["recompute", "recompute its missing blocks in a prefill (cheaper than loading)"] };
+  const state = { data: null, renders: 0, sortKey: null, sortDir: -1, query: "", heat: null,
+                  idle: false, clock: null, countPrefix: "" };
   let token = null;
 
   // ---- small helpers -------------------------------------------------------------------------
@@ -34,13 +40,24 @@
     while (Math.abs(b) >= 1024 && i < u.length - 1) { b /= 1024; i++; }
     return (i ? b.toFixed(1) : String(b)) + " " + u[i];
   }
+  // three significant digits in the largest unit x reaches: "2.5 MB/s", "94.4 MB" (strip "/s")
+  function sig(x, units, strip) {
+    if (!isNum(x)) return "-";
+    const [k, u] = units.find(([s]) => Math.abs(x) >= s) || units[units.length - 1];
+    const v = x / k, d = v === 0 ? 0 : Math.max(0, 2 - Math.floor(Math.log10(Math.abs(v))));
+    return String(Number(v.toFixed(d))) + " " + (strip ? u.replace(strip, "") : u);
+  }
   function duration(s) {
     if (!isNum(s)) return "-";
     if (s < 120) return s.toFixed(0) + " s";
     if (s < 7200) return (s / 60).toFixed(1) + " min";
     return (s / 3600).toFixed(1) + " h";
   }
-  const since = (t, now) => (isNum(t) && isNum(now) ? duration(now - t) + " ago" : "-");
+  const hhmmss = (unix) => new Date(unix * 1000).toLocaleTimeString();
+  // controller time t_s as "N s ago" while steps run; once idle, the clock time it happened
+  // (a growing "ago" would read as if the controller still confirmed things)
+  const since = (t, now) => (!isNum(t) || !isNum(now) ? "-" : state.idle && state.clock
+    ? "at " + hhmmss(state.clock - (now - t)) : duration(now - t) + " ago");
   const ago = (t, now) => (isNum(t) && isNum(now) ? fixed(t, 1) + " (" + duration(now - t) + " ago)" : "-");
   function kv(dl, pairs) {
     dl.replaceChildren(...pairs.flatMap(([k, v, bad]) => [
@@ -89,6 +106,10 @@
       (info.tp_size ? "1/" + info.tp_size + " " : "") + "shard of the same blocks" +
       (per ? " (per rank: " + per + ")" : "") + ". Blocks in no tier: " +
       ((d.tiers.none || {}).blocks ?? 0) + ".";
+    const acc = (d.dashboard && d.dashboard.accounting) || {};
+    $("tier-accounting").replaceChildren(...Object.entries(acc).map(([n, a]) => el("div",
+      { data: { tier: n }, title: a.parts.map((p) => p.name + ": " + p.what).join("\n") },
+      el("b", { text: n + ": " }), a.text)));
   }
 
   function renderHealth(d) {
@@ -100,9 +121,13 @@
       ["awaiting rebuild", d.awaiting_rebuild ? "yes" : "no", d.awaiting_rebuild],
       ["plan latency p50 / p99 / max", fixed(lat.p50 / 1e3, 2) + " / " + fixed(lat.p99 / 1e3, 2) +
         " / " + fixed(lat.max / 1e3, 2) + " ms (" + int(lat.count) + " steps)"],
-      ["L2\u2192L1 / L3\u2192L2 per rank", fixed(r.h2d_bytes_per_s / 1e9, 1) + " / " +
-        fixed(r.ssd_read_bytes_per_s / 1e9, 2) + " GB/s"],
-      ["prefill", int(r.prefill_tokens_per_s) + " tokens/s"],
+      ...["h2d", "ssd_read", "prefill"].map((k) => {
+        const x = (d.dashboard && d.dashboard.rates || {})[k];
+        const names = { h2d: ["L2\u2192L1 per rank", r.h2d_bytes_per_s, "B/s"],
+          ssd_read: ["L3\u2192L2 per rank", r.ssd_read_bytes_per_s, "B/s"],
+          prefill: ["prefill", r.prefill_tokens_per_s, "tokens/s"] }[k];
+        return [names[0], x ? x.text : fixed(names[1], 0) + " " + names[2]];
+      }),
       ["block table", int(t.live_blocks) + " live of " + int(t.capacity) + " rows, " + bytes(t.metadata_bytes)],
       ["ranks registered", String(Object.keys(d.ranks || {}).length)],
       ["uptime", duration(d.uptime_s)],
@@ -116,15 +141,14 @@
     const now = d.dashboard.now_s;
     const xs = tr.t_s.map((t) => t - now);
     $("traffic-window").textContent = "last " + duration(tr.window_s) + ", " + tr.totals.plans + " plans committed";
-    const gbs = Object.fromEntries(Object.entries(tr.bytes_per_s).map(([k, v]) => [k, v.map((b) => b / 1e9)]));
-    window.tpkvCharts.lines($("chart-moves"), xs, tr.moves_per_s, DIR_COLORS,
-      { windowS: tr.window_s, fmt: (v) => (v >= 100 ? v.toFixed(0) : v.toFixed(1)) });
-    window.tpkvCharts.lines($("chart-bytes"), xs, gbs, DIR_COLORS,
-      { windowS: tr.window_s, fmt: (v) => v.toFixed(v >= 10 ? 0 : 2) });
+    window.tpkvCharts.lines($("chart-moves"), xs, tr.moves_per_s, DIR_COLORS, { windowS: tr.window_s });
+    const ax = window.tpkvCharts.lines($("chart-bytes"), xs, tr.bytes_per_s, DIR_COLORS,
+      { windowS: tr.window_s, units: BYTE_UNITS });
+    $("bytes-caption").textContent = ax.unit + " (all ranks)";
     fill(body, tr.directions.map((dir) => el("tr", { data: { direction: dir } },
       el("td", {}, el("span", { cls: "swatch", title: dir }), dir),
-      td(fixed(tr.latest.moves_per_s[dir], 1), "n"), td(fixed(tr.latest.bytes_per_s[dir] / 1e9, 3), "n"),
-      td(String(tr.totals.moves[dir]), "n"), td(fixed(tr.totals.bytes[dir] / 1e9, 2), "n"))));
+      td(fixed(tr.latest.moves_per_s[dir], 1), "n"), td(sig(tr.latest.bytes_per_s[dir], BYTE_UNITS), "n"),
+      td(String(tr.totals.moves[dir]), "n"), td(sig(tr.totals.bytes[dir], BYTE_UNITS, "/s"), "n"))));
     body.querySelectorAll(".swatch").forEach((s) => { s.style.background = DIR_COLORS[s.title] || "#888"; });
   }
 
@@ -148,7 +172,41 @@
     return bar;
   }
 
-  function renderSessions(d) {
+  // With no session open, the last state that had some (dashboard.last_active) is shown,
+  // labelled as such: a workload that closed them all leaves something to look at.
+  function shownSessions(d) {
+    const kept = d.dashboard && d.dashboard.last_active;
+    if (d.num_sessions || !kept) return { d, kept: null };
+    return { kept, d: Object.assign({}, d, { sessions: kept.sessions, num_sessions: kept.num_sessions,
+      dashboard: Object.assign({}, d.dashboard, { heatmap: kept.heatmap }) }) };
+  }
+
+  function keptNote(id, kept) {
+    $(id).hidden = !kept;
+    $(id).textContent = kept ? "No session is open now. Shown: the " + kept.num_sessions +
+      " sessions open at " + hhmmss(kept.t_unix_s) + " (step " + kept.tick + "), the fullest state " +
+      "of the last minute with sessions open." : "";
+  }
+
+  // "rows a-b of n in view": the rows wholly inside the scrolled box, under its header
+  function countVisible() {
+    const box = $("session-scroll"), rows = [...$("session-table").tBodies[0].rows];
+    const r = box.getBoundingClientRect(), head = $("session-table").tHead.getBoundingClientRect();
+    const top = Math.max(r.top, head.bottom) - 1, bottom = r.bottom + 1;
+    const seen = rows.map((x, i) => [i, x.getBoundingClientRect()])
+      .filter(([, b]) => b.top >= top && b.bottom <= bottom).map(([i]) => i);
+    const n = rows.length, c = $("session-count");
+    c.dataset.visible = String(seen.length);
+    c.dataset.listed = String(n);
+    const view = !n ? "no rows" : seen.length === n ? "all " + n + " rows in view"
+      : seen.length ? "rows " + (seen[0] + 1) + "\u2013" + (seen[seen.length - 1] + 1) + " of " + n +
+        " in view (scroll the table for the rest)" : "0 of " + n + " rows in view (scroll the table)";
+    c.textContent = state.countPrefix + view;
+  }
+
+  function renderSessions(data) {
+    const { d, kept } = shownSessions(data);
+    keptNote("sessions-kept", kept);
     const q = state.query.trim().toLowerCase();
     let rows = (d.sessions || []).map(sessionRow).filter((r) => !q || r.session.toLowerCase().includes(q));
     if (state.sortKey) {
@@ -160,21 +218,33 @@
       });
     }
     const listed = (d.sessions || []).length;
-    $("session-count").textContent = rows.length + " shown of " + d.num_sessions + " open" +
-      (listed < d.num_sessions ? " (snapshot lists the " + listed + " most recent)" : "");
+    state.countPrefix = (kept ? kept.num_sessions + " open at " + hhmmss(kept.t_unix_s) : d.num_sessions + " open") +
+      (listed < d.num_sessions ? ", the " + listed + " most recent listed" : "") +
+      (q ? ", " + rows.length + " match" : "") + "; ";
     fill($("session-table").tBodies[0], rows.map((r) => {
       const pins = (r.s.pins || []).map((p) => "[" + p[0] + ", " + p[1] + ")").join(" ");
       return el("tr", { data: { session: r.session } }, td(r.session, "name"), td(r.tokens, "n"),
         td(r.blocks, "n"), el("td", {}, stack(r)), td(r.l1, "n"), td(r.l2, "n"), td(r.l3, "n"),
         td(r.none, "n"), td(fixed(r.heat, 3), "n"), td(r.last_run_tick, "n"),
         td(isNum(r.s.ticks_idle) ? r.s.ticks_idle : "-", "n"),
-        td(String(r.s.pinned_blocks || 0) + (r.s.auto_pinned_blocks ? " +" + r.s.auto_pinned_blocks + " auto" : ""),
-          "n", { title: pins ? "pinned ranges " + pins : "" }),
-        td(r.choice, "choice-" + r.choice), td(ms(r.load_ms), "n"), td(ms(r.recompute_ms), "n"));
+        td(pinText(r.s), "n", { title: (r.s.pinned_blocks || 0) + " pinned by the caller" +
+          (pins ? " (blocks " + pins + ")" : "") + ", " + (r.s.auto_pinned_blocks || 0) +
+          " auto-pinned (attention above the threshold)" }),
+        td((CHOICES[r.choice] || [r.choice])[0], "choice-" + r.choice,
+          { title: (CHOICES[r.choice] || ["", ""])[1], data: { choice: r.choice } }),
+        td(ms(r.load_ms), "n"), td(ms(r.recompute_ms), "n"));
     }));
+    countVisible();
   }
 
-  function renderHeatmap(d) {
+  function pinText(s) {  // "-", "8", "2 auto", "8 + 2 auto"
+    const p = s.pinned_blocks || 0, a = s.auto_pinned_blocks || 0;
+    return !p && !a ? "-" : !a ? String(p) : (p ? p + " + " : "") + a + " auto";
+  }
+
+  function renderHeatmap(data) {
+    const { d, kept } = shownSessions(data);
+    keptNote("heat-kept", kept);
     const hm = d.dashboard && d.dashboard.heatmap;
     if (!hm) return;
     $("heat-sub").textContent = hm.rows_shown + " most recent sessions, " + hm.blocks_per_cell +
@@ -239,11 +309,15 @@
   }
 
   function render(d) {
+    const act = (d.dashboard && d.dashboard.activity) || {};
+    state.idle = act.state === "idle" || act.state === "waiting";
+    state.clock = d.dashboard ? d.dashboard.snapshot_unix_s : null;
     renderHeader(d); renderTiers(d); renderHealth(d); renderTraffic(d); renderSessions(d);
     renderHeatmap(d); renderConsistency(d); renderEvents(d);
     const info = (d.dashboard && d.dashboard.info) || {};
     $("footer").textContent = "Read-only; refreshes every " + REFRESH_MS / 1000 + " s. JSON: /api/snapshot, " +
-      "Prometheus: /metrics." + (info.geometry ? " Geometry: " + JSON.stringify(info.geometry) : "");
+      "Prometheus: /metrics." + (d.dashboard && d.dashboard.geometry_text ? " KV cache: " +
+      d.dashboard.geometry_text + "." : "");
     state.renders += 1;
   }
 
@@ -256,7 +330,10 @@
       if (!r.ok) throw new Error("HTTP " + r.status);
       state.data = await r.json();
       render(state.data);
-      setStatus("live", "live");
+      const act = (state.data.dashboard && state.data.dashboard.activity) || {};
+      if (act.state === "idle") setStatus("idle", "idle since " + hhmmss(act.last_step_unix_s));
+      else if (act.state === "waiting") setStatus("idle", "idle: no step yet");
+      else setStatus("live", "live");
     } catch (e) {
       setStatus("stale", "offline: " + e.message);
     }
@@ -283,6 +360,7 @@
       if (state.sortKey) th.classList.add(state.sortDir > 0 ? "asc" : "desc");
       if (state.data) renderSessions(state.data);
     }));
+    $("session-scroll").addEventListener("scroll", countVisible);
     $("heat-canvas").addEventListener("mousemove", heatTip);
     $("heat-canvas").addEventListener("mouseleave", () => { $("heat-tip").hidden = true; });
     window.addEventListener("resize", () => { if (state.data) render(state.data); });

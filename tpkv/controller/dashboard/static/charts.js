@@ -24,24 +24,50 @@ window.tpkvCharts = (() => {
     return 10 * p;
   }
 
-  // xs: seconds relative to now (<= 0); series: {name: [y per x]}; colors: {name: css colour}.
+  function stepDecimals(step) {  // decimals that print every multiple of `step` exactly
+    for (let d = 0; d <= 6; d++) {
+      const v = step * Math.pow(10, d);
+      if (Math.abs(v - Math.round(v)) < 1e-6 * Math.max(1, v)) return d;
+    }
+    return 6;
+  }
+
+  // The y axis of values up to `ymax`: a unit from `units` ([[scale, name], ...], largest
+  // first: the largest that ymax reaches), about 4 nice steps in it, and their labels with
+  // the decimals the step needs (0.25 -> 2, 2.5 -> 1, 50 -> 0), so no two labels read alike.
+  function axis(ymax, units) {
+    const us = units && units.length ? units : [[1, ""]];
+    const [scale, unit] = us.find(([k]) => ymax >= k) || us[us.length - 1];
+    const top = ymax / scale;
+    const step = niceStep(top / 4), n = Math.max(1, Math.ceil(top / step - 1e-9));
+    const d = stepDecimals(step);
+    const labels = [];
+    for (let i = 0; i <= n; i++) labels.push((step * i).toFixed(d));
+    return { scale, unit, step, n, max: step * n, labels };
+  }
+
+  // xs: seconds relative to now (<= 0); series: {name: [y per x]}; colors: {name: css colour};
+  // opts.units: the axis' units (see axis). Returns the axis drawn.
   function lines(canvas, xs, series, colors, opts) {
     const { ctx, w, h } = setup(canvas, opts.height || 190);
     const L = 52, R = 10, T = 8, B = 22, pw = w - L - R, ph = h - T - B;
     const windowS = opts.windowS || 300;
-    let ymax = 0;
-    for (const ys of Object.values(series)) for (const y of ys) ymax = Math.max(ymax, y);
-    const ystep = niceStep(ymax / 4), nlines = Math.max(1, Math.ceil(ymax / ystep - 1e-9));
-    ymax = ystep * nlines;
+    let peak = 0;
+    for (const ys of Object.values(series)) for (const y of ys) peak = Math.max(peak, y);
+    const ax = axis(peak, opts.units);
+    const ystep = ax.step, nlines = ax.n, ymax = ax.max;
+    series = Object.fromEntries(Object.entries(series).map(([k, ys]) => [k, ys.map((y) => y / ax.scale)]));
     canvas.dataset.points = String(xs.length);
-    canvas.dataset.ymax = String(ymax);
+    canvas.dataset.ymax = String(ymax * ax.scale);
+    canvas.dataset.unit = ax.unit;
+    canvas.dataset.ticks = ax.labels.join("|");
     const X = (x) => L + pw * (1 + x / windowS), Y = (y) => T + ph * (1 - y / ymax);
     ctx.strokeStyle = GRID; ctx.fillStyle = MUTE; ctx.lineWidth = 1;
     ctx.textAlign = "right"; ctx.textBaseline = "middle";
     for (let i = 0; i <= nlines; i++) {
       const v = ystep * i, y = Math.round(Y(v)) + 0.5;
       ctx.beginPath(); ctx.moveTo(L, y); ctx.lineTo(L + pw, y); ctx.stroke();
-      ctx.fillText(opts.fmt(v), L - 6, y);
+      ctx.fillText(ax.labels[i], L - 6, y);
     }
     ctx.textAlign = "center"; ctx.textBaseline = "top";
     const step = windowS > 200 ? 60 : 30;
@@ -54,7 +80,7 @@ window.tpkvCharts = (() => {
     if (!xs.length) {
       ctx.fillStyle = MUTE; ctx.textBaseline = "middle";
       ctx.fillText("no committed plans in the window yet", L + pw / 2, T + ph / 2);
-      return;
+      return ax;
     }
     ctx.save();
     ctx.beginPath(); ctx.rect(L, T - 2, pw, ph + 4); ctx.clip();
@@ -66,6 +92,7 @@ window.tpkvCharts = (() => {
       ctx.stroke();
     }
     ctx.restore();
+    return ax;
   }
 
   function mix(hex, t) {  // hex colour blended towards white; t = 1 keeps the colour
@@ -110,5 +137,5 @@ window.tpkvCharts = (() => {
     return { labelW, cellW, rowH, top, rows, cols, k };
   }
 
-  return { lines, heatmap, mix };
+  return { lines, heatmap, mix, axis };
 })();
