@@ -328,7 +328,7 @@ class TpkvRuntime:
         is pinned in the background; the other ranks wait for an arena a copy needs)."""
         ready = self.worker.host.ready_slots
         if ready != self._l2_told:
-            self._call("set_l2_online", ready)
+            self._call("set_l2_online", num_slots=ready)
             self._l2_told = ready
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
