@@ -159,7 +159,8 @@ def launch_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `tpkv` command's parser (every subcommand, each flag with its help and default)."""
     ap = argparse.ArgumentParser(prog="tpkv", description=tpkv.__doc__, epilog=ENV_HELP,
                                  formatter_class=HelpFormatter)
     ap.add_argument("--version", action="version", version=f"tpkv {version()}")
@@ -192,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "or per CPU rank)")
     la.add_argument("--tp", type=int, required=True, help="TP ranks (one bundle each)")
     la.add_argument("--ray-address", default=None, help="join this cluster (default: local)")
-    la.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local cluster")
+    la.add_argument("--num-cpus", type=int, default=None,
+                    help="CPUs of a local cluster (default: this machine's, at least --tp)")
     la.add_argument("--timeout-s", type=float, default=30.0,
                     help="bound on placement, start-up, and on ending after a rank fails")
     la.add_argument("app", help="module:function or file.py:function; runs on every rank")
@@ -203,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     v.set_defaults(func=lambda a: print(version()) or 0)
     for p in sub.choices.values():
         p.formatter_class = HelpFormatter
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     stop.install()
     try:
         if args.command != "version":  # a bad TPKV_* variable is refused, named, up front

@@ -75,10 +75,12 @@ def rank_main(cfg: TpkvConfig, model_name: str, seconds: float, sessions: int,
     if rank == 0 and progress_path is not None:
         from tpkv.launch import demo_progress
 
-        path, started = progress_path, time.time()
+        path, started = progress_path, [0.0]
 
         def report(turns: int, stats: Any) -> None:
-            demo_progress.write(path, turns, started, stats.moves)
+            if turns == 0:  # the workload starts: the time cap counts from here
+                started[0] = time.time()
+            demo_progress.write(path, turns, started[0], stats.moves)
 
     with init(cfg, device=device, env=False) as rt:
         if world > 1:
