@@ -15,7 +15,7 @@ import textwrap
 import pytest
 from rich.console import Console
 
-from tpkv.launch import cli, demo_progress
+from tpkv.launch import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": ROOT}
@@ -103,6 +103,8 @@ def test_sigterm_prints_stopping_runs_cleanup_and_exits_143() -> None:
 def test_progress_without_a_terminal_prints_a_line_every_few_seconds() -> None:
     """A log gets a plain line every 5 s; the percentage follows turns (the workload ends at a
     third of the time cap) and never jumps; L3 shows blocks and moves, not only its share."""
+    from tpkv.launch import demo_progress
+
     buf = io.StringIO()
     console = Console(file=buf, force_terminal=False, width=200)
     now = [1000.0]
@@ -127,6 +129,8 @@ def test_progress_without_a_terminal_prints_a_line_every_few_seconds() -> None:
 
 
 def test_progress_file_round_trip(tmp_path: os.PathLike[str]) -> None:
+    from tpkv.launch import demo_progress
+
     path = os.path.join(tmp_path, "progress.json")
     assert demo_progress.read(path) is None
     demo_progress.write(path, 5, 123.5, {"l2_l3": 4})

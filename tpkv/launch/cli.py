@@ -220,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except stop.Stop as exc:  # the handler said "stopping"; the command's cleanup has run
         return exc.exit_code
+    except SystemExit as exc:  # SIGTERM inside ray.init: Ray's own handler is sys.exit(15)
+        if exc.code != stop.SIGTERM:
+            raise
+        print(f"tpkv {args.command}: SIGTERM, stopping", file=sys.stderr)
+        return 128 + stop.SIGTERM
 
 
 if __name__ == "__main__":

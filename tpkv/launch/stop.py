@@ -14,6 +14,8 @@ import signal
 import threading
 from types import FrameType
 
+SIGTERM = int(signal.SIGTERM)
+
 
 class Stop(BaseException):
     """A signal asked the command to stop (BaseException: `except Exception` lets it pass)."""
