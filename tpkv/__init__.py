@@ -8,7 +8,6 @@ from tpkv.errors import (
     TierFullError,
     TpkvError,
 )
-from tpkv.types import MovePlan, MoveResult, Tier
 
 __version__ = "0.1.0"
 
@@ -19,9 +18,11 @@ __all__ = [
 ]
 
 # Imported on first use: `import tpkv` (and the controller, which must not pull in torch or
-# Ray) stays light; tpkv.init / tpkv.launch_ray bring the worker and launcher modules in.
+# Ray; and `tpkv --help`, which needs no numpy either) stays light; tpkv.init / tpkv.launch_ray
+# bring the worker and launcher modules in.
 _LAZY = {"init": "tpkv.launch.join", "TpkvRuntime": "tpkv.launch.runtime",
-         "launch_ray": "tpkv.launch.ray_launch", "attach": "tpkv.models.hf_attach"}
+         "launch_ray": "tpkv.launch.ray_launch", "attach": "tpkv.models.hf_attach",
+         "MovePlan": "tpkv.types", "MoveResult": "tpkv.types", "Tier": "tpkv.types"}
 
 
 def __getattr__(name: str) -> object:

@@ -57,7 +57,18 @@ def _count_inits() -> int:
         internal_kv._internal_kv_put(key, str(n).encode(), overwrite=True)
         return n
     except Exception:  # the KV store is an internal API: fall back to Ray's own flag
-        return 2 if ray.get_runtime_context().was_current_actor_reconstructed else 1
+        return 2 if _ray_says_reconstructed() else 1
+
+
+def _ray_says_reconstructed() -> bool:
+    """RuntimeContext.was_current_actor_reconstructed, asked only when the KV count fails: it
+    reads Ray's own deprecated `actor_id` property (a RayDeprecationWarning in every actor's log
+    since Ray 2.4x) and asks the GCS for the actor's record."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
 class ControllerActor:
@@ -69,10 +80,9 @@ class ControllerActor:
                 "mark_lost", "set_l2_online")
 
     def __init__(self, config: TpkvConfig) -> None:
-        restarts = _count_inits() - 1
-        reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
-        self.ctl = Controller(config, time.monotonic, restarts=max(restarts, int(reconstructed)),
-                              awaiting_rebuild=reconstructed or restarts > 0)
+        restarts = _count_inits() - 1  # > 0: Ray restarted this actor (its state is gone)
+        self.ctl = Controller(config, time.monotonic, restarts=restarts,
+                              awaiting_rebuild=restarts > 0)
         g = config.geometry
         self.recorder = Recorder(g.block_bytes * g.tp_size, self.ctl.now_s)
         self.dashboard_server = DashboardServer(
@@ -265,8 +275,11 @@ def get_existing(timeout_s: float = 30.0) -> ray.actor.ActorHandle:
 def attach(address: str | None = None, timeout_s: float = 10.0) -> tuple[ControllerClient, bool]:
     """Join a running cluster (`address`, default "auto") and find its controller by name.
     Returns the client and whether this call connected to Ray (then `detach(True)` after)."""
+    from tpkv.ray_notice import quiet_token_notice
+
     joined = not ray.is_initialized()
     if joined:
+        quiet_token_notice()
         ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False,
                  logging_level=logging.WARNING)
     try:

@@ -1,4 +1,9 @@
-"""The `tpkv` command: demo (tier round trip), launch (TP ranks on Ray), status, dashboard."""
+"""The `tpkv` command: demo (tier round trip), launch (TP ranks on Ray), status, dashboard.
+
+Only argparse and light tpkv modules load here (`tpkv --help` takes well under a second): each
+command imports torch, numpy, Ray and rich itself. Ctrl-C or SIGTERM prints "stopping", ends what
+the command started and exits 130 or 143 (tpkv.launch.stop).
+"""
 
 from __future__ import annotations
 
@@ -10,19 +15,11 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-import torch
-from rich.console import Console
-from rich.table import Table
-
 import tpkv
-from tpkv.config import GiB, HostConfig, KvGeometry, SsdConfig
 from tpkv.errors import ConfigError
+from tpkv.launch import stop
 from tpkv.launch.status_cli import add_status_commands
 from tpkv.settings import VARIABLES, read_env
-from tpkv.workers.copy_engine import CopyEngine
-from tpkv.workers.pools import HbmPool, HostPool
-from tpkv.workers.ssd_store import SsdStore
 
 ENV_HELP = "environment (every command reads and checks them):\n" + "\n".join(
     f"  {name:<22} {what}" for name, what in VARIABLES.items())
@@ -32,12 +29,48 @@ The dashboard takes --dashboard-host/--dashboard-port, else TPKV_DASHBOARD_HOST/
 A port asked for (flag or TPKV_DASHBOARD_PORT) that is taken stops the demo with an error
 naming it; the default port taken (say, by a second demo) gives a free port and a notice.
 TPKV_SSD_DIR holds the demo's temporary L3 directory; TPKV_L2_BYTES and TPKV_WAIT_TIMEOUT_S
-replace the demo's own values."""
+replace the demo's own values.
+
+It runs until the workload's turns are done or --seconds, whichever comes first. Ctrl-C or
+SIGTERM prints "stopping", ends the controller and the Ray cluster it started and exits 130 or
+143 (after the run, --keep-serving ends that way with 0)."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Epilogs as written; each option's help ends with its default when it has a real one
+    (not None, not a store_true flag) and does not say it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (action.option_strings and action.nargs != 0 and action.default is not None
+                and action.default is not argparse.SUPPRESS and "default" not in text):
+            text += " (default: %(default)s)"
+        return text
+
+
+def version() -> str:
+    """The installed package's version, else tpkv.__version__ (a source checkout)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("tpkv")
+    except metadata.PackageNotFoundError:
+        return tpkv.__version__
 
 
 def demo(args: argparse.Namespace) -> int:
     """Move random blocks L1 -> L2 -> L3 -> L2 -> L1 on this machine and check every byte (L3 in
     a temporary directory inside TPKV_SSD_DIR when that is set)."""
+    import numpy as np
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from tpkv.config import GiB, HostConfig, KvGeometry, SsdConfig
+    from tpkv.workers.copy_engine import CopyEngine
+    from tpkv.workers.pools import HbmPool, HostPool
+    from tpkv.workers.ssd_store import SsdStore
+
     console = Console()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     geometry = KvGeometry(num_layers=args.layers, num_kv_heads=8, head_dim=64, dtype="bfloat16",
@@ -101,6 +134,8 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def tiered_demo(args: argparse.Namespace) -> int:
+    import torch
+
     from tpkv.launch.demo import demo as run_demo
 
     tp = args.tp or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
@@ -124,17 +159,22 @@ def launch_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `tpkv` command's parser (every subcommand, each flag with its help and default)."""
     ap = argparse.ArgumentParser(prog="tpkv", description=tpkv.__doc__, epilog=ENV_HELP,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--version", action="version", version=f"tpkv {version()}")
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="multi-turn sessions through tpkv's engine on TP ranks, "
                                     "tiered L1/L2/L3, on a local Ray cluster",
-                       epilog=DEMO_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=DEMO_HELP)
     d.add_argument("--tp", type=int, default=None, help="TP ranks (default: GPUs, or 2 on CPU)")
-    d.add_argument("--seconds", type=float, default=60.0)
-    d.add_argument("--model", default="small", choices=["tiny", "small", "1b"])
-    d.add_argument("--sessions", type=int, default=64)
+    d.add_argument("--seconds", type=float, default=60.0,
+                   help="cap on the run's time; it ends sooner when the workload's turns are done")
+    d.add_argument("--model", default="small", choices=["tiny", "small", "1b"],
+                   help="model size (random weights)")
+    d.add_argument("--sessions", type=int, default=64,
+                   help="chat sessions of the workload (3 to 6 turns each)")
     d.add_argument("--keep-serving", action="store_true",
                    help="leave the controller and its dashboard up after the run (Ctrl-C ends)")
     d.add_argument("--dashboard-host", default=None,
@@ -145,14 +185,16 @@ def main(argv: list[str] | None = None) -> int:
                         "error, the default one taken gives a free port and a notice)")
     d.set_defaults(func=tiered_demo)
     r = sub.add_parser("demo-tiers", help="round-trip random KV blocks through the three tiers")
-    r.add_argument("--blocks", type=int, default=256)
-    r.add_argument("--layers", type=int, default=16)
+    r.add_argument("--blocks", type=int, default=256, help="KV blocks to move")
+    r.add_argument("--layers", type=int, default=16,
+                   help="layers of the KV geometry (block size: layers x 8 heads x 64 x bf16)")
     r.set_defaults(func=demo)
     la = sub.add_parser("launch", help="run an app on N TP ranks as Ray actors (one per GPU, "
                                        "or per CPU rank)")
     la.add_argument("--tp", type=int, required=True, help="TP ranks (one bundle each)")
     la.add_argument("--ray-address", default=None, help="join this cluster (default: local)")
-    la.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local cluster")
+    la.add_argument("--num-cpus", type=int, default=None,
+                    help="CPUs of a local cluster (default: this machine's, at least --tp)")
     la.add_argument("--timeout-s", type=float, default=30.0,
                     help="bound on placement, start-up, and on ending after a rank fails")
     la.add_argument("app", help="module:function or file.py:function; runs on every rank")
@@ -160,8 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     la.set_defaults(func=launch_command)
     add_status_commands(sub)
     v = sub.add_parser("version", help="print the version")
-    v.set_defaults(func=lambda a: print(tpkv.__version__) or 0)
-    args = ap.parse_args(argv)
+    v.set_defaults(func=lambda a: print(version()) or 0)
+    for p in sub.choices.values():
+        p.formatter_class = HelpFormatter
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    stop.install()
     try:
         if args.command != "version":  # a bad TPKV_* variable is refused, named, up front
             read_env()
@@ -169,6 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"tpkv {args.command}: {exc}", file=sys.stderr)
         return 2
+    except stop.Stop as exc:  # the handler said "stopping"; the command's cleanup has run
+        return exc.exit_code
+    except SystemExit as exc:  # SIGTERM inside ray.init: Ray's own handler is sys.exit(15)
+        if exc.code != stop.SIGTERM:
+            raise
+        print(f"tpkv {args.command}: SIGTERM, stopping", file=sys.stderr)
+        return 128 + stop.SIGTERM
 
 
 if __name__ == "__main__":

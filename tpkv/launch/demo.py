@@ -12,6 +12,8 @@ from tpkv.config import PolicyConfig, TpkvConfig
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from tpkv.models.workload import WorkloadConfig
+
 
 MAX_BATCH = 4
 
@@ -30,17 +32,37 @@ def demo_config(model_name: str, world: int, ssd_root: str, sessions: int) -> Tp
                          model_fingerprint=f"tpkv-{model_name}-seed0")
 
 
-def rank_main(cfg: TpkvConfig, model_name: str, seconds: float,
-              sessions: int) -> dict[str, Any]:
+def demo_workload(sessions: int, vocab_size: int) -> WorkloadConfig:
+    """The demo's multi-turn workload: short sessions, short think times (virtual clock)."""
+    from tpkv.models.workload import WorkloadConfig
+
+    return WorkloadConfig(num_sessions=sessions, num_users=max(2, sessions // 2), turns=(3, 6),
+                          system_prompt_tokens=32, doc_tokens=(32, 96), user_tokens=(8, 24),
+                          gen_tokens=(8, 16), think_s=(0.05, 0.5), ramp_s=0.0,
+                          max_session_tokens=180, vocab_size=vocab_size)
+
+
+def total_turns(sessions: int) -> int:
+    """Turns of the whole demo workload (the plan of a session does not depend on the model)."""
+    from tpkv.models.workload import plan_session
+
+    wl = demo_workload(sessions, vocab_size=2)
+    return sum(len(plan_session(wl, i)) for i in range(sessions))
+
+
+def rank_main(cfg: TpkvConfig, model_name: str, seconds: float, sessions: int,
+              progress_path: str | None = None) -> dict[str, Any]:
     """Every rank: join tpkv (Ray controller) with the driver's `cfg` (the environment already
-    laid over it, as the controller has it), run the workload on small tiers, summarise."""
+    laid over it, as the controller has it), run the workload on small tiers, summarise.
+    Rank 0 writes its progress to `progress_path` (tpkv.launch.demo_progress)."""
+    import time
+
     import torch
 
     from tpkv.launch.join import init
     from tpkv.models.llama import build_model
     from tpkv.models.tiered import run_tiered_demo
     from tpkv.models.tp import apply_tp
-    from tpkv.models.workload import WorkloadConfig
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -48,14 +70,23 @@ def rank_main(cfg: TpkvConfig, model_name: str, seconds: float,
               else torch.device("cpu"))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     model = build_model(model_name, seed=0, device=device)
-    wl = WorkloadConfig(num_sessions=sessions, num_users=max(2, sessions // 2), turns=(3, 6),
-                        system_prompt_tokens=32, doc_tokens=(32, 96), user_tokens=(8, 24),
-                        gen_tokens=(8, 16), think_s=(0.05, 0.5), ramp_s=0.0,
-                        max_session_tokens=180, vocab_size=model.config.vocab_size)
+    wl = demo_workload(sessions, model.config.vocab_size)
+    report = None
+    if rank == 0 and progress_path is not None:
+        from tpkv.launch import demo_progress
+
+        path, started = progress_path, [0.0]
+
+        def report(turns: int, stats: Any) -> None:
+            if turns == 0:  # the workload starts: the time cap counts from here
+                started[0] = time.time()
+            demo_progress.write(path, turns, started[0], stats.moves)
+
     with init(cfg, device=device, env=False) as rt:
         if world > 1:
             apply_tp(model, rank, world)
-        out = run_tiered_demo(rt, model, wl, seconds=seconds, max_batch=MAX_BATCH)
+        out = run_tiered_demo(rt, model, wl, seconds=seconds, progress=report,
+                              max_batch=MAX_BATCH)
     out["rank"], out["world"], out["device"] = rank, world, str(device)
     return out
 
@@ -91,7 +122,8 @@ def demo(tp: int, seconds: float, model: str, sessions: int, keep_serving: bool 
          serve_s: float | None = None, dashboard_host: str | None = None,
          dashboard_port: int | None = None) -> int:
     """Start Ray (unless running) and the controller here, so that its dashboard is up from the
-    start (and, with keep_serving, after the run); run the ranks with a progress bar.
+    start (and, with keep_serving, after the run); run the ranks with a progress bar (until the
+    workload's turns are done, or `seconds` at most: tpkv.launch.demo_progress).
 
     The TPKV_* variables apply as everywhere (tpkv.settings): TPKV_SSD_DIR holds the demo's
     temporary L3 directory, TPKV_L2_BYTES / TPKV_WAIT_TIMEOUT_S replace the demo's values, the
@@ -103,7 +135,9 @@ def demo(tp: int, seconds: float, model: str, sessions: int, keep_serving: bool 
     from rich.console import Console
 
     from tpkv.controller import actor
+    from tpkv.launch import stop
     from tpkv.launch.demo_settings import demo_settings, token_note
+    from tpkv.ray_notice import quiet_token_notice
     from tpkv.settings import read_env
 
     console = Console()
@@ -116,14 +150,17 @@ def demo(tp: int, seconds: float, model: str, sessions: int, keep_serving: bool 
         cfg = dataclasses.replace(cfg, l3=dataclasses.replace(
             cfg.l3, root=os.path.join(root, "l3")))  # TPKV_SSD_DIR holds `root`
         console.print(f"starting a local Ray cluster, the controller and {tp} TP ranks; "
-                      f"model '{model}', {sessions} sessions, about {seconds:.0f} s ...")
+                      f"model '{model}', {sessions} sessions: {total_turns(sessions)} turns, "
+                      f"for up to {seconds:.0f} s ...")
         if notice:
             console.print(notice)
         started = not ray.is_initialized()
         if started:
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            quiet_token_notice()
             ray.init(address="local", namespace=actor.NAMESPACE, include_dashboard=False,
                      log_to_driver=False, num_cpus=max(tp, os.cpu_count() or 1))
+            stop.install()  # ray.init put its own SIGTERM handler (sys.exit) in place
         handle = None
         try:
             handle = actor.get_or_create(cfg)
@@ -135,7 +172,8 @@ def demo(tp: int, seconds: float, model: str, sessions: int, keep_serving: bool 
                               f"{' and after it' if keep_serving else ''}){token_note(cfg)}")
             else:
                 console.print(f"dashboard not started: {info.get('error')}")
-            results = _run_with_progress(console, client, tp, seconds, cfg, model, sessions)
+            results = _run_with_progress(console, client, tp, seconds, cfg, model, sessions,
+                                         os.path.join(root, "progress.json"))
             out = results[0]
             out["dashboard"] = url
             print_summary(out, console)
@@ -153,57 +191,54 @@ def demo(tp: int, seconds: float, model: str, sessions: int, keep_serving: bool 
 
 
 def _run_with_progress(console: Console, client: Any, tp: int, seconds: float, cfg: TpkvConfig,
-                       model: str, sessions: int) -> list[Any]:
-    """launch_ray on a thread; here, a bar over the demo's time with the controller's figures."""
+                       model: str, sessions: int, progress_path: str) -> list[Any]:
+    """launch_ray on a thread; here, the progress (turns of the workload's, time of the cap)
+    with the controller's figures."""
     import threading
-    import time
 
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
+    from tpkv.launch import demo_progress
     from tpkv.launch.ray_launch import launch_ray
 
     box: dict[str, Any] = {}
 
     def ranks() -> None:
         try:
-            box["results"] = launch_ray(rank_main, tp, args=(cfg, model, seconds, sessions),
+            box["results"] = launch_ray(rank_main, tp,
+                                        args=(cfg, model, seconds, sessions, progress_path),
                                         timeout_s=120.0)
         except BaseException as exc:  # re-raised on the main thread
             box["error"] = exc
 
     worker = threading.Thread(target=ranks, name="tpkv-demo-ranks", daemon=True)
     worker.start()
-    columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[figures]}"))
-    with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task("demo", total=seconds, figures="starting ranks")
-        t0 = time.monotonic()
+    with demo_progress.DemoProgress(console, total_turns(sessions), seconds) as bar:
         while worker.is_alive():
             worker.join(1.0)
-            bar.update(task, completed=min(seconds, time.monotonic() - t0),
-                       figures=_figures(client))
-        bar.update(task, completed=seconds)
+            done = demo_progress.read(progress_path)
+            bar.update(done, _figures(client, done), final=not worker.is_alive())
     if "error" in box:
         raise box["error"]
     results: list[Any] = box["results"]
     return results
 
 
-def _figures(client: Any) -> str:
+def _figures(client: Any, done: dict[str, Any] | None = None) -> str:
     """One line from the controller's snapshot; empty while it is busy or not ready."""
+    from tpkv.launch.demo_progress import tier_figures
+
     try:
         snap = client.snapshot()
     except Exception:  # noqa: BLE001 - the bar goes on without figures
         return ""
-    tiers = snap.get("tiers", {})
-    occ = " ".join(f"{name} {100 * (tiers[name].get('occupancy') or 0):.0f}%"
-                   for name in ("L1", "L2", "L3") if name in tiers)
-    return f"step {snap.get('tick', 0)}  sessions {snap.get('num_sessions', 0)}  {occ}"
+    moved = None if done is None else done.get("moves", {}).get("l2_l3")
+    return tier_figures(snap, moved)
 
 
 def _serve(console: Console, url: str, serve_s: float | None) -> None:
     """Keep the controller and its dashboard up until Ctrl-C (or serve_s seconds, for tests)."""
     import time
+
+    from tpkv.launch.stop import Stop
 
     console.print(f"--keep-serving: the dashboard stays at {url}; Ctrl-C to stop")
     deadline = None if serve_s is None else time.monotonic() + serve_s
@@ -212,3 +247,5 @@ def _serve(console: Console, url: str, serve_s: float | None) -> None:
             time.sleep(0.5)
     except KeyboardInterrupt:
         console.print("stopping")
+    except Stop:  # the way to end --keep-serving: the signal handler said "stopping"
+        pass

@@ -15,6 +15,7 @@ from typing import Any
 
 from tpkv.errors import ConfigError, LaunchError
 from tpkv.launch.bootstrap import EXTERNAL_STORE_ENV
+from tpkv.ray_notice import quiet_token_notice
 from tpkv.settings import tpkv_env
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ def launch_ray(app: AppSpec, tp: int, *, args: Sequence[Any] = (), ray_address: 
     started = False
     if not ray.is_initialized():
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        quiet_token_notice()
         local = ray_address in (None, "local")
         cpus = num_cpus if num_cpus is not None else max(tp, os.cpu_count() or 1)
         ray.init(address=ray_address or "local", include_dashboard=False,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -349,16 +349,21 @@ def tier_summary(rt: TpkvRuntime) -> dict[str, Any]:
 
 
 def run_tiered_demo(rt: TpkvRuntime, model: Llama, workload_cfg: Any, seconds: float,
+                    progress: Callable[[int, Any], None] | None = None,
                     **engine_kwargs: Any) -> dict[str, Any]:
     """Run the multi-turn workload (tpkv.models.workload, virtual clock: think times cost
-    nothing) through a TieredEngine for about `seconds` of wall time; every rank calls this with
-    the same arguments (rank 0 decides when to stop). Returns a summary dict."""
+    nothing) through a TieredEngine until it is done or for at most `seconds` of wall time;
+    every rank calls this with the same arguments (rank 0 decides when to stop).
+    `progress(turns done, TieredEngine.stats)` is called at the start and after every turn.
+    Returns a summary dict."""
     from tpkv.models.workload import Workload
 
     tiered = TieredEngine(rt, model, **engine_kwargs)
     engine, workload = tiered.engine, Workload(workload_cfg)
     last: set[str] = set()
     now, started, decode_s, decode_tokens, turns = 0.0, time.perf_counter(), 0.0, 0, 0
+    if progress is not None:
+        progress(0, tiered.stats)
     while not workload.done:
         if rt.from_rank0(lambda: time.perf_counter() - started > seconds, "demo clock"):
             break
@@ -385,6 +390,8 @@ def run_tiered_demo(rt: TpkvRuntime, model: Llama, workload_cfg: Any, seconds: f
                                                                            engine.max_batch)
         for f in finished:
             turns += 1
+            if progress is not None:
+                progress(turns, tiered.stats)
             workload.complete(f.session, now)
             if f.session in last:
                 engine.close_session(f.session)

@@ -1,0 +1,71 @@
+"""`tpkv demo` as a user runs it, stopped by SIGTERM mid-run: "stopping", exit 143, no
+traceback, and the Ray cluster it started is gone; its output (not a terminal) keeps progress."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _descendants(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        p, pp = (int(x) for x in line.split())
+        children.setdefault(pp, []).append(p)
+    seen, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in seen:
+                seen.add(c)
+                todo.append(c)
+    return seen
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has ended
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_mid_demo_stops_cleanly_and_ends_its_ray_cluster(tmp_path) -> None:
+    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_USAGE_STATS_ENABLED": "0",
+           "TPKV_SSD_DIR": str(tmp_path)}
+    log = open(tmp_path / "demo.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "tpkv.launch.cli", "demo", "--model", "tiny",
+                             "--sessions", "64", "--seconds", "120", "--dashboard-port", "0"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 150
+        while not re.search(r"\d+/\d+ turns", (tmp_path / "demo.log").read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "demo.log").read_text()
+            time.sleep(0.5)
+        started = _descendants(proc.pid)
+        assert started, "the demo started no Ray processes"
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = (tmp_path / "demo.log").read_text()
+    assert rc == 143, text
+    assert "stopping" in text and "Traceback" not in text, text
+    assert "Token authentication is enabled" not in text
+    assert text.count("\ndemo ") >= 2  # plain progress lines, not one live bar's last frame
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in started if _alive(p)], "Ray processes outlived the demo"
