@@ -47,7 +47,7 @@ class Sizes:
     l2_all_gib: float = 24.0  # (b2): an L2 that holds every session (the node's DRAM allows it)
     l3_gib: float = 8.0
     # (c3): an L3 that holds every session with room for dead records (its copies of loaded
-    # sessions then stay: PolicyConfig.keep_l3_copies)
+    # sessions then stay)
     l3_all_gib: float = 24.0
     sessions: int = 96
     context: tuple[int, int] = (4096, 8192)  # tokens of each session's first turn
@@ -78,16 +78,6 @@ class Sizes:
     # TieredEngine.defer_marks: with late plans, the watermarks' moves are planned (and
     # applied) once a step's forward is launched, not with the step (0: with the step).
     defer_marks: int = 1
-    # PolicyConfig.keep_l2_copies: a promoted block keeps its L2 copy, so demoting it again
-    # (unwritten) copies nothing (0: every demotion copies).
-    keep_l2: int = 1
-    # PolicyConfig.keep_l3_copies: a block loaded from L3 keeps its record, so spilling it
-    # again (unwritten) writes nothing (0: every spill writes, a session's files go once it
-    # left L3).
-    keep_l3: int = 1
-    # PolicyConfig.refill_same_plan: a resume into a full L1 promotes into the slots its own
-    # plan's demotions empty (one plan); 0: into them in a second plan.
-    refill: int = 1
     # PolicyConfig.early_promotions: a resume's loads into free L1 slots go to the rank as a
     # first plan before the rest of its step is planned (0: with the step).
     early: int = 1

@@ -89,8 +89,7 @@ class Controller:
             Tier.SSD: (config.l3.high_watermark, config.l3.low_watermark)}
         capacity = table_capacity or min(l1 + l2 + l3 + 1024, 1 << 20)
         self.table = BlockTable(l1, l2, l3, pol.lru_k, min(capacity, pol.max_tracked_blocks),
-                                pol.l1_reuse, pol.l2_reuse, pol.keep_l2_copies,
-                                pol.keep_l3_copies and self.l3_enabled)
+                                pol.l1_reuse, pol.l2_reuse, self.l3_enabled)
         self.sessions = SessionTable(pol.lru_k)
         self.batch_table = BatchTable()
         self.names_cache: tuple[np.ndarray, tuple[str, ...]] = (np.zeros(0, np.int64), ())

@@ -125,8 +125,7 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
     if cap > pol.max_tracked_blocks:
         raise BadRequestError(f"rebuild needs {cap} rows, at most {pol.max_tracked_blocks}")
     T = BlockTable(old.slots(Tier.HBM), old.slots(Tier.DRAM), old.l3_capacity, pol.lru_k, cap,
-                   pol.l1_reuse, pol.l2_reuse, pol.keep_l2_copies,
-                   pol.keep_l3_copies and ctl.l3_enabled)
+                   pol.l1_reuse, pol.l2_reuse, ctl.l3_enabled)
     S = SessionTable(pol.lru_k)
     taken = {Tier.HBM: np.zeros(T.slots(Tier.HBM), bool), Tier.DRAM: np.zeros(T.slots(Tier.DRAM),
                                                                                 bool)}
