@@ -78,9 +78,6 @@ class Sizes:
     # TieredEngine.defer_marks: with late plans, the watermarks' moves are planned (and
     # applied) once a step's forward is launched, not with the step (0: with the step).
     defer_marks: int = 1
-    # PolicyConfig.early_promotions: a resume's loads into free L1 slots go to the rank as a
-    # first plan before the rest of its step is planned (0: with the step).
-    early: int = 1
     # CopyEngine.dma_split: "count" spreads a batch over the DMA sub-streams by descriptors
     # (merged runs on one stream); "bytes" by equal bytes (bench/resume_copy.py).
     dma_split: str = "count"

@@ -71,8 +71,7 @@ def ceilings(device: torch.device, ssd_root: str) -> dict[str, float]:
 def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool,
                layer_events: int = 1, l1_reuse: str = "newest",
                l2_reuse: str = "newest", reads_first: bool = True,
-               write_piece_bytes: int = 4 << 20, write_threads: int = 8,
-               early: bool = True) -> TpkvConfig:
+               write_piece_bytes: int = 4 << 20, write_threads: int = 8) -> TpkvConfig:
     g = model.kv_geometry(tp_size=1, block_tokens=block_tokens)
     bb = g.block_bytes
     l2 = max(s.l2_bytes, bb)
@@ -84,7 +83,7 @@ def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool,
     extra: dict[str, Any] = {"prefill_tokens_per_s": _SLOW_PREFILL} if s.always_load else {}
     policy = PolicyConfig(cooldown_s=0.0, auto_pin_fraction=0.0, spill=s.spill,
                           l1_reuse=l1_reuse, l2_reuse=l2_reuse,  # type: ignore[arg-type]
-                          early_promotions=early, **extra)
+                          **extra)
     return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=s.l1_bytes // bb),
                       l2=HostConfig(budget_bytes=l2, arena_bytes=min(l2, GiB) // bb * bb),
                       l3=l3, policy=policy, wait_timeout_s=300.0,
@@ -99,7 +98,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
     model = model_for(sizes.model, device)
     cfg = config_for(s, model, sizes.block_tokens, cuda, sizes.layer_events,
                      sizes.l1_reuse, sizes.l2_reuse, bool(sizes.reads_first),
-                     sizes.write_piece_mib << 20, sizes.write_threads, bool(sizes.early))
+                     sizes.write_piece_mib << 20, sizes.write_threads)
     bt, bb = sizes.block_tokens, cfg.geometry.block_bytes
     l1_blocks = cfg.l1.slots(cfg.geometry)
     longest = max(contexts) + (sizes.rounds - 1) * (sizes.user_tokens + sizes.gen_tokens) + 1

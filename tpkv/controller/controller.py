@@ -283,7 +283,7 @@ class Controller:
         plan_deferred() makes those moves once the caller has launched the step's forward (a
         later schedule() makes them otherwise).
 
-        `early` (with policy.early_promotions; an in-process caller): called, before the
+        `early` (an in-process caller): called, before the
         rest of the step is planned, with the step's first plan when that plan is the step's
         loads from L2 that fit L1's free slots (step.early_promotions). The caller applies it
         on every rank at once; it is the first of the step's plans all the same (a rank skips
@@ -292,8 +292,6 @@ class Controller:
         self.require_ready()
         self.deferred = None
         self.early_ns = 0
-        if not self.config.policy.early_promotions:
-            early = None
         try:
             if self.tick >= _TICK_LIMIT:
                 self._rebase_ticks()
