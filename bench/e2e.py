@@ -81,12 +81,6 @@ class Sizes:
     # CopyEngine.dma_split: "count" spreads a batch over the DMA sub-streams by descriptors
     # (merged runs on one stream); "bytes" by equal bytes (bench/resume_copy.py).
     dma_split: str = "count"
-    # PlanExecutor.background_commits: done spills' manifest commits on the store's commit
-    # thread (0: on the step's thread, in the step that finds them done).
-    bg_commits: int = 1
-    # 1: a step's L2 -> L1 moves of blocks its plan before loads from L3 go as each read job is
-    # done (Worker.chain_loads); 0: after all the reads
-    chain: int = 1
     seed: int = 0
     # 1: cProfile the resume steps (host time by function, in the config's "profile_top");
     # 2: the decode steps, those with tier traffic and those without apart ("profile_traffic_top",

@@ -117,8 +117,6 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         tiered.late_plans = bool(sizes.late_plans)
         tiered.defer_marks = bool(sizes.defer_marks)
         rt.worker.engine.dma_split = sizes.dma_split
-        rt.worker.executor.background_commits = bool(sizes.bg_commits)
-        rt.worker.chain_loads = bool(sizes.chain)
         r = Rounds(tiered, sizes, contexts, bb, ceil).run()
         eng = rt.worker.engine  # how well the slot placement let copies merge into runs
         r["copy_blocks"], r["copy_descriptors"] = dict(eng.num_blocks), dict(eng.num_descriptors)
