@@ -72,12 +72,6 @@ class Sizes:
     write_piece_mib: int = 4
     # SsdConfig.write_threads: the store's threads that write spills (its 8 others read).
     write_threads: int = 8
-    # TieredEngine.late_plans: a decode step's watermark demotions applied once its forward
-    # is launched (0: before it, with the step).
-    late_plans: int = 1
-    # TieredEngine.defer_marks: with late plans, the watermarks' moves are planned (and
-    # applied) once a step's forward is launched, not with the step (0: with the step).
-    defer_marks: int = 1
     # CopyEngine.dma_split: "count" spreads a batch over the DMA sub-streams by descriptors
     # (merged runs on one stream); "bytes" by equal bytes (bench/resume_copy.py).
     dma_split: str = "count"

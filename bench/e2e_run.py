@@ -114,8 +114,6 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
                               report_prefill=not s.always_load,
                               attention=attention)
         tiered.trace = cuda  # device times of each step's copies, for the resume records
-        tiered.late_plans = bool(sizes.late_plans)
-        tiered.defer_marks = bool(sizes.defer_marks)
         rt.worker.engine.dma_split = sizes.dma_split
         r = Rounds(tiered, sizes, contexts, bb, ceil).run()
         eng = rt.worker.engine  # how well the slot placement let copies merge into runs
