@@ -66,7 +66,6 @@ GEOMETRY = KvGeometry(num_layers=1, num_kv_heads=2, head_dim=16, dtype="float8_e
 
 
 MAX_MOVES = PolicyConfig().max_moves_per_step
-KEEP = PolicyConfig().keep_l2_copies
 
 
 def make_config(num_blocks: int, ssd_dir: str) -> TpkvConfig:
@@ -75,7 +74,7 @@ def make_config(num_blocks: int, ssd_dir: str) -> TpkvConfig:
         geometry=GEOMETRY, l1=HbmConfig(num_blocks=L1_SLOTS),
         l2=HostConfig(budget_bytes=max(num_blocks // 4, 4 * L1_SLOTS) * bb * GEOMETRY.tp_size),
         l3=SsdConfig(root=ssd_dir, budget_bytes=SsdConfig.budget_for(num_blocks, GEOMETRY)),
-        policy=PolicyConfig(max_moves_per_step=MAX_MOVES, keep_l2_copies=KEEP))
+        policy=PolicyConfig(max_moves_per_step=MAX_MOVES))
 
 
 def confirm(c: Controller, res: StepResult) -> None:
@@ -220,12 +219,9 @@ def main() -> None:
                       help="timed steps in 50-step blocks alternately with and without prepare()")
     ap.add_argument("--max-moves", type=int, default=PolicyConfig().max_moves_per_step,
                     help="PolicyConfig.max_moves_per_step")
-    ap.add_argument("--keep-l2", type=int, choices=(0, 1), default=int(KEEP),
-                    help="PolicyConfig.keep_l2_copies")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "controller.json"))
     args = ap.parse_args()
     globals()["MAX_MOVES"] = args.max_moves
-    globals()["KEEP"] = bool(args.keep_l2)
     out: dict[str, object] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

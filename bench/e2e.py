@@ -47,7 +47,7 @@ class Sizes:
     l2_all_gib: float = 24.0  # (b2): an L2 that holds every session (the node's DRAM allows it)
     l3_gib: float = 8.0
     # (c3): an L3 that holds every session with room for dead records (its copies of loaded
-    # sessions then stay: PolicyConfig.keep_l3_copies)
+    # sessions then stay)
     l3_all_gib: float = 24.0
     sessions: int = 96
     context: tuple[int, int] = (4096, 8192)  # tokens of each session's first turn
@@ -72,34 +72,9 @@ class Sizes:
     write_piece_mib: int = 4
     # SsdConfig.write_threads: the store's threads that write spills (its 8 others read).
     write_threads: int = 8
-    # TieredEngine.late_plans: a decode step's watermark demotions applied once its forward
-    # is launched (0: before it, with the step).
-    late_plans: int = 1
-    # TieredEngine.defer_marks: with late plans, the watermarks' moves are planned (and
-    # applied) once a step's forward is launched, not with the step (0: with the step).
-    defer_marks: int = 1
-    # PolicyConfig.keep_l2_copies: a promoted block keeps its L2 copy, so demoting it again
-    # (unwritten) copies nothing (0: every demotion copies).
-    keep_l2: int = 1
-    # PolicyConfig.keep_l3_copies: a block loaded from L3 keeps its record, so spilling it
-    # again (unwritten) writes nothing (0: every spill writes, a session's files go once it
-    # left L3).
-    keep_l3: int = 1
-    # PolicyConfig.refill_same_plan: a resume into a full L1 promotes into the slots its own
-    # plan's demotions empty (one plan); 0: into them in a second plan.
-    refill: int = 1
-    # PolicyConfig.early_promotions: a resume's loads into free L1 slots go to the rank as a
-    # first plan before the rest of its step is planned (0: with the step).
-    early: int = 1
     # CopyEngine.dma_split: "count" spreads a batch over the DMA sub-streams by descriptors
     # (merged runs on one stream); "bytes" by equal bytes (bench/resume_copy.py).
     dma_split: str = "count"
-    # PlanExecutor.background_commits: done spills' manifest commits on the store's commit
-    # thread (0: on the step's thread, in the step that finds them done).
-    bg_commits: int = 1
-    # 1: a step's L2 -> L1 moves of blocks its plan before loads from L3 go as each read job is
-    # done (Worker.chain_loads); 0: after all the reads
-    chain: int = 1
     seed: int = 0
     # 1: cProfile the resume steps (host time by function, in the config's "profile_top");
     # 2: the decode steps, those with tier traffic and those without apart ("profile_traffic_top",

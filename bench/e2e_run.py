@@ -71,9 +71,7 @@ def ceilings(device: torch.device, ssd_root: str) -> dict[str, float]:
 def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool,
                layer_events: int = 1, l1_reuse: str = "newest",
                l2_reuse: str = "newest", reads_first: bool = True,
-               keep_l2: bool = True, refill: bool = True,
-               write_piece_bytes: int = 4 << 20, write_threads: int = 8,
-               keep_l3: bool = True, early: bool = True) -> TpkvConfig:
+               write_piece_bytes: int = 4 << 20, write_threads: int = 8) -> TpkvConfig:
     g = model.kv_geometry(tp_size=1, block_tokens=block_tokens)
     bb = g.block_bytes
     l2 = max(s.l2_bytes, bb)
@@ -85,8 +83,7 @@ def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool,
     extra: dict[str, Any] = {"prefill_tokens_per_s": _SLOW_PREFILL} if s.always_load else {}
     policy = PolicyConfig(cooldown_s=0.0, auto_pin_fraction=0.0, spill=s.spill,
                           l1_reuse=l1_reuse, l2_reuse=l2_reuse,  # type: ignore[arg-type]
-                          keep_l2_copies=keep_l2, keep_l3_copies=keep_l3,
-                          refill_same_plan=refill, early_promotions=early, **extra)
+                          **extra)
     return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=s.l1_bytes // bb),
                       l2=HostConfig(budget_bytes=l2, arena_bytes=min(l2, GiB) // bb * bb),
                       l3=l3, policy=policy, wait_timeout_s=300.0,
@@ -101,9 +98,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
     model = model_for(sizes.model, device)
     cfg = config_for(s, model, sizes.block_tokens, cuda, sizes.layer_events,
                      sizes.l1_reuse, sizes.l2_reuse, bool(sizes.reads_first),
-                     bool(sizes.keep_l2), bool(sizes.refill),
-                     sizes.write_piece_mib << 20, sizes.write_threads, bool(sizes.keep_l3),
-                     bool(sizes.early))
+                     sizes.write_piece_mib << 20, sizes.write_threads)
     bt, bb = sizes.block_tokens, cfg.geometry.block_bytes
     l1_blocks = cfg.l1.slots(cfg.geometry)
     longest = max(contexts) + (sizes.rounds - 1) * (sizes.user_tokens + sizes.gen_tokens) + 1
@@ -119,11 +114,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
                               report_prefill=not s.always_load,
                               attention=attention)
         tiered.trace = cuda  # device times of each step's copies, for the resume records
-        tiered.late_plans = bool(sizes.late_plans)
-        tiered.defer_marks = bool(sizes.defer_marks)
         rt.worker.engine.dma_split = sizes.dma_split
-        rt.worker.executor.background_commits = bool(sizes.bg_commits)
-        rt.worker.chain_loads = bool(sizes.chain)
         r = Rounds(tiered, sizes, contexts, bb, ceil).run()
         eng = rt.worker.engine  # how well the slot placement let copies merge into runs
         r["copy_blocks"], r["copy_descriptors"] = dict(eng.num_blocks), dict(eng.num_descriptors)

@@ -257,28 +257,13 @@ class PolicyConfig:
     # The same for L2: "oldest" gives an L3 load slots whose spill (a background disk write that
     # read them) is long done, not those a spill just emptied, which the load must wait for.
     l2_reuse: Literal["newest", "oldest"] = "newest"
-    # A block promoted L2 -> L1 keeps its L2 copy while it is not written (a full block never
-    # is), so demoting it again copies nothing. Kept copies give their L2 slots back, coldest
-    # first, whenever L2 has no other free slot; they never push a session out of L2.
-    keep_l2_copies: bool = True
-    # A block loaded back from L3 keeps its record on disk while it is not written (a full
-    # block never is): spilling it again writes nothing, and a session back from L3 appends
-    # only the blocks written since. Segments of sessions with no block only in L3 are given
-    # back when a spill needs their room or L3's records pass its high watermark (False: a
-    # session's files go once its last L3 block moves up, and every spill writes all its
-    # blocks).
-    keep_l3_copies: bool = True
-    # A move into L1 that needs room may take the L1 slots that demotions of the same plan
-    # empty (workers copy those out first): a resume into a full L1 is one plan, not a plan
-    # of demotions then one of promotions (False: the promotions wait for the next plan).
-    refill_same_plan: bool = True
     # A step that loads blocks from L2 into L1 hands the ranks a first plan of those that fit
     # the free L1 slots as soon as the controller knows them (after the step's demand, before
     # its victims, spills and bookkeeping): their copies start while the rest is planned and
-    # applied. In-process controller only (the Ray actor answers a step in one reply). Not
-    # for fewer bytes than early_min_bytes (their copies would not cover the rest's host time,
-    # and the plan costs one more to build and confirm).
-    early_promotions: bool = True
+    # applied. In-process controller only (the Ray actor answers a step in one reply).
+    # early_min_bytes: the least bytes such a plan carries; fewer go with the step (their
+    # copies would not cover the rest's host time, and the plan costs one more to build and
+    # confirm). Raise it where a plan costs more host time, lower it for a faster host.
     early_min_bytes: int = 4 << 20
     # Controller knobs (checked by tpkv.controller when it starts):
     max_moves_per_step: int = 512  # watermark moves per step (bounds copy time); demand uncapped
@@ -310,9 +295,6 @@ class PolicyConfig:
         check_int("policy max_auto_pin_blocks", self.max_auto_pin_blocks, 0)
         check_int("policy prefetch_steps", self.prefetch_steps, 0)
         check_int("policy early_min_bytes", self.early_min_bytes, 0)
-        for name in ("keep_l2_copies", "keep_l3_copies", "refill_same_plan",
-                     "early_promotions"):
-            check_bool(f"policy {name}", getattr(self, name))
         for name in ("max_moves_per_step", "prefetch_max_blocks", "auto_pin_refresh_steps",
                      "max_tracked_blocks", "max_pending_plans"):
             check_int(f"PolicyConfig.{name}", getattr(self, name))

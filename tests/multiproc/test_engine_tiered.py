@@ -57,15 +57,16 @@ def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
     "l3small": loads, with an L3 too small for the copies of loaded sessions besides the
     sessions in it, so their segments are given back and written again). `early`: steps hand
     their loads into free L1 slots to the ranks before the rest is planned, whatever their
-    size (PolicyConfig.early_promotions, early_min_bytes=0); off otherwise."""
+    size (PolicyConfig.early_min_bytes=0); otherwise the default early_min_bytes, which the
+    tiny model's steps never reach."""
     import tpkv
     from tpkv.models.tiered import TieredEngine, tiered_config
 
     torch.set_num_threads(1)
     model = build_model("tiny", seed=0, device=device)
     rate = 1e12 if mode == "recompute" else 10.0  # prefill tokens/s the cost model assumes
-    policy = PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=rate, early_promotions=early,
-                          early_min_bytes=0)
+    policy = PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=rate,
+                          **({"early_min_bytes": 0} if early else {}))
     cfg = tiered_config(model, world, block_tokens=BT, l1_blocks=L1_BLOCKS,
                         l2_blocks=4 * L2_BLOCKS if mode == "kept" else L2_BLOCKS,
                         ssd_root=ssd_root, policy=policy,

@@ -93,15 +93,13 @@ def _settled(ex: PlanExecutor) -> None:
     futures.wait([c.future for c in ex.commits], timeout=5)
 
 
-@pytest.mark.parametrize("background", [True, False])
 def test_manifests_are_committed_after_the_copies_and_not_in_an_early_plan(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: bool) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A copy into L2 slots a spill reads waits until the spill is written, but the manifest
     commits (fsyncs) come after the plan's copies are issued; an early plan (loads into free
     L1 slots handed out before the rest of its step is planned) commits none: the next plan
     does."""
     ex, store, gate = _setup(tmp_path)
-    ex.background_commits = background
     order: list[str] = []
     commit = store.commit_manifest
     monkeypatch.setattr(store, "commit_manifest",
@@ -243,7 +241,7 @@ def test_a_load_of_a_block_appended_again_waits_for_the_manifest_of_its_newest_r
 
 def test_a_slow_manifest_commit_holds_no_step_and_a_load_of_its_session_waits_for_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """background_commits: the step that finds a spill written queues its manifest commit on
+    """The step that finds a spill written queues its manifest commit on
     the store's commit thread and returns; a load of that session waits for the commit and
     reads back the spilled bytes."""
     ex, store, gate = _setup(tmp_path)
@@ -304,14 +302,12 @@ def test_a_failed_background_commit_forgets_its_session(
     store.close()
 
 
-@pytest.mark.parametrize("background", [True, False])
 def test_a_commit_failing_with_a_plain_oserror_forgets_its_session(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: bool) -> None:
-    """An OSError the store did not turn into SsdIoError is a failed commit on either thread:
-    the session is forgotten (its records miss), the step goes on."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An OSError the store did not turn into SsdIoError is a failed commit: the session is
+    forgotten (its records miss), the step goes on."""
     ex, store, gate = _setup(tmp_path)
     gate.set()
-    ex.background_commits = background
 
     def broken(name: str) -> bool:
         raise OSError(errno.EIO, f"manifest of {name}: I/O error")
@@ -321,10 +317,9 @@ def test_a_commit_failing_with_a_plain_oserror_forgets_its_session(
     ex.run(_plan(1, 0, H, 0, D, 0), ok)
     ex.run(_plan(2, 0, D, 0, S, -1), ok)
     ex.spills[0].future.result(5)
-    ex.run(_plan(3, 1, H, 1, D, 2), ok)  # finishes the spill: commits (or queues the commit)
-    if background:
-        _settled(ex)
-        ex.run(_plan(4, 2, H, 2, D, 3), ok)  # finds it failed
+    ex.run(_plan(3, 1, H, 1, D, 2), ok)  # finishes the spill: queues the commit
+    _settled(ex)
+    ex.run(_plan(4, 2, H, 2, D, 3), ok)  # finds it failed
     assert ex.num_failed_spills == 1 and not ex.commits and not ex.spills
     assert store.committed_indices("sess").tolist() == []
     out = ex.run(_plan(5, 0, S, -1, D, 1), ok)

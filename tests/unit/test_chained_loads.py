@@ -4,7 +4,6 @@ plan's later reads, instead of after all of them; the next plan takes them as do
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +45,12 @@ class Rig:
     """One CPU worker whose session "s" has blocks 0..n-1 in L3 (bytes known), every L1 and
     L2 slot free; each read job of a load carries one block (the executor's chunk shrunk)."""
 
-    def __init__(self, root: Path, n: int = 4, chain: bool = True) -> None:
+    def __init__(self, root: Path, n: int = 4) -> None:
         from tests.multiproc.harness import make_config
         from tpkv.workers.worker import Worker
 
         self.root = root
         self.w = Worker(make_config(1, str(root)), rank=0, device="cpu")
-        self.w.chain_loads = chain
         bb = self.w.hbm.block_bytes
         rng = np.random.default_rng(7)
         self.truth = [rng.integers(0, 256, bb, dtype=np.uint8) for _ in range(n)]
@@ -85,10 +83,9 @@ def one_block_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(executor_mod, "READ_CHUNK_BYTES", 1)
 
 
-@pytest.mark.parametrize("chain", [True, False])
 def test_loaded_blocks_reach_l1_bit_exact_as_each_read_is_done(tmp_path: Path, one_block_jobs:
-                                                                None, chain: bool) -> None:
-    rig = Rig(tmp_path / "l3", chain=chain)
+                                                                None) -> None:
+    rig = Rig(tmp_path / "l3")
     try:
         loads, ups = rig.resume()
         for b in range(4):
@@ -97,11 +94,9 @@ def test_loaded_blocks_reach_l1_bit_exact_as_each_read_is_done(tmp_path: Path, o
         assert ups.outcome.bytes_h2d == 4 * rig.w.hbm.block_bytes
         tier, slot = rig.w.mirror.where(np.arange(4))
         assert tier.tolist() == [H] * 4 and slot.tolist() == [0, 1, 2, 3]
-        if chain:  # one copy per read job, all during the loads' plan
-            assert rig.h2d_calls == [1, 1, 1, 1]
-            assert ups.outcome.num_ahead == 4 and rig.w.executor.num_chained == 4
-        else:
-            assert rig.h2d_calls == [4] and ups.outcome.num_ahead == 0
+        # one copy per read job, all during the loads' plan
+        assert rig.h2d_calls == [1, 1, 1, 1]
+        assert ups.outcome.num_ahead == 4 and rig.w.executor.num_chained == 4
         assert rig.w.executor.chained is None
     finally:
         rig.close()
@@ -191,11 +186,11 @@ def _placed(m: dict[str, Any]) -> dict[int, tuple[int, int]]:
                     zip(np.asarray(m["tiers"]).tolist(), np.asarray(m["slots"]).tolist())))
 
 
-def engine_run(root: Path, prepare: Callable[[Any], None]) -> tuple[Any, Any]:
-    """The tiered engine test's workload and tiers, returns always loaded from L3, after
-    `prepare(runtime)`: its tokens and the rank's PlanExecutor (its counters). Checks the
-    rank's map against the controller's before the first close (both whole then), and that
-    blocks came back from L3 with no mismatch."""
+def engine_run(root: Path) -> tuple[Any, Any]:
+    """The tiered engine test's workload and tiers, returns always loaded from L3: its tokens
+    and the rank's PlanExecutor (its counters). Checks the rank's map against the
+    controller's before the first close (both whole then), and that blocks came back from L3
+    with no mismatch."""
     import tpkv
     from tests.multiproc.test_engine_tiered import BT, L1_BLOCKS, L2_BLOCKS, drive
     from tpkv.config import PolicyConfig
@@ -208,7 +203,6 @@ def engine_run(root: Path, prepare: Callable[[Any], None]) -> tuple[Any, Any]:
                                                                 prefill_tokens_per_s=10.0))
     rt = tpkv.init(cfg, controller="local", device="cpu")
     try:
-        prepare(rt)
         tiered = TieredEngine(rt, model, report_prefill=False)
         maps: list[tuple[Any, Any]] = []
         real_close = tiered.engine.close_session
@@ -227,18 +221,15 @@ def engine_run(root: Path, prepare: Callable[[Any], None]) -> tuple[Any, Any]:
         rt.close()
 
 
-def _chaining(on: bool) -> Callable[[Any], None]:
-    def prepare(rt: Any) -> None:
-        rt.worker.chain_loads = on
-    return prepare
+def test_the_engine_gives_the_tokens_of_a_large_l1_with_chained_loads(tmp_path: Path) -> None:
+    """The tiered engine's workload with returns loaded from L3: the tokens of a large L1
+    where nothing moves, moves chained, and the rank's map the controller's."""
+    from tests.multiproc.test_engine_tiered import reference
+    from tpkv.models.llama import build_model
 
-
-def test_the_engine_gives_the_same_tokens_with_chained_loads(tmp_path: Path) -> None:
-    """The tiered engine's workload with returns loaded from L3: the same tokens with and
-    without chaining, moves chained, and the rank's map the controller's."""
-    off, ex_off = engine_run(tmp_path / "off", _chaining(False))
-    on, ex_on = engine_run(tmp_path / "on", _chaining(True))
-    assert ex_off.num_chained == 0 and ex_on.num_chained > 0 and on == off
+    on, ex_on = engine_run(tmp_path / "on")
+    assert ex_on.num_chained > 0
+    assert on == reference(build_model("tiny", seed=0, device="cpu"))
 
 
 def test_a_chain_left_for_a_plan_that_never_ran_is_dropped(tmp_path: Path,

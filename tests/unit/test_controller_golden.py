@@ -29,36 +29,15 @@ from tpkv.types import MoveResult, Tier, encode
 
 GOLDEN = Path(__file__).parent / "data" / "controller_golden.json"
 WRITE = os.environ.get("TPKV_GOLDEN_WRITE") == "1"
-# The first cases were recorded before L2 kept copies of promoted blocks and before plans
-# promoted into the L1 slots their own demotions empty; they run with both off and must still
-# give the same results. The "+kept" cases run with kept copies on, recorded when they came;
-# the "+refill" cases with both on, recorded when refills came; the "+l3" cases with L3
-# copies on too (the defaults), recorded when those came. Each earlier set runs without them.
-_NO3 = dict(keep_l3_copies=False)
-_OFF = dict(keep_l2_copies=False, refill_same_plan=False, **_NO3)
-_KEPT = dict(refill_same_plan=False, **_NO3)
-SMALL = {"a": dict(l1=12, l2=10, l3=24, **_OFF), "b": dict(l1=8, l2=6, l3=0, **_OFF),
-         "c": dict(l1=16, l2=12, l3=10, kind="lru", **_OFF),
-         "d": dict(l1=10, l2=16, l3=40, kind="lruk", max_moves_per_step=3, **_OFF),
-         "a+kept": dict(l1=12, l2=10, l3=24, **_KEPT), "b+kept": dict(l1=8, l2=6, l3=0, **_KEPT),
-         "d+kept": dict(l1=10, l2=16, l3=40, kind="lruk", max_moves_per_step=3, **_KEPT),
-         "a+refill": dict(l1=12, l2=10, l3=24, **_NO3), "b+refill": dict(l1=8, l2=6, l3=0, **_NO3),
-         "d+refill": dict(l1=10, l2=16, l3=40, kind="lruk", max_moves_per_step=3, **_NO3),
-         "a+l3": dict(l1=12, l2=10, l3=24), "c+l3": dict(l1=16, l2=12, l3=10, kind="lru"),
-         "d+l3": dict(l1=10, l2=16, l3=40, kind="lruk", max_moves_per_step=3)}
-BUSY = {"heat": dict(l1=1536, l2=1200, l3=6000, max_moves_per_step=96, prefetch_max_blocks=64,
-                     **_OFF),
-        "lru": dict(l1=1024, l2=900, l3=0, kind="lru", max_moves_per_step=512, **_OFF),
-        "lruk": dict(l1=1280, l2=1600, l3=3000, kind="lruk", max_moves_per_step=40, **_OFF),
-        "heat+kept": dict(l1=1536, l2=1200, l3=6000, max_moves_per_step=96,
-                          prefetch_max_blocks=64, **_KEPT),
-        "lru+kept": dict(l1=1024, l2=900, l3=0, kind="lru", max_moves_per_step=512, **_KEPT),
-        "heat+refill": dict(l1=1536, l2=1200, l3=6000, max_moves_per_step=96,
-                            prefetch_max_blocks=64, **_NO3),
-        "lru+refill": dict(l1=1024, l2=900, l3=0, kind="lru", max_moves_per_step=512, **_NO3),
-        "heat+l3": dict(l1=1536, l2=1200, l3=6000, max_moves_per_step=96,
-                        prefetch_max_blocks=64),
-        "lruk+l3": dict(l1=1280, l2=1600, l3=3000, kind="lruk", max_moves_per_step=40)}
+# Each case runs the default policy with the tier sizes and policy kind given; their digests are
+# those recorded for that configuration when it became the default (each of L2 copies of
+# promoted blocks, refills in the plan that empties the slots, L3 copies of loaded blocks).
+SMALL = {"a": dict(l1=12, l2=10, l3=24), "b": dict(l1=8, l2=6, l3=0),
+         "c": dict(l1=16, l2=12, l3=10, kind="lru"),
+         "d": dict(l1=10, l2=16, l3=40, kind="lruk", max_moves_per_step=3)}
+BUSY = {"heat": dict(l1=1536, l2=1200, l3=6000, max_moves_per_step=96, prefetch_max_blocks=64),
+        "lru": dict(l1=1024, l2=900, l3=0, kind="lru", max_moves_per_step=512),
+        "lruk": dict(l1=1280, l2=1600, l3=3000, kind="lruk", max_moves_per_step=40)}
 
 
 def digest_step(h: Any, res: StepResult) -> None:

@@ -37,7 +37,6 @@ configs = st.sampled_from([
     dict(l1=10, l2=16, l3=40, kind="lruk", max_moves_per_step=3),
     dict(l1=12, l2=10, l3=24, l1_reuse="oldest"),
     dict(l1=12, l2=10, l3=24, l1_reuse="oldest", l2_reuse="oldest"),
-    dict(l1=12, l2=10, l3=24, refill_same_plan=False),
     # loads into free L1 slots handed to the ranks before the rest of the step is planned
     dict(l1=12, l2=10, l3=24, hand_early=True, early_min_bytes=0),
     dict(l1=16, l2=12, l3=10, l1_reuse="oldest", hand_early=True, early_min_bytes=0),

@@ -111,7 +111,7 @@ def small_l2_rig(make_config, fake_clock, **policy):
 
 
 def test_spill_to_l3_is_whole_session_and_comes_back_in_two_epochs(make_config, fake_clock):
-    rig = small_l2_rig(make_config, fake_clock, keep_l3_copies=False)
+    rig = small_l2_rig(make_config, fake_clock)
     rig.open("a", "b", "c", "d", "e")
     for n in "abcde":
         rig.step([n])
@@ -123,19 +123,19 @@ def test_spill_to_l3_is_whole_session_and_comes_back_in_two_epochs(make_config, 
     assert res.plans[1].mask(Tier.DRAM, Tier.HBM).sum() == 4
     assert res.plans[1].epoch == res.plans[0].epoch + 1
     assert rig.where("a") == ["HBM"] * 4
-    # None of its blocks is in L3 any more: the ranks delete its files with the next step
-    # (another rank may still be reading them in this one).
+    # None of its blocks is in L3 any more, but its records stay as the blocks' L3 copies:
+    # its files are not deleted.
     assert res.ssd_dropped_sessions == ()
-    assert rig.step(["a"], tokens=[1]).ssd_dropped_sessions == ("a",)
+    assert rig.step(["a"], tokens=[1]).ssd_dropped_sessions == ()
+    assert rig.c.sessions.l3_other[rig.c.sessions.lookup("a")] == 4
     snap = {s["session"]: s for s in rig.c.snapshot()["sessions"]}
     cost = snap["a"]["cost"]
     assert cost["choice"] == "load" and cost["load_s"] > 0 and cost["recompute_s"] > 0
 
 
-def test_prefetch_from_l3_takes_whole_sessions_and_their_records_go(make_config, fake_clock):
+def test_prefetch_from_l3_takes_whole_sessions(make_config, fake_clock):
     for room, staged in ((3, 0), (4, 4)):  # a's 4 blocks do not fit in 3, do in 4
-        rig = small_l2_rig(make_config, fake_clock, prefetch_max_blocks=room, cooldown_s=0.0,
-                           keep_l3_copies=False)
+        rig = small_l2_rig(make_config, fake_clock, prefetch_max_blocks=room, cooldown_s=0.0)
         rig.open("a", "b", "c", "d", "e")
         for n in "abcde":
             rig.step([n])
@@ -144,23 +144,14 @@ def test_prefetch_from_l3_takes_whole_sessions_and_their_records_go(make_config,
             if "DRAM" in rig.where(n):
                 rig.c.close_session(n)
         rig.step(["e"])
-        free3 = rig.c.table.num_free(Tier.SSD)
         res = rig.step(["e"], upcoming={"a": 1})
         assert moves(res, Tier.SSD, Tier.DRAM) == staged
         assert rig.where("a").count("SSD") == 4 - staged
-        # a's files are deleted with the next step: their room (and a block for the segment
-        # header) is held until then, free after it
-        assert res.ssd_dropped_sessions == ()
-        held = staged + 1 if staged else 0
-        assert rig.c.table.l3_held == held
-        assert rig.c.table.num_free(Tier.SSD) == free3 - (1 if staged else 0)
         res = rig.step(["a"])  # demand brings the rest
         assert "SSD" not in rig.where("a")
-        assert res.ssd_dropped_sessions == (("a",) if staged else ())
-        if staged:
-            assert rig.c.table.num_free(Tier.SSD) == free3 + staged
-        res = rig.step(["a"], tokens=[1])
-        assert res.ssd_dropped_sessions == (() if staged else ("a",))
+        # its records stay as the blocks' L3 copies: its files are not deleted
+        assert res.ssd_dropped_sessions == ()
+        assert rig.c.sessions.l3_other[rig.c.sessions.lookup("a")] == 4
 
 
 def test_l3_room_a_step_frees_is_held_until_the_step_is_applied(make_config, fake_clock):
@@ -513,15 +504,7 @@ def test_resync_frees_every_kept_copy(rig):
     rig.c.check_integrity()
 
 
-def test_without_keep_l2_copies_every_demotion_copies(make_config, fake_clock):
-    rig = Rig(make_config(keep_l2_copies=False), fake_clock)
-    rig.open("a", "b", "c", "d")
-    for n in "abcdabcd":
-        assert kept(rig.step([n])) == 0
-    assert rig.c.table.num_kept == 0
-
-
-# ---- L3 copies (PolicyConfig.keep_l3_copies) ---------------------------------------------------
+# ---- L3 copies (BlockTable.keep_l3) ----------------------------------------------------------
 
 def _back_from_l3(make_config, fake_clock):
     """Five sessions of 14 tokens (4 blocks, the last part full) through L1 8 / L2 8 / L3 64:

@@ -1,4 +1,4 @@
-"""Early promotions (PolicyConfig.early_promotions): a step's loads from L2 that fit L1's free
+"""Early promotions (PolicyConfig.early_min_bytes): a step's loads from L2 that fit L1's free
 slots reach the ranks as the step's first plan before the rest of the step is planned."""
 
 from __future__ import annotations
@@ -113,15 +113,13 @@ def test_no_early_plan_after_blocks_were_released(rig):
     assert not rig.handed and res.plans and rig.where("a") == ["HBM"] * 4
 
 
-def test_no_early_plan_below_early_min_bytes_or_when_off(make_config, fake_clock):
+def test_no_early_plan_below_early_min_bytes(make_config, fake_clock):
     cfg = make_config()
-    for policy in (dict(early_min_bytes=5 * cfg.geometry.block_bytes),
-                   dict(early_min_bytes=0, early_promotions=False)):
-        rig = EarlyRig(make_config(**policy), fake_clock)
-        rig.demote_a()
-        res = rig.step(["a"])  # 4 blocks would fit
-        assert not rig.handed and rig.where("a") == ["HBM"] * 4
-        assert res.plans[0].mask(Tier.DRAM, Tier.HBM).sum() == 4
+    rig = EarlyRig(make_config(early_min_bytes=5 * cfg.geometry.block_bytes), fake_clock)
+    rig.demote_a()
+    res = rig.step(["a"])  # 4 blocks would fit
+    assert not rig.handed and rig.where("a") == ["HBM"] * 4
+    assert res.plans[0].mask(Tier.DRAM, Tier.HBM).sum() == 4
 
 
 def test_an_early_plan_stays_pending_when_the_step_fails(rig, monkeypatch):
@@ -211,9 +209,10 @@ def _turns(rt: Any, model: Any, fail_at: int = -1) -> tuple[list[Any], Any]:
 
 
 def test_the_engine_gives_the_same_tokens_with_early_plans() -> None:
-    """Same tokens with and without early plans, and the ranks' map is the controller's."""
+    """Same tokens with early plans as with none (the default early_min_bytes, which the tiny
+    model's loads never reach), and the ranks' map is the controller's."""
     outs = []
-    for policy in (dict(early_promotions=False), dict(early_min_bytes=0)):
+    for policy in (dict(), dict(early_min_bytes=0)):
         rt, model = _runtime(**policy)
         try:
             done, (handed, _) = _turns(rt, model)
@@ -239,7 +238,7 @@ def test_a_step_that_fails_after_its_early_plan_rebuilds_the_controller() -> Non
         assert rt.worker.slot_map()["digest"] == rt.controller.slot_map()["digest"]
     finally:
         rt.close()
-    rt, model = _runtime(early_promotions=False)
+    rt, model = _runtime()  # (no early plan: the default early_min_bytes)
     try:
         assert _turns(rt, model)[0] == done
     finally:

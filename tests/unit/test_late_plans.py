@@ -1,8 +1,8 @@
 """Steps whose plans only demote other sessions' blocks are applied after their forward is
 launched (Worker.apply_step's late_ok), and steps that would plan only for the L1 watermark
 have the controller plan those demotions then (defer_marks, Controller.plan_deferred); both are
-confirmed at the next step. The tokens are those of steps applied whole, and a late or deferred
-plan the ranks disagree on is repaired by a resync."""
+confirmed at the next step. The tokens are those of a large L1 where nothing moves, and a late
+or deferred plan the ranks disagree on is repaired by a resync."""
 
 from __future__ import annotations
 
@@ -16,10 +16,20 @@ torch = pytest.importorskip("torch")
 from tpkv.types import Tier  # noqa: E402
 
 
-def _run(root: str, late: bool, skip: str | None = None, defer: bool = True) -> dict[str, Any]:
+def _whole() -> Any:
+    """The tokens of the workload below with an L1 that holds everything (nothing moves)."""
+    from tests.multiproc.test_engine_tiered import reference
+    from tpkv.models.llama import build_model
+
+    return reference(build_model("tiny", seed=0, device="cpu"))
+
+
+def _run(root: str, skip: str | None = None, defer: bool = True) -> dict[str, Any]:
     """The tiered engine test's workload and tiers (L1 of 32 blocks, L2 of 16, L3), returns
     always loaded; a check of every step's application and of the maps at the end. `skip`:
-    "late" or "deferred": the first such plan's first move is skipped on the rank (a bug)."""
+    "late" or "deferred": the first such plan's first move is skipped on the rank (a bug).
+    `defer=False`: the engine's steps run without defer_marks, as with a Ray controller (no
+    plan_deferred), so the watermark demotions come with the step and are applied late."""
     import tpkv
     from tests.multiproc.test_engine_tiered import BT, L1_BLOCKS, L2_BLOCKS, drive
     from tpkv.config import PolicyConfig
@@ -33,7 +43,12 @@ def _run(root: str, late: bool, skip: str | None = None, defer: bool = True) -> 
     rt = tpkv.init(cfg, controller="local", device="cpu")
     try:
         tiered = TieredEngine(rt, model, report_prefill=False)
-        tiered.late_plans, tiered.defer_marks = late, defer
+        if not defer:
+            real_run_step = rt.run_step
+
+            def run_step(*args: Any, **kw: Any) -> Any:
+                return real_run_step(*args, **{**kw, "defer_marks": False})
+            rt.run_step = run_step
         worker = rt.worker
         seen: list[bool] = []
         spills: list[int] = []  # L2 -> L3 moves of each late step
@@ -102,31 +117,26 @@ def _run(root: str, late: bool, skip: str | None = None, defer: bool = True) -> 
         rt.close()
 
 
-def test_late_plans_give_the_tokens_and_maps_of_steps_applied_whole(tmp_path) -> None:
-    whole = _run(str(tmp_path / "a"), late=False)
-    late = _run(str(tmp_path / "b"), late=True, defer=False)
-    assert whole["late"] == 0 and whole["deferred"] == 0
+def test_late_plans_give_the_tokens_of_a_large_l1(tmp_path) -> None:
+    late = _run(str(tmp_path / "b"), defer=False)
     assert late["late"] > 0 and late["deferred"] == 0
     assert late["moves"]["l1_l2"] > 0 and late["moves"]["l2_l1"] > 0
     assert late["late_spills"] > 0 and late["moves"]["l3_l2"] > 0  # spills waited too
-    assert late["tokens"] == whole["tokens"]
-    assert late["mismatches"] == whole["mismatches"] == 0
+    assert late["tokens"] == _whole()
+    assert late["mismatches"] == 0
 
 
-def test_deferred_watermark_plans_give_the_tokens_and_maps_of_steps_planned_whole(
-        tmp_path) -> None:
-    whole = _run(str(tmp_path / "a"), late=False)
-    both = _run(str(tmp_path / "b"), late=True, defer=True)
+def test_deferred_watermark_plans_give_the_tokens_of_a_large_l1(tmp_path) -> None:
+    both = _run(str(tmp_path / "b"))
     assert both["deferred"] > 0 and both["deferred_moves"] > 0
-    assert both["tokens"] == whole["tokens"] and both["mismatches"] == 0
+    assert both["tokens"] == _whole() and both["mismatches"] == 0
 
 
 @pytest.mark.parametrize("kind", ["late", "deferred"])
 def test_a_late_plan_the_rank_got_wrong_is_resynced_and_the_tokens_stay(tmp_path, kind) -> None:
-    whole = _run(str(tmp_path / "a"), late=False)
-    bad = _run(str(tmp_path / "b"), late=True, skip=kind, defer=kind == "deferred")
+    bad = _run(str(tmp_path / "b"), skip=kind, defer=kind == "deferred")
     assert bad[kind] > 0 and bad["mismatches"] == 1
-    assert bad["tokens"] == whole["tokens"]
+    assert bad["tokens"] == _whole()
 
 
 def test_deferred_plans_wait_for_the_steps_own_moves_to_be_confirmed(tmp_path) -> None:

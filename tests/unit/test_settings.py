@@ -124,8 +124,6 @@ FIELDS: list[tuple[Any, dict[str, Any], str, list[Any]]] = [
     (PolicyConfig, {}, "gpu_share_weight", BAD_FLOAT + [-1.0]),
     *[(PolicyConfig, {}, f, BAD_FLOAT + [0.0, -1.0]) for f in
       ("prefill_tokens_per_s", "h2d_bytes_per_s", "ssd_read_bytes_per_s")],
-    *[(PolicyConfig, {}, f, [1, "no", None]) for f in
-      ("keep_l2_copies", "keep_l3_copies", "refill_same_plan", "early_promotions")],
     *[(PolicyConfig, {}, f, [1, None, "LRU"]) for f in ("kind", "spill", "l1_reuse")],
     (TpkvConfig, {}, "wait_timeout_s", BAD_FLOAT + [0.0, -1.0, 1e12]),
     (TpkvConfig, {}, "heartbeat_s", BAD_FLOAT + [0.0, -1.0]),

@@ -10,14 +10,16 @@ import pytest
 torch = pytest.importorskip("torch")
 
 
-def _open(**policy: Any) -> Any:
+def _open(l1_blocks: int = 24, l2_blocks: int = 64, ssd_root: str | None = None,
+          **policy: Any) -> Any:
     import tpkv
     from tpkv.config import PolicyConfig
     from tpkv.models.llama import build_model
     from tpkv.models.tiered import tiered_config
 
     model = build_model("tiny", seed=0, device="cpu")
-    cfg = tiered_config(model, 1, block_tokens=4, l1_blocks=24, l2_blocks=64,
+    cfg = tiered_config(model, 1, block_tokens=4, l1_blocks=l1_blocks, l2_blocks=l2_blocks,
+                        ssd_root=ssd_root,
                         policy=PolicyConfig(cooldown_s=0.0, **policy))
     return tpkv.init(cfg, controller="local", device="cpu"), model
 
@@ -30,10 +32,9 @@ def runtime() -> Any:
 
 
 @pytest.fixture()
-def runtime_two_plans() -> Any:
-    """Promotions into slots a demotion empties wait for the next plan (refill_same_plan off):
-    resumes into a full L1 take two plans."""
-    rt, model = _open(refill_same_plan=False)
+def runtime_big_l1() -> Any:
+    """An L1 that holds every session of _resume_workload: nothing is demoted or resumed."""
+    rt, model = _open(l1_blocks=256)
     yield rt, model
     rt.close()
 
@@ -109,51 +110,54 @@ def test_the_controller_prepares_once_each_forward_is_launched(runtime: Any) -> 
     assert calls == ["schedule", "prepare"] * 3
 
 
-def test_each_plan_is_told_the_l1_slots_the_rest_of_its_step_fills(runtime_two_plans: Any
-                                                                   ) -> None:
+def test_each_plan_is_told_the_l1_slots_the_rest_of_its_step_fills(tmp_path: Any) -> None:
     """Worker.apply_step gives each plan the L1 slots that later plans of the step promote into
     and the step's new K/V slots (PlanExecutor.run then lets demotions nobody later in the step
-    waits for follow the plan's promotions). Sessions are pushed out of a 24-block L1 and
-    resumed, so some steps carry more than one plan."""
+    waits for follow the plan's promotions). Sessions are pushed out of a 24-block L1 and an
+    8-block L2 and resumed from L3 (a load into L2, then a promotion), so some steps carry
+    more than one plan."""
     from tpkv.models.tiered import TieredEngine
     from tpkv.types import Tier
 
-    rt, model = runtime_two_plans
-    ex, worker = rt.worker.executor, rt.worker
-    calls: list[tuple[Any, Any]] = []
-    real_run, real_apply = ex.run, worker.apply_step
-    steps: list[Any] = []
+    rt, model = _open(l2_blocks=8, ssd_root=str(tmp_path))
+    try:
+        ex, worker = rt.worker.executor, rt.worker
+        calls: list[tuple[Any, Any]] = []
+        real_run, real_apply = ex.run, worker.apply_step
+        steps: list[Any] = []
 
-    def run(plan: Any, ok: Any, later_l1: Any = None, early: bool = False,
-            chain: Any = None) -> Any:
-        assert not early  # (early_min_bytes: too few bytes here)
-        calls.append((plan, later_l1))
-        return real_run(plan, ok, later_l1, early=early, chain=chain)
+        def run(plan: Any, ok: Any, later_l1: Any = None, early: bool = False,
+                chain: Any = None) -> Any:
+            assert not early  # (early_min_bytes: too few bytes here)
+            calls.append((plan, later_l1))
+            return real_run(plan, ok, later_l1, early=early, chain=chain)
 
-    def apply_step(step: Any, late_ok: bool = False) -> Any:
-        steps.append((step, len(calls)))
-        return real_apply(step, late_ok)
-    ex.run, worker.apply_step = run, apply_step
-    tiered = TieredEngine(rt, model, report_prefill=False, max_batch=2)
-    e = tiered.engine
-    for _turn in range(3):
-        for s in range(4):
-            e.add_turn(f"s{s}", list(range(10 * s, 10 * s + 20)), 2)
-            while e.has_work:
-                e.step()
-    multi = 0
-    for step, first in steps:
-        plans = calls[first:first + len(step.plans)]
-        assert [p for p, _ in plans] == list(step.plans)
-        for i, (_, later) in enumerate(plans):
-            want = set(np.asarray(step.fresh_slots).tolist())
-            for p in step.plans[i + 1:]:
-                want |= set(p.dst_slot[p.mask(Tier.DRAM, Tier.HBM)].tolist())
-            assert set(np.asarray(later).tolist()) == want
-        multi += len(step.plans) > 1 and any(
-            p.mask(Tier.DRAM, Tier.HBM).any() for p in step.plans[1:])
-    assert multi > 0  # some step promoted in a later plan
-    assert tiered.stats.resume_s["l2"]  # and sessions did come back from L2
+        def apply_step(step: Any, late_ok: bool = False) -> Any:
+            steps.append((step, len(calls)))
+            return real_apply(step, late_ok)
+        ex.run, worker.apply_step = run, apply_step
+        tiered = TieredEngine(rt, model, report_prefill=False, max_batch=2)
+        e = tiered.engine
+        for _turn in range(3):
+            for s in range(4):
+                e.add_turn(f"s{s}", list(range(10 * s, 10 * s + 20)), 2)
+                while e.has_work:
+                    e.step()
+        multi = 0
+        for step, first in steps:
+            plans = calls[first:first + len(step.plans)]
+            assert [p for p, _ in plans] == list(step.plans)
+            for i, (_, later) in enumerate(plans):
+                want = set(np.asarray(step.fresh_slots).tolist())
+                for p in step.plans[i + 1:]:
+                    want |= set(p.dst_slot[p.mask(Tier.DRAM, Tier.HBM)].tolist())
+                assert set(np.asarray(later).tolist()) == want
+            multi += len(step.plans) > 1 and any(
+                p.mask(Tier.DRAM, Tier.HBM).any() for p in step.plans[1:])
+        assert multi > 0  # some step promoted in a later plan
+        assert tiered.stats.resume_s["l3"]  # and sessions did come back from L3
+    finally:
+        rt.close()
 
 
 def _resume_workload(rt: Any, model: Any) -> tuple[list[tuple[str, tuple[int, ...]]], int, int]:
@@ -183,12 +187,12 @@ def _resume_workload(rt: Any, model: Any) -> tuple[list[tuple[str, tuple[int, ..
 
 
 def test_a_resume_into_a_full_l1_is_one_plan_with_the_same_outputs(
-        runtime: Any, runtime_two_plans: Any) -> None:
-    """refill_same_plan (the default): the promotions of a resume fill the L1 slots the same
-    plan's demotions empty, so no step spreads its promotions over two plans; the model's
-    tokens are those of the two-plan run, where they do."""
+        runtime: Any, runtime_big_l1: Any) -> None:
+    """The promotions of a resume fill the L1 slots the same plan's demotions empty, so no
+    step spreads its promotions over two plans; the model's tokens are those of a run whose
+    L1 holds every session (no demotion, no resume)."""
     one, split_one, up_one = _resume_workload(*runtime)
-    two, split_two, up_two = _resume_workload(*runtime_two_plans)
-    assert split_two > 0 and up_two > 0  # the workload does resume into a full L1
-    assert split_one == 0 and up_one > 0
-    assert one == two
+    big, _, up_big = _resume_workload(*runtime_big_l1)
+    assert split_one == 0 and up_one > 0  # the workload does resume into a full L1
+    assert up_big == 0
+    assert one == big

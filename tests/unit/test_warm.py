@@ -46,9 +46,9 @@ print(json.dumps({"took": took, "missed": {k: after[k] - before.get(k, 0) for k 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("cfg", [dict(l1=12, l2=10, l3=24), dict(l1=12, l2=48, l3=0),
-                                 dict(l1=10, l2=16, l3=40, kind="lruk", keep_l2_copies=False,
+                                 dict(l1=10, l2=16, l3=40, kind="lruk",
                                       max_moves_per_step=3)],
-                         ids=["heat-l3", "heat-no-l3", "lruk-no-keep"])
+                         ids=["heat-l3", "heat-no-l3", "lruk"])
 def test_workloads_after_the_warm_up_compile_nothing(cfg):
     env = {**os.environ, "NUMBA_DISABLE_CACHE": "1", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(cfg)], cwd=ROOT, env=env,

@@ -70,7 +70,7 @@ class PlanBuilder:
         self._held: dict[int, list[np.ndarray]] = {HBM: [], DRAM: []}
         self._held_kept: list[np.ndarray] = []  # L1 slots of this phase's kept demotions
         # (rows, L2 slots) of this phase's promotions: the slots become the rows' kept copies
-        # when the phase ends (BlockTable.keep_copies), instead of free slots
+        # when the phase ends (BlockTable.kept), instead of free slots
         self._to_keep: list[tuple[np.ndarray, np.ndarray]] = []
         self._n = 0  # moves of the current phase, in the buffers below
         # The last step's buffers when given (`buffers`): they grew to what a step needs, and
@@ -162,7 +162,7 @@ class PlanBuilder:
             self._l3_moved(rows, self.buffers[1][at:at + n], src, kept)
         if kept_slots is None:
             stack.top -= n if dst != SSD else 0
-        if src == DRAM and dst == HBM and t.keep_copies:
+        if src == DRAM and dst == HBM:
             self._to_keep.append((self.buffers[0][at:at + n], self.buffers[2][at:at + n]))
         elif kept_slots is not None:
             self._held_kept.append(self.buffers[2][at:at + n])  # their L1 slots (no copy)

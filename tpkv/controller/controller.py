@@ -89,8 +89,7 @@ class Controller:
             Tier.SSD: (config.l3.high_watermark, config.l3.low_watermark)}
         capacity = table_capacity or min(l1 + l2 + l3 + 1024, 1 << 20)
         self.table = BlockTable(l1, l2, l3, pol.lru_k, min(capacity, pol.max_tracked_blocks),
-                                pol.l1_reuse, pol.l2_reuse, pol.keep_l2_copies,
-                                pol.keep_l3_copies and self.l3_enabled)
+                                pol.l1_reuse, pol.l2_reuse, self.l3_enabled)
         self.sessions = SessionTable(pol.lru_k)
         self.batch_table = BatchTable()
         self.names_cache: tuple[np.ndarray, tuple[str, ...]] = (np.zeros(0, np.int64), ())
@@ -285,7 +284,7 @@ class Controller:
         plan_deferred() makes those moves once the caller has launched the step's forward (a
         later schedule() makes them otherwise).
 
-        `early` (with policy.early_promotions; an in-process caller): called, before the
+        `early` (an in-process caller): called, before the
         rest of the step is planned, with the step's first plan when that plan is the step's
         loads from L2 that fit L1's free slots (step.early_promotions). The caller applies it
         on every rank at once; it is the first of the step's plans all the same (a rank skips
@@ -294,8 +293,6 @@ class Controller:
         self.require_ready()
         self.deferred = None
         self.early_ns = 0
-        if not self.config.policy.early_promotions:
-            early = None
         try:
             if self.tick >= _TICK_LIMIT:
                 self._rebase_ticks()

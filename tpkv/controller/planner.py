@@ -99,8 +99,7 @@ def plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray:
         short2 = max(0, len(in3) + len(victims) - free2)
         extra2 = 0
         if phase == 0 and ctx.l3_enabled and ctx.part != "step":  # L1 draining goes first
-            refill = len(victims) if ctx.policy.refill_same_plan else 0
-            projected = t.used(DRAM) + len(in3) + len(victims) - min(len(in2), free1 + refill)
+            projected = t.used(DRAM) + len(in3) + len(victims) - min(len(in2), free1 + len(victims))
             extra2 = _watermark(ctx, DRAM, projected, t.slots(DRAM))
             extra2 = min(max(0, extra2 - short2), max(budget - extra1, budget // 4))
         _make_l2_room(ctx, b, shield, short2, extra2, budget)
@@ -111,7 +110,7 @@ def plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray:
         b.move(demoted, HBM, DRAM)
         done = units[np.cumsum(sizes) <= len(demoted)] if len(units) else units
         s.clean[done] = True
-        if ctx.policy.refill_same_plan and len(demoted) and len(in2) > free1:
+        if len(demoted) and len(in2) > free1:
             b.free_vacated(HBM)  # the promotions below may fill what the demotions empty
         promoted = in2[:t.num_free(HBM)]
         b.move(promoted, DRAM, HBM)

@@ -125,9 +125,7 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
     if cap > pol.max_tracked_blocks:
         raise BadRequestError(f"rebuild needs {cap} rows, at most {pol.max_tracked_blocks}")
     T = BlockTable(old.full_slots(Tier.HBM), old.full_slots(Tier.DRAM), old.l3_capacity,
-                   pol.lru_k, cap,
-                   pol.l1_reuse, pol.l2_reuse, pol.keep_l2_copies,
-                   pol.keep_l3_copies and ctl.l3_enabled)
+                   pol.lru_k, cap, pol.l1_reuse, pol.l2_reuse, ctl.l3_enabled)
     S = SessionTable(pol.lru_k)
     taken = {t: np.zeros(T.full_slots(t), bool) for t in (Tier.HBM, Tier.DRAM)}
     used_rows: set[int] = set()

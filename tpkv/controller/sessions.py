@@ -131,7 +131,7 @@ class SessionTable:
         grow("kept_last", np.bool_, False)
         # Records in its L3 segment that are not blocks in L3: copies of blocks loaded back
         # (BlockTable.l3copy) and dead ones (written or dropped since); they hold L3 room until
-        # the segment goes (PolicyConfig.keep_l3_copies)
+        # the segment goes (BlockTable.keep_l3)
         grow("l3_other", np.int32, 0)
         # Epoch of the last plan that moved a block of it into or out of L3 (-1: none)
         grow("l3_epoch", np.int64, -1)

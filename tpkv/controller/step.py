@@ -86,7 +86,7 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     ctl.tick += 1
     ctl.last_step_s = ctl.now_s()  # the dashboard tells idle from live by it
     tick = ctl.tick
-    tokens_before = S.tokens[batch] if T.keep_copies or T.keep_l3 else None
+    tokens_before = S.tokens[batch]
     start_runs(batch, tokens, tick, S.tokens, S.pending, S.runs, S.run_hist, S.clean)
     b = PlanBuilder(T, S, ctl.next_epoch, ctl.now_s(), ctl.check_invariants, ctl.move_buffers,
                     committed_epoch=ctl.committed_epoch)
@@ -121,7 +121,7 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         fresh_pos = np.concatenate([old_pos, new_pos])
         fresh_logical = np.concatenate([old_logical, new_logical])
         rc_pos, rc_start, rc_stop = _ranges(old_pos, old_logical)
-    if tokens_before is not None and (T.num_kept or T.l3_other):
+    if T.num_kept or T.l3_other:
         _drop_written_copies(ctl, batch, tokens_before, tokens, rc_pos, rc_start)
     return StepResult(
         tick=tick, session_ids=_names(ctl, session_ids, batch), num_tokens=tokens,

@@ -109,10 +109,11 @@ class BlockTable:
 
     def __init__(self, l1_slots: int, l2_slots: int, l3_capacity: int, lru_k: int,
                  capacity: int, l1_reuse: str = "newest", l2_reuse: str = "newest",
-                 keep_copies: bool = False, keep_l3: bool = False) -> None:
+                 keep_l3: bool = False) -> None:
         self.l3_capacity = l3_capacity
-        self.keep_copies = keep_copies  # PolicyConfig.keep_l2_copies
-        self.keep_l3 = keep_l3  # PolicyConfig.keep_l3_copies
+        # A block loaded back from L3 keeps its record (an L3 copy) while it is not written:
+        # whenever L3 is on (the controller passes l3_enabled)
+        self.keep_l3 = keep_l3
         # L3 records that are not blocks in L3 (SessionTable.l3_other summed): copies of blocks
         # loaded back (flag l3copy on their rows) and dead records. They hold L3 room until
         # their session's segment goes (PlanBuilder.drop_segments).

@@ -196,7 +196,7 @@ class TpkvRuntime:
             local = hasattr(self.controller, "plan_deferred")
             extra: dict[str, Any] = {"defer_marks": True} if defer_marks and late_ok and local \
                 else {}
-            if local and self.config.policy.early_promotions:
+            if local:
                 extra["early"] = self._hand_early
             step = self._call("schedule", list(session_ids),
                               np.asarray(num_new_tokens, dtype=np.int64).reshape(-1), upcoming,

@@ -132,15 +132,6 @@ class TieredEngine:
         # for later steps; nothing in this one reads them): their host time runs beside it.
         # Then the controller prepares the next step's eviction orders (Controller.prepare).
         rt.worker.executor.defer_d2h = True
-        # A step whose plans only demote other sessions' blocks (the watermark's, in a decode
-        # step) is applied in two parts: its new blocks before the forward, its plans (maps,
-        # checks, copies, the confirmation's start) once the forward is launched; it is
-        # confirmed at the next step (TpkvRuntime.run_step's late_ok).
-        self.late_plans = True
-        # With late_plans: a step that would plan only for the watermarks is scheduled
-        # without those demotions; the controller plans them once the forward is launched
-        # (Controller.plan_deferred) and they are applied as late plans are.
-        self.defer_marks = True
         self.engine = PagedEngine(model, rt.worker.hbm.tensor, schedule=self.schedule,
                                   wait=self.wait, report=self.report, release=self.release,
                                   launched=self.launched, **engine_kwargs)
@@ -148,8 +139,9 @@ class TieredEngine:
 
     def launched(self) -> None:
         """The step's forward is queued on the device: apply its plans that waited for this
-        (late_plans) or the watermark demotions it left out (defer_marks), issue its deferred
-        demotions, then let the controller do the next step's work while the device computes."""
+        (run_step's late_ok) or the watermark demotions it left out (defer_marks), issue its
+        deferred demotions, then let the controller do the next step's work while the device
+        computes."""
         t0 = time.perf_counter()
         deferred = self.rt.apply_late()
         if deferred is not None:
@@ -181,9 +173,13 @@ class TieredEngine:
             return step
 
         retries = self.rt.num_retries
+        # late_ok: a step whose plans only demote other sessions' blocks is applied in two
+        # parts, its new blocks before the forward, its plans once the forward is launched
+        # (confirmed at the next step); defer_marks: a step that would plan only for the
+        # watermarks leaves them to Controller.plan_deferred, run in launched().
         step = self.rt.run_step(session_ids, num_new_tokens, attempt, self._upcoming(session_ids),
-                                max_retries=self.max_retries, late_ok=self.late_plans,
-                                defer_marks=self.defer_marks)
+                                max_retries=self.max_retries, late_ok=True,
+                                defer_marks=True)
         self.stats.retries += self.rt.num_retries - retries
         self.stats.steps += 1
         self._resume = (started, _TIER_NAME[farthest]) if farthest != Tier.HBM else None

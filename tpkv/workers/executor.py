@@ -45,7 +45,7 @@ class _Spill:
 
 @dataclass
 class _Commit:
-    """A session's manifest commit running on the store's commit thread (background_commits):
+    """A session's manifest commit running on the store's commit thread:
     its L3 records are read, or its files deleted, only once it is done."""
 
     name: str
@@ -243,10 +243,9 @@ class PlanExecutor:
         self.events: list[torch.cuda.Event | None] = [None] * g.num_layers
         self.spills: list[_Spill] = []
         self.num_failed_spills = 0
-        # background_commits: the manifest commits of done spills (a file and a directory
-        # fsync each: 20-250 ms on the H200's disk under spills) run on the store's commit
-        # thread, not in the step that finds the spills done; False: on this thread.
-        self.background_commits = True
+        # The manifest commits of done spills (a file and a directory fsync each: 20-250 ms
+        # on the H200's disk under spills) run on the store's commit thread, not in the step
+        # that finds the spills done
         self.commits: list[_Commit] = []
         # Manifest commits: how many were made, and this thread's time making or awaiting them
         self.num_commits = 0
@@ -584,9 +583,9 @@ class PlanExecutor:
         """Finish the background spills that read any of `slots` or write a session in `names`
         (all of them with `every`), waiting for them up to `deadline`; spills already done are
         finished too. Finishing: commit the session's manifest (complete once the last rank to
-        write has written), or log the failure (its records then read as misses). With
-        background_commits the commit is queued on the store's commit thread, and waited for
-        here when its session is in `names` (or with `every`).
+        write has written), or log the failure (its records then read as misses). The commit
+        is queued on the store's commit thread, and waited for here when its session is in
+        `names` (or with `every`).
 
         `finish=False` (before copies into L2 `slots`): only wait until the spills that read
         them are done writing; finishing them (manifest fsyncs, failures) is left to a later
@@ -614,12 +613,9 @@ class PlanExecutor:
                 log.error("epoch %d: L3 write of session %r failed: %s", sp.epoch, sp.name, exc)
         self.spills = keep
         for name in sorted(written.keys() - failed):
-            if self.background_commits:
-                assert self.store is not None
-                self.num_commits += 1
-                self.commits.append(_Commit(name, self.store.submit_commit(name), written[name]))
-            else:
-                self._commit(name, deadline)
+            assert self.store is not None
+            self.num_commits += 1
+            self.commits.append(_Commit(name, self.store.submit_commit(name), written[name]))
         for name in sorted(failed):
             self._forget(name, deadline)
         if finish and self.commits:

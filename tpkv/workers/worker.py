@@ -119,9 +119,6 @@ class Worker:
         self.tick = 0
         self.fault_skip: dict[int, int] = {}  # tests: epoch -> index of a move to skip silently
         self.fault_miss_from: int | None = None  # tests: first L3 read from this epoch misses
-        # A step's L2 -> L1 moves of blocks its plan before loads from L3 go as each read
-        # job is done (_chain), not after all of them; False: after (tests compare the two)
-        self.chain_loads = True
         self.late: AppliedStep | None = None  # a step whose plans wait (apply_step's late_ok)
         # Plans applied ahead of their step (apply_early), which the next apply_step counts
         self.early: list[AppliedPlan] = []
@@ -333,7 +330,9 @@ class Worker:
         skip = self.fault_skip.pop(plan.epoch, None)
         if skip is not None and plan.num_moves:
             ok[skip % plan.num_moves] = False  # an unknown bug: counted as applied below
-        chain = (self._chain(plan, ok, *then) if then is not None and self.chain_loads
+        # A step's L2 -> L1 moves of blocks its plan before loads from L3 go as each read
+        # job is done (_chain), not after all of them
+        chain = (self._chain(plan, ok, *then) if then is not None
                  and plan.epoch + 1 not in self.fault_skip else None)
         outcome = self.executor.run(plan, ok, later_l1, early=early, chain=chain)
         if self.fault_miss_from is not None and plan.epoch >= self.fault_miss_from:
