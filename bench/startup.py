@@ -1,6 +1,7 @@
-"""Start-up: time from `tpkv.init` to the first step at a large pinned L2, in a fresh process and
-in a second one (numba's kernels then load from its disk cache), and until the whole L2 is
-pinned, against the raw cudaHostRegister speed measured in the same run.
+"""Start-up: time from `tpkv.init` to the first step at a large pinned L2, in a fresh process,
+in a second one (numba's kernels then load from its disk cache) and after a close and restart in
+the same process, and until the whole L2 is pinned, against the raw cudaHostRegister speed
+measured in the same run.
 
     python bench/startup.py [--l2-gib 96] [--l1-gib 2]        # on the GPU machine
 
@@ -17,6 +18,7 @@ as fast as after (p50 within 1.1x).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import mmap
 import os
@@ -70,6 +72,21 @@ def one_process(l1_gib: float, l2_gib: float, device: str = "cuda") -> dict[str,
     t1 = time.perf_counter()
     rt.close()
     close_s = time.perf_counter() - t1
+    # A restart in the same process right away (half the L2, so that the old L2, released in
+    # the background, and the new one fit the host together): time to its first step.
+    from tpkv.workers.pools import wait_released
+
+    half = dataclasses.replace(cfg, l2=dataclasses.replace(
+        cfg.l2, budget_bytes=cfg.l2.budget_bytes // 2))
+    t2 = time.perf_counter()
+    rt = init(half, controller="local", device=device)
+    rt.open_session("s", num_tokens=1)
+    rt.run_step(["s"], [1], lambda step: None)
+    restart_s = time.perf_counter() - t2
+    released = wait_released(120)
+    release_s = time.perf_counter() - t1
+    rt.close()
+    wait_released(120)
 
     def ms(xs: list[float], q: float) -> float | None:
         return float(np.percentile(xs, q) * 1e3) if xs else None
@@ -79,6 +96,8 @@ def one_process(l1_gib: float, l2_gib: float, device: str = "cuda") -> dict[str,
             "l2_bytes": l2_bytes, "controller_l2_slots_at_end": online,
             "l2_pinned_s": host.pin_seconds, "l2_usable_s_after_init": pinned_s,
             "pin_error": host.pin_error, "close_s": close_s,
+            "restart_first_step_s": restart_s, "released_s_after_close": release_s,
+            "released": released,
             "steps_while_pinning": len(during), "step_ms_while_pinning_p50": ms(during, 50),
             "step_ms_while_pinning_p99": ms(during, 99), "steps_after": len(after),
             "step_ms_after_p50": ms(after, 50), "step_ms_after_p99": ms(after, 99)}
@@ -128,7 +147,8 @@ def main() -> None:
         runs.append(r)
         print(f"  init {r['init_s']:.2f} s, first step {r['first_step_s']:.2f} s after init's "
               f"start, whole L2 usable {r['l2_usable_s_after_init']:.2f} s, close "
-              f"{r['close_s']:.2f} s; steps while pinning p50 "
+              f"{r['close_s']:.2f} s (released {r['released_s_after_close']:.2f} s after; a "
+              f"restart's first step {r['restart_first_step_s']:.2f} s); steps while pinning p50 "
               f"{r['step_ms_while_pinning_p50']} ms ({r['steps_while_pinning']}), after "
               f"{r['step_ms_after_p50']:.3f} ms", flush=True)
     raw = raw_register(a.raw_gib) if a.device == "cuda" else {"gib": 0, "seconds": 0.0,

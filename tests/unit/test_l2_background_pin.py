@@ -188,3 +188,27 @@ def test_engine_tokens_are_exact_while_l2_comes_online(fake: FakePinning, tmp_pa
     finally:
         rt.close()
     assert sorted(fake.unregistered) == sorted(fake.registered)
+
+
+def test_close_in_the_background_returns_before_the_release(fake: FakePinning) -> None:
+    from tpkv.workers.pools import wait_released
+
+    p = pool()
+    assert p.wait_pinned(10) == 40
+    hold = threading.Event()
+    unregister = fake.unregister
+
+    def slow_unregister(ptr: int) -> None:
+        hold.wait(10)
+        unregister(ptr)
+
+    fake.unregister = slow_unregister  # type: ignore[method-assign]
+    cuda_rt.host_unregister = slow_unregister  # the fixture's monkeypatch undoes this too
+    t = time.perf_counter()
+    p.close(background=True)
+    assert time.perf_counter() - t < 1.0 and fake.unregistered == []  # nothing released yet
+    assert p.pinned_bytes == 0 and p.ready_slots == 0  # the pool is closed at once
+    assert not wait_released(0.1)
+    hold.set()
+    assert wait_released(10)
+    assert sorted(fake.unregistered) == sorted(fake.registered)

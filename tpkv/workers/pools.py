@@ -244,6 +244,9 @@ class HostPool:
     def _pin_rest(self) -> None:
         """The pinner thread: arenas 1.. in order, up to 8 registering at once; the prefix
         grows as each one and those before it are done. Stops at the first failure."""
+        # A pool closed just before (a restart) may still be releasing its memory: pin the
+        # rest only after it, so that the host never holds both (the first arena is pinned).
+        wait_released()
         todo = list(range(self._num_ready, len(self._maps)))
         with ThreadPoolExecutor(max_workers=min(8, len(todo)),
                                 thread_name_prefix="tpkv-l2-pin") as pool:
@@ -277,23 +280,52 @@ class HostPool:
         if not self._stop:
             self._register(i)
 
-    def close(self) -> None:
-        """Stop the pinning, unpin and release the arenas; the pool is unusable afterwards."""
+    def close(self, background: bool = False) -> None:
+        """Stop the pinning, unpin and release the arenas; the pool is unusable afterwards.
+        `background`: unpin and unmap on a thread (`wait_released` waits for it), so that a
+        restart does not wait for the release of a large L2 (5-6 s at 96 GiB)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
         if self._pinner is not None:
             self._pinner.join()
-        for i in sorted(self._registered):
-            cuda_rt.host_unregister(int(self.arena_ptrs[i]))
+        ptrs = [int(self.arena_ptrs[i]) for i in sorted(self._registered)]
+        maps, self._maps = self._maps, []
         self._registered.clear()
         self.pinned = False
         self._num_ready = 0
         self.arenas.clear()
         self._bytes_views.clear()
-        for mm in self._maps:
-            try:
-                mm.close()
-            except BufferError:  # a caller still holds a view; the OS frees it with the process
-                log.debug("L2 arena still referenced at close")
-        self._maps.clear()
+        if background and (ptrs or maps):
+            t = threading.Thread(target=_release, args=(ptrs, maps), name="tpkv-l2-release")
+            with _RELEASING_LOCK:
+                _RELEASING.append(t)
+            t.start()  # not a daemon: an exiting process finishes the release first
+        else:
+            _release(ptrs, maps)
+
+
+_RELEASING: list[threading.Thread] = []
+_RELEASING_LOCK = threading.Lock()
+
+
+def _release(ptrs: list[int], maps: list[mmap.mmap]) -> None:
+    """Unpin these arenas and unmap them (a closed HostPool's memory)."""
+    for ptr in ptrs:
+        cuda_rt.host_unregister(ptr)
+    for mm in maps:
+        try:
+            mm.close()
+        except BufferError:  # a caller still holds a view; the OS frees it with the process
+            log.debug("L2 arena still referenced at close")
+
+
+def wait_released(timeout_s: float | None = None) -> bool:
+    """Wait for the L2 pools closed in the background to be released; -> all were."""
+    with _RELEASING_LOCK:
+        threads = list(_RELEASING)
+    for t in threads:
+        t.join(timeout_s)
+    with _RELEASING_LOCK:
+        _RELEASING[:] = [t for t in _RELEASING if t.is_alive()]
+        return not _RELEASING

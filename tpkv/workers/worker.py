@@ -463,7 +463,7 @@ class Worker:
         self.executor.synchronize()
         if self.store is not None:
             self.store.close()
-        self.host.close()
+        self.host.close(background=True)  # a restart need not wait for L2's release
 
     # ---- internals -------------------------------------------------------------------------
     def _note_lost(self, applied: list[AppliedPlan], lost: np.ndarray) -> None:
