@@ -69,3 +69,37 @@ def test_sigterm_mid_demo_stops_cleanly_and_ends_its_ray_cluster(tmp_path) -> No
     while any(_alive(p) for p in started) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not [p for p in started if _alive(p)], "Ray processes outlived the demo"
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_mid_launch_stops_cleanly_and_ends_its_ray_cluster(tmp_path) -> None:
+    """`tpkv launch` while its rank runs: SIGTERM arrives after ray.init (which sets its own
+    handler): "stopping", exit 143, no traceback, no token notice, and Ray's processes end."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_USAGE_STATS_ENABLED": "0",
+           "TPKV_TEST_SSD_DIR": str(tmp_path / "l3")}
+    log = open(tmp_path / "launch.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "tpkv.launch.cli", "launch", "--tp", "1",
+                             "--num-cpus", "2", "tests.e2e.app:main", "100000"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 150
+        while "dashboard at" not in (tmp_path / "launch.log").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "launch.log").read_text()
+            time.sleep(0.5)
+        time.sleep(2)  # the rank is stepping
+        started = _descendants(proc.pid)
+        assert started, "the launch started no Ray processes"
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = (tmp_path / "launch.log").read_text()
+    assert rc == 143, text
+    assert "stopping" in text and "Traceback" not in text, text
+    assert "Token authentication is enabled" not in text, text
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in started if _alive(p)], "Ray processes outlived the launch"

@@ -133,8 +133,11 @@ def connect_ray(config: TpkvConfig, ctx: RankContext) -> tuple[Any, bool, int]:
     import ray
 
     from tpkv.controller import actor
+    from tpkv.ray_notice import quiet_token_notice
 
     joined = not ray.is_initialized()
+    if joined:
+        quiet_token_notice()
     created = False
     if ctx.rank == 0:
         if joined:

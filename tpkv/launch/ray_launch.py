@@ -6,7 +6,9 @@ import importlib
 import importlib.util
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -14,6 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 from tpkv.errors import ConfigError, LaunchError
+from tpkv.launch import stop
 from tpkv.launch.bootstrap import EXTERNAL_STORE_ENV
 from tpkv.ray_notice import quiet_token_notice
 from tpkv.settings import tpkv_env
@@ -97,9 +100,12 @@ def launch_ray(app: AppSpec, tp: int, *, args: Sequence[Any] = (), ray_address: 
         quiet_token_notice()
         local = ray_address in (None, "local")
         cpus = num_cpus if num_cpus is not None else max(tp, os.cpu_count() or 1)
+        on_term = signal.getsignal(signal.SIGTERM)
         ray.init(address=ray_address or "local", include_dashboard=False,
                  num_cpus=cpus if local else None)
         started = True
+        if threading.current_thread() is threading.main_thread() and on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)  # ray.init set its own (sys.exit(15))
     gpus = int(ray.cluster_resources().get("GPU", 0))
     gpu = gpus >= tp if use_gpu is None else use_gpu
     bundle = {"GPU": 1.0, "CPU": 1.0} if gpu else {"CPU": 1.0}
@@ -139,8 +145,14 @@ def _collect(ray: Any, refs: list[Any], timeout_s: float) -> list[Any]:
     failures: dict[int, str] = {}
     pending, deadline = list(refs), None
     while pending:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        # Poll, and sleep in Python between polls: a signal (SIGTERM, Ctrl-C) that arrives
+        # inside ray.wait is mishandled there (it hangs, or raises SystemError), while its
+        # handler raises Stop cleanly out of time.sleep.
+        with stop.deferred():
+            done, pending = ray.wait(pending, num_returns=1, timeout=0)
+        if not done and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.2)
+            continue
         if not done:
             failures.update({index[r]: f"still running {timeout_s:g} s after a rank failed"
                              for r in pending})

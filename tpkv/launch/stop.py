@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 
 SIGTERM = int(signal.SIGTERM)
@@ -30,6 +32,7 @@ class Stop(BaseException):
 
 
 _stopping = False
+_signum = 0
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
@@ -38,10 +41,11 @@ def _handler(signum: int, frame: FrameType | None) -> None:
     if _stopping:  # cleanup is under way: let it finish
         os.write(2, f"tpkv: {name} again, still stopping\n".encode())
         return
-    _stopping = True
+    _stopping, _signum = True, signum
     # os.write, not print: a handler may run in the middle of another print
     os.write(2, f"tpkv: {name}, stopping\n".encode())
-    raise Stop(signum)
+    if not _deferring:
+        raise Stop(signum)
 
 
 def install() -> None:
@@ -50,3 +54,28 @@ def install() -> None:
         return
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _handler)
+
+
+_deferring = False
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Around a wait in native code (ray.wait), which mishandles an exception raised by a
+    signal handler: a signal only records the request, and Stop is raised on the way out."""
+    global _deferring
+    if threading.current_thread() is not threading.main_thread():  # signals go to main only
+        yield
+        return
+    _deferring = True
+    try:
+        yield
+    finally:
+        _deferring = False
+    check()
+
+
+def check() -> None:
+    """Raise Stop if a signal asked to stop (a no-op until one did)."""
+    if _signum:
+        raise Stop(_signum)
