@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from tpkv.errors import UnknownSessionError
-from tpkv.types import decode, encode
+from tpkv.protocol.wire import decode, encode
 
 if TYPE_CHECKING:
     from tpkv.launch.runtime import TpkvRuntime

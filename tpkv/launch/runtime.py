@@ -13,16 +13,17 @@ import numpy as np
 
 from tpkv import errors
 from tpkv.config import TpkvConfig
-from tpkv.controller.messages import (
+from tpkv.errors import ControllerRecoveringError, RankMismatchError, TpkvError, WaitTimeoutError
+from tpkv.launch.bootstrap import RankContext, shutdown_ray
+from tpkv.limits import MAX_SESSION_TOKENS, check_counts
+from tpkv.protocol.messages import (
     CommitOutcome,
     StepResult,
     move_result_from_dict,
     move_result_to_dict,
 )
-from tpkv.errors import ControllerRecoveringError, RankMismatchError, TpkvError, WaitTimeoutError
-from tpkv.launch.bootstrap import RankContext, shutdown_ray
-from tpkv.limits import MAX_SESSION_TOKENS, check_counts
-from tpkv.types import MovePlan, MoveResult, decode, encode
+from tpkv.protocol.plan import MovePlan, MoveResult
+from tpkv.protocol.wire import decode, encode
 from tpkv.workers.confirm import STATUS_MISSES, mismatch_error
 from tpkv.workers.worker import StepReport, Worker
 
