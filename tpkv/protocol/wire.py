@@ -112,6 +112,18 @@ def decode(data: bytes) -> Any:
         raise WireFormatError(f"cannot decode message: {type(exc).__name__}: {exc}") from exc
 
 
+def detached(obj: Any) -> Any:
+    """A copy of a message's arrays and containers: what encode + decode would give, without
+    the wire (the holder sees nothing change when the sender reuses its arrays)."""
+    if isinstance(obj, np.ndarray):
+        return obj.copy()
+    if isinstance(obj, dict):
+        return {k: detached(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [detached(v) for v in obj]
+    return obj
+
+
 def encode_plan(plan: MovePlan) -> bytes:
     return encode(plan.to_dict())
 
