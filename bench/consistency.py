@@ -36,8 +36,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tpkv.controller.digest import plan_digest  # noqa: E402
-from tpkv.types import MovePlan  # noqa: E402
+from tpkv.protocol.digest import plan_digest  # noqa: E402
+from tpkv.protocol.plan import MovePlan  # noqa: E402
 from tpkv.workers.confirm import BoundedGroup, Confirmer  # noqa: E402
 from tpkv.workers.mirror import SlotMirror  # noqa: E402
 from tpkv.workers.slots import SlotAllocator  # noqa: E402

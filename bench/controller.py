@@ -51,10 +51,14 @@ from tpkv.config import (  # noqa: E402
     SsdConfig,
     TpkvConfig,
 )
-from tpkv.controller import Controller, plan_digest  # noqa: E402
-from tpkv.controller.digest import canonical  # noqa: E402
-from tpkv.controller.messages import StepResult  # noqa: E402
-from tpkv.types import MoveResult, encode  # noqa: E402
+from tpkv.controller import Controller  # noqa: E402
+from tpkv.protocol.digest import (
+    canonical,  # noqa: E402
+    plan_digest,  # noqa: E402
+)
+from tpkv.protocol.messages import StepResult  # noqa: E402
+from tpkv.protocol.plan import MoveResult  # noqa: E402
+from tpkv.protocol.wire import encode  # noqa: E402
 
 BATCH = 1024
 SWAP = 4  # sessions replaced per step

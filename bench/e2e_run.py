@@ -20,7 +20,7 @@ from tpkv.models.fingerprint import llama_fingerprint
 from tpkv.models.llama import Llama, build_model
 from tpkv.models.paged import paged_attention_ref, paged_attention_sdpa
 from tpkv.models.tiered import StepTrace, TieredEngine
-from tpkv.types import Tier
+from tpkv.protocol.plan import Tier
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections import Counter
 
 import tpkv
 from tpkv import HbmConfig, HostConfig, KvGeometry, PolicyConfig, SsdConfig, Tier, TpkvConfig
-from tpkv.controller.messages import StepResult
+from tpkv.protocol.messages import StepResult
 
 NAMES = {Tier.HBM: "L1", Tier.DRAM: "L2", Tier.SSD: "L3"}
 CHATS, TURNS, PROMPT, REPLY = 4, 4, 100, 20  # tokens: a chat ends with 8 blocks of 16

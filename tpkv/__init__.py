@@ -22,7 +22,8 @@ __all__ = [
 # bring the worker and launcher modules in.
 _LAZY = {"init": "tpkv.launch.join", "TpkvRuntime": "tpkv.launch.runtime",
          "launch_ray": "tpkv.launch.ray_launch", "attach": "tpkv.models.hf_attach",
-         "MovePlan": "tpkv.types", "MoveResult": "tpkv.types", "Tier": "tpkv.types"}
+         "MovePlan": "tpkv.protocol.plan", "MoveResult": "tpkv.protocol.plan",
+         "Tier": "tpkv.protocol.plan"}
 
 
 def __getattr__(name: str) -> object:

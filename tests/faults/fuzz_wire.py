@@ -14,9 +14,9 @@ import msgpack
 import numpy  # noqa: F401  (imported here: only tpkv's own code is instrumented)
 
 with atheris.instrument_imports(include=["tpkv"]):
-    from tpkv.controller.messages import CommitOutcome, StepResult, move_result_from_dict
     from tpkv.errors import TpkvError
-    from tpkv.types import decode, decode_plan, encode
+    from tpkv.protocol.messages import CommitOutcome, StepResult, move_result_from_dict
+    from tpkv.protocol.wire import decode, decode_plan, encode
 
 _KNOWN_UNTYPED = (ValueError, OverflowError)  # see RELIABILITY.md, "Open bug"
 _FIELDS = {

@@ -20,9 +20,10 @@ from hypothesis import strategies as st
 from tests.faults.crashcheck import block_bytes_of, close_stores, files_outside, open_stores
 from tpkv.config import HbmConfig, HostConfig, KvGeometry, SsdConfig, TpkvConfig
 from tpkv.controller.controller import Controller
-from tpkv.controller.messages import CommitOutcome, StepResult, move_result_from_dict
 from tpkv.errors import InvalidSessionIdError, TpkvError
-from tpkv.types import MovePlan, decode, decode_plan, encode
+from tpkv.protocol.messages import CommitOutcome, StepResult, move_result_from_dict
+from tpkv.protocol.plan import MovePlan
+from tpkv.protocol.wire import decode, decode_plan, encode
 
 VALID_ID = re.compile(r"[A-Za-z0-9._:-]{1,256}")
 HOSTILE = ["../x", "/etc/passwd", "a\x00b", "\x00", "x" * 4096, "sessión", "日本",

@@ -13,7 +13,7 @@ import pytest
 from tests.pool_cases import make_engine
 from tpkv.config import KvGeometry, SsdConfig
 from tpkv.errors import WaitTimeoutError
-from tpkv.types import MovePlan, Tier
+from tpkv.protocol.plan import MovePlan, Tier
 from tpkv.workers.executor import PlanExecutor, wait_handle
 from tpkv.workers.ssd_store import SsdStore
 

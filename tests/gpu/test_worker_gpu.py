@@ -12,7 +12,7 @@ import torch
 from tests.multiproc.harness import make_config, pattern, run_ranks
 from tests.multiproc.rank_fns import consistency_rank
 from tpkv.config import KvGeometry
-from tpkv.types import MovePlan, Tier
+from tpkv.protocol.plan import MovePlan, Tier
 from tpkv.workers.worker import Worker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]

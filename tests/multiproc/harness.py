@@ -16,7 +16,7 @@ import torch
 
 from tpkv.config import HbmConfig, HostConfig, KvGeometry, PolicyConfig, SsdConfig, TpkvConfig
 from tpkv.launch.bootstrap import EXTERNAL_STORE_ENV, free_port
-from tpkv.types import Tier
+from tpkv.protocol.plan import Tier
 
 RankFn = Callable[..., dict[str, Any]]
 

@@ -13,7 +13,7 @@ from tests.multiproc.harness import (
     workload_step,
     write_fresh,
 )
-from tpkv.types import Tier
+from tpkv.protocol.plan import Tier
 
 KINDS = {"d2h": (Tier.HBM, Tier.DRAM), "h2d": (Tier.DRAM, Tier.HBM),
          "spill": (Tier.DRAM, Tier.SSD), "load": (Tier.SSD, Tier.DRAM)}

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.multiproc.harness import make_config, pattern
-from tpkv.controller.digest import plan_digest
 from tpkv.errors import PlanOrderError, RankMismatchError, RankTimeoutError
-from tpkv.types import MovePlan, Tier
+from tpkv.protocol.digest import plan_digest
+from tpkv.protocol.plan import MovePlan, Tier
 from tpkv.workers.confirm import STATUS_DIVERGED, STATUS_MISSES
 from tpkv.workers.worker import Worker
 
@@ -78,7 +78,7 @@ def test_a_move_that_does_not_start_where_this_rank_says_is_refused(worker):
 
 
 def test_a_mismatch_in_a_step_is_reported_with_its_epoch(worker):
-    from tpkv.controller.messages import StepResult
+    from tpkv.protocol.messages import StepResult
 
     e = np.zeros(0, dtype=np.int64)
     step = StepResult(1, (), e, np.zeros(1, dtype=np.int64), e.astype(np.int32),

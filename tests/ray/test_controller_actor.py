@@ -16,7 +16,7 @@ from tpkv.errors import (
     PlanOrderError,
     UnknownSessionError,
 )
-from tpkv.types import MoveResult
+from tpkv.protocol.plan import MoveResult
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -17,7 +17,7 @@ import torch
 from tests.pool_cases import make_engine
 from tpkv.config import KvGeometry, SsdConfig
 from tpkv.errors import SsdIoError
-from tpkv.types import MovePlan, Tier
+from tpkv.protocol.plan import MovePlan, Tier
 from tpkv.workers import executor as executor_module
 from tpkv.workers.executor import PlanExecutor
 from tpkv.workers.ssd_store import SsdStore

@@ -13,10 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.unit.test_controller import run
-from tpkv.controller import Controller, SlotMapReplica, StepResult
+from tpkv.controller import Controller, SlotMapReplica
 from tpkv.errors import ArgumentError, ArgumentTypeError, TierFullError, TpkvError
 from tpkv.limits import MAX_SESSION_TOKENS
-from tpkv.types import MoveResult, Tier
+from tpkv.protocol.messages import StepResult
+from tpkv.protocol.plan import MoveResult, Tier
 
 BIG = 2**63 - 1
 

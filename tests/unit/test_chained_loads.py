@@ -13,8 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tests.unit.test_ssd_faults import PAGE, files  # noqa: E402
-from tpkv.controller.messages import StepResult  # noqa: E402
-from tpkv.types import MovePlan, Tier  # noqa: E402
+from tpkv.protocol.messages import StepResult  # noqa: E402
+from tpkv.protocol.plan import MovePlan, Tier  # noqa: E402
 from tpkv.workers import executor as executor_mod  # noqa: E402
 from tpkv.workers.confirm import STATUS_DIVERGED  # noqa: E402
 

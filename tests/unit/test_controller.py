@@ -6,8 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from tpkv.controller import Controller, SlotMapReplica, StepResult
-from tpkv.controller.messages import CommitOutcome, move_result_from_dict, move_result_to_dict
+from tpkv.controller import Controller, SlotMapReplica
 from tpkv.errors import (
     BadRequestError,
     ConfigError,
@@ -20,7 +19,14 @@ from tpkv.errors import (
     UnknownSessionError,
     WireFormatError,
 )
-from tpkv.types import MoveResult, Tier, decode, encode
+from tpkv.protocol.messages import (
+    CommitOutcome,
+    StepResult,
+    move_result_from_dict,
+    move_result_to_dict,
+)
+from tpkv.protocol.plan import MoveResult, Tier
+from tpkv.protocol.wire import decode, encode
 
 
 def state(c: Controller) -> tuple:

@@ -22,10 +22,12 @@ import pytest
 
 from tests.fakes import FakeClock
 from tests.unit.test_controller_properties import World, program
-from tpkv.controller import Controller, StepResult, plan_digest
-from tpkv.controller.digest import canonical
+from tpkv.controller import Controller
 from tpkv.errors import TpkvError
-from tpkv.types import MoveResult, Tier, encode
+from tpkv.protocol.digest import canonical, plan_digest
+from tpkv.protocol.messages import StepResult
+from tpkv.protocol.plan import MoveResult, Tier
+from tpkv.protocol.wire import encode
 
 GOLDEN = Path(__file__).parent / "data" / "controller_golden.json"
 WRITE = os.environ.get("TPKV_GOLDEN_WRITE") == "1"

@@ -11,9 +11,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tests.fakes import FakeClock
-from tpkv.controller import Controller, SlotMapReplica, StepResult
+from tpkv.controller import Controller, SlotMapReplica
 from tpkv.errors import TpkvError
-from tpkv.types import MovePlan, Tier, encode
+from tpkv.protocol.messages import StepResult
+from tpkv.protocol.plan import MovePlan, Tier
+from tpkv.protocol.wire import encode
 
 NAMES = [f"s{i}" for i in range(8)]
 

@@ -6,10 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpkv.controller.arena import RowArena
-from tpkv.controller.digest import plan_digest, slot_map_digest
 from tpkv.controller.table import BlockTable, SlotStack
 from tpkv.errors import TierFullError
-from tpkv.types import MovePlan, Tier
+from tpkv.protocol.digest import plan_digest, slot_map_digest
+from tpkv.protocol.plan import MovePlan, Tier
 
 
 def make_table(capacity: int = 8) -> BlockTable:

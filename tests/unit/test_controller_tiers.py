@@ -5,7 +5,7 @@ import pytest
 
 from tpkv.controller import Controller, SlotMapReplica
 from tpkv.errors import BadRequestError, ControllerRecoveringError
-from tpkv.types import Tier
+from tpkv.protocol.plan import Tier
 
 
 class Rig:

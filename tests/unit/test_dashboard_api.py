@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tpkv.controller import Controller, SlotMapReplica
 from tpkv.controller.dashboard import DashboardServer, Recorder, ServerThread, view
-from tpkv.controller.messages import CommitOutcome
-from tpkv.types import MovePlan, MoveResult
+from tpkv.protocol.messages import CommitOutcome
+from tpkv.protocol.plan import MovePlan, MoveResult
 
 pytestmark = pytest.mark.timeout(30)
 NAMES = {0: "L1", 1: "L2", 2: "L3"}

@@ -21,7 +21,7 @@ from tpkv.controller.policy import heat
 from tpkv.controller.sessions import CHOICE_NAMES
 from tpkv.controller.snapshot import render
 from tpkv.controller.table import PIN_EXPLICIT
-from tpkv.types import Tier
+from tpkv.protocol.plan import Tier
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -93,7 +93,7 @@ def test_a_plan_issues_its_promotions_before_its_demotions() -> None:
     at once, and a next plan's promotions into the slots they empty wait for each piece."""
     from tests.pool_cases import make_engine
     from tpkv.config import KvGeometry
-    from tpkv.types import MovePlan, Tier
+    from tpkv.protocol.plan import MovePlan, Tier
 
     geo = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
     ex = PlanExecutor(make_engine(geo, 8, 8, "cpu"), None, timeout_s=5.0, layer_events=False)
@@ -131,7 +131,7 @@ def test_copies_into_l1_are_grouped_by_the_piece_they_wait_for():
 def test_a_demotion_goes_out_in_pieces_each_waited_for_alone(monkeypatch) -> None:
     """On the GPU an L1 -> L2 batch is split into DEMOTION_PIECE_BYTES pieces (here, forced
     on a CPU engine: one block each); a promotion into slot 3 waits for the piece of slot 3."""
-    from tpkv.types import MovePlan, Tier
+    from tpkv.protocol.plan import MovePlan, Tier
 
     ex, issued, _ = _forced_gpu_executor(monkeypatch)
     H, D = int(Tier.HBM), int(Tier.DRAM)
@@ -156,7 +156,7 @@ def test_deferred_demotions_go_out_at_flush_or_before_anything_that_needs_them()
 
     from tests.pool_cases import make_engine
     from tpkv.config import KvGeometry
-    from tpkv.types import MovePlan, Tier
+    from tpkv.protocol.plan import MovePlan, Tier
 
     geo = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
     ex = PlanExecutor(make_engine(geo, 8, 8, "cpu"), None, timeout_s=5.0, layer_events=False)
@@ -229,7 +229,7 @@ def test_demotions_nothing_later_in_the_step_needs_wait_for_the_plans_promotions
     the plan's promotions (the resume's copies then have the link alone); those that empty one
     go first and wait only for the batch before the plan, as all do when the caller does not
     say (later_l1 None)."""
-    from tpkv.types import MovePlan, Tier
+    from tpkv.protocol.plan import MovePlan, Tier
 
     ex, marks, promotions = _marking_executor(monkeypatch)
     H, D = int(Tier.HBM), int(Tier.DRAM)
@@ -268,7 +268,7 @@ def test_a_kept_demotion_copies_nothing() -> None:
     unchanged since), so the executor issues no copy for it; the move counts as done."""
     from tests.pool_cases import make_engine
     from tpkv.config import KvGeometry
-    from tpkv.types import MovePlan, Tier
+    from tpkv.protocol.plan import MovePlan, Tier
 
     geo = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
     ex = PlanExecutor(make_engine(geo, 8, 8, "cpu"), None, timeout_s=5.0, layer_events=False)
@@ -295,7 +295,7 @@ def test_demotions_out_of_slots_the_plan_refills_go_before_its_promotions() -> N
     demotions still follow the promotions."""
     from tests.pool_cases import make_engine
     from tpkv.config import KvGeometry
-    from tpkv.types import MovePlan, Tier
+    from tpkv.protocol.plan import MovePlan, Tier
 
     geo = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
     ex = PlanExecutor(make_engine(geo, 8, 8, "cpu"), None, timeout_s=5.0, layer_events=False)
@@ -330,7 +330,7 @@ def test_a_promotion_into_a_slot_its_plan_empties_waits_for_that_piece(monkeypat
     """On the GPU (forced here, one block a piece): the plan's promotion into a free slot waits
     for nothing and goes first; the one into the slot its demotion empties waits for the
     piece that copies that slot out."""
-    from tpkv.types import MovePlan, Tier
+    from tpkv.protocol.plan import MovePlan, Tier
 
     ex, issued, handles = _forced_gpu_executor(monkeypatch)
     H, D = int(Tier.HBM), int(Tier.DRAM)
@@ -347,7 +347,7 @@ def test_copies_after_an_early_plan_wait_for_it_only_where_they_touch_its_slots(
     planned): the step's later copies out of L1 start after the batch before it, beside its
     copies, unless one reads an L1 slot it fills or writes an L2 slot it reads; then after
     it. Once the step is applied (early cleared), after the last batch as always."""
-    from tpkv.types import MovePlan, Tier
+    from tpkv.protocol.plan import MovePlan, Tier
 
     ex, marks, promotions = _marking_executor(monkeypatch)
     H, D = int(Tier.HBM), int(Tier.DRAM)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.unit.test_controller_tiers import Rig
-from tpkv.types import MovePlan, Tier
+from tpkv.protocol.plan import MovePlan, Tier
 
 
 class EarlyRig(Rig):
@@ -250,7 +250,7 @@ def test_a_step_of_an_early_plan_alone_still_commits_done_spills(tmp_path) -> No
     back); when its step has no other plan, apply_step commits them once the step's copies are
     issued, not a later decode step."""
     from tests.multiproc.harness import make_config
-    from tpkv.controller.messages import StepResult
+    from tpkv.protocol.messages import StepResult
     from tpkv.workers.worker import Worker
 
     w = Worker(make_config(1, str(tmp_path / "l3")), rank=0, device="cpu")

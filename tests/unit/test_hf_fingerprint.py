@@ -126,12 +126,11 @@ def _restart(model: Any, root: Path) -> tuple[Any, dict[str, Any]]:
     rebuilt from this rank's slot map and the sessions the L3 store lists."""
     import tpkv
     from tpkv.controller.controller import Controller
-    from tpkv.launch.recover import rebuild_controller
 
     tiers = tpkv.attach(model, tiers_config(model, 256, 16, str(root)), block_tokens=BT,
                         controller="local", device="cpu")
     tiers.rt.controller = Controller(tiers.rt.config, restarts=1, awaiting_rebuild=True)
-    return tiers, rebuild_controller(tiers.rt)
+    return tiers, tiers.rt.rebuild_controller()
 
 
 def _resume(tiers: Any, session: str) -> Any:

@@ -18,7 +18,7 @@ import pytest
 from tests.faults.engine_run import drive, tiny_model_and_reference, tiny_tiers
 from tpkv.config import HostConfig, KvGeometry
 from tpkv.errors import SlotError
-from tpkv.types import Tier
+from tpkv.protocol.plan import Tier
 from tpkv.workers import cuda_rt
 from tpkv.workers.pools import HostPool
 

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tpkv.types import Tier  # noqa: E402
+from tpkv.protocol.plan import Tier  # noqa: E402
 
 
 def _whole() -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpkv.types import MovePlan, Tier
+from tpkv.protocol.plan import MovePlan, Tier
 from tpkv.workers.mirror import SlotMirror
 from tpkv.workers.slots import SlotAllocator
 

@@ -18,7 +18,7 @@ from tpkv.controller.policy import (
     select_victims,
     watermark_excess,
 )
-from tpkv.types import MoveResult
+from tpkv.protocol.plan import MoveResult
 
 
 def test_heat_formula_defaults():

@@ -117,7 +117,7 @@ def test_each_plan_is_told_the_l1_slots_the_rest_of_its_step_fills(tmp_path: Any
     8-block L2 and resumed from L3 (a load into L2, then a promotion), so some steps carry
     more than one plan."""
     from tpkv.models.tiered import TieredEngine
-    from tpkv.types import Tier
+    from tpkv.protocol.plan import Tier
 
     rt, model = _open(l2_blocks=8, ssd_root=str(tmp_path))
     try:
@@ -164,7 +164,7 @@ def _resume_workload(rt: Any, model: Any) -> tuple[list[tuple[str, tuple[int, ..
     """Sessions pushed out of a 24-block L1 and resumed: (every finished turn, steps whose
     promotions span more than one plan, promotions in all)."""
     from tpkv.models.tiered import TieredEngine
-    from tpkv.types import Tier
+    from tpkv.protocol.plan import Tier
 
     split = promoted = 0
     real = rt.worker.apply_step

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpkv.errors import WireFormatError
-from tpkv.types import MovePlan, Tier, decode, decode_plan, encode, encode_plan
+from tpkv.protocol.plan import MovePlan, Tier
+from tpkv.protocol.wire import decode, decode_plan, encode, encode_plan
 
 
 def make_plan(n: int = 5, epoch: int = 7) -> MovePlan:

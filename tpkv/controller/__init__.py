@@ -17,20 +17,17 @@ L2 -> L1, consecutive epochs). After each plan every rank reports a MoveResult w
 
 from typing import TYPE_CHECKING
 
-from tpkv.controller.digest import plan_digest, slot_map_digest
-from tpkv.controller.messages import CommitOutcome, StepResult
 from tpkv.controller.replica import SlotMapReplica
 
 if TYPE_CHECKING:
     from tpkv.controller.controller import Controller
 
-__all__ = ["CommitOutcome", "Controller", "SlotMapReplica", "StepResult", "plan_digest",
-           "slot_map_digest"]
+__all__ = ["Controller", "SlotMapReplica"]
 
 
 def __getattr__(name: str) -> object:
-    """Controller on first use: it imports numba (its kernels), which workers that only read
-    digests and step results from this package need not load (about 0.5 s a process)."""
+    """Controller on first use: it imports numba (its kernels), which a process that only needs
+    SlotMapReplica need not load (about 0.5 s a process)."""
     if name == "Controller":
         from tpkv.controller.controller import Controller
         return Controller

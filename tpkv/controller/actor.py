@@ -1,7 +1,7 @@
 """The controller as a named, restartable Ray actor, and a client that speaks msgpack to it.
 
 The only module in tpkv that imports ray. One actor call per step (`schedule`), never one per
-block. Arguments and answers cross as msgpack bytes (tpkv.types.encode/decode, strict limits);
+block. Arguments and answers cross as msgpack bytes (tpkv.protocol.wire, strict limits);
 typed errors come back as the same tpkv.errors class. The actor also serves the dashboard
 (tpkv.controller.dashboard) from a child process of its own (ServerProcess), with snapshots taken
 on the actor's loop at most once per `dashboard_cache_s` (only a copy there: Controller.capture;
@@ -29,13 +29,14 @@ from tpkv.controller.controller import Controller
 from tpkv.controller.dashboard import DashboardServer, MetricSpec, Recorder
 from tpkv.controller.dashboard.process import ServerProcess
 from tpkv.controller.dashboard.view import dumps
-from tpkv.controller.messages import (
+from tpkv.protocol.messages import (
     CommitOutcome,
     StepResult,
     move_result_from_dict,
     move_result_to_dict,
 )
-from tpkv.types import MoveResult, decode, encode
+from tpkv.protocol.plan import MoveResult
+from tpkv.protocol.wire import decode, encode
 
 # Methods _dispatch unpacks itself: (required, optional) argument names.
 _OWN_ARGS = {"schedule": ({"session_ids", "num_new_tokens"}, {"upcoming"}),

@@ -9,7 +9,7 @@ from tpkv.controller.sessions import SessionTable, add_counts
 from tpkv.controller.stepkernels import l3_moved
 from tpkv.controller.table import DRAM, HBM, NONE, SSD, BlockTable, SlotStack
 from tpkv.errors import TierFullError
-from tpkv.types import MovePlan
+from tpkv.protocol.plan import MovePlan
 
 _NO_OWNER = np.zeros(0, dtype=np.int32)  # the owner map of L3, which has none
 _NO_STACK = SlotStack(0, "L3")  # nor free slots

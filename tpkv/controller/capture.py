@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tpkv.controller.policy import fold_access, heat
-from tpkv.types import Tier
+from tpkv.protocol.plan import Tier
 
 if TYPE_CHECKING:
     from tpkv.config import PolicyConfig

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tpkv.controller.builder import group_sorted
-from tpkv.controller.digest import plan_digest, slot_map_digest
-from tpkv.controller.messages import CommitOutcome
 from tpkv.controller.sessions import add_counts
 from tpkv.errors import ArgumentTypeError, BadRequestError, PlanOrderError
 from tpkv.limits import check_count, check_counts
-from tpkv.types import MoveResult, Tier
+from tpkv.protocol.digest import plan_digest, slot_map_digest
+from tpkv.protocol.messages import CommitOutcome
+from tpkv.protocol.plan import MoveResult, Tier
 
 if TYPE_CHECKING:
     from tpkv.controller.controller import Controller

@@ -18,7 +18,6 @@ from tpkv.controller.batchtable import BatchTable
 from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.capture import Capture, capture
 from tpkv.controller.cost import RateMeter
-from tpkv.controller.messages import CommitOutcome, StepResult
 from tpkv.controller.planner import PlanContext, PreparedOrders, StepNeeds, prepare_orders
 from tpkv.controller.policy import auto_pin_threshold, fold_access
 from tpkv.controller.sessions import SessionTable
@@ -41,7 +40,8 @@ from tpkv.limits import (
     check_counts,
     check_seconds,
 )
-from tpkv.types import MovePlan, MoveResult, Tier
+from tpkv.protocol.messages import CommitOutcome, StepResult
+from tpkv.protocol.plan import MovePlan, MoveResult, Tier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tpkv.config import PolicyConfig
-from tpkv.types import MoveResult
+from tpkv.protocol.plan import MoveResult
 
 _EMA = 0.2  # weight of a new measurement
 _MIN_SAMPLE_BYTES = 1 << 20  # smaller transfers are dominated by latency, not bandwidth

@@ -12,7 +12,7 @@ from tpkv.controller.sessions import SessionTable, check_session_id
 from tpkv.controller.table import TIER_INDEX, BlockTable
 from tpkv.errors import ArgumentTypeError, BadRequestError
 from tpkv.limits import MAX_SESSION_BLOCKS, MAX_SESSION_TOKENS, check_count, check_counts
-from tpkv.types import Tier
+from tpkv.protocol.plan import Tier
 
 if TYPE_CHECKING:
     from tpkv.controller.controller import Controller

@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from tpkv.controller.digest import plan_digest, slot_map_digest
-from tpkv.controller.messages import StepResult
-from tpkv.types import MovePlan, MoveResult, Tier
+from tpkv.protocol.digest import plan_digest, slot_map_digest
+from tpkv.protocol.messages import StepResult
+from tpkv.protocol.plan import MovePlan, MoveResult, Tier
 
 
 class ContractError(AssertionError):

@@ -15,7 +15,7 @@ from tpkv.controller.capture import TIERS, Capture, capture
 from tpkv.controller.policy import heat
 from tpkv.controller.sessions import CHOICE_NAMES
 from tpkv.controller.table import PIN_EXPLICIT
-from tpkv.types import Tier
+from tpkv.protocol.plan import Tier
 
 if TYPE_CHECKING:
     from tpkv.controller.controller import Controller

@@ -10,7 +10,6 @@ import numpy as np
 
 from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.cost import block_costs
-from tpkv.controller.messages import StepResult
 from tpkv.controller.plankernels import demand_rows, record_choices
 from tpkv.controller.planner import MAX_PHASES, PlanContext, StepNeeds, plan_step
 from tpkv.controller.sessions import SessionTable, add_counts
@@ -31,7 +30,8 @@ from tpkv.limits import (
     check_counts,
     check_flag,
 )
-from tpkv.types import MovePlan
+from tpkv.protocol.messages import StepResult
+from tpkv.protocol.plan import MovePlan
 
 if TYPE_CHECKING:
     from tpkv.controller.controller import Controller

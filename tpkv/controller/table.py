@@ -6,7 +6,7 @@ import numpy as np
 
 from tpkv.controller.stepkernels import keep_promoted, written_kept
 from tpkv.errors import TierFullError
-from tpkv.types import Tier
+from tpkv.protocol.plan import Tier
 
 NEVER = -1  # a tick that never happened
 # Tier values as plain ints: attribute access on an enum class costs ~1 us in a hot loop.

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tpkv.config import HbmConfig, HostConfig, SsdConfig, TpkvConfig
-from tpkv.controller.digest import plan_digest
 from tpkv.errors import TpkvError
-from tpkv.types import MoveResult, Tier
+from tpkv.protocol.digest import plan_digest
+from tpkv.protocol.plan import MoveResult, Tier
 
 if TYPE_CHECKING:
-    from tpkv.controller.messages import StepResult
+    from tpkv.protocol.messages import StepResult
 
 log = logging.getLogger(__name__)
 

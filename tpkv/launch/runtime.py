@@ -13,16 +13,18 @@ import numpy as np
 
 from tpkv import errors
 from tpkv.config import TpkvConfig
-from tpkv.controller.messages import (
+from tpkv.errors import ControllerRecoveringError, RankMismatchError, TpkvError, WaitTimeoutError
+from tpkv.launch import recover
+from tpkv.launch.bootstrap import RankContext, shutdown_ray
+from tpkv.limits import MAX_SESSION_TOKENS, check_counts
+from tpkv.protocol.messages import (
     CommitOutcome,
     StepResult,
     move_result_from_dict,
     move_result_to_dict,
 )
-from tpkv.errors import ControllerRecoveringError, RankMismatchError, TpkvError, WaitTimeoutError
-from tpkv.launch.bootstrap import RankContext, shutdown_ray
-from tpkv.limits import MAX_SESSION_TOKENS, check_counts
-from tpkv.types import MovePlan, MoveResult, decode, encode
+from tpkv.protocol.plan import MovePlan, MoveResult
+from tpkv.protocol.wire import decode, detached, encode
 from tpkv.workers.confirm import STATUS_MISSES, mismatch_error
 from tpkv.workers.worker import StepReport, Worker
 
@@ -353,10 +355,25 @@ class TpkvRuntime:
         try:
             return fn()
         except ControllerRecoveringError:
-            from tpkv.launch.recover import rebuild_controller
-
-            rebuild_controller(self)
+            self.rebuild_controller()
             return fn()
+
+    def rebuild_controller(self) -> dict[str, Any]:
+        """A collective: rebuild the restarted controller from the ranks (recover.py), then
+        restore this rank from its map. Returns the rebuild summary."""
+        what = "slot maps for a controller rebuild"
+        gather = (lambda b: self.ctx.ctl.gather_bytes(b, what)) if self.world_size > 1 \
+            else (lambda b: [b])
+        summary = recover.rebuild_controller(self.worker, gather, self.from_rank0, self._call,
+                                             self.closing, self.pins)
+        for fut in self._commits:  # commits still in flight were for the lost controller
+            fut.cancel()
+        self._commits, self._refused = [], False
+        self._resync(self.from_rank0(lambda: dict(self._call("resync")),
+                                     "resync after a controller rebuild"))
+        self.num_rebuilds += 1
+        self._l2_told = -1  # the rebuilt controller hears again how much of L2 is pinned
+        return summary
 
     def prepare_controller(self) -> None:
         """Rank 0, in-process controller: Controller.prepare() now, while the device runs the
@@ -387,12 +404,6 @@ class TpkvRuntime:
         except ControllerRecoveringError:
             log.warning("controller restarting: %s report dropped", method)
 
-    def forget_commits(self) -> None:
-        """After a rebuild: commits still in flight were for the lost controller."""
-        for fut in self._commits:
-            fut.cancel()
-        self._commits, self._refused = [], False
-
     def from_rank0(self, fn: Callable[[], Any], what: str,
                    early: Callable[[MovePlan], None] | None = None) -> Any:
         """Run fn on rank 0; every rank gets its value or raises its typed error. A group of
@@ -401,7 +412,7 @@ class TpkvRuntime:
         on the other ranks, what to do with plans rank 0 broadcasts while fn runs (_hand_early)
         before its answer."""
         if self.world_size == 1:
-            return _detached(fn())
+            return detached(fn())
         payload, failure = None, None
         if self.rank == 0:
             try:
@@ -506,18 +517,6 @@ class TpkvRuntime:
 
 def _as_step(answer: StepResult | dict[str, Any]) -> StepResult:
     return answer if isinstance(answer, StepResult) else StepResult.from_dict(answer)
-
-
-def _detached(obj: Any) -> Any:
-    """A copy of a controller answer's arrays and containers (what encode + decode would give
-    the caller without the wire: nothing it holds changes when the controller moves on)."""
-    if isinstance(obj, np.ndarray):
-        return obj.copy()
-    if isinstance(obj, dict):
-        return {k: _detached(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_detached(v) for v in obj]
-    return obj
 
 
 def _misses_hit_batch(report: StepReport, results: list[list[MoveResult]]) -> bool:

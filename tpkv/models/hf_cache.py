@@ -9,9 +9,9 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from tpkv.controller.messages import StepResult
 from tpkv.errors import ConfigError, TpkvError
-from tpkv.types import Tier
+from tpkv.protocol.messages import StepResult
+from tpkv.protocol.plan import Tier
 from tpkv.workers.ssd_format import validate_session_id
 
 if TYPE_CHECKING:

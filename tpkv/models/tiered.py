@@ -12,13 +12,13 @@ import numpy as np
 
 from tpkv.config import HbmConfig, HostConfig, PolicyConfig, SsdConfig, TpkvConfig
 from tpkv.controller.controller import Controller
-from tpkv.controller.messages import StepResult
 from tpkv.launch.runtime import TpkvRuntime
 from tpkv.models.engine import PagedEngine, StepReport
 from tpkv.models.fingerprint import llama_fingerprint
 from tpkv.models.llama import Llama, ModelConfig
 from tpkv.models.scheduler import StepTables
-from tpkv.types import Tier
+from tpkv.protocol.messages import StepResult
+from tpkv.protocol.plan import Tier
 
 # (src, dst) of each move direction, by the names used in stats and summaries.
 DIRECTIONS = {"l1_l2": (Tier.HBM, Tier.DRAM), "l2_l1": (Tier.DRAM, Tier.HBM),

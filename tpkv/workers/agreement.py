@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from tpkv.types import MovePlan, Tier
+from tpkv.protocol.plan import MovePlan, Tier
 from tpkv.workers.confirm import encode_names
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from tpkv.errors import SsdError, TierFullError, WaitTimeoutError
-from tpkv.types import MovePlan, Tier
+from tpkv.protocol.plan import MovePlan, Tier
 from tpkv.workers import cuda_rt
 from tpkv.workers.agreement import SpillLedger
 from tpkv.workers.copy_engine import CopyEngine, CopyHandle

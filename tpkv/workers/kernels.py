@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from tpkv.types import Tier
+from tpkv.protocol.plan import Tier
 
 _HBM, _DRAM, _SSD, _NONE = int(Tier.HBM), int(Tier.DRAM), int(Tier.SSD), int(Tier.NONE)
 _ROW_MASK = (1 << 32) - 1  # a block id is (generation << 32) | row (tpkv.controller.table)

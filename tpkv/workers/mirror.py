@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from tpkv.controller.digest import slot_map_digest
-from tpkv.types import MovePlan, Tier
+from tpkv.protocol.digest import slot_map_digest
+from tpkv.protocol.plan import MovePlan, Tier
 from tpkv.workers.kernels import check_moves
 from tpkv.workers.slots import SlotAllocator
 

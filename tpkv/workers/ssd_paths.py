@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
+
+_FANOUT_RE = re.compile(r"[0-9a-f]{2}")
+
+
+def fanout_dirs(root: str) -> list[str]:
+    """The fan-out directories under an L3 root (two hex digits of a session hash), sorted."""
+    with os.scandir(root) as entries:
+        return sorted(e.path for e in entries
+                      if _FANOUT_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
 
 
 @dataclass(frozen=True)

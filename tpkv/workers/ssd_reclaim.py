@@ -5,16 +5,20 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from tpkv.errors import SsdError, SsdFormatError
 from tpkv.workers.ssd_backend import fsync_dir, unlink_missing_ok
-from tpkv.workers.ssd_format import ALIGN_BYTES, check_segment_header, parse_commit, parse_manifest
+from tpkv.workers.ssd_format import (
+    ALIGN_BYTES,
+    SegmentIdentity,
+    check_segment_header,
+    parse_commit,
+    parse_manifest,
+)
 from tpkv.workers.ssd_paths import SessionPaths as _Paths
-
-if TYPE_CHECKING:
-    from tpkv.workers.ssd_store import SsdStore
+from tpkv.workers.ssd_paths import fanout_dirs
 
 log = logging.getLogger(__name__)
 
@@ -34,20 +38,22 @@ class Found:
     reasons: list[str] = field(default_factory=list)
 
 
-def reclaim(store: SsdStore) -> Found:
-    """Walk the root once for `store.rank` (the caller holds its owner lock, so no live store
-    writes these files). Deleted: the rank's temp files; its segments and commit records that can
-    never be read (another model or geometry, a torn or garbage commit or header, a segment
-    without a valid commit record or shorter than it, a commit without its segment). A torn tail
-    past the committed length is cut off. Rank 0 also deletes manifests it cannot serve (every
-    live TP group holds a rank 0 lock, so none is being written). Only tpkv-named files go."""
+def reclaim(rank: int, root: str, ident: Callable[[_Paths], SegmentIdentity],
+            read_meta: Callable[[str], bytes], view: Callable[[_Paths, str], object]) -> Found:
+    """Walk `root` once for `rank` (the caller holds its owner lock, so no live store writes
+    these files); `ident`, `read_meta` and `view` are the store's (a session's expected segment
+    identity, a checked metadata read, a servable manifest and commit, else SsdError). Deleted:
+    the rank's temp files; its segments and commit records that can never be read (another
+    model or geometry, a torn or garbage commit or header, a segment without a valid commit
+    record or shorter than it, a commit without its segment). A torn tail past the committed
+    length is cut off. Rank 0 also deletes manifests it cannot serve (every live TP group holds
+    a rank 0 lock, so none is being written). Only tpkv-named files go."""
 
-    rank = store.rank
     temp_re = re.compile(
         rf"[0-9a-f]{{64}}\.(r{rank}\.seg|r{rank}\.commit|manifest\.r{rank})\.tmp")
     own_re = re.compile(rf"([0-9a-f]{{64}})\.r{rank}\.(seg|commit)")
     found = Found()
-    for sub in store._fanout_dirs():
+    for sub in fanout_dirs(root):
         with os.scandir(sub) as entries:
             names = sorted(e.name for e in entries)
         removed = False
@@ -60,7 +66,7 @@ def reclaim(store: SsdStore) -> Found:
         for hexname in sorted(hexes):
             paths = _Paths(bytes.fromhex(hexname), hexname, sub)
             try:
-                found.usage[hexname] = _keep(store, paths)
+                found.usage[hexname] = _keep(rank, ident(paths), read_meta, paths)
                 found.dirs[hexname] = sub
                 found.mtimes[hexname] = os.stat(paths.commit(rank)).st_mtime_ns
             except (SsdError, OSError) as exc:
@@ -74,26 +80,25 @@ def reclaim(store: SsdStore) -> Found:
                 if match := _MANIFEST_RE.fullmatch(name):
                     paths = _Paths(bytes.fromhex(match.group(1)), match.group(1), sub)
                     try:
-                        manifest = parse_manifest(store._read_meta(paths.manifest),
-                                                  store._ident(paths))
-                        store._view(paths, manifest.session_id)  # rank 0's commit too
+                        manifest = parse_manifest(read_meta(paths.manifest), ident(paths))
+                        view(paths, manifest.session_id)  # rank 0's commit too
                     except (SsdError, OSError) as exc:
                         removed |= _remove(found, paths.manifest, f"unservable: {exc}")
         if removed:
             fsync_dir(sub)
     if found.files:
         log.warning("L3 rank %d: reclaimed %d files (%d bytes) under %s that can never be "
-                    "read, e.g. %s", rank, found.files, found.bytes, store.root,
+                    "read, e.g. %s", rank, found.files, found.bytes, root,
                     "; ".join(found.reasons[:3]))
     return found
 
 
-def _keep(store: SsdStore, paths: _Paths) -> int:
+def _keep(rank: int, ident: SegmentIdentity, read_meta: Callable[[str], bytes],
+          paths: _Paths) -> int:
     """Committed bytes of this rank's segment of a session if it can be read, its torn tail cut
     off; else SsdError or OSError."""
-    ident = store._ident(paths)
-    commit = parse_commit(store._read_meta(paths.commit(store.rank)), ident)
-    fd = os.open(paths.segment(store.rank), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    commit = parse_commit(read_meta(paths.commit(rank)), ident)
+    fd = os.open(paths.segment(rank), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         size_bytes = os.fstat(fd).st_size
         if size_bytes < commit.committed_bytes:
@@ -123,28 +128,3 @@ def _remove(found: Found, path: str, why: str) -> bool:
     if len(found.reasons) < 3:
         found.reasons.append(f"{os.path.basename(path)}: {why}")
     return True
-
-
-def make_room(store: SsdStore, writing: str, need: int) -> None:
-    """Delete sessions left by an earlier run that nothing has named since (oldest commit first,
-    never `writing`, the session hash of the write) while `need` more bytes would not fit."""
-
-    while True:
-        with store._lock:
-            others = [h for h in store._inherited if h != writing]
-            if store._usage_total + need <= store.budget_bytes or not others:
-                return
-            victim = min(others, key=lambda h: store._inherited[h][0])
-            sub = store._inherited[victim][1]
-        old = _Paths(bytes.fromhex(victim), victim, sub)
-        with store._stripe(old):
-            with store._lock:
-                if store._inherited.pop(victim, None) is None:
-                    continue  # named meanwhile: this run's now
-            try:
-                freed = store._drop_locked(f"(left by an earlier run, {victim[:16]})", old)
-            except (SsdError, OSError) as exc:
-                log.warning("L3 rank %d: %s", store.rank, exc)
-                return
-        log.info("L3 rank %d: deleted session %s (%d bytes), left by an earlier run and not "
-                 "named since, to make room", store.rank, victim[:16], freed)

@@ -46,12 +46,12 @@ from tpkv.workers.ssd_format import (
 )
 from tpkv.workers.ssd_owner import RootLock
 from tpkv.workers.ssd_paths import SessionPaths as _Paths
-from tpkv.workers.ssd_reclaim import make_room, reclaim
+from tpkv.workers.ssd_paths import fanout_dirs
+from tpkv.workers.ssd_reclaim import reclaim
 from tpkv.workers.ssd_segment import SegmentIo, last_positions
 
 log = logging.getLogger(__name__)
 
-_FANOUT_RE = re.compile(r"[0-9a-f]{2}")
 _MANIFEST_RE = re.compile(r"([0-9a-f]{64})\.manifest")
 _MAX_META_BYTES = 64 << 20  # commit records and manifests above this are rejected unread
 _NUM_LOCK_STRIPES = 64
@@ -322,7 +322,7 @@ class SsdStore:
         """Ids of sessions this rank can serve: valid manifest, agreeing commit, whole segment."""
         self._await_drops()
         found: list[str] = []
-        for sub in self._fanout_dirs():
+        for sub in fanout_dirs(self.root):
             with os.scandir(sub) as entries:
                 names = [e.name for e in entries]
             for name in names:
@@ -441,7 +441,28 @@ class SsdStore:
             self._inherited.pop(hexname, None)
 
     def _make_room(self, writing: str, need: int) -> None:
-        make_room(self, writing, need)
+        """Delete sessions left by an earlier run that nothing has named since (oldest commit
+        first, never `writing`, the session hash of the write) while `need` more bytes would
+        not fit."""
+        while True:
+            with self._lock:
+                others = [h for h in self._inherited if h != writing]
+                if self._usage_total + need <= self.budget_bytes or not others:
+                    return
+                victim = min(others, key=lambda h: self._inherited[h][0])
+                sub = self._inherited[victim][1]
+            old = _Paths(bytes.fromhex(victim), victim, sub)
+            with self._stripe(old):
+                with self._lock:
+                    if self._inherited.pop(victim, None) is None:
+                        continue  # named meanwhile: this run's now
+                try:
+                    freed = self._drop_locked(f"(left by an earlier run, {victim[:16]})", old)
+                except (SsdError, OSError) as exc:
+                    log.warning("L3 rank %d: %s", self.rank, exc)
+                    return
+            log.info("L3 rank %d: deleted session %s (%d bytes), left by an earlier run and not "
+                     "named since, to make room", self.rank, victim[:16], freed)
 
     def _await_drop(self, paths: _Paths) -> None:
         """Wait for a pending drop_session_later of this session; SsdIoError if it failed (its
@@ -515,15 +536,9 @@ class SsdStore:
                            f"refusing to follow it out of {self.root!r}")
         return True
 
-    def _fanout_dirs(self) -> Iterator[str]:
-        with os.scandir(self.root) as entries:
-            subs = sorted(e.path for e in entries
-                          if _FANOUT_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
-        yield from subs
-
     def _scan(self) -> None:
         """Reclaim this rank's files that can never be read; account the segments kept."""
-        found = reclaim(self)
+        found = reclaim(self.rank, self.root, self._ident, self._read_meta, self._view)
         self._usage = found.usage
         self._usage_total = sum(found.usage.values())
         self._inherited = {h: (found.mtimes[h], found.dirs[h]) for h in found.usage}

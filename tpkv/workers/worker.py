@@ -11,10 +11,10 @@ import numpy as np
 import torch
 
 from tpkv.config import TpkvConfig
-from tpkv.controller.digest import plan_digest, slot_map_digest
-from tpkv.controller.messages import StepResult
 from tpkv.errors import PlanOrderError
-from tpkv.types import MovePlan, MoveResult, Tier
+from tpkv.protocol.digest import plan_digest, slot_map_digest
+from tpkv.protocol.messages import StepResult
+from tpkv.protocol.plan import MovePlan, MoveResult, Tier
 from tpkv.workers import kernels
 from tpkv.workers.agreement import SpillLedger
 from tpkv.workers.confirm import (

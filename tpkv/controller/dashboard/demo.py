@@ -11,7 +11,7 @@ from tpkv.config import HbmConfig, HostConfig, KvGeometry, PolicyConfig, SsdConf
 from tpkv.controller.controller import Controller
 from tpkv.controller.dashboard.recorder import Recorder
 from tpkv.controller.replica import SlotMapReplica
-from tpkv.types import MoveResult, Tier
+from tpkv.protocol.plan import MoveResult, Tier
 
 
 class ManualClock:

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from tpkv.controller.messages import CommitOutcome
-from tpkv.types import MovePlan, MoveResult
+from tpkv.protocol.messages import CommitOutcome
+from tpkv.protocol.plan import MovePlan, MoveResult
 
 TIER_NAMES = {0: "L1", 1: "L2", 2: "L3"}
 # The four directions a plan moves blocks in (adjacent tiers only), in display order.

@@ -1,4 +1,4 @@
-"""What the controller returns and receives, as plain data with a strict msgpack form."""
+"""What the controller returns and receives (StepResult, CommitOutcome), as plain data."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from tpkv.errors import WireFormatError
-from tpkv.types import MovePlan, MoveResult
+from tpkv.protocol.plan import MovePlan, MoveResult
 
 _I64 = np.int64
 _EMPTY = np.zeros(0, dtype=np.int64)

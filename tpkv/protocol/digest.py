@@ -1,4 +1,4 @@
-"""Deterministic slot-map digests that the controller and every worker compute alike (no torch)."""
+"""Slot-map and plan digests that the controller and every worker compute alike (no torch)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import numpy as np
 import xxhash
 
-from tpkv.types import MovePlan, Tier
+from tpkv.protocol.plan import MovePlan, Tier
 
 _SIGN = 1 << 63
 _WRAP = 1 << 64
