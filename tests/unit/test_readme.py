@@ -59,7 +59,8 @@ def run_block(code: str, tmp_path: Path, timeout_s: float = 240) -> subprocess.C
            if not k.startswith("TPKV_") and k not in (
                "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS")}
     env.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", CUDA_VISIBLE_DEVICES="",
-               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+               TPKV_DASHBOARD_PORT="0")  # any free port: 8470 may be another test's
     m = TORCHRUN.search(code.splitlines()[0])
     script = tmp_path / (m.group(2) if m else "snippet.py")
     script.write_text(code)
