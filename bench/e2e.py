@@ -65,16 +65,11 @@ class Sizes:
     l1_reuse: str = "oldest"
     # PolicyConfig.l2_reuse: "oldest" gives an L3 load L2 slots whose spill is long done.
     l2_reuse: str = "oldest"
-    # SsdConfig.reads_first: spills pause between pieces while a resume reads L3.
-    reads_first: int = 1
-    # SsdConfig.write_piece_bytes in MiB: with reads_first, the most of a spill one write
-    # carries between pauses (per writing thread: write_threads).
+    # SsdConfig.write_piece_bytes in MiB: the most of a spill one write carries between the
+    # pauses it makes while a resume reads L3 (per writing thread: write_threads).
     write_piece_mib: int = 4
     # SsdConfig.write_threads: the store's threads that write spills (its 8 others read).
     write_threads: int = 8
-    # CopyEngine.dma_split: "count" spreads a batch over the DMA sub-streams by descriptors
-    # (merged runs on one stream); "bytes" by equal bytes (bench/resume_copy.py).
-    dma_split: str = "count"
     seed: int = 0
     # 1: cProfile the resume steps (host time by function, in the config's "profile_top");
     # 2: the decode steps, those with tier traffic and those without apart ("profile_traffic_top",

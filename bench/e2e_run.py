@@ -69,14 +69,13 @@ def ceilings(device: torch.device, ssd_root: str) -> dict[str, float]:
 
 
 def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool,
-               layer_events: int = 1, l1_reuse: str = "newest",
-               l2_reuse: str = "newest", reads_first: bool = True,
+               layer_events: int = 1, l1_reuse: str = "newest", l2_reuse: str = "newest",
                write_piece_bytes: int = 4 << 20, write_threads: int = 8) -> TpkvConfig:
     g = model.kv_geometry(tp_size=1, block_tokens=block_tokens)
     bb = g.block_bytes
     l2 = max(s.l2_bytes, bb)
     l3 = (SsdConfig(root=str(Path(s.ssd_root) / f"l3-{s.key}"), budget_bytes=s.l3_bytes,
-                    o_direct=cuda, io_threads=8 if cuda else 2, reads_first=reads_first,
+                    o_direct=cuda, io_threads=8 if cuda else 2,
                     write_piece_bytes=write_piece_bytes, write_threads=write_threads)
           if s.ssd_root else SsdConfig())
     # Automatic pins off: at these sizes 10% of all blocks is about the whole L1 budget.
@@ -97,7 +96,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
     cuda = device.type == "cuda"
     model = model_for(sizes.model, device)
     cfg = config_for(s, model, sizes.block_tokens, cuda, sizes.layer_events,
-                     sizes.l1_reuse, sizes.l2_reuse, bool(sizes.reads_first),
+                     sizes.l1_reuse, sizes.l2_reuse,
                      sizes.write_piece_mib << 20, sizes.write_threads)
     bt, bb = sizes.block_tokens, cfg.geometry.block_bytes
     l1_blocks = cfg.l1.slots(cfg.geometry)
@@ -114,7 +113,6 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
                               report_prefill=not s.always_load,
                               attention=attention)
         tiered.trace = cuda  # device times of each step's copies, for the resume records
-        rt.worker.engine.dma_split = sizes.dma_split
         r = Rounds(tiered, sizes, contexts, bb, ceil).run()
         eng = rt.worker.engine  # how well the slot placement let copies merge into runs
         r["copy_blocks"], r["copy_descriptors"] = dict(eng.num_blocks), dict(eng.num_descriptors)
@@ -124,7 +122,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         r["early_plans"] = rt.worker.num_early
         r["chained_moves"] = rt.worker.executor.num_chained  # L2 -> L1 moves issued during reads
         gate = getattr(rt.worker.store, "_gate", None)
-        if gate is not None:  # spill pieces that waited for a resume's reads (reads_first)
+        if gate is not None:  # spill pieces that waited for a resume's reads
             r["l3_write_pauses"] = gate.num_pauses
         if rt.worker.store is not None:  # where the L3 reads' time went
             rs = rt.worker.store.read_stats()

@@ -8,7 +8,10 @@ merging). This times that one batch (device time, median of --reps, the link war
 for ways of spreading it over DMA sub-streams, alone and beside an L1 -> L2 batch of the same
 size (a resume that demotes), and alone right after 8 ms of GPU work and 1 ms idle (as a
 resume follows a forward and its planning), and prints each against the ceiling measured in
-the same run: one contiguous pinned copy of 1 GiB (`bench/transfer.py`'s).
+the same run: one contiguous pinned copy of 1 GiB (`bench/transfer.py`'s). The ways: the
+CopyEngine's (equal numbers of descriptors per sub-stream, merged runs on one stream) with 8
+sub-streams and with 1. A split into equal bytes per sub-stream, measured against it, lost and
+was removed (docs/decisions.md, "One resume's batch on one stream"; `2e7df12:` has it).
 """
 
 from __future__ import annotations
@@ -34,9 +37,8 @@ from tpkv.workers.pools import HbmPool, HostPool  # noqa: E402
 GEOMETRY = KvGeometry(num_layers=16, num_kv_heads=8, head_dim=64, dtype="bfloat16")  # 512 KiB
 # (label, CopyEngine keyword arguments)
 VARIANTS: list[tuple[str, dict]] = [
-    ("count-s8", {"method": "dma", "dma_streams": 8}),  # the default before bytes splitting
-    *[(f"bytes-s{k}", {"method": "dma", "dma_streams": k, "dma_split": "bytes"})
-      for k in (1, 2, 4, 8, 16)],
+    ("count-s8", {"method": "dma", "dma_streams": 8}),  # the engine's default for these blocks
+    ("count-s1", {"method": "dma", "dma_streams": 1}),
 ]
 
 

@@ -191,10 +191,8 @@ class SsdConfig:
     high_watermark: float = 0.90
     low_watermark: float = 0.75
     # Writes (spills) go out in pieces and pause between them while this rank reads (a resume
-    # waits for its reads, not for spills; the disk splits its bandwidth between the two).
-    reads_first: bool = True
-    # With reads_first: the most bytes one write carries between pauses (a resume's reads
-    # start behind at most this much of a spill per writing thread).
+    # waits for its reads, not for spills). The most bytes one write carries between pauses:
+    # a resume's reads start behind at most this much of a spill per writing thread.
     write_piece_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
@@ -208,7 +206,6 @@ class SsdConfig:
         check_watermarks("L3", self.high_watermark, self.low_watermark)
         check_choice("L3 backend", self.backend, ("auto", "posix", "kvikio"))
         check_bool("L3 o_direct", self.o_direct)
-        check_bool("L3 reads_first", self.reads_first)
         if self.root is not None:
             try:
                 os.makedirs(self.root, exist_ok=True)
@@ -251,11 +248,17 @@ class PolicyConfig:
     # "cost": no spill to L3 of blocks the cost model would recompute rather than load back
     # (they are dropped from L2); "always": spill whatever must leave L2 (keeps the most).
     spill: Literal["cost", "always"] = "cost"
-    # Which free L1 slot a move into L1 or a new block gets: "newest" (the one freed last) or
-    # "oldest" (freed longest ago: its demotion copy is done, so nothing waits on the GPU).
+    # Which free L1 slot a move into L1 or a new block gets: "newest" (the one given back last,
+    # as before the option; the controller's golden plans are recorded with it) or "oldest"
+    # (given back longest ago: its demotion copy is done, so a resume's copies and new K/V do
+    # not wait on the GPU for the demotion that just emptied it). bench/e2e.py runs "oldest":
+    # quick (b2) on the H200 TTFT from L2 13.7 -> 12.4 ms, traffic step 12.4 -> 11.3 ms
+    # (0e1dc01). "newest" stays the default until a GPU run measures "oldest" as the default.
     l1_reuse: Literal["newest", "oldest"] = "newest"
     # The same for L2: "oldest" gives an L3 load slots whose spill (a background disk write that
     # read them) is long done, not those a spill just emptied, which the load must wait for.
+    # bench/e2e.py runs "oldest" (b1d68fa; not measured apart from l1_reuse and the promotions
+    # issued first, 75c3df2); the default stays "newest" for the same reason.
     l2_reuse: Literal["newest", "oldest"] = "newest"
     # A step that loads blocks from L2 into L1 hands the ranks a first plan of those that fit
     # the free L1 slots as soon as the controller knows them (after the step's demand, before
@@ -325,7 +328,8 @@ class TpkvConfig:
     # L2 -> L1 copies issued layer by layer, one event per layer: attention that waits layer by
     # layer (the transformers cache) starts on layer 0 before the rest has arrived. A forward
     # that waits for every layer first (the paged engine's graphs) gains nothing and pays a
-    # descriptor per chunk per block in host time (bench/copy_issue.py): turn it off there.
+    # descriptor per chunk per block in host time (bench/copy_issue.py): turn it off there
+    # (bench/e2e.py runs TieredEngine with it off: ~2.4 ms less host time a 768-block resume).
     layer_events: bool = True
     layer_chunk_bytes: int = 64 << 10  # fewest bytes per block per per-layer copy (layers merge)
 

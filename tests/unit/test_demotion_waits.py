@@ -149,9 +149,10 @@ def test_a_demotion_goes_out_in_pieces_each_waited_for_alone(monkeypatch) -> Non
 
 
 def test_deferred_demotions_go_out_at_flush_or_before_anything_that_needs_them() -> None:
-    """defer_d2h: a plan of demotions only is applied (done) but copied at flush(); a later
-    plan with other moves, a step writing into their L1 slots, or synchronize() flushes first.
-    Bytes are checked after each (on the CPU a copy happens when issued)."""
+    """PlanExecutor(defer_d2h=True): a plan of demotions only is applied (done) but copied at
+    flush(); a later plan with other moves, a step writing into their L1 slots, or synchronize()
+    flushes first; with the default (off) they are copied at once. Bytes are checked after each
+    (on the CPU a copy happens when issued)."""
     import torch
 
     from tests.pool_cases import make_engine
@@ -159,8 +160,8 @@ def test_deferred_demotions_go_out_at_flush_or_before_anything_that_needs_them()
     from tpkv.protocol.plan import MovePlan, Tier
 
     geo = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
-    ex = PlanExecutor(make_engine(geo, 8, 8, "cpu"), None, timeout_s=5.0, layer_events=False)
-    ex.defer_d2h = True
+    ex = PlanExecutor(make_engine(geo, 8, 8, "cpu"), None, timeout_s=5.0, layer_events=False,
+                      defer_d2h=True)
     l1 = ex.hbm.tensor.view(ex.hbm.num_slots, -1).view(torch.uint8)
     for slot in range(8):
         l1[slot] = 10 + slot
@@ -193,9 +194,9 @@ def test_deferred_demotions_go_out_at_flush_or_before_anything_that_needs_them()
     run(plan(5, [(4, H, 4, D, 4)]))
     ex.synchronize()
     assert not ex.deferred and (ex.host.block_bytes_view(4) == 14).all()
-    ex.defer_d2h = False
-    run(plan(6, [(7, H, 7, D, 7)]))  # off: issued at once
-    assert not ex.deferred and (ex.host.block_bytes_view(7) == 17).all()
+    off = PlanExecutor(ex.engine, None, timeout_s=5.0, layer_events=False)  # the default
+    assert off.run(plan(6, [(7, H, 7, D, 7)]), np.ones(1, dtype=bool)).done.all()
+    assert not off.deferred and (ex.host.block_bytes_view(7) == 17).all()  # issued at once
 
 
 def _marking_executor(monkeypatch) -> tuple[PlanExecutor, list, list]:

@@ -110,7 +110,7 @@ FIELDS: list[tuple[Any, dict[str, Any], str, list[Any]]] = [
     (HostConfig, {}, "max_memory_fraction", BAD_FLOAT + [0.0, 1.5]),
     *[(SsdConfig, {}, f, BAD_INT + [0]) for f in
       ("budget_bytes", "io_threads", "write_threads", "write_piece_bytes")],
-    *[(SsdConfig, {}, f, [1, "yes", None]) for f in ("o_direct", "reads_first")],
+    (SsdConfig, {}, "o_direct", [1, "yes", None]),
     (SsdConfig, {}, "root", ["", "  ", 5]),
     *[(PolicyConfig, {}, f, BAD_FLOAT + [-0.1]) for f in ("w_attn", "w_recency")],
     (PolicyConfig, {}, "cooldown_s", BAD_FLOAT + [-1.0]),

@@ -387,9 +387,8 @@ def _piece_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **cfg: object
 
 def test_writes_pause_between_pieces_while_a_read_is_in_flight(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """reads_first: a write goes out in pieces and waits before each while this rank reads; it
-    finishes, bit-exact, once the read ends (and after _PAUSE_MAX_S a piece if reads never end);
-    with reads_first off it never waits."""
+    """Reads first: a write goes out in pieces and waits before each while this rank reads; it
+    finishes, bit-exact, once the read ends (and after _PAUSE_MAX_S a piece if reads never end)."""
     import threading
 
     from tpkv.workers import ssd_store
@@ -415,10 +414,6 @@ def test_writes_pause_between_pieces_while_a_read_is_in_flight(
         assert store.write_blocks("t", np.arange(10), blocks) > 0
     assert store._gate.num_pauses == 1 + 4
     store.close()
-    (plain,) = make_stores(tmp_path / "plain", geo, o_direct=False, reads_first=False)
-    assert plain._gate is None
-    assert plain.write_blocks("s", np.arange(10), blocks) > 0
-    plain.close()
 
 
 def test_a_read_submitted_pauses_spills_before_a_reader_takes_it_up(

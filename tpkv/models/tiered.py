@@ -131,7 +131,7 @@ class TieredEngine:
         # A step's demotion-only plans are issued once its forward is launched (they free L1
         # for later steps; nothing in this one reads them): their host time runs beside it.
         # Then the controller prepares the next step's eviction orders (Controller.prepare).
-        rt.worker.executor.defer_d2h = True
+        rt.worker.defer_demotions()
         self.engine = PagedEngine(model, rt.worker.hbm.tensor, schedule=self.schedule,
                                   wait=self.wait, report=self.report, release=self.release,
                                   launched=self.launched, **engine_kwargs)

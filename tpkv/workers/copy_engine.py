@@ -26,8 +26,6 @@ DMA_SMALL_BLOCK_STREAMS = 8
 # Descriptors per cudaMemcpyBatchAsync call for small blocks: 256 did a little better than 8192
 # one way (0.93 vs 0.91) and both ways (0.76 vs 0.72) in bench/both_sweep.py.
 DMA_SMALL_BLOCK_CHUNK = 256
-# With dma_split="bytes": the least bytes worth a sub-stream of their own.
-SPLIT_MIN_BYTES = 8 << 20
 
 
 @dataclass
@@ -53,8 +51,7 @@ class CopyEngine:
 
     def __init__(self, hbm: HbmPool, host: HostPool, method: Method | dict[str, Method] = "auto",
                  dma_streams: int | None = None, kernel_args: dict[str, int] | None = None,
-                 dma_chunk: int | None = None, host_order: bool = True,
-                 dma_split: Literal["bytes", "count"] = "count") -> None:
+                 dma_chunk: int | None = None, host_order: bool = True) -> None:
         if hbm.geometry != host.geometry:
             raise ValueError("L1 and L2 pools of one engine must share a geometry")
         self.hbm = hbm
@@ -75,10 +72,6 @@ class CopyEngine:
                                        cuda_rt.MAX_BATCH_DESCRIPTORS)
         self._last: dict[str, CopyHandle | None] = {"h2d": None, "d2h": None}
         self.host_order = host_order
-        # How a batch is spread over the sub-streams: "count": equal numbers of descriptors,
-        # and merged runs of >= SMALL_BLOCK_BYTES on one stream; "bytes": equal bytes per
-        # sub-stream (runs cut at block boundaries) once each gets >= SPLIT_MIN_BYTES.
-        self.dma_split = dma_split
         if self.on_gpu:
             if not host.pinned:
                 raise ValueError("a GPU copy engine needs a pinned L2 pool (HostConfig.pin)")
@@ -197,21 +190,9 @@ class CopyEngine:
         self.num_blocks[direction] += num_blocks
         self.num_descriptors[direction] += len(src)
         subs = self.dma_substreams[direction] if self.dma_substreams else None
-        if self.dma_split == "bytes":
-            parts = (split_even(src, dst, sizes, len(subs), self.block_bytes, SPLIT_MIN_BYTES)
-                     if subs is not None else [(src, dst, sizes)])
-            if len(parts) == 1:
-                cuda_rt.memcpy_batch(dst, src, sizes, stream.cuda_stream, self.dma_chunk,
-                                     self.dma_attr)
-                return
-            assert subs is not None
-            for (s, d, z), sub in zip(parts, subs):
-                sub.wait_stream(stream)
-                cuda_rt.memcpy_batch(d, s, z, sub.cuda_stream, self.dma_chunk, self.dma_attr)
-            for sub in subs[:len(parts)]:
-                stream.wait_stream(sub)
-            return
-        # Runs merged into large copies do best on one stream, as large blocks do.
+        # A batch is spread over the sub-streams in equal numbers of descriptors; runs merged
+        # into large copies do best on one stream, as large blocks do (docs/decisions.md, "One
+        # resume's batch on one stream").
         if subs is None or len(src) < 2 * len(subs) or sizes.mean() >= SMALL_BLOCK_BYTES:
             cuda_rt.memcpy_batch(dst, src, sizes, stream.cuda_stream, self.dma_chunk,
                                  self.dma_attr)
@@ -242,33 +223,4 @@ class CopyEngine:
                 if self.on_gpu:
                     rows = rows.pin_memory().to(device, non_blocking=True)
                 self.hbm.tensor.index_copy_(0, hbm_idx, rows)
-
-
-def split_even(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, parts: int, unit: int,
-               min_bytes: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Copies (src[i] -> dst[i], sizes[i] bytes, multiples of `unit`) in at most `parts` groups
-    of about equal bytes, each of at least `min_bytes`, in order; a copy that crosses a group's
-    boundary is cut there (at a multiple of `unit` from its start)."""
-    total = int(sizes.sum())
-    k = max(1, min(parts, total // max(1, min_bytes)))
-    if k == 1:
-        return [(src, dst, sizes)]
-    ends = np.cumsum(sizes)
-    starts = ends - sizes
-    # group boundaries on the unit grid of the concatenated bytes
-    cuts = (np.arange(1, k, dtype=np.int64) * (total // unit) // k) * unit
-    out = []
-    lo = 0
-    for hi in (*cuts.tolist(), total):
-        first = int(np.searchsorted(ends, lo, side="right"))
-        last = int(np.searchsorted(starts, hi, side="left"))  # copies [first, last) overlap
-        s, d, z = src[first:last].copy(), dst[first:last].copy(), sizes[first:last].copy()
-        head = lo - int(starts[first])  # bytes of the first copy before this group
-        s[0] += head
-        d[0] += head
-        z[0] -= head
-        z[-1] -= int(ends[last - 1]) - hi  # bytes of the last copy after it
-        out.append((s, d, z))
-        lo = hi
-    return out
 

@@ -219,7 +219,14 @@ class PlanExecutor:
     """
 
     def __init__(self, engine: CopyEngine, store: SsdStore | None, timeout_s: float,
-                 layer_events: bool = True, layer_chunk_bytes: int = 64 << 10) -> None:
+                 layer_events: bool = True, layer_chunk_bytes: int = 64 << 10,
+                 defer_d2h: bool = False) -> None:
+        """defer_d2h: a plan of demotions only is applied (reported done) but its copies wait
+        for flush(), which a caller that launches its forward between applying plans calls once
+        the forward is queued (TieredEngine.launched, through Worker.defer_demotions): their
+        host time then runs beside the forward. Anything that could touch their slots first
+        (a plan with other moves, fence_compute on their L1 slots, synchronize) flushes them.
+        Off for callers without that hook: the copies are issued as the plan is applied."""
         self.engine = engine
         self.hbm, self.host = engine.hbm, engine.host
         self.store = store
@@ -250,11 +257,7 @@ class PlanExecutor:
         # Manifest commits: how many were made, and this thread's time making or awaiting them
         self.num_commits = 0
         self.commit_ns = 0
-        # defer_d2h: a plan of demotions only is applied but its copies wait for flush(),
-        # which the engine calls once it has launched the step's forward (their host time then
-        # runs beside the forward instead of before it). Anything that could touch their slots
-        # first flushes them.
-        self.defer_d2h = False
+        self.defer_d2h = defer_d2h  # see above; set only through Worker.defer_demotions
         self.deferred: list[_Deferred] = []
         # Set while plans applied after the forward was launched run (Worker.apply_late): an
         # event recorded before that forward, which their copies wait for instead of it.

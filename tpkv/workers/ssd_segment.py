@@ -55,7 +55,7 @@ class SegmentIo:
 
     def __init__(self, block_bytes: int, write_piece_bytes: int) -> None:
         self.block_bytes = block_bytes
-        # With a pause between writes (SsdConfig.reads_first): the most bytes one pwritev
+        # With a pause between writes (a spill while its rank reads): the most bytes one pwritev
         # carries, so that a read waits behind at most this much of a spill per writing thread
         # (SsdConfig.write_piece_bytes).
         self.write_piece_bytes = write_piece_bytes

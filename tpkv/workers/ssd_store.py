@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -166,7 +166,7 @@ class SsdStore:
         self._lock = threading.Lock()  # guards the usage accounting
         self._stripes = [threading.Lock() for _ in range(_NUM_LOCK_STRIPES)]
         self._io = SegmentIo(self.block_bytes, config.write_piece_bytes)
-        self._gate = _ReadsFirst() if config.reads_first else None
+        self._gate = _ReadsFirst()
         self._usage: dict[str, int] = {}
         self._usage_total = 0
         # Sessions found at start that nothing has named since (write, read, list_sessions):
@@ -268,10 +268,8 @@ class SsdStore:
 
     def submit_read(self, session_id: str, logical_idx: np.ndarray,
                     out: Sequence[np.ndarray]) -> Future[np.ndarray]:
-        """read_blocks on a reader thread. Spills pause from this call on (reads_first), not
+        """read_blocks on a reader thread. Spills pause from this call on (_ReadsFirst), not
         from when a reader takes the job up."""
-        if self._gate is None:
-            return self._pool.submit(self.read_blocks, session_id, logical_idx, out)
         self._gate.begin()
         try:
             fut = self._pool.submit(self.read_blocks, session_id, logical_idx, out)
@@ -498,10 +496,10 @@ class SsdStore:
         self.close()
 
     def _reading(self) -> AbstractContextManager[None]:
-        return nullcontext() if self._gate is None else self._gate.reading()
+        return self._gate.reading()
 
-    def _pause(self) -> Callable[[], None] | None:
-        return None if self._gate is None else self._gate.pause
+    def _pause(self) -> Callable[[], None]:
+        return self._gate.pause
 
     # ---- paths, metadata, accounting ----------------------------------------------------------
 

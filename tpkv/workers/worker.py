@@ -426,6 +426,13 @@ class Worker:
         return report.results
 
     # ---- what the engine waits on ----------------------------------------------------------
+    def defer_demotions(self) -> None:
+        """For a caller that calls `executor.flush()` once it has launched each step's forward
+        (TieredEngine does, from its `launched` hook): from now on a plan of demotions only is
+        applied at once but its copies are issued at that flush (PlanExecutor's defer_d2h).
+        Other callers leave it off; their demotions are issued as their plans are applied."""
+        self.executor.defer_d2h = True
+
     def wait_layer(self, layer: int) -> None:
         """Attention on `layer` waits for that layer of every block brought into L1 (no host
         wait on the GPU; nothing to wait for on the CPU)."""
