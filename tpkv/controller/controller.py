@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -132,7 +133,7 @@ class Controller:
         if awaiting_rebuild:
             self.event("restarted", restarts=restarts)
         if warm:  # compile the kernels now, not in the first steps that need them
-            warm_kernels(config)
+            warm_kernels(config, functools.partial(Controller, warm=False))
 
     # ---- clock, events ---------------------------------------------------------------------
     def now_s(self) -> float:
