@@ -163,14 +163,11 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
     _install(T, S, plan)
     T.set_l2_online(old.slots(Tier.DRAM))  # the ranks' maps hold nothing past it
     ctl.table, ctl.sessions = T, S
-    ctl.outbox_ssd_dropped = _count_l3_records(T, S, manifests, records) if T.keep_l3 else []
-    ctl.l3_emptied = []  # rebuilt from the files as they are
+    dropped = _count_l3_records(T, S, manifests, records) if T.keep_l3 else []
     ctl.batch_table = BatchTable()
     ctl.eviction_orders.clear()
     ctl.names_cache = (np.zeros(0, np.int64), ())
-    ctl.pending.clear()
-    ctl.next_epoch = max([m["epoch"] for m in maps] + [ctl.next_epoch - 1]) + 1
-    ctl.committed_epoch = ctl.next_epoch - 1
+    ctl.epochs.restart(max([m["epoch"] for m in maps] + [ctl.next_epoch - 1]) + 1, dropped)
     ctl.tick = max([m["tick"] for m in maps] + [ctl.tick])
     ctl.draining = {t: False for t in ctl.draining}
     ctl.awaiting_rebuild = False
@@ -261,5 +258,5 @@ def check_integrity(ctl: Controller) -> None:
     assert (S.l3_other >= 0).all() and not S.l3_other[~S.is_open].any(), "L3 other records"
     flying = np.flatnonzero(T.in_flight)
     if len(flying):
-        rows = np.concatenate([p.rows for p in ctl.pending]) if ctl.pending else flying[:0]
-        assert np.isin(flying, rows).all(), "a block is in flight without a pending plan"
+        assert np.isin(flying, ctl.epochs.in_flight_rows()).all(), \
+            "a block is in flight without a pending plan"
