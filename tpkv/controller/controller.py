@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from tpkv.config import KvGeometry, TpkvConfig
-from tpkv.controller import recovery, snapshot
+from tpkv.controller import recovery
 from tpkv.controller.batchtable import BatchTable
 from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.capture import Capture, capture
@@ -22,6 +22,7 @@ from tpkv.controller.epochs import Epochs, PendingPlan
 from tpkv.controller.planner import PlanContext, PreparedOrders, StepNeeds, prepare_orders
 from tpkv.controller.policy import auto_pin_threshold, fold_access
 from tpkv.controller.sessions import SessionTable
+from tpkv.controller.snapshot import session_blocks
 from tpkv.controller.step import Upcoming, plan_deferred_step, schedule_step
 from tpkv.controller.table import PIN_EXPLICIT, BlockTable
 from tpkv.controller.warm import warm_kernels
@@ -457,12 +458,22 @@ class Controller:
         `ssd_records`: how many records each session's segment holds (SsdStore.
         session_records), dead ones too; without it the manifests' distinct indices count."""
         self.prepared = None
-        summary = recovery.rebuild(self, slot_maps, ssd_manifests, ssd_records)
+        new = recovery.rebuild(self.config, self.table, self.tick, self.next_epoch,
+                               self.restarts, slot_maps, ssd_manifests, ssd_records)
+        self.table, self.sessions, self.tick = new.table, new.sessions, new.tick
+        self.epochs.restart(new.next_epoch, new.ssd_dropped)
+        self.batch_table = BatchTable()
+        self.eviction_orders.clear()
+        self.names_cache = (np.zeros(0, np.int64), ())
+        self.draining = {t: False for t in self.draining}
+        self.awaiting_rebuild, self.broken = False, ""
+        self.recovery = new.summary
+        self.event("rebuilt", **new.summary)
         self.maybe_check()
-        return summary
+        return new.summary
 
     def snapshot(self, max_sessions: int = 256) -> dict[str, Any]:
-        return snapshot.build(self, check_count("max_sessions", max_sessions, 1 << 31, "2**31"))
+        return self.capture(check_count("max_sessions", max_sessions, 1 << 31, "2**31")).snapshot()
 
     def capture(self, max_sessions: int = 256) -> Capture:
         """What snapshot() shows, copied fast; render it anywhere (`.snapshot()`)."""
@@ -470,7 +481,10 @@ class Controller:
 
     def session_blocks(self, session_id: str) -> dict[str, Any]:
         """Per-block state of one session (access history folded in first)."""
-        return snapshot.session_blocks(self, session_id)
+        rows = self.sessions.rows(self.sessions.lookup(session_id)).copy()
+        self.sync_access(rows)
+        return session_blocks(self.table, rows, session_id, self.tick, self.config.policy,
+                              self.pin_threshold)
 
     def sync_access(self, rows: np.ndarray) -> None:
         """Fold the sessions' runs into the blocks' own access history (LRU-K)."""
@@ -487,7 +501,8 @@ class Controller:
                 + scratch)
 
     def check_integrity(self) -> None:
-        recovery.check_integrity(self)
+        recovery.check_integrity(self.table, self.sessions, self.epochs,
+                                 self.config.geometry.block_tokens)
 
     def maybe_check(self) -> None:
         if self.check_invariants:
