@@ -633,7 +633,7 @@ def test_rebuild_into_a_smaller_l3_deletes_segments_of_copies_that_do_not_fit(
     small.rebuild([r.export() for r in rig.reps], rig.reps[0].manifests(),
                   dict(rig.reps[0].num_records))
     S, T = small.sessions, small.table
-    gone = small.outbox_ssd_dropped
+    gone = small.epochs.ssd_dropped
     assert len(gone) == 1 and gone[0] in "cde" and S.l3_other[S.lookup(gone[0])] == 0
     assert T.used(Tier.SSD) + T.l3_other == 17 and T.l3_held == 4
     assert T.num_free(Tier.SSD) == 20 - 17 - 4

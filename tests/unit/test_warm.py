@@ -16,13 +16,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
-import json, sys, tempfile, pathlib
+import functools, json, sys, tempfile, pathlib
 import numba
 from numba.core.registry import CPUDispatcher
 from tests.fakes import FakeClock
 from tests.unit.conftest import make_config
 from tests.unit.test_controller_properties import World, program
-from tpkv.controller import kernels, plankernels, stepkernels, arena, batchtable
+from tpkv.controller import Controller, kernels, plankernels, stepkernels, arena, batchtable
 from tpkv.controller.warm import warm_kernels
 
 cfg = json.loads(sys.argv[1])
@@ -31,7 +31,7 @@ mods = (kernels, plankernels, stepkernels, arena, batchtable)
 def signatures():
     return {f"{m.__name__}.{k}": len(v.signatures) for m in mods for k, v in vars(m).items()
             if isinstance(v, CPUDispatcher)}
-took = warm_kernels(make(**cfg))
+took = warm_kernels(make(**cfg), functools.partial(Controller, warm=False))
 before = signatures()
 for seed in range(6):
     w = World(cfg, make, FakeClock())

@@ -4,119 +4,78 @@ The capture runs where the controller runs (the actor's loop) and copies only wh
 needs: scalars, small containers (copied, never referenced), and numpy copies of the columns of
 the sessions shown (one vectorized gather of their rows). Everything else (per-session rows,
 heat, percentiles, the dict itself) is `snapshot.render`'s work, on any thread, from the copy.
+It reads the controller through `View` (read-only), so it does not import it.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections import Counter, deque
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import numpy as np
 
-from tpkv.controller.policy import fold_access, heat
+from tpkv.config import TpkvConfig
+from tpkv.controller.cost import RateMeter
+from tpkv.controller.epochs import Epochs
+from tpkv.controller.sessions import SessionTable
+from tpkv.controller.snapshot import TIERS, Capture, SessionCols
+from tpkv.controller.table import BlockTable
 from tpkv.protocol.plan import Tier
 
-if TYPE_CHECKING:
-    from tpkv.config import PolicyConfig
-    from tpkv.controller.controller import Controller
-
-TIERS = (Tier.HBM, Tier.DRAM, Tier.SSD)
+__all__ = ["Capture", "SessionCols", "View", "capture"]
 
 
-@dataclass
-class SessionCols:
-    """The shown sessions (most recently run first), and the rows of their blocks, concatenated
-    in that order: session i's are `[offsets[i], offsets[i + 1])`."""
+class View(Protocol):
+    """What capture() reads of the controller (Controller is one): read-only."""
 
-    names: list[str]
-    tokens: np.ndarray
-    pending: np.ndarray
-    run_hist: np.ndarray  # [K, n] newest first
-    runs: np.ndarray
-    attn_sum: np.ndarray
-    counts: np.ndarray  # [4, n]: NONE, L1, L2, L3
-    choice: np.ndarray
-    load_s: np.ndarray
-    recompute_s: np.ndarray
-    pins: dict[int, list[tuple[int, int]]]  # by position in `names`
-    offsets: np.ndarray  # [n + 1]
-    # per block row
-    tier: np.ndarray
-    pinned: np.ndarray
-    attn: np.ndarray
-    in_flight: np.ndarray
-    last_tick: np.ndarray
-    hist: np.ndarray
-    count: np.ndarray
-    runs_seen: np.ndarray
+    @property
+    def config(self) -> TpkvConfig: ...
+    @property
+    def table(self) -> BlockTable: ...
+    @property
+    def sessions(self) -> SessionTable: ...
+    @property
+    def epochs(self) -> Epochs: ...
+    @property
+    def rates(self) -> RateMeter: ...
+    @property
+    def marks(self) -> Mapping[int, tuple[float, float]]: ...
+    @property
+    def draining(self) -> Mapping[int, bool]: ...
+    @property
+    def l3_enabled(self) -> bool: ...
+    @property
+    def tick(self) -> int: ...
+    @property
+    def last_step_s(self) -> float | None: ...
+    @property
+    def restarts(self) -> int: ...
+    @property
+    def awaiting_rebuild(self) -> bool: ...
+    @property
+    def recovery(self) -> dict[str, Any] | None: ...
+    @property
+    def ranks(self) -> Mapping[int, str]: ...
+    @property
+    def events(self) -> deque[dict[str, Any]]: ...
+    @property
+    def event_counts(self) -> Counter[str]: ...
+    @property
+    def latency_us(self) -> deque[float]: ...
+    @property
+    def pin_threshold(self) -> float: ...
 
+    def now_s(self) -> float: ...
 
-@dataclass
-class Capture:
-    """What `snapshot.render` turns into the snapshot dict: copies only, safe on any thread."""
-
-    tick: int
-    uptime_s: float
-    next_epoch: int
-    committed_epoch: int
-    pending_epochs: list[int]  # the first 32
-    num_pending: int
-    restarts: int
-    awaiting_rebuild: bool
-    recovery: dict[str, Any] | None
-    ranks: dict[int, str]
-    tiers: dict[int, dict[str, Any]]  # raw counts and marks per tier
-    num_kept: int
-    l3_other: int
-    unplaced: int  # blocks in no tier
-    num_sessions: int
-    sessions: SessionCols
-    latency_us: list[float]
-    pin_threshold: float
-    rates: dict[str, Any]
-    policy: PolicyConfig  # frozen
-    capacity: int
-    live_blocks: int
-    metadata_bytes: int
-    events: list[dict[str, Any]]
-    event_counts: dict[str, int]
-    l3_held: int = 0  # L3 room freed but held until the ranks apply the last step
-    last_step_s: float | None = None  # now_s() when the last step started (None: no step yet)
-    _index: dict[str, int] = field(default_factory=dict)
-
-    def snapshot(self) -> dict[str, Any]:
-        from tpkv.controller.snapshot import render
-
-        return render(self)
-
-    @functools.cached_property
-    def block_heat(self) -> np.ndarray:
-        """Heat of every captured block row, its session's runs folded in (as session_blocks
-        does, without writing the fold back)."""
-        S = self.sessions
-        sess = np.repeat(np.arange(len(S.names)), np.diff(S.offsets))
-        last = fold_access(S.last_tick, S.hist, S.count, S.runs_seen, S.runs[sess],
-                           S.run_hist[:, sess].T)[0]
-        since = self.tick - last.astype(np.int64)
-        return heat(S.attn, since, self.policy.w_attn, self.policy.w_recency)
-
-    def blocks(self, session_id: str) -> dict[str, Any]:
-        """What the heat map needs of one shown session's blocks: tier codes (0 none, 1 L1,
-        2 L2, 3 L3) and heat, in logical order; LookupError for a session not shown."""
-        if not self._index:
-            self._index = {name: i for i, name in enumerate(self.sessions.names)}
-        i = self._index[session_id]
-        a, b = int(self.sessions.offsets[i]), int(self.sessions.offsets[i + 1])
-        return {"session": session_id, "tier_code": self.sessions.tier[a:b].astype(np.int8) + 1,
-                "heat": self.block_heat[a:b]}
+    def metadata_bytes(self) -> int: ...
 
 
-def capture(ctl: Controller, max_sessions: int = 256) -> Capture:
+def capture(ctl: View, max_sessions: int = 256) -> Capture:
     """On the controller's thread: copy what `snapshot.render` needs (no per-block lists, no
     loop over all sessions; the shown ones' rows in one gather)."""
-    T, S = ctl.table, ctl.sessions
+    T, S, E = ctl.table, ctl.sessions, ctl.epochs
     open_idx = S.open_indices()
     recent = open_idx[np.argsort(-S.run_hist[0, open_idx].astype(np.int64), kind="stable")]
     sel = recent[:max(max_sessions, 0)]
@@ -137,10 +96,10 @@ def capture(ctl: Controller, max_sessions: int = 256) -> Capture:
         for t in TIERS}
     events = ctl.events
     return Capture(
-        tick=ctl.tick, uptime_s=ctl.now_s(), next_epoch=ctl.next_epoch,
-        committed_epoch=ctl.committed_epoch,
-        pending_epochs=[p.plan.epoch for _, p in zip(range(32), ctl.pending)],
-        num_pending=len(ctl.pending), restarts=ctl.restarts,
+        tick=ctl.tick, uptime_s=ctl.now_s(), next_epoch=E.next_epoch,
+        committed_epoch=E.committed_epoch,
+        pending_epochs=[p.plan.epoch for _, p in zip(range(32), E.pending)],
+        num_pending=len(E.pending), restarts=ctl.restarts,
         awaiting_rebuild=ctl.awaiting_rebuild, recovery=copy.deepcopy(ctl.recovery),
         ranks=dict(ctl.ranks), tiers=tiers, num_kept=T.num_kept, l3_other=T.l3_other,
         unplaced=T.used(Tier.NONE), num_sessions=len(open_idx), sessions=cols,

@@ -2,27 +2,29 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 
 from tpkv.config import KvGeometry, TpkvConfig
-from tpkv.controller import confirm, recovery, snapshot
+from tpkv.controller import recovery
 from tpkv.controller.batchtable import BatchTable
 from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.capture import Capture, capture
 from tpkv.controller.cost import RateMeter
+from tpkv.controller.epochs import Epochs, PendingPlan
 from tpkv.controller.planner import PlanContext, PreparedOrders, StepNeeds, prepare_orders
 from tpkv.controller.policy import auto_pin_threshold, fold_access
 from tpkv.controller.sessions import SessionTable
+from tpkv.controller.snapshot import session_blocks
 from tpkv.controller.step import Upcoming, plan_deferred_step, schedule_step
-from tpkv.controller.table import PIN_EXPLICIT, SSD, BlockTable
+from tpkv.controller.table import PIN_EXPLICIT, BlockTable
 from tpkv.controller.warm import warm_kernels
 from tpkv.errors import (
     ArgumentError,
@@ -47,12 +49,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _TICK_LIMIT = 1 << 30  # ticks are int32 in the table; rebased long before they overflow
-
-
-@dataclass
-class PendingPlan:
-    plan: MovePlan
-    rows: np.ndarray  # table rows it moved (ids in plan.block_ids tell if a row was reused)
 
 
 class Controller:
@@ -98,9 +94,7 @@ class Controller:
         self.check_invariants = check_invariants
         self.tick = 0
         self.last_step_s: float | None = None  # now_s() of the last step's start
-        self.next_epoch = 1
-        self.committed_epoch = 0
-        self.pending: deque[PendingPlan] = deque()
+        self.epochs = Epochs()  # plans in flight, commits, and what the next step carries
         self.draining: dict[int, bool] = {Tier.HBM: False, Tier.DRAM: False, Tier.SSD: False}
         self.eviction_orders: dict[int, tuple[int, np.ndarray]] = {}  # planner cache, per tier
         self.order_asks: dict[int, tuple[int, int]] = {}  # per tier: tick, blocks (planner)
@@ -122,17 +116,23 @@ class Controller:
         self.broken = ""  # the error that left the table half-changed (see _changing)
         self.changing = False  # set by a step once it changes the table
         self.recovery: dict[str, Any] | None = None
-        self.outbox_released: list[np.ndarray] = []
-        self.outbox_lost: list[np.ndarray] = []
-        self.outbox_closed: list[str] = []
-        self.outbox_ssd_dropped: list[str] = []
-        # Sessions whose last L3 block moved up in the last step: their files are deleted with
-        # the next step (see finish_step).
-        self.l3_emptied: list[str] = []
         if awaiting_rebuild:
             self.event("restarted", restarts=restarts)
         if warm:  # compile the kernels now, not in the first steps that need them
-            warm_kernels(config)
+            warm_kernels(config, functools.partial(Controller, warm=False))
+
+    # ---- epochs (read-only here: Epochs changes them) ---------------------------------------
+    @property
+    def next_epoch(self) -> int:
+        return self.epochs.next_epoch
+
+    @property
+    def committed_epoch(self) -> int:
+        return self.epochs.committed_epoch
+
+    @property
+    def pending(self) -> deque[PendingPlan]:
+        return self.epochs.pending
 
     # ---- clock, events ---------------------------------------------------------------------
     def now_s(self) -> float:
@@ -223,12 +223,11 @@ class Controller:
         S, T = self.sessions, self.table
         s = S.lookup(session_id)
         rows = S.rows(s).copy()
-        self.outbox_released.append(T.ids(rows))
+        self.epochs.note_closed(session_id, T.ids(rows))
         T.free_records(S.l3_other, s)  # its segment goes with it: that room is freed too
         T.release_rows(rows)
         S.close(s, self.tick)
         self._changed(s)
-        self.outbox_closed.append(session_id)
         self.event("close", session=session_id, blocks=len(rows))
         self.maybe_check()
         return len(rows)
@@ -336,18 +335,11 @@ class Controller:
         if self.prepared is not None:
             self.prepared.changed.append(s)
 
-    def hand_out(self, b: PlanBuilder) -> None:
-        """The builder's plans not handed out yet are pending (sent to the ranks) from now on."""
-        for plan, rows in zip(b.plans[b.handed:], b.plan_rows[b.handed:]):
-            self.pending.append(PendingPlan(plan, rows))
-        b.handed = len(b.plans)
-        self.next_epoch = b.epoch
-
     def finish_step(self, b: PlanBuilder, between: bool = False) -> dict[str, Any]:
         """Keep the step's plans as pending; return its plans, drops, and what happened
         since the last step (closed sessions, lost blocks) for the StepResult. `between`:
         plans made after the step (plan_deferred): only theirs."""
-        self.hand_out(b)
+        self.epochs.hand_out(b)
         # Kept for the next step unless a bulk step (a drain) grew them past what steps need.
         keep = len(b.buffers[0]) <= 16 * self.config.policy.max_moves_per_step
         self.move_buffers = b.buffers if keep else None
@@ -358,37 +350,8 @@ class Controller:
             out = {"plans": tuple(b.plans), "drops": tuple(drops), "ssd_dropped_sessions":
                    tuple(self.sessions.name(s) for s in b.ssd_dropped)}
         else:
-            out = self._with_outbox(b, drops)
+            out = self.epochs.outbox(self.table, self.sessions, b, drops)
         self.maybe_check()
-        return out
-
-    def _with_outbox(self, b: PlanBuilder, drops: list[np.ndarray]) -> dict[str, Any]:
-        """A step's plans and drops with what happened since the last step (closed sessions,
-        lost blocks, L3 files to delete); empties the outboxes."""
-        if self.outbox_lost:
-            lost = np.concatenate(self.outbox_lost)
-            lost = lost[self.table.rows_of(lost)[1]]  # not those of sessions closed since
-            drops[0] = np.concatenate([lost, drops[0]]).astype(np.int64)
-        ssd_dropped = self.outbox_ssd_dropped + [self.sessions.name(s) for s in b.ssd_dropped]
-        # A session whose last L3 block moved up in the previous step has its files deleted now,
-        # not then: another rank may still be reading them in that step, and its read needs the
-        # session's manifest; every rank has applied (and confirmed) that step before it
-        # applies this one. Not if blocks of it went back to L3 since (or it was closed).
-        S = self.sessions
-        for name in self.l3_emptied:
-            s = S.index.get(name)
-            if s is not None and S.counts[SSD + 1][s] == 0 and name not in ssd_dropped:
-                ssd_dropped.append(name)
-        self.l3_emptied = [S.name(s) for s in b.emptied_l3()]
-        released = self.outbox_released
-        out = {"plans": tuple(b.plans), "drops": tuple(drops),
-               "released_block_ids": (np.concatenate(released) if released
-                                      else np.zeros(0, dtype=np.int64)),
-               "closed_sessions": tuple(self.outbox_closed),
-               "ssd_dropped_sessions": tuple(ssd_dropped)}
-        self.outbox_released, self.outbox_lost = [], []
-        self.outbox_closed, self.outbox_ssd_dropped = [], []
-        self.table.end_l3_step(len(self.l3_emptied))
         return out
 
     def report_attention(self, session_id: str, mass: Sequence[float] | np.ndarray,
@@ -442,16 +405,29 @@ class Controller:
 
     # ---- confirmations ---------------------------------------------------------------------
     def commit(self, results: Sequence[MoveResult]) -> CommitOutcome:
-        """All ranks' reports for the oldest unconfirmed epoch (see confirm.commit)."""
-        return confirm.commit(self, results)
+        """All ranks' reports for the oldest unconfirmed epoch (see Epochs.commit)."""
+        self.require_ready()
+        out = self.epochs.commit(self.table, self.sessions, results,
+                                 self.config.geometry.tp_size)
+        if out.mismatch_ranks:
+            self.event("mismatch", epoch=out.epoch, ranks=list(out.mismatch_ranks))
+        else:
+            self.rates.observe_plan(list(results))  # (checked: MoveResults)
+        if out.num_misses:
+            self.event("miss", epoch=out.epoch, blocks=out.num_misses)
+        self.maybe_check()
+        return out
 
     def slot_map(self) -> dict[str, Any]:
         """The authoritative map of every live block (for resync and for tests)."""
-        return confirm.slot_map(self)
+        return self.epochs.slot_map(self.table, self.sessions, self.tick)
 
     def resync(self) -> dict[str, Any]:
         """After a mismatch: the full map for workers to restore; pending plans are superseded."""
-        return confirm.resync(self)
+        self.require_ready()
+        out = self.epochs.resync(self.table, self.sessions, self.tick)
+        self.event("resync", epoch=self.committed_epoch, blocks=len(out["block_ids"]))
+        return out
 
     def mark_lost(self, block_ids: Sequence[int] | np.ndarray) -> int:
         """Blocks some rank could not restore in a resync (it holds no copy): Tier.NONE on
@@ -459,7 +435,7 @@ class Controller:
         served as the zeros that rank has. Unknown or already lost ids are ignored."""
         self.require_ready()
         ids = check_counts("block_ids", block_ids, (1 << 63) - 1, "int64")
-        n = confirm.lose(self, ids)
+        n = self.epochs.lose(self.table, self.sessions, ids)
         if n:
             self.event("lost_in_resync", blocks=n)
         return n
@@ -482,12 +458,22 @@ class Controller:
         `ssd_records`: how many records each session's segment holds (SsdStore.
         session_records), dead ones too; without it the manifests' distinct indices count."""
         self.prepared = None
-        summary = recovery.rebuild(self, slot_maps, ssd_manifests, ssd_records)
+        new = recovery.rebuild(self.config, self.table, self.tick, self.next_epoch,
+                               self.restarts, slot_maps, ssd_manifests, ssd_records)
+        self.table, self.sessions, self.tick = new.table, new.sessions, new.tick
+        self.epochs.restart(new.next_epoch, new.ssd_dropped)
+        self.batch_table = BatchTable()
+        self.eviction_orders.clear()
+        self.names_cache = (np.zeros(0, np.int64), ())
+        self.draining = {t: False for t in self.draining}
+        self.awaiting_rebuild, self.broken = False, ""
+        self.recovery = new.summary
+        self.event("rebuilt", **new.summary)
         self.maybe_check()
-        return summary
+        return new.summary
 
     def snapshot(self, max_sessions: int = 256) -> dict[str, Any]:
-        return snapshot.build(self, check_count("max_sessions", max_sessions, 1 << 31, "2**31"))
+        return self.capture(check_count("max_sessions", max_sessions, 1 << 31, "2**31")).snapshot()
 
     def capture(self, max_sessions: int = 256) -> Capture:
         """What snapshot() shows, copied fast; render it anywhere (`.snapshot()`)."""
@@ -495,7 +481,10 @@ class Controller:
 
     def session_blocks(self, session_id: str) -> dict[str, Any]:
         """Per-block state of one session (access history folded in first)."""
-        return snapshot.session_blocks(self, session_id)
+        rows = self.sessions.rows(self.sessions.lookup(session_id)).copy()
+        self.sync_access(rows)
+        return session_blocks(self.table, rows, session_id, self.tick, self.config.policy,
+                              self.pin_threshold)
 
     def sync_access(self, rows: np.ndarray) -> None:
         """Fold the sessions' runs into the blocks' own access history (LRU-K)."""
@@ -512,7 +501,8 @@ class Controller:
                 + scratch)
 
     def check_integrity(self) -> None:
-        recovery.check_integrity(self)
+        recovery.check_integrity(self.table, self.sessions, self.epochs,
+                                 self.config.geometry.block_tokens)
 
     def maybe_check(self) -> None:
         if self.check_invariants:

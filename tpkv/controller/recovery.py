@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from tpkv.controller.batchtable import BatchTable
+from tpkv.config import TpkvConfig
+from tpkv.controller.epochs import Epochs
 from tpkv.controller.sessions import SessionTable, check_session_id
 from tpkv.controller.table import TIER_INDEX, BlockTable
 from tpkv.errors import ArgumentTypeError, BadRequestError
 from tpkv.limits import MAX_SESSION_BLOCKS, MAX_SESSION_TOKENS, check_count, check_counts
 from tpkv.protocol.plan import Tier
-
-if TYPE_CHECKING:
-    from tpkv.controller.controller import Controller
 
 _ID_SHIFT = 32
 _ROW_MASK = (1 << _ID_SHIFT) - 1
@@ -76,14 +75,27 @@ def _agreed(maps: list[dict[str, Any]]) -> dict[tuple[str, int], tuple[int, int,
     return out
 
 
-def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
+@dataclass
+class Rebuilt:
+    """A new table and sessions, and where the controller's counters go on from."""
+
+    table: BlockTable
+    sessions: SessionTable
+    ssd_dropped: list[str]  # segments given up (their files go with the first step)
+    next_epoch: int
+    tick: int
+    summary: dict[str, Any]
+
+
+def rebuild(config: TpkvConfig, old: BlockTable, tick: int, next_epoch: int, restarts: int,
+            slot_maps: Sequence[Mapping[str, Any]],
             ssd_manifests: Mapping[str, Sequence[int] | np.ndarray],
-            ssd_records: Mapping[str, int] | None = None) -> dict[str, Any]:
-    """Replace the table with what every rank agrees on; L3 blocks come from the manifests
-    (a session's records count only if its manifest lists them, and only for blocks the ranks'
-    maps hold in L3 or do not know at all). Anything else is Tier.NONE: recomputed when its
-    session next runs. Atomic: on bad input nothing changes."""
-    g, pol = ctl.config.geometry, ctl.config.policy
+            ssd_records: Mapping[str, int] | None = None) -> Rebuilt:
+    """A table of what every rank agrees on, to replace `old` (which it reads only); L3 blocks
+    come from the manifests (a session's records count only if its manifest lists them, and
+    only for blocks the ranks' maps hold in L3 or do not know at all). Anything else is
+    Tier.NONE: recomputed when its session next runs. Bad input raises, changing nothing."""
+    g, pol = config.geometry, config.policy
     if not isinstance(slot_maps, (Sequence, np.ndarray)) or isinstance(slot_maps, (str, bytes)):
         raise ArgumentTypeError(f"slot_maps must be a list of maps, got "
                                 f"{type(slot_maps).__name__}")
@@ -119,13 +131,12 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
         for bid in m["block_ids"].tolist():
             row, gen = bid & _ROW_MASK, bid >> _ID_SHIFT
             seen_gen[row] = max(seen_gen.get(row, -1), gen)
-    old = ctl.table
     total = sum(max(nb, -(-tokens[n] // g.block_tokens)) for n, nb in names.items())
     cap = max(old.capacity, total + 1024, max(seen_gen, default=0) + 1)
     if cap > pol.max_tracked_blocks:
         raise BadRequestError(f"rebuild needs {cap} rows, at most {pol.max_tracked_blocks}")
     T = BlockTable(old.full_slots(Tier.HBM), old.full_slots(Tier.DRAM), old.l3_capacity,
-                   pol.lru_k, cap, pol.l1_reuse, pol.l2_reuse, ctl.l3_enabled)
+                   pol.lru_k, cap, pol.l1_reuse, pol.l2_reuse, config.l3.enabled)
     S = SessionTable(pol.lru_k)
     taken = {t: np.zeros(T.full_slots(t), bool) for t in (Tier.HBM, Tier.DRAM)}
     used_rows: set[int] = set()
@@ -135,7 +146,7 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
     counts = {t: 0 for t in TIER_INDEX}
     for name, nb in names.items():
         nb = max(nb, -(-tokens[name] // g.block_tokens))
-        s = S.open(name, ctl.tick)
+        s = S.open(name, tick)
         S.tokens[s] = max(tokens[name], (nb - 1) * g.block_tokens + 1) if nb else tokens[name]
         on_ssd = manifests.get(name, set())
         for j in range(nb):
@@ -162,27 +173,15 @@ def rebuild(ctl: Controller, slot_maps: Sequence[Mapping[str, Any]],
         plan.append((row, seen_gen.get(row, -1) + 1, tier, -1 if tier != Tier.SSD else -1, s, j))
     _install(T, S, plan)
     T.set_l2_online(old.slots(Tier.DRAM))  # the ranks' maps hold nothing past it
-    ctl.table, ctl.sessions = T, S
-    ctl.outbox_ssd_dropped = _count_l3_records(T, S, manifests, records) if T.keep_l3 else []
-    ctl.l3_emptied = []  # rebuilt from the files as they are
-    ctl.batch_table = BatchTable()
-    ctl.eviction_orders.clear()
-    ctl.names_cache = (np.zeros(0, np.int64), ())
-    ctl.pending.clear()
-    ctl.next_epoch = max([m["epoch"] for m in maps] + [ctl.next_epoch - 1]) + 1
-    ctl.committed_epoch = ctl.next_epoch - 1
-    ctl.tick = max([m["tick"] for m in maps] + [ctl.tick])
-    ctl.draining = {t: False for t in ctl.draining}
-    ctl.awaiting_rebuild = False
-    ctl.broken = ""
-    summary = {"at_tick": ctl.tick, "restart": ctl.restarts,
+    dropped = _count_l3_records(T, S, manifests, records) if T.keep_l3 else []
+    next_epoch = max([m["epoch"] for m in maps] + [next_epoch - 1]) + 1
+    tick = max([m["tick"] for m in maps] + [tick])
+    summary = {"at_tick": tick, "restart": restarts,
                "ranks": sorted(m["rank"] for m in maps), "sessions": len(names),
                "blocks": len(plan), "l1": counts[Tier.HBM], "l2": counts[Tier.DRAM],
                "l3": counts[Tier.SSD], "recompute": counts[Tier.NONE],
-               "from_manifests": len(manifests), "next_epoch": ctl.next_epoch}
-    ctl.recovery = summary
-    ctl.event("rebuilt", **summary)
-    return summary
+               "from_manifests": len(manifests), "next_epoch": next_epoch}
+    return Rebuilt(T, S, dropped, next_epoch, tick, summary)
 
 
 def _count_l3_records(T: BlockTable, S: SessionTable, manifests: Mapping[str, set[int]],
@@ -237,12 +236,11 @@ def _install(T: BlockTable, S: SessionTable,
     np.add.at(S.counts.reshape(-1), S.count_keys(tier + 1, sess), 1)
 
 
-def check_integrity(ctl: Controller) -> None:
-    """Table invariants, plus: sessions and table agree on every block, counts per tier agree,
-    in-flight blocks belong to pending plans. AssertionError names the first broken one."""
-    T, S = ctl.table, ctl.sessions
+def check_integrity(T: BlockTable, S: SessionTable, epochs: Epochs, bt: int) -> None:
+    """Table invariants, plus: sessions and table agree on every block (of `bt` tokens),
+    counts per tier agree, in-flight blocks belong to pending plans. AssertionError names the
+    first broken one."""
     T.check_integrity(settled=True)
-    bt = ctl.config.geometry.block_tokens
     seen = 0
     for s in S.open_indices().tolist():
         rows = S.rows(s)
@@ -261,5 +259,5 @@ def check_integrity(ctl: Controller) -> None:
     assert (S.l3_other >= 0).all() and not S.l3_other[~S.is_open].any(), "L3 other records"
     flying = np.flatnonzero(T.in_flight)
     if len(flying):
-        rows = np.concatenate([p.rows for p in ctl.pending]) if ctl.pending else flying[:0]
-        assert np.isin(flying, rows).all(), "a block is in flight without a pending plan"
+        assert np.isin(flying, epochs.in_flight_rows()).all(), \
+            "a block is in flight without a pending plan"

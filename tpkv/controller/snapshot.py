@@ -1,24 +1,114 @@
 """snapshot(): the controller's state as a plain, JSON-friendly dict (for the dashboard).
 
-`build` = `render(capture(ctl))`: the capture (tpkv.controller.capture) is the only part that
-reads the controller; `render` works on its copies, on any thread (the dashboard's)."""
+A `Capture` (taken by tpkv.controller.capture, the only part that reads the controller) holds
+copies; `render` turns it into the dict, on any thread (the dashboard's)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tpkv.controller.capture import TIERS, Capture, capture
-from tpkv.controller.policy import heat
+from tpkv.controller.policy import fold_access, heat
 from tpkv.controller.sessions import CHOICE_NAMES
-from tpkv.controller.table import PIN_EXPLICIT
+from tpkv.controller.table import PIN_EXPLICIT, BlockTable
 from tpkv.protocol.plan import Tier
 
 if TYPE_CHECKING:
-    from tpkv.controller.controller import Controller
+    from tpkv.config import PolicyConfig
+
+TIERS = (Tier.HBM, Tier.DRAM, Tier.SSD)
+
+
+@dataclass
+class SessionCols:
+    """The shown sessions (most recently run first), and the rows of their blocks, concatenated
+    in that order: session i's are `[offsets[i], offsets[i + 1])`."""
+
+    names: list[str]
+    tokens: np.ndarray
+    pending: np.ndarray
+    run_hist: np.ndarray  # [K, n] newest first
+    runs: np.ndarray
+    attn_sum: np.ndarray
+    counts: np.ndarray  # [4, n]: NONE, L1, L2, L3
+    choice: np.ndarray
+    load_s: np.ndarray
+    recompute_s: np.ndarray
+    pins: dict[int, list[tuple[int, int]]]  # by position in `names`
+    offsets: np.ndarray  # [n + 1]
+    # per block row
+    tier: np.ndarray
+    pinned: np.ndarray
+    attn: np.ndarray
+    in_flight: np.ndarray
+    last_tick: np.ndarray
+    hist: np.ndarray
+    count: np.ndarray
+    runs_seen: np.ndarray
+
+
+@dataclass
+class Capture:
+    """What `render` turns into the snapshot dict: copies only, safe on any thread."""
+
+    tick: int
+    uptime_s: float
+    next_epoch: int
+    committed_epoch: int
+    pending_epochs: list[int]  # the first 32
+    num_pending: int
+    restarts: int
+    awaiting_rebuild: bool
+    recovery: dict[str, Any] | None
+    ranks: dict[int, str]
+    tiers: dict[int, dict[str, Any]]  # raw counts and marks per tier
+    num_kept: int
+    l3_other: int
+    unplaced: int  # blocks in no tier
+    num_sessions: int
+    sessions: SessionCols
+    latency_us: list[float]
+    pin_threshold: float
+    rates: dict[str, Any]
+    policy: PolicyConfig  # frozen
+    capacity: int
+    live_blocks: int
+    metadata_bytes: int
+    events: list[dict[str, Any]]
+    event_counts: dict[str, int]
+    l3_held: int = 0  # L3 room freed but held until the ranks apply the last step
+    last_step_s: float | None = None  # now_s() when the last step started (None: no step yet)
+    _index: dict[str, int] = field(default_factory=dict)
+
+    def snapshot(self) -> dict[str, Any]:
+        return render(self)
+
+    @functools.cached_property
+    def block_heat(self) -> np.ndarray:
+        """Heat of every captured block row, its session's runs folded in (as session_blocks
+        does, without writing the fold back)."""
+        S = self.sessions
+        sess = np.repeat(np.arange(len(S.names)), np.diff(S.offsets))
+        last = fold_access(S.last_tick, S.hist, S.count, S.runs_seen, S.runs[sess],
+                           S.run_hist[:, sess].T)[0]
+        since = self.tick - last.astype(np.int64)
+        return heat(S.attn, since, self.policy.w_attn, self.policy.w_recency)
+
+    def blocks(self, session_id: str) -> dict[str, Any]:
+        """What the heat map needs of one shown session's blocks: tier codes (0 none, 1 L1,
+        2 L2, 3 L3) and heat, in logical order; LookupError for a session not shown."""
+        if not self._index:
+            self._index = {name: i for i, name in enumerate(self.sessions.names)}
+        i = self._index[session_id]
+        a, b = int(self.sessions.offsets[i]), int(self.sessions.offsets[i + 1])
+        return {"session": session_id, "tier_code": self.sessions.tier[a:b].astype(np.int8) + 1,
+                "heat": self.block_heat[a:b]}
+
 
 _TIER_NAMES = {Tier.HBM: "L1", Tier.DRAM: "L2", Tier.SSD: "L3"}
 
@@ -120,16 +210,10 @@ def render(cap: Capture) -> dict[str, Any]:
     }
 
 
-def build(ctl: Controller, max_sessions: int = 256) -> dict[str, Any]:
-    return render(capture(ctl, max_sessions))
-
-
-def session_blocks(ctl: Controller, session_id: str) -> dict[str, Any]:
-    T, S, pol = ctl.table, ctl.sessions, ctl.config.policy
-    s = S.lookup(session_id)
-    rows = S.rows(s).copy()
-    ctl.sync_access(rows)
-    since = ctl.tick - T.last_tick[rows].astype(np.int64)
+def session_blocks(T: BlockTable, rows: np.ndarray, session_id: str, tick: int,
+                   pol: PolicyConfig, pin_threshold: float) -> dict[str, Any]:
+    """Per-block state of a session's `rows` (its access history folded in already)."""
+    since = tick - T.last_tick[rows].astype(np.int64)
     kth = T.hist[rows, -1] if T.hist.shape[1] else T.last_tick[rows]
     return {
         "session": session_id,
@@ -143,6 +227,6 @@ def session_blocks(ctl: Controller, session_id: str) -> dict[str, Any]:
         "lru_k_tick": kth.tolist(),
         "access_count": T.count[rows].tolist(),
         "pinned": ((T.pinned[rows] & PIN_EXPLICIT) != 0).tolist(),
-        "auto_pinned": ((T.tier[rows] == Tier.HBM) & (T.attn[rows] >= ctl.pin_threshold)).tolist(),
+        "auto_pinned": ((T.tier[rows] == Tier.HBM) & (T.attn[rows] >= pin_threshold)).tolist(),
         "in_flight": (T.in_flight[rows] != 0).tolist(),
     }

@@ -140,7 +140,7 @@ def early_promotions(ctl: Controller, b: PlanBuilder, want: np.ndarray,
     the last step, or dropped by this one) or when the plan would be too small to be worth
     it (policy.early_min_bytes)."""
     T = ctl.table
-    if (ctl.outbox_released or ctl.outbox_lost or b.drops[0] or b.plans
+    if (ctl.epochs.has_news() or b.drops[0] or b.plans
             or len(ctl.pending) + 1 + MAX_PHASES > ctl.config.policy.max_pending_plans):
         return want
     on2 = want[T.tier[want] == DRAM]
@@ -154,7 +154,7 @@ def early_promotions(ctl: Controller, b: PlanBuilder, want: np.ndarray,
     # while the ranks still copy out of them (under L2 pressure a promoted block's copy is
     # given back at once), and would have to wait for those copies.
     b.end_phase(hold_l2=True)
-    ctl.hand_out(b)
+    ctl.epochs.hand_out(b)
     ctl.event("early", blocks=n, sessions=len(b.plans[-1].session_names))
     started = time.perf_counter_ns()
     try:

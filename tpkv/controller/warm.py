@@ -4,8 +4,9 @@ The controller's hot paths are numba kernels compiled on their first call. Witho
 first step that takes a path no earlier step took (the first demotion, the first promotion
 with a kept L2 copy, the first spill...) pays for its compile: up to a second on a fresh
 checkout, in the middle of serving (seen in bench/e2e.py: one resume of the second round).
-`warm_kernels` runs a short scripted workload on a scratch controller with the caller's
-policy and geometry and tiny tiers, once per process and policy: every kernel gets the
+`warm_kernels` runs a short scripted workload on a scratch controller (made by the caller's
+`make`, so this module does not import the controller) with the caller's policy and geometry and
+tiny tiers, once per process and policy: every kernel gets the
 argument types it gets in service. tests/unit/test_warm.py checks that workloads run after it
 compile nothing more.
 """
@@ -15,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _WARMED: set[tuple[object, ...]] = set()
+# make(config, clock): a Controller that does not warm up itself (the class, partly applied)
+MakeController = Callable[[TpkvConfig, Callable[[], float]], Any]
 
 
 def _key(config: TpkvConfig) -> tuple[object, ...]:
@@ -37,16 +41,16 @@ def _key(config: TpkvConfig) -> tuple[object, ...]:
     return (dataclasses.astuple(config.policy), config.l3.enabled, config.geometry.tp_size)
 
 
-def warm_kernels(config: TpkvConfig) -> float:
-    """Run the scripted workload once per process and policy; returns the seconds it took
-    (0.0 when this policy was warmed already)."""
+def warm_kernels(config: TpkvConfig, make: MakeController) -> float:
+    """Run the scripted workload on `make(config, clock)` once per process and policy; returns
+    the seconds it took (0.0 when this policy was warmed already)."""
     key = _key(config)
     if key in _WARMED:
         return 0.0
     _WARMED.add(key)
     started = time.perf_counter()
     try:
-        _script(config)
+        _script(config, make)
     except TpkvError as exc:  # a workload the tiny tiers refuse: warm what ran
         log.debug("kernel warm-up stopped early: %s", exc)
     except Exception:  # an optimisation only: never what stops a controller from starting
@@ -56,9 +60,7 @@ def warm_kernels(config: TpkvConfig) -> float:
     return took
 
 
-def _script(config: TpkvConfig) -> None:
-    from tpkv.controller.controller import Controller
-
+def _script(config: TpkvConfig, make: MakeController) -> None:
     g = config.geometry
     bt, tp, bb = g.block_tokens, g.tp_size, g.block_bytes
     l3 = (dataclasses.replace(config.l3, budget_bytes=SsdConfig.budget_for(24, g))
@@ -67,7 +69,7 @@ def _script(config: TpkvConfig) -> None:
         config, l1=HbmConfig(num_blocks=8),
         l2=HostConfig(budget_bytes=10 * tp * bb, arena_bytes=10 * bb, pin="never"), l3=l3)
     now = [0.0]
-    c = Controller(small, lambda: now[0], warm=False)
+    c = make(small, lambda: now[0])
     names = [f"warm-{i}" for i in range(6)]
     for n in names:
         c.open_session(n, 2 * bt + 1)  # three blocks, the last part full
