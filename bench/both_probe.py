@@ -145,6 +145,7 @@ def main() -> None:
     g = GEOMETRIES["llama8b-tp8"]
     n = total // g.block_bytes
     host = HostPool(g, n, HostConfig(budget_bytes=n * g.block_bytes))
+    host.wait_pinned()  # pinned in the background: time it whole
     hbm = HbmPool(g, n, "cuda")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []

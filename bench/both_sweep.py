@@ -29,6 +29,7 @@ def main() -> None:
     g = GEOMETRIES["llama8b-tp8"]
     n = total // g.block_bytes
     host = HostPool(g, n, HostConfig(budget_bytes=n * g.block_bytes))
+    host.wait_pinned()  # pinned in the background: time it whole
     hbm = HbmPool(g, n, "cuda")
     rows = []
     for rnd in range(2):  # two rounds, alternating settings, against drift

@@ -68,6 +68,7 @@ def main() -> None:
     g, n_max = GEOMETRY, max(args.blocks)
     host = HostPool(g, n_max, HostConfig(budget_bytes=n_max * g.block_bytes,
                                          arena_bytes=GiB // g.block_bytes * g.block_bytes))
+    host.wait_pinned()  # pinned in the background: time it whole
     hbm = HbmPool(g, n_max, "cuda")
     for i, arena in enumerate(host.arenas):
         random_fill(arena, i)

@@ -33,6 +33,7 @@ def main() -> None:
     for name, g in GEOMETRIES.items():
         n = total // g.block_bytes
         host = HostPool(g, n, HostConfig(budget_bytes=n * g.block_bytes))
+        host.wait_pinned()  # pinned in the background: time it whole
         hbm = HbmPool(g, n, "cuda")
         variants: list[tuple[str, dict]] = [
             (f"dma-s{k}", {"method": "dma", "dma_streams": k}) for k in (1, 4, 8, 16, 32)]

@@ -107,6 +107,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
                          f"{longest} tokens plus 8 blocks of room; raise --l1-gib")
     t_start = time.perf_counter()
     rt = tpkv.init(cfg, controller="local", device=device)
+    rt.worker.host.wait_pinned()  # L2 comes online in the background: measure it whole
     try:
         attention = paged_attention_sdpa if cuda else paged_attention_ref
         tiered = TieredEngine(rt, model, max_batch=max_batch, max_prefill_tokens=1,

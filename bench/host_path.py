@@ -81,6 +81,7 @@ def main() -> None:
     g = GEOMETRY
     host = HostPool(g, L2_SLOTS, HostConfig(budget_bytes=L2_SLOTS * g.block_bytes,
                                             arena_bytes=1 * GiB))
+    host.wait_pinned()  # pinned in the background: time it whole
     hbm = HbmPool(g, L1_SLOTS, "cuda")
     engine = CopyEngine(hbm, host)
     kernels.warm()

@@ -47,6 +47,7 @@ def main() -> None:
     n = 4 * args.blocks
     hbm = HbmPool(GEOM, n, dev)
     host = HostPool(GEOM, n, HostConfig(budget_bytes=n * GEOM.block_bytes, arena_bytes=GiB))
+    host.wait_pinned()  # pinned in the background: time it whole
     engines = {"dma8": CopyEngine(hbm, host, method="dma"),
                "dma1": CopyEngine(hbm, host, method="dma", dma_streams=1),
                "kernel16": CopyEngine(hbm, host, method="kernel",

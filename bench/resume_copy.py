@@ -97,6 +97,7 @@ def main() -> None:
     g, n = GEOMETRY, args.blocks
     slots = 4 * n
     host = HostPool(g, slots, HostConfig(budget_bytes=slots * g.block_bytes, arena_bytes=GiB))
+    host.wait_pinned()  # pinned in the background: time it whole
     hbm = HbmPool(g, slots, "cuda")
     ceil = ceilings(GiB, 5)
     print(f"ceiling (1 GiB pinned copy, GB/s): H2D {ceil['h2d']:.1f}  D2H {ceil['d2h']:.1f}  "

@@ -67,6 +67,7 @@ def main() -> None:
     slots = 4 * args.blocks
     host = HostPool(GEOMETRY, slots, HostConfig(budget_bytes=slots * g.block_bytes,
                                                 arena_bytes=GiB))
+    host.wait_pinned()  # pinned in the background: time it whole
     hbm = HbmPool(GEOMETRY, slots, "cuda")
     copier = CopyEngine(hbm, host)
     half = slots // 2

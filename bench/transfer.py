@@ -141,6 +141,7 @@ def bench_copies(total_bytes: int, reps: int) -> list[dict]:
         n = total_bytes // g.block_bytes
         l2 = HostConfig(budget_bytes=n * g.block_bytes, arena_bytes=GiB)
         host = HostPool(g, n, l2)
+        host.wait_pinned()  # pinned in the background: time it whole
         hbm = HbmPool(g, n, "cuda")
         for placement, label, kw in variants:
             engine = CopyEngine(hbm, host, **kw)
