@@ -8,17 +8,8 @@ import time
 
 import pytest
 
-from tpkv.config import HbmConfig, HostConfig, KvGeometry, SsdConfig, TpkvConfig
+from tests.ray.test_controller_actor import config
 from tpkv.controller.actor import ControllerClient, get_or_create
-
-
-def config(tmp_path) -> TpkvConfig:
-    g = KvGeometry(num_layers=1, num_kv_heads=4, head_dim=8, dtype="float16", block_tokens=4,
-                   tp_size=2)
-    return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=8),
-                      l2=HostConfig(budget_bytes=8 * 2 * g.block_bytes, arena_bytes=1 << 20),
-                      l3=SsdConfig(root=str(tmp_path / "ssd"),
-                                   budget_bytes=SsdConfig.budget_for(64, g)))
 
 
 @pytest.mark.timeout(90)

@@ -39,67 +39,58 @@ def _alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-@pytest.mark.timeout(240)
-def test_sigterm_mid_demo_stops_cleanly_and_ends_its_ray_cluster(tmp_path) -> None:
-    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_USAGE_STATS_ENABLED": "0",
-           "TPKV_SSD_DIR": str(tmp_path)}
-    log = open(tmp_path / "demo.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "tpkv.launch.cli", "demo", "--model", "tiny",
-                             "--sessions", "64", "--seconds", "120", "--dashboard-port", "0"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+def _sigterm_mid_run(tmp_path, argv: list[str], ready: str, env: dict[str, str]
+                     ) -> tuple[int, str, set[int]]:
+    """Start `python -m tpkv.launch.cli ARGV` (output to a file), wait for `ready` (a regex) in
+    its output, SIGTERM it; -> (exit code, output, the processes it had started)."""
+    log_path = tmp_path / "run.log"
+    log = open(log_path, "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "tpkv.launch.cli", *argv],
+                            env={**os.environ, "PYTHONPATH": ROOT, "RAY_USAGE_STATS_ENABLED": "0",
+                                 **env}, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         deadline = time.monotonic() + 150
-        while not re.search(r"\d+/\d+ turns", (tmp_path / "demo.log").read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, \
-                (tmp_path / "demo.log").read_text()
+        while not re.search(ready, log_path.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.5)
+        time.sleep(1)  # at work
         started = _descendants(proc.pid)
-        assert started, "the demo started no Ray processes"
+        assert started, "the command started no Ray processes"
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    text = (tmp_path / "demo.log").read_text()
+    return rc, log_path.read_text(), started
+
+
+def _ended(started: set[int]) -> bool:
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return not [p for p in started if _alive(p)]
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_mid_demo_stops_cleanly_and_ends_its_ray_cluster(tmp_path) -> None:
+    rc, text, started = _sigterm_mid_run(
+        tmp_path, ["demo", "--model", "tiny", "--sessions", "64", "--seconds", "120",
+                   "--dashboard-port", "0"], r"\d+/\d+ turns", {"TPKV_SSD_DIR": str(tmp_path)})
     assert rc == 143, text
     assert "stopping" in text and "Traceback" not in text, text
     assert "Token authentication is enabled" not in text
     assert text.count("\ndemo ") >= 2  # plain progress lines, not one live bar's last frame
-    deadline = time.monotonic() + 30
-    while any(_alive(p) for p in started) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not [p for p in started if _alive(p)], "Ray processes outlived the demo"
+    assert _ended(started), "Ray processes outlived the demo"
 
 
 @pytest.mark.timeout(240)
 def test_sigterm_mid_launch_stops_cleanly_and_ends_its_ray_cluster(tmp_path) -> None:
     """`tpkv launch` while its rank runs: SIGTERM arrives after ray.init (which sets its own
     handler): "stopping", exit 143, no traceback, no token notice, and Ray's processes end."""
-    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_USAGE_STATS_ENABLED": "0",
-           "TPKV_TEST_SSD_DIR": str(tmp_path / "l3")}
-    log = open(tmp_path / "launch.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "tpkv.launch.cli", "launch", "--tp", "1",
-                             "--num-cpus", "2", "tests.e2e.app:main", "100000"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    try:
-        deadline = time.monotonic() + 150
-        while "dashboard at" not in (tmp_path / "launch.log").read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, \
-                (tmp_path / "launch.log").read_text()
-            time.sleep(0.5)
-        time.sleep(2)  # the rank is stepping
-        started = _descendants(proc.pid)
-        assert started, "the launch started no Ray processes"
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = (tmp_path / "launch.log").read_text()
+    rc, text, started = _sigterm_mid_run(
+        tmp_path, ["launch", "--tp", "1", "--num-cpus", "2", "tests.e2e.app:main", "100000"],
+        "dashboard at", {"TPKV_TEST_SSD_DIR": str(tmp_path / "l3")})
     assert rc == 143, text
     assert "stopping" in text and "Traceback" not in text, text
     assert "Token authentication is enabled" not in text, text
-    deadline = time.monotonic() + 30
-    while any(_alive(p) for p in started) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not [p for p in started if _alive(p)], "Ray processes outlived the launch"
+    assert _ended(started), "Ray processes outlived the launch"

@@ -16,6 +16,9 @@ def fanout_dirs(root: str) -> list[str]:
                       if _FANOUT_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
 
 
+MANIFEST_RE = re.compile(r"([0-9a-f]{64})\.manifest")  # a session's manifest file name
+
+
 @dataclass(frozen=True)
 class SessionPaths:
     """Every file of one session, all named from the hash of its id (never the raw id)."""

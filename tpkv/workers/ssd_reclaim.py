@@ -17,12 +17,11 @@ from tpkv.workers.ssd_format import (
     parse_commit,
     parse_manifest,
 )
+from tpkv.workers.ssd_paths import MANIFEST_RE, fanout_dirs
 from tpkv.workers.ssd_paths import SessionPaths as _Paths
-from tpkv.workers.ssd_paths import fanout_dirs
 
 log = logging.getLogger(__name__)
 
-_MANIFEST_RE = re.compile(r"([0-9a-f]{64})\.manifest")
 
 
 @dataclass
@@ -77,7 +76,7 @@ def reclaim(rank: int, root: str, ident: Callable[[_Paths], SegmentIdentity],
                 removed |= _remove(found, paths.commit(rank), why)
         if rank == 0:
             for name in names:
-                if match := _MANIFEST_RE.fullmatch(name):
+                if match := MANIFEST_RE.fullmatch(name):
                     paths = _Paths(bytes.fromhex(match.group(1)), match.group(1), sub)
                     try:
                         manifest = parse_manifest(read_meta(paths.manifest), ident(paths))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import stat
 import threading
 import time
@@ -45,14 +44,13 @@ from tpkv.workers.ssd_format import (
     validate_session_id,
 )
 from tpkv.workers.ssd_owner import RootLock
+from tpkv.workers.ssd_paths import MANIFEST_RE, fanout_dirs
 from tpkv.workers.ssd_paths import SessionPaths as _Paths
-from tpkv.workers.ssd_paths import fanout_dirs
 from tpkv.workers.ssd_reclaim import reclaim
 from tpkv.workers.ssd_segment import SegmentIo, last_positions
 
 log = logging.getLogger(__name__)
 
-_MANIFEST_RE = re.compile(r"([0-9a-f]{64})\.manifest")
 _MAX_META_BYTES = 64 << 20  # commit records and manifests above this are rejected unread
 _NUM_LOCK_STRIPES = 64
 # A write waits at most this long per piece for reads to end, so that a run of reads cannot hold
@@ -324,7 +322,7 @@ class SsdStore:
             with os.scandir(sub) as entries:
                 names = [e.name for e in entries]
             for name in names:
-                match = _MANIFEST_RE.fullmatch(name)
+                match = MANIFEST_RE.fullmatch(name)
                 if not match:
                     continue
                 paths = _Paths(bytes.fromhex(match.group(1)), match.group(1), sub)
