@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
 DIRECTIONS = {"l1_l2": (Tier.HBM, Tier.DRAM), "l2_l1": (Tier.DRAM, Tier.HBM),
               "l2_l3": (Tier.DRAM, Tier.SSD), "l3_l2": (Tier.SSD, Tier.DRAM)}
 _TIER_NAME = {int(Tier.HBM): "l1", int(Tier.DRAM): "l2", int(Tier.SSD): "l3"}
+# The cache of each runtime that holds its session's contiguous K/V (one session at a time).
+_VIEW_HOLDER: weakref.WeakKeyDictionary[Any, weakref.ref[TpkvCache]] = (
+    weakref.WeakKeyDictionary())
 
 
 class KvLostError(TpkvError):
@@ -109,9 +113,16 @@ class TpkvCache(Cache):
     pass (layer 0) schedules one step of the session with the controller: its blocks are
     brought back into L1 from L2/L3 (waited for layer by layer) and new blocks get L1 slots.
     Each `update` writes the new tokens' K/V of its layer into the L1 pool through the session's
-    block table and returns the layer's whole past, gathered from the blocks: bit for bit the
-    tensors DynamicCache returns (same values, shape and layout). Between forward passes (and
-    turns) the controller may demote the blocks to L2 and spill them to L3.
+    block table and returns the layer's whole past: bit for bit the tensors DynamicCache returns
+    (same values, shape and layout). Between forward passes (and turns) the controller may
+    demote the blocks to L2 and spill them to L3.
+
+    The past is gathered from the blocks once, at the first forward pass after a resume; later
+    passes append the new tokens to that contiguous copy (`views`, one torch.cat per layer, as
+    DynamicCache does), so a decode step reads no block. The copy is dropped when any of the
+    session's blocks is loaded into L1, K/V is lost, a pass fails half way, the cache closes,
+    or another session's cache of the runtime starts a pass: device memory holds at most one
+    session's copy per runtime besides the L1 pool.
 
     If blocks were lost (an L3 read failed its checks, or the cost model chose recompute), the
     first update of a forward pass raises KvLostError and the cache's length drops to the first
@@ -136,6 +147,8 @@ class TpkvCache(Cache):
         self.resumed_from: list[str] = []  # farthest tier of each forward that loaded blocks
         self._slots: torch.Tensor | None = None  # the session's L1 slots in this forward
         self._new = 0
+        # per layer: K and V [1, heads, tokens, head_dim] equal to the blocks' (or None)
+        self.views: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * g.num_layers
 
     # ---- what transformers calls -----------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
@@ -173,11 +186,17 @@ class TpkvCache(Cache):
         self.pool[slots, layer, 0, offsets] = key_states[0].transpose(0, 1).to(self.pool.device)
         self.pool[slots, layer, 1, offsets] = value_states[0].transpose(0, 1).to(
             self.pool.device)
-        keys, values = self._gather(layer, stop)
+        view = self.views[layer]
+        if view is None or view[0].shape[2] != start:  # from the blocks, once after a resume
+            view = self._gather(layer, start)
+            view = view[0].to(key_states.device), view[1].to(value_states.device)
+        keys = torch.cat([view[0], key_states], dim=-2)
+        values = torch.cat([view[1], value_states], dim=-2)
+        self.views[layer] = keys, values
         lay.length = stop
         if layer == g.num_layers - 1:
             self.num_tokens, self.in_forward, self._slots = stop, False, None
-        return keys.to(key_states.device), values.to(value_states.device)
+        return keys, values
 
     # ---- session ---------------------------------------------------------------------------
     def read_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -200,28 +219,45 @@ class TpkvCache(Cache):
             self.rt.close_session(self.session_id)
         self.opened, self.in_forward, self._slots = False, False, None
         self.num_tokens = self.ctl_tokens = 0
+        self.drop_views()
         for lay in self.tier_layers:
             lay.length = 0
 
     # ---- internals -------------------------------------------------------------------------
     def _gather(self, layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V `[1, heads, num_tokens, head_dim]` of `layer`, contiguous, from the blocks."""
         assert self._slots is not None
         g = self.geometry
         nb = -(-num_tokens // g.block_tokens)
-        blocks = self.pool[self._slots[:nb], layer]  # [nb, 2, block_tokens, heads, head_dim]
-        kv = blocks.transpose(0, 1).reshape(2, nb * g.block_tokens, g.heads_per_rank,
-                                            g.head_dim)
-        kv = kv[:, :num_tokens].permute(0, 2, 1, 3).unsqueeze(1)  # [2, 1, heads, tokens, dim]
-        return kv[0].contiguous(), kv[1].contiguous()
+        slots = self._slots[:nb]
+        out = []
+        for kv in (0, 1):
+            blocks = self.pool[slots, layer, kv]  # [nb, block_tokens, heads, head_dim]
+            rows = blocks.reshape(nb * g.block_tokens, g.heads_per_rank, g.head_dim)
+            out.append(rows[:num_tokens].permute(1, 0, 2).unsqueeze(0).contiguous())
+        return out[0], out[1]
+
+    def drop_views(self) -> None:
+        """Forget the contiguous copy of the past: the next pass gathers it from the blocks."""
+        self.views = [None] * len(self.views)
 
     def _begin_forward(self, new: int) -> None:
         """Schedule the session's step for `new` tokens after `num_tokens`: every block in
         L1, slots for the new ones. Raises KvLostError if K/V before `num_tokens` is gone."""
+        if self.in_forward:  # the last pass failed half way: its layers' copies run ahead
+            self.drop_views()
+        holder = _VIEW_HOLDER.get(self.rt)
+        other = holder() if holder is not None else None
+        if other is not self:
+            if other is not None:
+                other.drop_views()
+            _VIEW_HOLDER[self.rt] = weakref.ref(self)
         base = self.num_tokens
         add = max(0, base + new - self.ctl_tokens)
         step, first_lost = self._schedule(add)
         self.ctl_tokens += add
         if first_lost is not None and first_lost < base:
+            self.drop_views()
             self.num_tokens = first_lost
             self.stats.lost_tokens += base - first_lost
             self.stats.losses.append((self.session_id, first_lost))
@@ -256,7 +292,8 @@ class TpkvCache(Cache):
         step = self.rt.run_step([self.session_id], [add], attempt, max_retries=self.max_retries)
         self.stats.retries += self.rt.num_retries - retries
         self.stats.steps += 1
-        if farthest != Tier.HBM:
+        if farthest != Tier.HBM:  # blocks loaded into L1: the past is gathered from them again
+            self.drop_views()
             self.resumed_from.append(_TIER_NAME[farthest])
             self.stats.resumes.append((self.session_id, _TIER_NAME[farthest]))
         return step, first_lost
