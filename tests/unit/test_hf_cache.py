@@ -110,3 +110,65 @@ def test_a_forward_that_fails_half_way_leaves_the_cache_as_it_was():
         assert torch.equal(got, want)
         for (keys, values), layer in zip(cache.read_kv(), ref.layers, strict=True):
             assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values)
+
+
+@pytest.mark.timeout(120)
+def test_decode_steps_read_no_block_and_the_kept_copy_equals_the_blocks(tmp_path, monkeypatch):
+    """The past is gathered from the blocks once per layer at a turn that follows another
+    session or a resume (from L2 and L3 here), never per decode step; a turn right after the
+    same session's turn gathers nothing. After every turn the contiguous copy a pass hands to
+    attention equals the blocks (read_kv) and DynamicCache's K/V, bit for bit."""
+    import numpy as np
+    from transformers import DynamicCache
+
+    import tpkv
+    from tests.hf_cases import VOCAB
+    from tpkv.models.hf_attach import cache_kwarg
+    from tpkv.models.hf_cache import TpkvCache
+
+    gathers: list[int] = []
+    real = TpkvCache._gather
+
+    def counting(self: TpkvCache, layer: int, num_tokens: int) -> tuple[torch.Tensor, ...]:
+        gathers.append(layer)
+        return real(self, layer, num_tokens)
+
+    monkeypatch.setattr(TpkvCache, "_gather", counting)
+    model = tiny_llama()
+    layers, kw = model.config.num_hidden_layers, cache_kwarg(model)
+    rng = np.random.default_rng(3)
+    refs: dict[str, DynamicCache] = {}
+    history: dict[str, torch.Tensor] = {}
+    order = ["s0", "s0", "s1", "s2", "s3", "s0", "s0", "s1", "s2", "s3", "s1", "s0", "s0"]
+    prev, tiers_seen, same_turns = None, set(), 0
+    with torch.no_grad(), tpkv.attach(model, tiers_config(model, L1_BLOCKS, L2_BLOCKS,
+                                                          str(tmp_path / "l3")),
+                                      block_tokens=BT, controller="local", device="cpu") as t:
+        for s in order:
+            n = 3 if s in history else 10
+            user = torch.as_tensor(rng.integers(0, VOCAB, (1, n)))
+            ids = torch.cat([history[s], user], dim=1) if s in history else user
+            cache = t.cache(s)
+            loads = len(cache.resumed_from)
+            gathers.clear()
+            got = model.generate(ids, **{kw: cache}, max_new_tokens=4, do_sample=False)
+            ref = refs.setdefault(s, DynamicCache())
+            want = model.generate(ids, **{kw: ref}, max_new_tokens=4, do_sample=False)
+            assert torch.equal(got, want), s
+            new_loads = cache.resumed_from[loads:]
+            tiers_seen.update(new_loads)
+            assert len(new_loads) <= 1, new_loads  # loads only at a turn's first pass here
+            if s != prev or new_loads:
+                assert sorted(gathers) == list(range(layers)), (s, gathers)
+            else:
+                assert gathers == [], (s, gathers)
+                same_turns += 1
+            views = list(cache.views)
+            for layer, ((k, v), blocks, dyn) in enumerate(zip(views, cache.read_kv(),
+                                                              ref.layers, strict=True)):
+                assert k.shape[2] == got.shape[1] - 1, (s, layer)  # the last token not fed yet
+                assert torch.equal(k, blocks[0]) and torch.equal(v, blocks[1]), (s, layer)
+                assert torch.equal(k, dyn.keys) and torch.equal(v, dyn.values), (s, layer)
+            history[s], prev = got, s
+    assert {"l2", "l3"} <= tiers_seen, tiers_seen  # the copy was rebuilt after both kinds
+    assert same_turns >= 2  # and kept across turns of one session

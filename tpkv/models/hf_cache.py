@@ -147,6 +147,7 @@ class TpkvCache(Cache):
         self.resumed_from: list[str] = []  # farthest tier of each forward that loaded blocks
         self._slots: torch.Tensor | None = None  # the session's L1 slots in this forward
         self._new = 0
+        self._write_at: tuple[torch.Tensor, torch.Tensor] | None = None  # new tokens' slots
         # per layer: K and V [1, heads, tokens, head_dim] equal to the blocks' (or None)
         self.views: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * g.num_layers
 
@@ -177,12 +178,11 @@ class TpkvCache(Cache):
         elif not self.in_forward or new != self._new:
             raise TpkvError(f"layer {layer} updated with {new} tokens outside a forward pass "
                             f"that layer 0 started ({self._new} tokens)")
-        assert self._slots is not None
+        assert self._slots is not None and self._write_at is not None
         self.rt.worker.wait_layer(layer)  # blocks brought into L1 for this step
         lay = self.tier_layers[layer]
         start, stop = lay.length, lay.length + new
-        pos = torch.arange(start, stop, device=self.pool.device)
-        slots, offsets = self._slots[pos // g.block_tokens], pos % g.block_tokens
+        slots, offsets = self._write_at  # the same for every layer of the pass
         self.pool[slots, layer, 0, offsets] = key_states[0].transpose(0, 1).to(self.pool.device)
         self.pool[slots, layer, 1, offsets] = value_states[0].transpose(0, 1).to(
             self.pool.device)
@@ -252,7 +252,7 @@ class TpkvCache(Cache):
             if other is not None:
                 other.drop_views()
             _VIEW_HOLDER[self.rt] = weakref.ref(self)
-        base = self.num_tokens
+        g, base = self.geometry, self.num_tokens
         add = max(0, base + new - self.ctl_tokens)
         step, first_lost = self._schedule(add)
         self.ctl_tokens += add
@@ -267,6 +267,8 @@ class TpkvCache(Cache):
                               self.session_id, first_lost)
         self._slots = torch.as_tensor(step.session_slots(0).astype(np.int64),
                                       device=self.pool.device)
+        pos = torch.arange(base, base + new, device=self.pool.device)
+        self._write_at = self._slots[pos // g.block_tokens], pos % g.block_tokens
         self._new, self.in_forward = new, True
         for lay in self.tier_layers:
             lay.length = base
