@@ -219,7 +219,36 @@ def main() -> None:
               f"{out['tpkv']['pcie_ms_per_turn']:.1f} ms)")
     path = Path(args.out or Path(__file__).parent / "results" / f"hf_{device.type}.json")
     path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {path}")
+    plot(out, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+def plot(out: dict[str, Any], path: Path) -> None:
+    """Per later turn and per decode step (p50) of each variant that ran."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [v for v in VARIANTS if v in out and "error" not in out[v]]
+    labels = {"dynamic": "DynamicCache", "tpkv": "TpkvCache", "offload": "DynamicCache\n(offload)"}
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for ax, key, title in ((axes[0], "turn_ms_p50", "per later turn (ms, p50)"),
+                           (axes[1], "decode_step_ms_p50", "per decode step (ms, p50)")):
+        vals = [out[v][key] for v in names]
+        ax.bar([labels[v] for v in names], vals, color=["#888", "#2a7", "#48c"][:len(names)])
+        for i, val in enumerate(vals):
+            ax.text(i, val, f"{val:.1f}", ha="center", va="bottom")
+        ax.set_title(title)
+    if "tpkv" in names and "dynamic" in names:
+        goal = 1.05 * (out["dynamic"]["turn_ms_p50"] + out["tpkv"]["pcie_ms_per_turn"])
+        axes[0].axhline(goal, ls="--", c="k", lw=1, label="goal: 1.05 x (Dynamic + PCIe)")
+        axes[0].legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"generate, later turns on {out['device']} ({out['args']['model']}, "
+                 f"{out['args']['context']} context tokens, {out['args']['gen']} generated)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
