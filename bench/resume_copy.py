@@ -11,7 +11,7 @@ resume follows a forward and its planning), and prints each against the ceiling 
 the same run: one contiguous pinned copy of 1 GiB (`bench/transfer.py`'s). The ways: the
 CopyEngine's (equal numbers of descriptors per sub-stream, merged runs on one stream) with 8
 sub-streams and with 1. A split into equal bytes per sub-stream, measured against it, lost and
-was removed (docs/decisions.md, "One resume's batch on one stream"; `2e7df12:` has it).
+was removed (docs/decisions.md, "One resume's batch on one stream"; `2bd07df:` has it).
 """
 
 from __future__ import annotations
