@@ -82,6 +82,17 @@ class SlotStack:
                                                          dtype=np.int32)]),
                     self.top + len(extra))
 
+    def shrink(self, size: int) -> bool:
+        """Drop slots [size, self.size), which must all be free; -> whether they were (else
+        nothing changes)."""
+        free = self.stack[:self.top]
+        keep = free[free < size]
+        if len(free) - len(keep) != self.size - size:  # a slot past `size` is not free
+            return False
+        self._place(np.concatenate([keep, np.zeros(size - len(keep), dtype=np.int32)]),
+                    len(keep))
+        return True
+
 
 class BlockTable:
     """Where every block is (tier, slot) and what the policy knows about it, one row per block.
@@ -226,13 +237,8 @@ class BlockTable:
         n = min(max(int(num_slots), 1), full)
         if n > stack.size:
             stack.grow(n)
-        elif n < stack.size:
-            free = stack.stack[:stack.top]
-            keep = free[free < n]
-            if len(free) - len(keep) != stack.size - n:  # a slot past n is used or kept
-                return stack.size
-            stack._place(np.concatenate([keep, np.zeros(n - len(keep), dtype=np.int32)]),
-                         len(keep))
+        elif n < stack.size and not stack.shrink(n):  # a slot past n is used or kept
+            return stack.size
         self.keep_reserve = stack.size // 8
         return stack.size
 

@@ -130,7 +130,8 @@ class HostPool:
             self.pinned = True
             self._num_ready = 0
             self._t0 = time.perf_counter()
-            self._pin_prefix(range(1))
+            self._register(0)  # the first arena before the pool is handed out
+            self._num_ready = 1
             if len(self._maps) > 1:
                 self._pinner = threading.Thread(target=self._pin_rest, name="tpkv-l2-pin",
                                                 daemon=True)
@@ -232,14 +233,6 @@ class HostPool:
         cuda_rt.host_register(int(self.arena_ptrs[i]), len(self._maps[i]))
         with self._cond:
             self._registered.add(i)
-
-    def _pin_prefix(self, arenas: range) -> None:
-        """Pin these arenas (the next of the prefix) on the calling thread."""
-        for i in arenas:
-            self._register(i)
-            with self._cond:
-                self._num_ready = i + 1
-                self._cond.notify_all()
 
     def _pin_rest(self) -> None:
         """The pinner thread: arenas 1.. in order, up to 8 registering at once; the prefix
