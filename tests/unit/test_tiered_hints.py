@@ -84,9 +84,11 @@ def test_a_group_of_one_gets_a_copy_of_the_controllers_answer(runtime: Any) -> N
         rt.from_rank0(lambda: (_ for _ in ()).throw(ValueError("boom")), "test")
 
 
-def test_the_controller_prepares_once_each_forward_is_launched(runtime: Any) -> None:
-    """TieredEngine's `launched` hook (after the deferred copies) has the in-process controller
-    prepare the next step (Controller.prepare), once per step, between its schedule calls."""
+def test_the_next_schedule_is_sent_while_the_forward_runs(runtime: Any) -> None:
+    """TieredEngine's `launched` hook sends the schedule of the batch the engine expects next
+    (PagedEngine.predict_next); the next step takes that answer instead of calling the
+    controller. After every schedule the controller prepares the next step's eviction orders
+    (Controller.prepare) on the link's thread, once."""
     from tpkv.models.tiered import TieredEngine
 
     rt, model = runtime
@@ -102,13 +104,15 @@ def test_the_controller_prepares_once_each_forward_is_launched(runtime: Any) -> 
         calls.append("schedule")
         return real_schedule(*args, **kw)
     ctl.prepare, ctl.schedule = prepare, schedule
+    used = rt.num_ahead_used
     tiered = TieredEngine(rt, model, report_prefill=False, max_batch=2)
     e = tiered.engine
     e.add_turn("s0", list(range(9)), 3)
     for _ in range(3):
         e.step()
+    rt.link.send("slot_map").result()  # after every call sent before it
     assert calls == ["schedule", "prepare"] * 3
-
+    assert rt.num_ahead_used - used == 2  # both decode steps were planned ahead
 
 def test_each_plan_is_told_the_l1_slots_the_rest_of_its_step_fills(tmp_path: Any) -> None:
     """Worker.apply_step gives each plan the L1 slots that later plans of the step promote into

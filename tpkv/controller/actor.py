@@ -14,28 +14,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
-import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import ray
 
 from tpkv import errors
 from tpkv.config import TpkvConfig
+from tpkv.controller.client import METHODS, ControllerClient, Turns
 from tpkv.controller.controller import Controller
 from tpkv.controller.dashboard import DashboardServer, MetricSpec, Recorder
 from tpkv.controller.dashboard.process import ServerProcess
 from tpkv.controller.dashboard.view import dumps
-from tpkv.protocol.messages import (
-    CommitOutcome,
-    StepResult,
-    move_result_from_dict,
-    move_result_to_dict,
-)
-from tpkv.protocol.plan import MoveResult
+from tpkv.protocol.messages import move_result_from_dict
 from tpkv.protocol.wire import decode, encode
 
 # Methods _dispatch unpacks itself: (required, optional) argument names.
@@ -75,10 +67,7 @@ def _ray_says_reconstructed() -> bool:
 class ControllerActor:
     """Holds one Controller; each method decodes its request and encodes its answer."""
 
-    _METHODS = ("register_rank", "open_session", "extend_session", "close_session", "pin",
-                "unpin", "schedule", "report_attention", "report_prefill", "commit", "resync",
-                "rebuild", "snapshot", "session_blocks", "slot_map", "check_integrity",
-                "mark_lost", "set_l2_online")
+    _METHODS = METHODS
 
     def __init__(self, config: TpkvConfig) -> None:
         restarts = _count_inits() - 1  # > 0: Ray restarted this actor (its state is gone)
@@ -98,6 +87,7 @@ class ControllerActor:
         self._dashboard_error: str | None = None
         self._dashboard_task: asyncio.Task[None] | None = None
         self._prepare_task: asyncio.Task[None] | None = None  # held: the loop keeps weak refs
+        self._turns = Turns(config.wait_timeout_s)
         try:  # Ray runs an async actor's __init__ on its event loop: serve from there
             self._dashboard_task = asyncio.get_running_loop().create_task(self._serve())
         except RuntimeError:  # no loop yet (older Ray): the first async call starts it
@@ -140,11 +130,14 @@ class ControllerActor:
         make = self.dashboard_server.capture(heatmap=False)
         return await asyncio.get_running_loop().run_in_executor(None, lambda: dumps(make()))
 
-    async def call(self, method: str, payload: bytes) -> bytes:
+    async def call(self, method: str, payload: bytes, order: Any = None) -> bytes:
+        """One Controller call. `order` = [client id, sequence number]: a client's calls run
+        in the order it sent them (ControllerClient sends without waiting for answers)."""
         if self._dashboard_task is None:
             self._dashboard_task = asyncio.get_running_loop().create_task(self._serve())
+        turn = await self._turns.wait(order)
         try:
-            if method not in self._METHODS:
+            if method not in METHODS:
                 raise errors.BadRequestError(f"controller has no method {method!r}")
             args = decode(payload)
             if not isinstance(args, dict):
@@ -156,6 +149,8 @@ class ControllerActor:
         except errors.TpkvError as exc:
             message = str(exc.args[0]) if exc.args else str(exc)  # KeyError's str() quotes
             return encode({"error": type(exc).__name__, "message": message})
+        finally:
+            self._turns.done(turn)
 
     async def _prepare(self) -> None:
         """Controller.prepare() after a step's reply: it runs while the engine computes, off
@@ -293,77 +288,3 @@ def attach(address: str | None = None, timeout_s: float = 10.0) -> tuple[Control
 def detach(joined: bool) -> None:
     if joined and ray.is_initialized():
         ray.shutdown()
-
-
-def _floats(mass: Any) -> Any:
-    """Attention mass as float64 for the wire; as given when it is not numbers (the actor
-    refuses it with a typed error)."""
-    try:
-        return np.asarray(mass, dtype=np.float64)
-    except (TypeError, ValueError):
-        return mass
-
-
-class ControllerClient:
-    """Typed calls on the actor; one Ray round trip each."""
-
-    def __init__(self, handle: ray.actor.ActorHandle, timeout_s: float = 30.0) -> None:
-        self.handle = handle
-        self.timeout_s = timeout_s
-
-    def call(self, method: str, **args: Any) -> Any:
-        """One controller call. While its actor restarts (it was killed; max_restarts=-1) the
-        call is sent again until `timeout_s`: the restarted controller then answers, if only
-        with ControllerRecoveringError (the runtime rebuilds it from the ranks)."""
-        payload = encode(args)
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            ref: Any = self.handle.call.remote(method, payload)
-            try:
-                answer = decode(ray.get(ref, timeout=self.timeout_s))
-                break
-            except ray.exceptions.RayActorError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        if "error" in answer:
-            cls = getattr(errors, str(answer["error"]), None)
-            if not (isinstance(cls, type) and issubclass(cls, errors.TpkvError)):
-                cls = errors.TpkvError
-            raise cls(answer["message"])
-        return answer["ok"]
-
-    def schedule(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
-                 upcoming: Mapping[str, int] | Sequence[str] | None = None) -> StepResult:
-        """Controller.schedule; `upcoming` as it takes it: names to steps ahead, or names
-        soonest first."""
-        d = self.call("schedule", session_ids=list(session_ids),
-                      num_new_tokens=np.asarray(num_new_tokens, dtype=np.int64),
-                      upcoming=dict(upcoming) if isinstance(upcoming, Mapping)
-                      else list(upcoming or ()))
-        return StepResult.from_dict(d)
-
-    def commit(self, results: Sequence[MoveResult]) -> CommitOutcome:
-        return CommitOutcome.from_dict(self.call(
-            "commit", results=[move_result_to_dict(r) for r in results]))
-
-    def report_attention(self, updates: Sequence[tuple[str, int, np.ndarray]]) -> None:
-        self.call("report_attention", updates=[[s, i, _floats(m)] for s, i, m in updates])
-
-    def snapshot(self) -> dict[str, Any]:
-        return dict(self.call("snapshot"))
-
-    def dashboard(self) -> dict[str, Any]:
-        """URL of the controller's dashboard (None, with `error`, when it could not listen)."""
-        ref: Any = self.handle.dashboard.remote()
-        return dict(ray.get(ref, timeout=self.timeout_s))
-
-    def dashboard_payload(self) -> dict[str, Any]:
-        """The snapshot with the dashboard's series (traffic, TP consistency)."""
-        ref: Any = self.handle.dashboard_payload.remote()
-        return dict(json.loads(ray.get(ref, timeout=self.timeout_s)))
-
-    def __getattr__(self, method: str) -> Any:
-        if method not in ControllerActor._METHODS:
-            raise AttributeError(method)
-        return lambda **args: self.call(method, **args)

@@ -50,8 +50,7 @@ def init(config: TpkvConfig, *, controller: Any = "ray",
                 answer = ctl.register_rank(rank=r, geometry=asdict(config.geometry), host="")
                 next_epoch = int(answer["next_epoch"])
         worker = Worker(config, ctx.rank, device, ctx.confirm)
-        rt = TpkvRuntime(config, ctx, worker, ctl, serialized=controller == "ray",
-                         ray_joined=joined)
+        rt = TpkvRuntime(config, ctx, worker, ctl, ray_joined=joined)
         worker.epoch = int(rt.from_rank0(lambda: next_epoch, "first epoch")) - 1
         return rt
     except BaseException as exc:

@@ -3,27 +3,26 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
 
 from tpkv import errors
 from tpkv.config import TpkvConfig
-from tpkv.errors import ControllerRecoveringError, RankMismatchError, TpkvError, WaitTimeoutError
+from tpkv.errors import ControllerRecoveringError, RankMismatchError, TpkvError
 from tpkv.launch import recover
+from tpkv.launch.ahead import Ahead, Credits, as_upcoming
 from tpkv.launch.bootstrap import RankContext, shutdown_ray
+from tpkv.launch.link import LocalLink, RayLink, Reply, make_link
 from tpkv.limits import MAX_SESSION_TOKENS, check_counts
 from tpkv.protocol.messages import (
-    CommitOutcome,
     StepResult,
     move_result_from_dict,
     move_result_to_dict,
 )
-from tpkv.protocol.plan import MovePlan, MoveResult
+from tpkv.protocol.plan import MoveResult
 from tpkv.protocol.wire import decode, detached, encode
 from tpkv.workers.confirm import STATUS_MISSES, mismatch_error
 from tpkv.workers.worker import StepReport, Worker
@@ -37,25 +36,29 @@ class TpkvRuntime:
     changes the controller runs there and its answer (or typed error) reaches every rank by one
     broadcast, so all ranks run the same code with the same arguments.
 
-    A step: `begin_step` (rank 0 schedules, the plans reach every rank, each applies them and
-    starts the all-gather), the engine's forward pass (`worker.wait_layer(l)` before attention
-    on layer l), `end_step` (confirmation; rank 0 commits in the background; a mismatch resyncs
-    every rank and raises RankMismatchError). `run_step` wraps the three and retries.
+    A step: `begin_step` (the plans reach every rank, each applies them and starts the
+    all-gather), the engine's forward pass (`worker.wait_layer(l)` before attention on layer l),
+    `end_step` (confirmation; rank 0 sends the commit without waiting; a mismatch resyncs every
+    rank and raises RankMismatchError). `run_step` wraps the three and retries. Its schedule
+    is sent ahead (`schedule_ahead`, while the step before runs its forward) when the caller
+    knows the batch, else at begin_step. Rank 0's calls go through one link (tpkv.launch.link),
+    in process or to the Ray actor, with the same calls and features either way.
     """
 
     def __init__(self, config: TpkvConfig, ctx: RankContext, worker: Worker,
-                 controller: Any, serialized: bool = False, ray_joined: bool | None = None
-                 ) -> None:
+                 controller: Any, ray_joined: bool | None = None) -> None:
         self.config, self.ctx, self.worker = config, ctx, worker
         self.rank, self.world_size = ctx.rank, ctx.world_size
-        self.controller = controller if ctx.rank == 0 else None
         self.timeout_s = config.wait_timeout_s
-        self._lock = None if serialized else threading.Lock()
+        self.controller = controller if ctx.rank == 0 else None  # sets self.link
         self._ray_joined = ray_joined
-        self._committer = ThreadPoolExecutor(1, thread_name_prefix="tpkv-commit")
-        self._commits: list[Future[CommitOutcome]] = []
+        self._commits: list[Reply] = []
+        self._advice: list[tuple[str, Reply]] = []  # reports sent, answers not yet read
         self._applied: Any = None
-        self._deferred = False  # the step in flight left its watermark demotions for apply_late
+        self._ahead: Ahead | None = None  # rank 0: the next step's schedule, sent ahead
+        self.credits = Credits()  # rank 0: tokens steps planned ahead added but never fed
+        self.num_ahead_used = 0  # steps whose schedule was sent ahead and used as is
+        self.num_ahead_unused = 0  # ... and applied without their forward (another batch came)
         self._refused = False
         self.num_retries = 0
         self.last_step_times: dict[str, float] = {}
@@ -68,6 +71,21 @@ class TpkvRuntime:
         self.closing: set[str] = set()  # closed at the controller, blocks not yet released here
         self.pins: dict[str, list[tuple[int, int]]] = {}  # explicit pins, block ranges
 
+    @property
+    def controller(self) -> Any:
+        """Rank 0: the Controller, or the actor's ControllerClient (None elsewhere)."""
+        return None if self.link is None else self.link.target
+
+    @controller.setter
+    def controller(self, controller: Any) -> None:
+        self.link = None if controller is None else make_link(controller, self.timeout_s)
+
+    @property
+    def _ctl(self) -> LocalLink | RayLink:
+        if self.link is None:
+            raise TpkvError(f"rank {self.rank} has no controller link (rank 0 talks to it)")
+        return self.link
+
     # ---- session calls (run on rank 0, answered everywhere) -------------------------------
     def open_session(self, session_id: str, num_tokens: int = 0) -> int:
         return int(self._on_rank0("open_session", session_id=session_id,
@@ -78,6 +96,7 @@ class TpkvRuntime:
 
     def close_session(self, session_id: str) -> int:
         freed = int(self._on_rank0("close_session", session_id=session_id))
+        self.credits.drop(session_id)
         self.closing.add(session_id)  # the ranks release its blocks with the next step
         self.pins.pop(session_id, None)
         self._drop_l3(session_id)
@@ -115,73 +134,60 @@ class TpkvRuntime:
             except AttributeError:
                 return {"map": self._call("resync"), "resync": True}
 
+        self.settle_ahead()
         answer = self.from_rank0(fetch, "slot map")
         if answer["resync"]:
             self._restore = answer["map"]
         return dict(answer["map"])
 
     # ---- the step ----------------------------------------------------------------------------
+    def schedule_ahead(self, session_ids: Sequence[str], num_new_tokens: Sequence[int],
+                       upcoming: Mapping[str, int] | Sequence[str] | None = None) -> None:
+        """The batch the caller will run next (every rank calls it; rank 0 acts): its schedule
+        is sent now, while this step's forward runs, and read at the next begin_step. Nothing
+        is sent while one is already on its way; a wrong guess costs one step applied without
+        its forward (ahead.py)."""
+        if self.rank != 0 or self._ahead is not None or not len(session_ids):
+            return
+        ids = tuple(session_ids)
+        n = check_counts("num_new_tokens", num_new_tokens, MAX_SESSION_TOKENS,
+                         "MAX_SESSION_TOKENS")
+        self._sync_l2_online()
+        sent = self.credits.ask(ids, n)
+        reply = self._ctl.send("schedule", list(ids), sent, as_upcoming(upcoming))
+        self._ahead = Ahead(ids, n, sent, reply)
+
     def begin_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
                    upcoming: Mapping[str, int] | Sequence[str] | None = None,
-                   late_ok: bool = False, defer_marks: bool = False) -> StepResult:
-        """Schedule on rank 0, apply the step's plans everywhere, start the confirmation. A
-        controller that restarted (and lost its table) is rebuilt from the ranks first.
-        `late_ok`: plans that only demote other sessions' blocks may wait for apply_late()
-        (Worker.apply_step); the step is then confirmed at the next begin_step.
-        `defer_marks` (with late_ok; an in-process controller): a step that plans only for the
-        watermarks is scheduled without those moves; apply_late() has the controller plan
-        them and applies them (Controller.plan_deferred)."""
+                   late_ok: bool = False) -> StepResult:
+        """Apply the step's plans everywhere and start their confirmation: the schedule sent
+        ahead for this batch, else one made now on rank 0. A controller that restarted (and
+        lost its table) is rebuilt from the ranks first. `late_ok`: plans that only demote
+        other sessions' blocks may wait for apply_late() (Worker.apply_step); the step is then
+        confirmed at the next begin_step."""
         if isinstance(session_ids, (str, bytes)):
             raise errors.ArgumentTypeError(f"session_ids must be a list of str, got "
                                            f"{type(session_ids).__name__} {session_ids!r:.64}")
         num_new_tokens = check_counts("num_new_tokens", num_new_tokens, MAX_SESSION_TOKENS,
                                       "MAX_SESSION_TOKENS", negative_ok=True)
         return self._recovering(
-            lambda: self._begin_step(session_ids, num_new_tokens, upcoming, late_ok,
-                                     defer_marks))
+            lambda: self._begin_step(session_ids, num_new_tokens, upcoming, late_ok))
 
-    def apply_late(self) -> StepResult | None:
-        """Once the step's forward is launched (a collective when the step deferred its
-        watermark demotions): apply its plans that wait (begin_step's late_ok), or plan and
-        apply the demotions it deferred (defer_marks); returns the latter's StepResult (the
-        step is then confirmed at the next begin_step), else None."""
+    def apply_late(self) -> None:
+        """Once the step's forward is launched: apply its plans that wait (begin_step's
+        late_ok) and start their confirmation (the next begin_step collects it)."""
         self.worker.apply_late()
-        if not self._deferred:
-            return None
-        self._deferred = False
-        own = self._applied
-        if own is not None and (own.plans or own.pending is not None):
-            # the step's own moves are not confirmed yet (run_step's fn is the forward, or
-            # its plans waited): the next schedule() plans the watermarks' moves instead
-            return None
-        answer = self._recovering(lambda: self.from_rank0(
-            lambda: self._answer(self._call("plan_deferred")), "deferred watermark plans"))
-        if answer is None:
-            return None
-        step = _as_step(answer)
-        if own is not None:  # the step moved nothing: nothing to confirm
-            self.end_step()
-        self._applied = self.worker.apply_deferred(step)
-        if self.world_size == 1:
-            # Its confirmation is local: confirm and commit it now, while the device computes,
-            # not in the next step's schedule (whose controller call waited for the commit).
-            self._end_late_step()
-            self._check_commits(wait=True)
-        return step
 
     def _end_late_step(self) -> None:
-        """end_step for a step whose plans were applied after its forward was launched (late
-        or deferred): a disagreement has resynced every rank (end_step) and is logged, not
-        raised, for that forward read none of those blocks."""
+        """end_step for a step whose forward read none of its plans' blocks (its plans were
+        applied after the forward was launched, or it never ran a forward): a disagreement has
+        resynced every rank (end_step) and is logged, not raised."""
         try:
             self.end_step()
         except RankMismatchError as exc:
-            log.error("rank %d: the plans applied after a forward disagreed: %s", self.rank, exc)
+            log.error("rank %d: plans no forward read disagreed: %s", self.rank, exc)
 
-    def _begin_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
-                    upcoming: Mapping[str, int] | Sequence[str] | None,
-                    late_ok: bool = False, defer_marks: bool = False) -> StepResult:
-        self._deferred = False
+    def _finish_last(self) -> None:
         if self._applied is not None:
             if self._applied.late:  # this step starts from the resynced map if they disagreed
                 self._end_late_step()
@@ -191,28 +197,55 @@ class TpkvRuntime:
             self._resync(self._restore)
             self._restore = None
 
+    def _begin_step(self, session_ids: Sequence[str], num_new_tokens: np.ndarray,
+                    upcoming: Mapping[str, int] | Sequence[str] | None,
+                    late_ok: bool = False) -> StepResult:
+        self._finish_last()
+        t0 = time.perf_counter()
+        ahead = self.from_rank0(lambda: self._ahead_answer(session_ids, num_new_tokens),
+                                "a step planned ahead")
+        if ahead is not None and ahead["used"]:
+            return self._apply(_as_step(ahead["step"]), late_ok, t0)
+        if ahead is not None:  # planned for another batch: applied with no forward first
+            self._apply_unused(_as_step(ahead["step"]))
+
         def plan() -> dict[str, Any]:
             resync = self._resync_if_commit_failed()
             self._sync_l2_online()
-            # only an in-process controller plans between calls (the Ray client lacks it)
-            local = hasattr(self.controller, "plan_deferred")
-            extra: dict[str, Any] = {"defer_marks": True} if defer_marks and late_ok and local \
-                else {}
-            if local:
-                extra["early"] = self._hand_early
-            step = self._call("schedule", list(session_ids),
-                              np.asarray(num_new_tokens, dtype=np.int64).reshape(-1), upcoming,
-                              **extra)
-            return {"step": self._answer(step), "resync": resync,
-                    "deferred": "defer_marks" in extra
-                    and getattr(self.controller, "deferred", None) is not None}
+            sent = self.credits.ask(session_ids, num_new_tokens)
+            step = self._call("schedule", list(session_ids), sent, as_upcoming(upcoming))
+            self.credits.fed(session_ids, num_new_tokens, sent)
+            return {"step": self._answer(step), "resync": resync}
 
-        t0 = time.perf_counter()
-        answer = self.from_rank0(plan, "plans of a step", early=self.worker.apply_early)
+        answer = self.from_rank0(plan, "plans of a step")
         if answer["resync"] is not None:
             self._resync(answer["resync"])
-        step = _as_step(answer["step"])
-        self._deferred = bool(answer["deferred"])
+        return self._apply(_as_step(answer["step"]), late_ok, t0)
+
+    def _ahead_answer(self, session_ids: Sequence[str], num_new_tokens: np.ndarray
+                      ) -> dict[str, Any] | None:
+        """Rank 0: the schedule sent ahead, and whether it is this step's (the same batch and
+        counts, and no commit refused since). None when none was sent, or the controller
+        refused it (nothing changed there; a restarted controller is rebuilt by the call
+        that follows)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        try:
+            step = ahead.reply.result()
+        except TpkvError as exc:
+            log.debug("rank 0: the schedule sent ahead was refused: %s", exc)
+            return None
+        used = ahead.matches(session_ids, num_new_tokens) and not self._refused
+        if used:
+            self.credits.fed(ahead.session_ids, ahead.num_new_tokens, ahead.sent)
+            self.num_ahead_used += 1
+        else:
+            self.credits.unfed(ahead.session_ids, ahead.sent)
+            self.num_ahead_unused += 1
+        return {"step": self._answer(step), "used": used}
+
+    def _apply(self, step: StepResult, late_ok: bool, t0: float) -> StepResult:
         t1 = time.perf_counter()
         self._applied = self.worker.apply_step(step, late_ok)
         # host seconds of the last step's planning (controller, to every rank) and applying
@@ -220,13 +253,22 @@ class TpkvRuntime:
         self.closing.difference_update(step.closed_sessions)
         return step
 
-    def _hand_early(self, plan: MovePlan) -> None:
-        """Rank 0, inside Controller.schedule (its `early`): every rank applies the step's first
-        plan now (the others get it in from_rank0 before the step's answer)."""
-        if self.world_size > 1:
-            self.ctx.ctl.broadcast_bytes(encode({"early": plan.to_dict()}),
-                                         what="a step's early plan")
-        self.worker.apply_early(plan)
+    def _apply_unused(self, step: StepResult) -> None:
+        """A step planned ahead for a batch that did not run: every rank applies and confirms
+        it as a step whose forward never ran (its plans are the controller's, pending)."""
+        self._applied = self.worker.apply_step(step)
+        self.closing.difference_update(step.closed_sessions)
+        self._end_late_step()
+
+    def settle_ahead(self) -> None:
+        """A collective, before any call that reads or changes the controller's table outside
+        a step: a schedule sent ahead is applied first (as a step without its forward), so
+        every rank's map and the controller's agree on what came before the call."""
+        ahead = self.from_rank0(lambda: self._ahead_answer((), np.zeros(0, dtype=np.int64)),
+                                "a step planned ahead")
+        if ahead is not None:
+            self._finish_last()
+            self._apply_unused(_as_step(ahead["step"]))
 
     def end_step(self) -> bool:
         """Wait (bounded) for the confirmation of the step. True: committed. False: an L3 miss
@@ -253,7 +295,7 @@ class TpkvRuntime:
         if self.rank == 0:
             missed = any(len(r.miss_block_ids) for per_plan in results for r in per_plan)
             for per_plan in results:
-                self._commits.append(self._committer.submit(self._call, "commit", per_plan))
+                self._commits.append(self._ctl.send("commit", per_plan))
             if missed:
                 self._check_commits(wait=True)  # before the retry schedules the recompute
         return not _misses_hit_batch(report, results)
@@ -261,7 +303,7 @@ class TpkvRuntime:
     def run_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
                  fn: Callable[[StepResult], T],
                  upcoming: Mapping[str, int] | Sequence[str] | None = None,
-                 max_retries: int = 2, late_ok: bool = False, defer_marks: bool = False) -> T:
+                 max_retries: int = 2, late_ok: bool = False) -> T:
         """begin_step, fn(step) (the forward pass), end_step; after a mismatch or a miss the
         step runs again with no new tokens (the first attempt added them) on repaired tiers.
         With `late_ok`, a step whose plans wait (begin_step) returns without end_step: it is
@@ -269,7 +311,7 @@ class TpkvRuntime:
         tokens = check_counts("num_new_tokens", num_new_tokens, MAX_SESSION_TOKENS,
                               "MAX_SESSION_TOKENS", negative_ok=True)
         for attempt in range(max_retries + 1):
-            step = self.begin_step(session_ids, tokens, upcoming, late_ok, defer_marks)
+            step = self.begin_step(session_ids, tokens, upcoming, late_ok)
             out = fn(step)
             if self._applied is not None and self._applied.late:
                 return out
@@ -299,6 +341,7 @@ class TpkvRuntime:
 
                     ray.shutdown()
                 return
+            self.settle_ahead()  # its plans are the controller's: applied and confirmed
             if self._applied is not None:
                 self.end_step()
             self._check_commits(wait=True)
@@ -307,7 +350,8 @@ class TpkvRuntime:
             elif self.world_size > 1:
                 self.ctx.ctl.barrier("close")
         finally:
-            self._committer.shutdown(wait=False)
+            if self.link is not None:
+                self.link.close()
             self.worker.close()
             self.ctx.close()
 
@@ -334,18 +378,11 @@ class TpkvRuntime:
             self._l2_told = ready
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """A controller call on rank 0 (one at a time for an in-process controller)."""
-        fn = getattr(self.controller, method)
-        if self._lock is None:
-            return fn(*args, **kwargs)
-        if not self._lock.acquire(timeout=self.timeout_s):
-            raise WaitTimeoutError(f"controller busy for {self.timeout_s:g} s ({method})")
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self._lock.release()
+        """A controller call on rank 0, after every call sent before it."""
+        return self._ctl.call(method, *args, **kwargs)
 
     def _on_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        self.settle_ahead()
         return self._recovering(
             lambda: self.from_rank0(lambda: self._call(method, *args, **kwargs), method))
 
@@ -366,51 +403,40 @@ class TpkvRuntime:
             else (lambda b: [b])
         summary = recover.rebuild_controller(self.worker, gather, self.from_rank0, self._call,
                                              self.closing, self.pins)
-        for fut in self._commits:  # commits still in flight were for the lost controller
-            fut.cancel()
-        self._commits, self._refused = [], False
+        # commits still in flight, and a step sent ahead, were for the lost controller
+        self._commits, self._refused, self._ahead = [], False, None
         self._resync(self.from_rank0(lambda: dict(self._call("resync")),
                                      "resync after a controller rebuild"))
         self.num_rebuilds += 1
         self._l2_told = -1  # the rebuilt controller hears again how much of L2 is pinned
         return summary
 
-    def prepare_controller(self) -> None:
-        """Rank 0, in-process controller: Controller.prepare() now, while the device runs the
-        step's forward (the engine calls this once it is launched): the next schedule finds
-        its eviction orders made. Skipped when the controller is busy (a commit in the
-        background) or remote (the Ray actor prepares after each reply by itself); optional
-        work, so a failure is logged, not raised."""
-        prepare = getattr(self.controller, "prepare", None)
-        if prepare is None:
-            return
-        if self._lock is not None and not self._lock.acquire(blocking=False):
-            return
-        try:
-            prepare()
-        except Exception:
-            log.exception("Controller.prepare failed")
-        finally:
-            if self._lock is not None:
-                self._lock.release()
-
     def advise(self, method: str, *args: Any, **kwargs: Any) -> None:
         """A rank-0-only call whose loss costs nothing but accuracy (attention mass, prefill
         speed): while the controller is restarting it is dropped, not raised on one rank."""
         if self.rank != 0:
             return
-        try:
-            self._call(method, *args, **kwargs)
-        except ControllerRecoveringError:
-            log.warning("controller restarting: %s report dropped", method)
+        self._advice.append((method, self._ctl.send(method, *args, **kwargs)))
 
-    def from_rank0(self, fn: Callable[[], Any], what: str,
-                   early: Callable[[MovePlan], None] | None = None) -> Any:
+    def _check_advice(self) -> None:
+        """Read the answers of reports sent earlier that are in: a refused one is logged."""
+        keep = []
+        for method, reply in self._advice:
+            if not reply.done():
+                keep.append((method, reply))
+                continue
+            try:
+                reply.result()
+            except ControllerRecoveringError:
+                log.warning("controller restarting: %s report dropped", method)
+            except TpkvError as exc:
+                log.warning("controller refused a %s report: %s", method, exc)
+        self._advice = keep
+
+    def from_rank0(self, fn: Callable[[], Any], what: str) -> Any:
         """Run fn on rank 0; every rank gets its value or raises its typed error. A group of
         one skips the wire (encoding a resume's step took about as long as planning it) and
-        takes a copy instead: the controller reuses its arrays in the next call. `early`:
-        on the other ranks, what to do with plans rank 0 broadcasts while fn runs (_hand_early)
-        before its answer."""
+        takes a copy instead: the controller reuses its arrays in the next call."""
         if self.world_size == 1:
             return detached(fn())
         payload, failure = None, None
@@ -428,12 +454,6 @@ class TpkvRuntime:
             raise failure
         assert payload is not None
         answer = decode(payload)
-        while "early" in answer and self.rank != 0:
-            if early is None:
-                raise TpkvError(f"rank {self.rank}: {what}: rank 0 sent a plan ahead of its "
-                                "answer, which this call does not take")
-            early(MovePlan.from_dict(answer["early"]))
-            answer = decode(self.ctx.ctl.broadcast_bytes(None, what=what))
         if "error" in answer:
             cls = getattr(errors, str(answer["error"]), None)
             if not (isinstance(cls, type) and issubclass(cls, TpkvError)):
@@ -489,6 +509,7 @@ class TpkvRuntime:
 
     def _check_commits(self, wait: bool = False) -> None:
         """Collect background commits (all of them when `wait`); raise one that failed."""
+        self._check_advice()
         keep = []
         for fut in self._commits:
             if wait or fut.done():

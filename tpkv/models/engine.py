@@ -140,6 +140,7 @@ class PagedEngine:
         self.waiting: deque[Seq] = deque()  # turns whose prompt is not yet prefilled
         self.running: list[Seq] = []  # turns decoding
         self.tick = 0
+        self._step: tuple[str, list[Seq]] | None = None  # the step() in progress
 
     # ---- the step loop ---------------------------------------------------------------------
     def add_turn(self, session: str, prompt_token_ids: Sequence[int], max_new_tokens: int) -> None:
@@ -180,7 +181,11 @@ class PagedEngine:
         tables = self.schedule([s.session for s in seqs], new)  # L1 slot of every block
         self.wait(tables)  # the step's plans are applied: its blocks are in L1
         t0 = time.perf_counter()
-        out = self._forward(seqs, [tables.session_slots(i) for i in range(len(seqs))])
+        self._step = (kind, seqs)
+        try:
+            out = self._forward(seqs, [tables.session_slots(i) for i in range(len(seqs))])
+        finally:
+            self._step = None
         self.tick += 1
         self.report(StepReport(self.tick, kind, tables, tuple(new), out,
                                time.perf_counter() - t0))
@@ -212,15 +217,37 @@ class PagedEngine:
         """Prefill first (whole prompts, up to max_prefill_tokens, at least one), else decode.
         Changes nothing: a step whose schedule or forward raises can simply be retried."""
         if self.waiting:
-            seqs = [self.waiting[0]]
-            budget = self.max_prefill_tokens - seqs[0].num_uncached
-            for seq in list(self.waiting)[1:self.max_batch]:
-                if seq.num_uncached > budget:
-                    break
-                budget -= seq.num_uncached
-                seqs.append(seq)
-            return "prefill", seqs
+            return "prefill", self._prefill_pick(list(self.waiting))
         return "decode", self.running[:self.max_batch]
+
+    def _prefill_pick(self, waiting: list[Seq]) -> list[Seq]:
+        seqs = [waiting[0]]
+        budget = self.max_prefill_tokens - seqs[0].num_uncached
+        for seq in waiting[1:self.max_batch]:
+            if seq.num_uncached > budget:
+                break
+            budget -= seq.num_uncached
+            seqs.append(seq)
+        return seqs
+
+    def predict_next(self) -> tuple[list[str], list[int]] | None:
+        """During step(), once its forward is launched: the batch (sessions, new tokens) the
+        next step() runs if no turn is added or closed before it and none of this step's
+        sessions samples its EOS token. None outside step()."""
+        if self._step is None:
+            return None
+        kind, seqs = self._step
+        waiting, running = list(self.waiting), list(self.running)
+        if kind == "prefill":  # (as _postprocess will move them)
+            waiting, running = waiting[len(seqs):], running + seqs
+        # this step adds one generated token to each of its sessions
+        ending = {id(s) for s in seqs if len(s.generated) + 1 >= s.max_new_tokens}
+        running = [s for s in running if id(s) not in ending]
+        if waiting:
+            picked = self._prefill_pick(waiting)
+            return [s.session for s in picked], [s.num_uncached for s in picked]
+        batch = running[:self.max_batch]
+        return [s.session for s in batch], [1] * len(batch)
 
     def _postprocess(self, kind: str, seqs: list[Seq]) -> list[Finished]:
         if kind == "prefill":  # the prefilled turns move from waiting to running

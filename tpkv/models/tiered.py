@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 
 from tpkv.config import HbmConfig, HostConfig, PolicyConfig, SsdConfig, TpkvConfig
-from tpkv.controller.controller import Controller
 from tpkv.launch.runtime import TpkvRuntime
 from tpkv.models.engine import PagedEngine, StepReport
 from tpkv.models.fingerprint import llama_fingerprint
@@ -139,20 +138,20 @@ class TieredEngine:
 
     def launched(self) -> None:
         """The step's forward is queued on the device: apply its plans that waited for this
-        (run_step's late_ok) or the watermark demotions it left out (defer_marks), issue its
-        deferred demotions, then let the controller do the next step's work while the device
-        computes."""
+        (run_step's late_ok), issue its deferred demotions, then send the next step's schedule
+        (the batch the engine expects next), which the controller plans while the device
+        computes: the next step finds it there."""
         t0 = time.perf_counter()
-        deferred = self.rt.apply_late()
-        if deferred is not None:
-            self._count(deferred)
+        self.rt.apply_late()
         self.rt.worker.executor.flush()
         if self.last_trace is not None:  # with the copies issued only now
             self.last_trace.spans = self._spans()
         t1 = time.perf_counter()
-        self.rt.prepare_controller()
+        nxt = self.engine.predict_next()
+        if nxt is not None and nxt[0] and self.opened.issuperset(nxt[0]):
+            self.rt.schedule_ahead(nxt[0], nxt[1], self._upcoming(nxt[0]))
         self.last_times["launched_apply"] = t1 - t0
-        self.last_times["launched_prepare"] = time.perf_counter() - t1
+        self.last_times["launched_ahead"] = time.perf_counter() - t1
 
     # ---- the engine's four hooks ------------------------------------------------------------
     def schedule(self, session_ids: Sequence[str], num_new_tokens: Sequence[int]) -> StepResult:
@@ -175,11 +174,9 @@ class TieredEngine:
         retries = self.rt.num_retries
         # late_ok: a step whose plans only demote other sessions' blocks is applied in two
         # parts, its new blocks before the forward, its plans once the forward is launched
-        # (confirmed at the next step); defer_marks: a step that would plan only for the
-        # watermarks leaves them to Controller.plan_deferred, run in launched().
+        # (confirmed at the next step)
         step = self.rt.run_step(session_ids, num_new_tokens, attempt, self._upcoming(session_ids),
-                                max_retries=self.max_retries, late_ok=True,
-                                defer_marks=True)
+                                max_retries=self.max_retries, late_ok=True)
         self.stats.retries += self.rt.num_retries - retries
         self.stats.steps += 1
         self._resume = (started, _TIER_NAME[farthest]) if farthest != Tier.HBM else None
@@ -274,10 +271,7 @@ class TieredEngine:
             return
         updates = [(session, 0, mass) for session, mass in
                    zip(r.output.session_ids, r.output.block_mass) if len(mass)]
-        if updates and isinstance(self.rt.controller, Controller):
-            for session, start, mass in updates:
-                self.rt.advise("report_attention", session, mass, start)
-        elif updates:  # the Ray client takes the whole batch in one round trip
+        if updates:  # sent, not waited for: the whole batch in one call
             self.rt.advise("report_attention", updates)
         if self.report_prefill and r.kind == "prefill":
             self.rt.advise("report_prefill", num_tokens=int(sum(r.num_new_tokens)),

@@ -1,0 +1,237 @@
+"""ControllerClient: typed calls on the controller actor, sent at once and answered in order.
+
+Every call of one client carries (client id, sequence number); the actor runs a client's calls
+in that order (ControllerActor.call), so a caller may send several before it reads any answer
+(a commit, then the next step's schedule) and they act on the controller as if made one by one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import ray
+
+from tpkv import errors
+from tpkv.protocol.messages import (
+    CommitOutcome,
+    StepResult,
+    move_result_to_dict,
+)
+from tpkv.protocol.plan import MoveResult
+from tpkv.protocol.wire import decode, encode
+
+log = logging.getLogger(__name__)
+
+# The Controller methods the actor serves through `call`.
+METHODS = ("register_rank", "open_session", "extend_session", "close_session", "pin",
+           "unpin", "schedule", "report_attention", "report_prefill", "commit", "resync",
+           "rebuild", "snapshot", "session_blocks", "slot_map", "check_integrity",
+           "mark_lost", "set_l2_online")
+
+
+def _floats(mass: Any) -> Any:
+    """Attention mass as float64 for the wire; as given when it is not numbers (the actor
+    refuses it with a typed error)."""
+    try:
+        return np.asarray(mass, dtype=np.float64)
+    except (TypeError, ValueError):
+        return mass
+
+
+def _schedule_args(session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
+                   upcoming: Mapping[str, int] | Sequence[str] | None = None) -> dict[str, Any]:
+    return {"session_ids": list(session_ids),
+            "num_new_tokens": np.asarray(num_new_tokens, dtype=np.int64),
+            "upcoming": dict(upcoming) if isinstance(upcoming, Mapping)
+            else list(upcoming or ())}
+
+
+def _commit_args(results: Sequence[MoveResult]) -> dict[str, Any]:
+    return {"results": [move_result_to_dict(r) for r in results]}
+
+
+def _attention_args(updates: Sequence[tuple[str, int, np.ndarray]]) -> dict[str, Any]:
+    return {"updates": [[s, i, _floats(m)] for s, i, m in updates]}
+
+
+# Typed arguments into their wire form, and wire answers into their types, per method.
+_ARGS: dict[str, Callable[..., dict[str, Any]]] = {
+    "schedule": _schedule_args, "commit": _commit_args, "report_attention": _attention_args}
+_ANSWERS: dict[str, Callable[[Any], Any]] = {
+    "schedule": StepResult.from_dict, "commit": CommitOutcome.from_dict}
+
+
+class Sent:
+    """One call on its way: `result()` waits (bounded) for its answer, or raises its typed
+    error. While the actor restarts (it was killed; max_restarts=-1) the call is sent again
+    until the client's timeout: the restarted controller then answers, if only with
+    ControllerRecoveringError (the runtime rebuilds it from the ranks)."""
+
+    def __init__(self, client: ControllerClient, method: str, payload: bytes) -> None:
+        self.client, self.method, self.payload = client, method, payload
+        self.seq = client.next_seq()
+        self.ref: Any = client.send_ref(method, payload, self.seq)
+        self._answer: Any = None
+        self._done = False
+
+    def done(self) -> bool:
+        """Whether the answer is here (result() then returns without waiting)."""
+        if self._done:
+            return True
+        ready, _ = ray.wait([self.ref], timeout=0)
+        return bool(ready)
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._done:
+            self._answer = self._fetch(self.client.timeout_s if timeout is None else timeout)
+            self._done = True
+        answer = self._answer
+        if "error" in answer:
+            cls = getattr(errors, str(answer["error"]), None)
+            if not (isinstance(cls, type) and issubclass(cls, errors.TpkvError)):
+                cls = errors.TpkvError
+            raise cls(answer["message"])
+        convert = _ANSWERS.get(self.method)
+        return convert(answer["ok"]) if convert is not None else answer["ok"]
+
+    def _fetch(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                answer = decode(ray.get(self.ref, timeout=max(deadline - time.monotonic(),
+                                                              0.001)))
+                if not isinstance(answer, dict):
+                    raise errors.WireFormatError(f"controller answered {self.method} with "
+                                                 f"{type(answer).__name__}, not a map")
+                return answer
+            except ray.exceptions.GetTimeoutError as exc:
+                raise errors.WaitTimeoutError(
+                    f"controller did not answer {self.method} within {timeout:g} s") from exc
+            except ray.exceptions.RayActorError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+                self.ref = self.client.send_ref(self.method, self.payload, self.seq)
+
+
+class ControllerClient:
+    """Typed calls on the actor. `send` returns at once (a Sent); `call` and the typed methods
+    wait for the answer. The calls of one client reach the controller in the order sent."""
+
+    def __init__(self, handle: ray.actor.ActorHandle, timeout_s: float = 30.0) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+        self.client_id = uuid.uuid4().hex
+        self._seq = 0
+
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def send_ref(self, method: str, payload: bytes, seq: int) -> Any:
+        return self.handle.call.remote(method, payload, [self.client_id, seq])
+
+    def send(self, method: str, *args: Any, **kwargs: Any) -> Sent:
+        """Send one controller call now; its answer comes with Sent.result(). Arguments as
+        Controller takes them (positional ones for schedule, commit, report_attention)."""
+        if method not in METHODS:
+            raise errors.BadRequestError(f"controller has no method {method!r}")
+        to_wire = _ARGS.get(method)
+        if to_wire is not None:
+            kwargs = to_wire(*args, **kwargs)
+        elif args:
+            raise errors.ArgumentTypeError(f"controller.{method} takes keyword arguments only, "
+                                           f"got {len(args)} positional")
+        return Sent(self, method, encode(kwargs))
+
+    def call(self, method: str, **args: Any) -> Any:
+        """One controller call, waiting for its answer."""
+        return self.send(method, **args).result()
+
+    def schedule(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
+                 upcoming: Mapping[str, int] | Sequence[str] | None = None) -> StepResult:
+        """Controller.schedule; `upcoming` as it takes it: names to steps ahead, or names
+        soonest first."""
+        result: StepResult = self.send("schedule", session_ids, num_new_tokens,
+                                       upcoming).result()
+        return result
+
+    def commit(self, results: Sequence[MoveResult]) -> CommitOutcome:
+        outcome: CommitOutcome = self.send("commit", results).result()
+        return outcome
+
+    def report_attention(self, updates: Sequence[tuple[str, int, np.ndarray]]) -> None:
+        self.send("report_attention", updates).result()
+
+    def snapshot(self) -> dict[str, Any]:
+        return dict(self.call("snapshot"))
+
+    def dashboard(self) -> dict[str, Any]:
+        """URL of the controller's dashboard (None, with `error`, when it could not listen)."""
+        ref: Any = self.handle.dashboard.remote()
+        return dict(ray.get(ref, timeout=self.timeout_s))
+
+    def dashboard_payload(self) -> dict[str, Any]:
+        """The snapshot with the dashboard's series (traffic, TP consistency)."""
+        ref: Any = self.handle.dashboard_payload.remote()
+        return dict(json.loads(ray.get(ref, timeout=self.timeout_s)))
+
+    def __getattr__(self, method: str) -> Any:
+        if method not in METHODS:
+            raise AttributeError(method)
+        return lambda **args: self.call(method, **args)
+
+
+class Turns:
+    """The actor's side of the ordering: a call whose client sent an earlier one that has not
+    run yet waits for it (on the actor's event loop). A client first seen mid-sequence (this
+    actor restarted) starts from the number it sends. A call waits at most `timeout_s` for a
+    turn (a sent call lost before it reached the actor), then runs with a warning."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.next: dict[str, int] = {}
+        self._changed: Any = None  # asyncio.Condition, made on the loop
+
+    async def wait(self, order: Any) -> tuple[str, int] | None:
+        if order is None:
+            return None
+        if not (isinstance(order, (list, tuple)) and len(order) == 2
+                and isinstance(order[0], str) and isinstance(order[1], int)):
+            raise errors.WireFormatError("call order must be [client id, sequence number]")
+        client, seq = order[0], order[1]
+        expected = self.next.setdefault(client, seq)
+        if seq <= expected:
+            return client, seq
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(
+                    lambda: self.next.get(client, seq) >= seq), self.timeout_s)
+            except asyncio.TimeoutError:
+                log.warning(
+                    "controller call %d of client %s ran without call %d before it (lost?)",
+                    seq, client[:8], self.next.get(client, seq))
+        return client, seq
+
+    def done(self, turn: tuple[str, int] | None) -> None:
+        if turn is None:
+            return
+        client, seq = turn
+        self.next[client] = max(self.next.get(client, seq + 1), seq + 1)
+        if self._changed is not None:
+            changed = self._changed
+
+            async def wake() -> None:
+                async with changed:
+                    changed.notify_all()
+
+            asyncio.get_running_loop().create_task(wake())

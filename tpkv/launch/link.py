@@ -1,0 +1,179 @@
+"""Rank 0's link to the controller: the same calls in process or through the Ray actor.
+
+`send` returns at once with a reply to read later; `call` waits for its answer. Either way the
+calls reach the controller one at a time, in the order this rank made them, so a rank may send
+a commit and the next step's schedule and read their answers only when it needs them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Protocol
+
+import numpy as np
+
+from tpkv.errors import WaitTimeoutError
+
+log = logging.getLogger(__name__)
+
+
+class Reply(Protocol):
+    """A call's answer on its way."""
+
+    def done(self) -> bool: ...
+
+    def result(self, timeout: float | None = None) -> Any: ...
+
+
+class Link(Protocol):
+    """What the runtime needs of a controller."""
+
+    target: Any  # the Controller, or the actor's ControllerClient
+
+    def send(self, method: str, *args: Any, **kwargs: Any) -> Reply: ...
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class _Done:
+    """A reply that is already here (a call made on the caller's thread)."""
+
+    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.value, self.error = value, error
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class _Waiting:
+    """A Future's answer, with the link's bound on waiting as a typed error."""
+
+    def __init__(self, future: Future[Any], method: str, timeout_s: float) -> None:
+        self.future, self.method, self.timeout_s = future, method, timeout_s
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        bound = self.timeout_s if timeout is None else timeout
+        try:
+            return self.future.result(timeout=bound)
+        except FutureTimeout as exc:
+            raise WaitTimeoutError(f"controller busy for {bound:g} s ({self.method})") from exc
+
+
+class LocalLink:
+    """An in-process Controller. Sent calls run on one thread of their own, in order, while
+    the caller goes on (a step's forward); `call` runs on the caller's thread once every
+    call sent before it is done. After a schedule the thread also makes the next step's
+    eviction orders (Controller.prepare), as the actor does after replying."""
+
+    def __init__(self, controller: Any, timeout_s: float = 30.0) -> None:
+        self.target = controller
+        self.timeout_s = timeout_s
+        self._pool: ThreadPoolExecutor | None = None
+        self._last: Future[Any] | None = None
+        self._lock = threading.Lock()  # one call at a time on the controller
+
+    def send(self, method: str, *args: Any, **kwargs: Any) -> Reply:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tpkv-controller")
+        fut = self._pool.submit(self._run, method, args, kwargs)
+        self._last = fut
+        if method == "schedule":  # (a call made meanwhile need not wait for it)
+            self._pool.submit(self._prepare)
+        return _Waiting(fut, method, self.timeout_s)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        last = self._last
+        if last is not None and not last.done():  # calls sent earlier go first
+            _Waiting(last, "earlier calls", self.timeout_s).result()
+        self._last = None
+        answer = self._run(method, args, kwargs)
+        if method == "schedule" and self._pool is not None:
+            self._pool.submit(self._prepare)
+        elif method == "schedule":
+            self._prepare()
+        return answer
+
+    def _run(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self._lock.acquire(timeout=self.timeout_s):
+            raise WaitTimeoutError(f"controller busy for {self.timeout_s:g} s ({method})")
+        try:
+            if method == "report_attention":  # the batch form the actor takes
+                return _report_each(self.target, *args, **kwargs)
+            return getattr(self.target, method)(*args, **kwargs)
+        finally:
+            self._lock.release()
+
+    def _prepare(self) -> None:
+        """Optional work: a failure is logged (the next schedule scans as before)."""
+        prepare = getattr(self.target, "prepare", None)
+        if prepare is None:
+            return
+        try:
+            self._run("prepare", (), {})
+        except Exception:
+            log.exception("Controller.prepare failed")
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _report_each(ctl: Any, updates: Sequence[tuple[str, int, np.ndarray]]) -> None:
+    """report_attention of several sessions: every check first, then each report."""
+    for session_id, start, mass in updates:
+        ctl.attention_rows(session_id, mass, start)
+    for session_id, start, mass in updates:
+        ctl.report_attention(session_id, mass, start)
+
+
+class RayLink:
+    """The controller actor through its ControllerClient: a sent call goes at once and the
+    actor runs this client's calls in order (controller.client)."""
+
+    def __init__(self, client: Any) -> None:
+        self.target = client
+
+    def send(self, method: str, *args: Any, **kwargs: Any) -> Reply:
+        send = getattr(self.target, "send", None)
+        if send is None:  # a stand-in without send (tests): answered now
+            return self._now(method, args, kwargs)
+        reply: Reply = send(method, *args, **kwargs)
+        return reply
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.send(method, *args, **kwargs).result()
+
+    def _now(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Reply:
+        try:
+            return _Done(getattr(self.target, method)(*args, **kwargs))
+        except Exception as exc:
+            return _Done(error=exc)
+
+    def close(self) -> None:
+        pass
+
+
+def make_link(controller: Any, timeout_s: float) -> LocalLink | RayLink:
+    """The link for a controller object: the actor's client goes through Ray, anything else
+    (a Controller, a test's stand-in) is called in process."""
+    from tpkv.controller.controller import Controller
+
+    if controller is None or isinstance(controller, Controller) or not hasattr(
+            controller, "handle"):
+        return LocalLink(controller, timeout_s)
+    return RayLink(controller)
