@@ -19,7 +19,6 @@ memory.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import tempfile
@@ -80,16 +79,12 @@ def gpu_memory(rt: Any) -> dict[str, int]:
 
 
 def soak(root: Path, seconds: float, kill_every_s: float, sample_every_s: float,
-         seed: int, device: str = "cpu", early_min_bytes: int | None = None
-         ) -> dict[str, Any]:
+         seed: int, device: str = "cpu") -> dict[str, Any]:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name, None)
     torch.set_num_threads(1)
     model = build_model("tiny", seed=0, device=device)
     cfg = tiny_tiers(model, str(root / "l3"))
-    if early_min_bytes is not None:  # (the tiny blocks are far below the default)
-        cfg = dataclasses.replace(cfg, policy=dataclasses.replace(
-            cfg.policy, early_min_bytes=early_min_bytes))
     g = model.kv_geometry(tp_size=1, block_tokens=cfg.geometry.block_tokens)
     pool = torch.full((512, g.num_layers, 2, g.block_tokens, g.num_kv_heads, g.head_dim),
                       float("nan"), device=device)
@@ -100,8 +95,6 @@ def soak(root: Path, seconds: float, kill_every_s: float, sample_every_s: float,
     tiered = TieredEngine(rt, model, report_prefill=False)
     engine = tiered.engine
     counts = {"turns": 0, "steps": 0, "sessions_ended": 0, "kills": 0, "mismatches": 0}
-    if early_min_bytes is not None:
-        counts["early_plans"] = 0
     series: list[dict[str, Any]] = []
     started = last_kill = last_sample = time.monotonic()
     try:
@@ -136,8 +129,6 @@ def soak(root: Path, seconds: float, kill_every_s: float, sample_every_s: float,
     finally:
         counts["steps"] = tiered.stats.steps
         counts["rebuilds"] = rt.num_rebuilds
-        if early_min_bytes is not None:
-            counts["early_plans"] = rt.worker.num_early
         rt.close()
     keys = ["rss_bytes", "open_files", "disk_bytes"]
     keys += [k for k in GPU_SLACK_BYTES if series and k in series[0]]
@@ -171,9 +162,6 @@ def main() -> int:
     ap.add_argument("--sample-every-s", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--early-min-bytes", type=int, default=None,
-                    help="PolicyConfig.early_min_bytes (0: every step's loads into free L1 "
-                         "slots go as an early plan)")
     ap.add_argument("--out", help="default: bench/results/soak_engine.json, or "
                                   "soak_engine_cuda.json with --device cuda")
     args = ap.parse_args()
@@ -183,7 +171,7 @@ def main() -> int:
                                            else f"soak_engine_{args.device}.json"))
     with tempfile.TemporaryDirectory(prefix="tpkv-soak-engine-") as tmp:
         out = soak(Path(tmp), args.minutes * 60, args.kill_every_s, args.sample_every_s,
-                   args.seed, args.device, args.early_min_bytes)
+                   args.seed, args.device)
     out["command"] = "python -m bench.soak_engine " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
         if k != "out" and v is not None)

@@ -260,14 +260,6 @@ class PolicyConfig:
     # bench/e2e.py runs "oldest" (b1d68fa; not measured apart from l1_reuse and the promotions
     # issued first, 75c3df2); the default stays "newest" for the same reason.
     l2_reuse: Literal["newest", "oldest"] = "newest"
-    # A step that loads blocks from L2 into L1 hands the ranks a first plan of those that fit
-    # the free L1 slots as soon as the controller knows them (after the step's demand, before
-    # its victims, spills and bookkeeping): their copies start while the rest is planned and
-    # applied. In-process controller only (the Ray actor answers a step in one reply).
-    # early_min_bytes: the least bytes such a plan carries; fewer go with the step (their
-    # copies would not cover the rest's host time, and the plan costs one more to build and
-    # confirm). Raise it where a plan costs more host time, lower it for a faster host.
-    early_min_bytes: int = 4 << 20
     # Controller knobs (checked by tpkv.controller when it starts):
     max_moves_per_step: int = 512  # watermark moves per step (bounds copy time); demand uncapped
     prefetch_max_blocks: int = 1024  # speculative promotions per step
@@ -297,7 +289,6 @@ class PolicyConfig:
         check_float("policy auto_pin_fraction", self.auto_pin_fraction, 0.0, 1.0)
         check_int("policy max_auto_pin_blocks", self.max_auto_pin_blocks, 0)
         check_int("policy prefetch_steps", self.prefetch_steps, 0)
-        check_int("policy early_min_bytes", self.early_min_bytes, 0)
         for name in ("max_moves_per_step", "prefetch_max_blocks", "auto_pin_refresh_steps",
                      "max_tracked_blocks", "max_pending_plans"):
             check_int(f"PolicyConfig.{name}", getattr(self, name))

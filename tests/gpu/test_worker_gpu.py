@@ -91,10 +91,10 @@ def test_slots_emptied_by_one_plan_and_filled_by_the_next_are_ordered(tmp_path):
 
 
 @pytest.mark.parametrize("clash", [True, False])
-def test_copies_after_an_early_plan_keep_every_byte(tmp_path, clash):
-    """A step's early plan loads X (L2 slots 0..31 -> L1 0..31) while the step's next plan
-    demotes Y (L1 32..63) into L2: into X's old slots (clash: they must wait for X's copies,
-    which read them) or into other slots (they run beside them). Both keep every byte."""
+def test_copies_after_a_load_plan_keep_every_byte(tmp_path, clash):
+    """A plan loads X (L2 slots 0..31 -> L1 0..31) while the next plan demotes Y (L1 32..63)
+    into L2: into X's old slots (clash: they must wait for X's copies, which read them) or
+    into other slots (they run beside them). Both keep every byte."""
     w = big_worker(tmp_path, False)
     bb = w.hbm.block_bytes
     y = list(range(100, 132))
@@ -108,7 +108,7 @@ def test_copies_after_an_early_plan_keep_every_byte(tmp_path, clash):
         for i, b in enumerate(x):
             w.host.block_bytes_view(i)[:] = pattern(b, rnd, bb)
         epoch = w.epoch
-        w.apply_early(plan(epoch + 1, x, D, range(32), H, range(32)))
+        w.apply_plan(plan(epoch + 1, x, D, range(32), H, range(32)))
         into = range(32) if clash else range(32, 64)
         w.apply_plan(plan(epoch + 2, y, H, range(32, 64), D, into))
         w.executor.synchronize()
@@ -117,7 +117,6 @@ def test_copies_after_an_early_plan_keep_every_byte(tmp_path, clash):
         for i, b in enumerate(y):
             assert np.array_equal(w.host.block_bytes_view(into[i]), pattern(b, 0, bb))
         # back where they were for the next round (X to L2 0..31, Y to L1 32..63)
-        w.early, w.executor.early = [], None
         w.apply_plan(plan(epoch + 3, y, D, into, H, range(32, 64)))
         w.apply_plan(plan(epoch + 4, x, H, range(32), D, range(32)))
         w.executor.synchronize()

@@ -93,12 +93,11 @@ def _settled(ex: PlanExecutor) -> None:
     futures.wait([c.future for c in ex.commits], timeout=5)
 
 
-def test_manifests_are_committed_after_the_copies_and_not_in_an_early_plan(
+def test_manifests_are_committed_after_the_copies(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A copy into L2 slots a spill reads waits until the spill is written, but the manifest
-    commits (fsyncs) come after the plan's copies are issued; an early plan (loads into free
-    L1 slots handed out before the rest of its step is planned) commits none: the next plan
-    does."""
+    commits (fsyncs) come after the plan's copies are issued; a spill done before a plan is
+    committed by it, after its copies."""
     ex, store, gate = _setup(tmp_path)
     order: list[str] = []
     commit = store.commit_manifest
@@ -119,10 +118,7 @@ def test_manifests_are_committed_after_the_copies_and_not_in_an_early_plan(
     ex.run(_plan(5, 2, D, 1, S, -1), ok)  # a second spill, done at once (the gate is open)
     ex.spills[0].future.result(5)
     order.clear()
-    ex.run(_plan(6, 1, D, 0, H, 0), ok, early=True)
-    assert order == [] and len(ex.spills) == 1  # not finished by the early plan
-    ex.early = None
-    ex.run(_plan(7, 3, H, 3, D, 2), ok)
+    ex.run(_plan(6, 3, H, 3, D, 2), ok)
     _settled(ex)
     assert order == ["d2h", "commit"] and not ex.spills
     store.close()

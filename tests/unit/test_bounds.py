@@ -153,7 +153,6 @@ def _calls(c: Controller) -> dict[str, Callable[[Any], Any]]:
         "schedule.upcoming": lambda v: c.schedule(["a"], [1], v),
         "schedule.upcoming[b]": lambda v: c.schedule(["a"], [1], {"b": v}),
         "schedule.upcoming[0]": lambda v: c.schedule(["a"], [1], [v]),
-        "schedule.defer_marks": lambda v: c.schedule(["a"], [1], defer_marks=v),
         "report_attention.session_id": lambda v: c.report_attention(v, [0.5]),
         "report_attention.mass": lambda v: c.report_attention("a", v),
         "report_attention.start": lambda v: c.report_attention("a", [0.5], v),

@@ -39,9 +39,6 @@ configs = st.sampled_from([
     dict(l1=10, l2=16, l3=40, kind="lruk", max_moves_per_step=3),
     dict(l1=12, l2=10, l3=24, l1_reuse="oldest"),
     dict(l1=12, l2=10, l3=24, l1_reuse="oldest", l2_reuse="oldest"),
-    # loads into free L1 slots handed to the ranks before the rest of the step is planned
-    dict(l1=12, l2=10, l3=24, hand_early=True, early_min_bytes=0),
-    dict(l1=16, l2=12, l3=10, l1_reuse="oldest", hand_early=True, early_min_bytes=0),
 ])
 
 
@@ -64,7 +61,6 @@ class World:
     def __init__(self, cfg: dict, make_config, clock, record_events: bool = False) -> None:
         self.record_events = record_events  # hypothesis.event() works inside @given only
         cfg = dict(cfg)
-        self.hand_early = cfg.pop("hand_early", False)  # Controller.schedule's `early`
         self.cfg = make_config(**cfg)
         self.clock = clock
         self.c = Controller(self.cfg, clock, check_invariants=True)
@@ -118,21 +114,7 @@ class World:
         self.check()
 
     def step(self, batch: list[str], tokens: int, upcoming: list[str]) -> StepResult:
-        handed: list[int] = []
-
-        def hand(plan: MovePlan) -> None:  # every replica applies it now, ahead of the step
-            check_plan(plan, self.slots)
-            assert (plan.dst_tier == Tier.HBM).all() and (plan.src_tier == Tier.DRAM).all()
-            assert set(plan.session_names) <= set(batch)
-            for r in self.reps:
-                r.apply_early(plan)
-            handed.append(plan.epoch)
-        res = self.c.schedule(batch, [tokens] * len(batch), {n: 1 for n in upcoming},
-                              early=hand if self.hand_early else None)
-        if handed:
-            assert [p.epoch for p in res.plans[:1]] == handed  # the step's first plan
-            if self.record_events:
-                event("a plan handed out early")
+        res = self.c.schedule(batch, [tokens] * len(batch), {n: 1 for n in upcoming})
         self.trace.append(encode(res.to_dict()))
         if res.plans and self.record_events:
             event(f"a step with {min(len(res.plans), 2)}+ plans")

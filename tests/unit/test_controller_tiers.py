@@ -15,8 +15,8 @@ class Rig:
         self.c = Controller(config, clock, check_invariants=True)
         self.reps = [SlotMapReplica(r, l1, l2, config.geometry.block_tokens) for r in range(2)]
 
-    def step(self, batch, tokens=None, upcoming=None, misses=None, commit=True, early=None):
-        res = self.c.schedule(batch, tokens or [0] * len(batch), upcoming, early=early)
+    def step(self, batch, tokens=None, upcoming=None, misses=None, commit=True):
+        res = self.c.schedule(batch, tokens or [0] * len(batch), upcoming)
         reports = [r.apply_step(res, misses) for r in self.reps]
         if commit:
             for i in range(len(res.plans)):
@@ -364,47 +364,6 @@ def test_sessions_that_move_as_a_whole_get_slots_in_runs(make_config, fake_clock
                     blocks += len(s)
                     runs += int(len(s) > 0) + int(((np.diff(s) != 1) | (np.diff(d) != 1)).sum())
     assert blocks > 200 and blocks / runs >= 6, (blocks, runs)
-
-
-def test_deferred_watermark_demotions_are_planned_after_the_step(make_config, fake_clock):
-    """schedule(defer_marks=True): a step that plans only for the L1 watermark gets no plans,
-    a step that loads gets only its loads; plan_deferred() then makes the demotions the step
-    would have made, once."""
-    now, later = Rig(make_config(), fake_clock), Rig(make_config(), fake_clock)
-    for r in (now, later):
-        r.open("a", "b", "c", "d")
-        for n in "abc":
-            r.step([n])
-    res = now.step(["d"])  # 16 > 14.4: 'a' goes down within the step
-    step = later.c.schedule(["d"], [0], None, defer_marks=True)
-    assert step.plans == () and later.c.deferred is not None
-    for r in later.reps:
-        r.apply_step(step, None)
-    deferred = later.c.plan_deferred()
-    assert deferred is not None and deferred.tick == step.tick and not deferred.session_ids
-    reports = [r.apply_step(deferred, None) for r in later.reps]
-    for i in range(len(deferred.plans)):
-        assert later.c.commit([rep[i] for rep in reports]).committed
-    assert moves(deferred, Tier.HBM, Tier.DRAM) == moves(res, Tier.HBM, Tier.DRAM) == 4
-    assert later.where("a") == now.where("a") == ["DRAM"] * 4 and later.where("d") == ["HBM"] * 4
-    assert later.reps[0].digest() == later.c.slot_map()["digest"]
-    assert later.c.plan_deferred() is None  # once
-    # a load: planned in the step, the watermark's demotions (of 'b' now) after it
-    res = now.step(["a"])
-    step = later.c.schedule(["a"], [0], None, defer_marks=True)
-    assert moves(step, Tier.DRAM, Tier.HBM) == moves(res, Tier.DRAM, Tier.HBM) == 4
-    assert moves(step, Tier.HBM, Tier.DRAM) == 0 and moves(res, Tier.HBM, Tier.DRAM) == 4
-    reports = [r.apply_step(step, None) for r in later.reps]
-    for i in range(len(step.plans)):
-        assert later.c.commit([rep[i] for rep in reports]).committed
-    deferred = later.c.plan_deferred()
-    assert deferred is not None and moves(deferred, Tier.HBM, Tier.DRAM) == 4
-    assert moves(deferred, Tier.DRAM, Tier.HBM) == 0
-    reports = [r.apply_step(deferred, None) for r in later.reps]
-    for i in range(len(deferred.plans)):
-        assert later.c.commit([rep[i] for rep in reports]).committed
-    assert later.where("b") == now.where("b") == ["DRAM"] * 4
-    assert later.reps[0].digest() == later.c.slot_map()["digest"]
 
 
 def kept(res):

@@ -340,35 +340,3 @@ def test_a_promotion_into_a_slot_its_plan_empties_waits_for_that_piece(monkeypat
     ex.run(MovePlan(1, b, st, ss, dt, ds, np.zeros(3), b, ("s",)), np.ones(3, dtype=bool))
     assert issued == [("wait", None), ("h2d", [6]), ("wait", None), ("d2h", [1]),
                       ("wait", handles[0]), ("h2d", [1])]
-
-
-def test_copies_after_an_early_plan_wait_for_it_only_where_they_touch_its_slots(
-        monkeypatch) -> None:
-    """A step's early plan (its loads into free L1 slots, run before the rest of the step was
-    planned): the step's later copies out of L1 start after the batch before it, beside its
-    copies, unless one reads an L1 slot it fills or writes an L2 slot it reads; then after
-    it. Once the step is applied (early cleared), after the last batch as always."""
-    from tpkv.protocol.plan import MovePlan, Tier
-
-    ex, marks, promotions = _marking_executor(monkeypatch)
-    H, D = int(Tier.HBM), int(Tier.DRAM)
-
-    def plan(epoch: int, *moves: tuple[int, int, int, int, int]) -> MovePlan:
-        b, st, ss, dt, ds = (np.array(c) for c in zip(*moves))
-        return MovePlan(epoch, b, st, ss, dt, ds, np.zeros(len(b)), b, ("s",))
-
-    before = _Handle()
-    ex.last["h2d"] = before
-    ex.run(plan(1, (1, D, 1, H, 5), (2, D, 2, H, 6)), np.ones(2, dtype=bool), early=True)
-    early = promotions[-1]
-    cases = [((3, H, 0, D, 3), before),  # L1 slot 0 -> L2 slot 3: clear of the early plan
-             ((3, H, 5, D, 3), early),  # reads L1 slot 5, which the early plan fills
-             ((3, H, 0, D, 2), early)]  # writes L2 slot 2, which the early plan reads
-    for epoch, (move, waits_for) in enumerate(cases, start=2):
-        marks.clear()
-        ex.run(plan(epoch, move), np.ones(1, dtype=bool))
-        assert marks == [("d2h", waits_for)], move
-    ex.early = None  # (Worker: once the step's plans are applied)
-    marks.clear()
-    ex.run(plan(5, (3, H, 0, D, 3)), np.ones(1, dtype=bool))
-    assert marks == [("d2h", early)]

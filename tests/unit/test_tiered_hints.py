@@ -130,11 +130,9 @@ def test_each_plan_is_told_the_l1_slots_the_rest_of_its_step_fills(tmp_path: Any
         real_run, real_apply = ex.run, worker.apply_step
         steps: list[Any] = []
 
-        def run(plan: Any, ok: Any, later_l1: Any = None, early: bool = False,
-                chain: Any = None) -> Any:
-            assert not early  # (early_min_bytes: too few bytes here)
+        def run(plan: Any, ok: Any, later_l1: Any = None, chain: Any = None) -> Any:
             calls.append((plan, later_l1))
-            return real_run(plan, ok, later_l1, early=early, chain=chain)
+            return real_run(plan, ok, later_l1, chain=chain)
 
         def apply_step(step: Any, late_ok: bool = False) -> Any:
             steps.append((step, len(calls)))

@@ -228,27 +228,20 @@ class PlanBuilder:
                 stack.push(held[0] if len(held) == 1 else np.concatenate(held))
                 held.clear()
 
-    def end_phase(self, hold_l2: bool = False) -> None:
+    def end_phase(self) -> None:
         """The phase's moves become a plan (none without moves); the slots they vacated are
-        free from the next phase on. `hold_l2`: the L2 slots its moves read stay held (and
-        promoted blocks' copies unsettled) through the next phase too, as if its moves were
-        that phase's (an early plan: Controller.schedule's `early`); end_phase() with no
-        moves since releases them."""
+        free from the next phase on."""
         self._held[HBM] += self._held_kept
         self._held_kept.clear()
         for tier, held in self._held.items():
-            if held and not (hold_l2 and tier == DRAM):
+            if held:
                 self.t.free[tier].push(held[0] if len(held) == 1 else np.concatenate(held))
                 held.clear()
-        if hold_l2:  # (views of the move buffers, which the next phase writes over)
-            self._held[DRAM] = [a.copy() for a in self._held[DRAM]]
-            self._to_keep = [(r.copy(), a.copy()) for r, a in self._to_keep]
-        else:
-            for rows, slots in self._to_keep:  # promoted: their L2 slots hold their bytes
-                # still; kept only while L2 has room to spare: under pressure they would be
-                # given back at once (BlockTable.keep_reserve)
-                self.t.keep(rows, slots, self.s.kept_last)
-            self._to_keep.clear()
+        for rows, slots in self._to_keep:  # promoted: their L2 slots hold their bytes still;
+            # kept only while L2 has room to spare: under pressure they would be given back
+            # at once (BlockTable.keep_reserve)
+            self.t.keep(rows, slots, self.s.kept_last)
+        self._to_keep.clear()
         if self._n == 0:
             return
         b_rows, b_sess, b_src_slot, b_dst_slot, b_src_tier, b_dst_tier, b_kept = self.buffers

@@ -19,11 +19,11 @@ from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.capture import Capture, capture
 from tpkv.controller.cost import RateMeter
 from tpkv.controller.epochs import Epochs, PendingPlan
-from tpkv.controller.planner import PlanContext, PreparedOrders, StepNeeds, prepare_orders
+from tpkv.controller.planner import PlanContext, PreparedOrders, prepare_orders
 from tpkv.controller.policy import auto_pin_threshold, fold_access
 from tpkv.controller.sessions import SessionTable
 from tpkv.controller.snapshot import session_blocks
-from tpkv.controller.step import Upcoming, plan_deferred_step, schedule_step
+from tpkv.controller.step import Upcoming, schedule_step
 from tpkv.controller.table import PIN_EXPLICIT, BlockTable
 from tpkv.controller.warm import warm_kernels
 from tpkv.errors import (
@@ -43,7 +43,7 @@ from tpkv.limits import (
     check_seconds,
 )
 from tpkv.protocol.messages import CommitOutcome, StepResult
-from tpkv.protocol.plan import MovePlan, MoveResult, Tier
+from tpkv.protocol.plan import MoveResult, Tier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -99,10 +99,6 @@ class Controller:
         self.eviction_orders: dict[int, tuple[int, np.ndarray]] = {}  # planner cache, per tier
         self.order_asks: dict[int, tuple[int, int]] = {}  # per tier: tick, blocks (planner)
         self.prepared: PreparedOrders | None = None  # by prepare(), for the next step
-        # (tick, needs) of a step whose watermark demotions schedule(defer_marks=True) left
-        # for plan_deferred(); None when there are none
-        self.deferred: tuple[int, StepNeeds] | None = None
-        self.early_ns = 0  # the last schedule()'s time in its `early` callback
         self.order_rebuilds: dict[str, int] = {}  # rebuilds from a prepared order, scanned
         self.pin_threshold = math.inf
         self._pin_dirty = False
@@ -272,47 +268,21 @@ class Controller:
     # ---- steps -----------------------------------------------------------------------------
     def schedule(self, session_ids: Sequence[str] | np.ndarray,
                  num_new_tokens: Sequence[int] | np.ndarray,
-                 upcoming: Upcoming = None, defer_marks: bool = False,
-                 early: Callable[[MovePlan], None] | None = None) -> StepResult:
+                 upcoming: Upcoming = None) -> StepResult:
         """Plan one step: `session_ids` run and add num_new_tokens[i] tokens each; `upcoming`
         maps sessions expected soon to the steps until they run (prefetched within
-        policy.prefetch_steps). Returns block tables, fresh slots and 0..4 plans.
-
-        `defer_marks`: a step that needs no move of its own and plans only for the
-        watermarks (a tier above its high mark, or draining to its low mark) gets no plans;
-        plan_deferred() makes those moves once the caller has launched the step's forward (a
-        later schedule() makes them otherwise).
-
-        `early` (an in-process caller): called, before the
-        rest of the step is planned, with the step's first plan when that plan is the step's
-        loads from L2 that fit L1's free slots (step.early_promotions). The caller applies it
-        on every rank at once; it is the first of the step's plans all the same (a rank skips
-        it there), and pending from the call on, even if the step then fails."""
+        policy.prefetch_steps). Returns block tables, fresh slots and 0..4 plans."""
         started = time.perf_counter_ns()
         self.require_ready()
-        self.deferred = None
-        self.early_ns = 0
         try:
             if self.tick >= _TICK_LIMIT:
                 self._rebase_ticks()
             result = self._changing(lambda: schedule_step(
-                self, session_ids, num_new_tokens, upcoming, defer_marks, early))
+                self, session_ids, num_new_tokens, upcoming))
         finally:
             self.prepared = None  # for this step only (or a refused one: made again)
-        # the controller's own time: not the caller's, in `early`
-        self.latency_us.append((time.perf_counter_ns() - started - self.early_ns) / 1e3)
+        self.latency_us.append((time.perf_counter_ns() - started) / 1e3)
         return result
-
-    def plan_deferred(self) -> StepResult | None:
-        """The watermark moves the last schedule(defer_marks=True) left out (demotions, spills),
-        planned now against the table as it stands (None when there are none, or no tier
-        needs them by now): a StepResult of the same tick with plans (and their drops) only.
-        Apply it like a step; its moves take no block of that step's batch."""
-        self.require_ready()
-        deferred, self.deferred = self.deferred, None
-        if deferred is None or deferred[0] != self.tick:
-            return None
-        return self._changing(lambda: plan_deferred_step(self, deferred[1]))
 
     def prepare(self, force: Mapping[int, int] | None = None) -> None:
         """Work the next schedule() would otherwise do first, done now: call it between steps,
@@ -335,10 +305,9 @@ class Controller:
         if self.prepared is not None:
             self.prepared.changed.append(s)
 
-    def finish_step(self, b: PlanBuilder, between: bool = False) -> dict[str, Any]:
+    def finish_step(self, b: PlanBuilder) -> dict[str, Any]:
         """Keep the step's plans as pending; return its plans, drops, and what happened
-        since the last step (closed sessions, lost blocks) for the StepResult. `between`:
-        plans made after the step (plan_deferred): only theirs."""
+        since the last step (closed sessions, lost blocks) for the StepResult."""
         self.epochs.hand_out(b)
         # Kept for the next step unless a bulk step (a drain) grew them past what steps need.
         keep = len(b.buffers[0]) <= 16 * self.config.policy.max_moves_per_step
@@ -346,11 +315,7 @@ class Controller:
         drops = b.drop_lists()
         for e in b.events:
             self.event(**e)  # type: ignore[arg-type]
-        if between:  # plans only: what happened since goes with the next step
-            out = {"plans": tuple(b.plans), "drops": tuple(drops), "ssd_dropped_sessions":
-                   tuple(self.sessions.name(s) for s in b.ssd_dropped)}
-        else:
-            out = self.epochs.outbox(self.table, self.sessions, b, drops)
+        out = self.epochs.outbox(self.table, self.sessions, b, drops)
         self.maybe_check()
         return out
 

@@ -65,10 +65,6 @@ class PlanContext:
     stale: np.ndarray = field(default_factory=lambda: _NO_SESSIONS)
     asked: dict[int, tuple[int, int]] = field(default_factory=dict)  # see _order
     rebuilds: dict[str, int] = field(default_factory=dict)  # from a prepared order, scanned
-    # What to plan: "all"; "step": what the step needs (its loads, room for them and its new
-    # blocks, prefetch), not the watermarks' moves; "marks": only those (Controller.
-    # plan_deferred makes them after a step planned with "step")
-    part: str = "all"
 
 
 def plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray:
@@ -91,14 +87,14 @@ def plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray:
         need1 = len(in2) + len(in3) + needs.num_fresh
         room1 = max(0, need1 - free1)
         extra1 = 0
-        if phase == 0 and ctx.part != "step":
+        if phase == 0:
             extra1 = _watermark(ctx, HBM, t.used(HBM) + need1, t.slots(HBM))
             extra1 = min(max(0, extra1 - room1), budget)
         victims, units, sizes = _pick_l1(ctx, b, shield, protect, room1, extra1)
         free2 = t.num_free(DRAM)
         short2 = max(0, len(in3) + len(victims) - free2)
         extra2 = 0
-        if phase == 0 and ctx.l3_enabled and ctx.part != "step":  # L1 draining goes first
+        if phase == 0 and ctx.l3_enabled:  # L1 draining goes first
             projected = t.used(DRAM) + len(in3) + len(victims) - min(len(in2), free1 + len(victims))
             extra2 = _watermark(ctx, DRAM, projected, t.slots(DRAM))
             extra2 = min(max(0, extra2 - short2), max(budget - extra1, budget // 4))
@@ -116,7 +112,7 @@ def plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray:
         b.move(promoted, DRAM, HBM)
         if demoted.size:
             b.events.append({"kind": "demote", "blocks": len(demoted), "sessions": len(done)})
-        if phase == 0 and ctx.part != "marks":
+        if phase == 0:
             _prefetch(ctx, b, needs, len(pending) - len(promoted))
         b.end_phase()
         if len(pending):

@@ -45,7 +45,6 @@ class SlotMapReplica:
         self.tokens: dict[str, int] = {}
         self.epoch = 0
         self.tick = 0
-        self.early: dict[int, MoveResult] = {}  # plans applied ahead of their step (apply_early)
 
     def apply_step(self, result: StepResult,
                    misses: Mapping[int, Sequence[int]] | None = None) -> list[MoveResult]:
@@ -55,13 +54,6 @@ class SlotMapReplica:
             self._forget(bid)
         out = []
         for i, plan in enumerate(result.plans):
-            done = self.early.pop(plan.epoch, None)
-            if done is not None:  # applied ahead of the step: nothing may come before it
-                if len(result.drops[i]) or (i == 0 and len(result.released_block_ids)):
-                    raise ContractError(f"plan {plan.epoch} was handed out ahead of its step, "
-                                        "but the step drops or releases blocks before it")
-                out.append(done)
-                continue
             self._drop(result.drops[i])
             out.append(self.apply_plan(plan, misses.get(plan.epoch, ())))
         self._drop(result.drops[-1] if result.drops else np.zeros(0, dtype=np.int64))
@@ -84,13 +76,6 @@ class SlotMapReplica:
         for name in result.closed_sessions:
             self.tokens.pop(name, None)
         self.tick = result.tick
-        return out
-
-    def apply_early(self, plan: MovePlan, misses: Sequence[int] | np.ndarray = ()) -> MoveResult:
-        """A step's first plan, handed out before the rest of the step (Controller.schedule's
-        `early`); the step's apply_step takes its result in its place."""
-        out = self.apply_plan(plan, misses)
-        self.early[plan.epoch] = out
         return out
 
     def apply_plan(self, plan: MovePlan, misses: Sequence[int] | np.ndarray = ()) -> MoveResult:
@@ -169,9 +154,7 @@ class SlotMapReplica:
                                np.asarray([v[1] for v in self.where.values()], np.int64))
 
     def restore(self, slot_map: Mapping[str, Any]) -> None:
-        """Take the controller's full map (resync or rebuild); L3 records are kept, plans
-        applied ahead of their step are superseded."""
-        self.early.clear()
+        """Take the controller's full map (resync or rebuild); L3 records are kept."""
         for pool in self.pools.values():
             pool[:] = -1
         self.where.clear()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -28,10 +27,8 @@ from tpkv.limits import (
     MAX_STEPS_AHEAD,
     check_count,
     check_counts,
-    check_flag,
 )
 from tpkv.protocol.messages import StepResult
-from tpkv.protocol.plan import MovePlan
 
 if TYPE_CHECKING:
     from tpkv.controller.controller import Controller
@@ -41,16 +38,11 @@ Upcoming = Mapping[str, int] | Sequence[str] | None
 
 
 def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
-                  num_new_tokens: Sequence[int] | np.ndarray, upcoming: Upcoming,
-                  defer_marks: bool = False,
-                  early: Callable[[MovePlan], None] | None = None) -> StepResult:
+                  num_new_tokens: Sequence[int] | np.ndarray, upcoming: Upcoming) -> StepResult:
     """Controller.schedule: every check first (a refused step changes nothing), then the step."""
     S, T, pol = ctl.sessions, ctl.table, ctl.config.policy
     bt = ctl.config.geometry.block_tokens
     # ---- validate everything before changing anything ------------------------------------------
-    check_flag("defer_marks", defer_marks)
-    if early is not None and not callable(early):
-        raise ArgumentTypeError(f"early must be callable or None, got {type(early).__name__}")
     batch = S.resolve(session_ids)
     add = check_counts("num_new_tokens", num_new_tokens, MAX_SESSION_TOKENS,
                        "MAX_SESSION_TOKENS", negative_ok=True)
@@ -91,22 +83,17 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
     b = PlanBuilder(T, S, ctl.next_epoch, ctl.now_s(), ctl.check_invariants, ctl.move_buffers,
                     committed_epoch=ctl.committed_epoch)
     want, recompute = _demand(ctl, b, batch, missing)
-    if early is not None and len(want):
-        want = early_promotions(ctl, b, want, early)
     needs = StepNeeds(batch, want, len(recompute) + new_total, up)
     lost = _EMPTY
-    planning = _needs_planning(ctl, needs)
-    if planning and (not defer_marks or _own_needs(ctl, needs)):
-        lost = _plan(ctl, b, needs, tick, "step" if defer_marks else "all")
-    b.end_phase()  # (no moves since the last phase: frees what an early plan held, if any)
+    if _needs_planning(ctl, needs):
+        lost = _plan(ctl, b, needs, tick)
+    b.end_phase()
     fresh_old = (np.concatenate([recompute, lost]).astype(np.int64) if len(recompute) or len(lost)
                  else _EMPTY)
     slots = T.free[HBM].pop(len(fresh_old) + new_total)
     _place_fresh(ctl, fresh_old, slots[:len(fresh_old)])
     new_rows, new_pos, new_ids, new_logical = _alloc_new(ctl, batch, n_new, nb_before,
                                                          slots[len(fresh_old):])
-    if defer_marks and planning and _marks_due(ctl):  # the watermarks' moves: after the
-        ctl.deferred = (tick, needs)  # forward is launched (Controller.plan_deferred)
     offsets, table = ctl.batch_table.build(S, T, batch, nb_after, sum_after)
     if ctl.check_invariants:
         rows, _ = S.arena.gather(batch)
@@ -131,39 +118,6 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         recompute_stop=rc_stop, **ctl.finish_step(b))
 
 
-def early_promotions(ctl: Controller, b: PlanBuilder, want: np.ndarray,
-                     hand: Callable[[MovePlan], None]) -> np.ndarray:
-    """The step's demand rows on L2 that fit L1's free slots, moved in a first plan of their
-    own, pending at once and handed to `hand` (the ranks start their copies) before the rest
-    of the step is planned. Returns the demand rows still off L1. Nothing is handed when
-    something must be applied before the step's first plan (blocks released or lost since
-    the last step, or dropped by this one) or when the plan would be too small to be worth
-    it (policy.early_min_bytes)."""
-    T = ctl.table
-    if (ctl.epochs.has_news() or b.drops[0] or b.plans
-            or len(ctl.pending) + 1 + MAX_PHASES > ctl.config.policy.max_pending_plans):
-        return want
-    on2 = want[T.tier[want] == DRAM]
-    n = min(len(on2), T.num_free(HBM))
-    if n == 0 or n * ctl.config.geometry.block_bytes < ctl.config.policy.early_min_bytes:
-        return want
-    b.begin_phase()
-    b.move(on2[:n], DRAM, HBM)
-    # Their L2 slots are not free (nor settled as kept copies) until the step's next phase
-    # ends, as if they had moved in it: a demotion later in the step would write into them
-    # while the ranks still copy out of them (under L2 pressure a promoted block's copy is
-    # given back at once), and would have to wait for those copies.
-    b.end_phase(hold_l2=True)
-    ctl.epochs.hand_out(b)
-    ctl.event("early", blocks=n, sessions=len(b.plans[-1].session_names))
-    started = time.perf_counter_ns()
-    try:
-        hand(b.plans[-1])
-    finally:
-        ctl.early_ns += time.perf_counter_ns() - started
-    return want[T.tier[want] != HBM]
-
-
 def _drop_written_copies(ctl: Controller, batch: np.ndarray, before: np.ndarray,
                          after: np.ndarray, rc_pos: np.ndarray, rc_start: np.ndarray) -> None:
     """The copies of blocks this step writes are stale: the last block of a session that gets
@@ -183,10 +137,8 @@ def _drop_written_copies(ctl: Controller, batch: np.ndarray, before: np.ndarray,
         T.free[DRAM].push(slots)
 
 
-def _plan(ctl: Controller, b: PlanBuilder, needs: StepNeeds, tick: int,
-          part: str = "all") -> np.ndarray:
-    """plan_step with the controller's context (PlanContext.part: what to plan); the rows it
-    dropped (recomputed)."""
+def _plan(ctl: Controller, b: PlanBuilder, needs: StepNeeds, tick: int) -> np.ndarray:
+    """plan_step with the controller's context; the rows it dropped (recomputed)."""
     pol = ctl.config.policy
     ctl.refresh_pin_threshold()
     g, rates = ctl.config.geometry, ctl.rates
@@ -198,25 +150,8 @@ def _plan(ctl: Controller, b: PlanBuilder, needs: StepNeeds, tick: int,
     ctx = PlanContext(pol, ctl.marks, ctl.l3_enabled, tick, ctl.now_s(), ctl.pin_threshold,
                       ctl.draining, ctl.eviction_orders,
                       load_s if pol.spill == "cost" else 0.0, recompute_s,
-                      prep, stale, ctl.order_asks, ctl.order_rebuilds, part)
+                      prep, stale, ctl.order_asks, ctl.order_rebuilds)
     return plan_step(ctx, b, needs).astype(np.int64)
-
-
-def plan_deferred_step(ctl: Controller, needs: StepNeeds) -> StepResult | None:
-    """Controller.plan_deferred: the watermarks' demotions (and spills) of a step that left
-    them out, its batch (and the sessions it named upcoming) shielded as in the step, none of
-    its new blocks still to place. None when no tier needs them any more."""
-    needs = StepNeeds(needs.batch, _EMPTY, 0, needs.upcoming)
-    too_many = len(ctl.pending) + MAX_PHASES > ctl.config.policy.max_pending_plans
-    if too_many or not _marks_due(ctl):  # (the next schedule() then decides)
-        return None
-    b = PlanBuilder(ctl.table, ctl.sessions, ctl.next_epoch, ctl.now_s(), ctl.check_invariants,
-                    ctl.move_buffers, committed_epoch=ctl.committed_epoch)
-    ctl.changing = True
-    _plan(ctl, b, needs, ctl.tick, "marks")
-    return StepResult(tick=ctl.tick, session_ids=(), num_tokens=_EMPTY,
-                      block_offsets=np.zeros(1, dtype=np.int64),
-                      block_table=np.zeros(0, dtype=np.int32), **ctl.finish_step(b, True))
 
 
 def _upcoming(ctl: Controller, upcoming: Upcoming, batch: np.ndarray) -> np.ndarray:

@@ -86,10 +86,8 @@ def _script(config: TpkvConfig, make: MakeController) -> None:
         n, other = names[step % 6], names[(step + 3) % 6]
         batch = [n, other] if step % 5 == 0 else [n]
         upcoming = {names[(step + 1) % 6]: 1} if step % 3 else [names[(step + 2) % 6]]
-        res = c.schedule(batch, [1 + step % 3] * len(batch), upcoming,
-                         defer_marks=step % 2 == 0)
+        res = c.schedule(batch, [1 + step % 3] * len(batch), upcoming)
         confirm(res, miss=step % 11 == 7)
-        confirm(c.plan_deferred())
         c.prepare()
         s = c.sessions.lookup(n)
         c.report_attention(n, np.linspace(0.0, 1.0, c.sessions.nblocks(s)))

@@ -75,16 +75,6 @@ class _Deferred:
 
 
 @dataclass
-class _Early:
-    """A step's plan applied ahead of the rest of it (its loads into free L1 slots): the
-    L2 -> L1 batch before it, the L1 slots its copies fill and the L2 slots they read."""
-
-    before: CopyHandle | None
-    l1: np.ndarray
-    l2: np.ndarray
-
-
-@dataclass
 class Chain:
     """The next plan's L2 -> L1 moves of blocks this plan loads from L3, which the worker found
     safe to issue early (Worker._chain: the moves its check will pass once this plan is
@@ -244,9 +234,6 @@ class PlanExecutor:
         self._serial = 0
         self._l1_mark = np.zeros(self.hbm.num_slots, dtype=bool)  # scratch, kept all False
         self._l2_mark = np.zeros(self.host.num_slots, dtype=bool)  # the same over L2
-        # The step's early plan (run(early=True)) until its worker has applied the step: the
-        # step's copies out of L1 that touch none of its slots need not wait for its copies
-        self.early: _Early | None = None
         self.events: list[torch.cuda.Event | None] = [None] * g.num_layers
         self.spills: list[_Spill] = []
         self.num_failed_spills = 0
@@ -274,18 +261,13 @@ class PlanExecutor:
 
     # ---- one plan --------------------------------------------------------------------------
     def run(self, plan: MovePlan, ok: np.ndarray, later_l1: np.ndarray | None = None,
-            early: bool = False, chain: Chain | None = None) -> ExecOutcome:
+            chain: Chain | None = None) -> ExecOutcome:
         """Issue every move in `ok`; copies L1 <-> L2 may still run on return, SSD I/O is done.
 
         `later_l1`: the L1 slots the rest of the step fills (later plans' promotions, the
         step's new K/V), where the caller knows them. Demotions of a plan with promotions that
         empty none of them are for later steps: they start once the plan's promotions are
         done, so a resume's copies do not share the link with them.
-
-        `early`: the plan is the step's first, applied before the rest of the step was planned
-        (loads into free L1 slots). The step's later plans order their copies out of L1 and
-        their reads into L2 after the L2 -> L1 batch before it, not after its copies, unless
-        they touch its slots (the builder gives them other slots).
 
         `chain`: the next plan's L2 -> L1 moves of blocks this plan loads from L3 (Chain), each
         issued once its block's read job is done; that plan's run() takes them as done."""
@@ -309,10 +291,6 @@ class PlanExecutor:
         if self.deferred and not (self.defer_d2h and demotions_only):
             self.flush()
         prev_d2h, prev_h2d = self.last["d2h"], self.last["h2d"]
-        if early:
-            self.early = _Early(prev_h2d, plan.dst_slot[pick["h2d"]], plan.src_slot[pick["h2d"]])
-        elif self.early is not None and self._clear_of_early(plan, pick):
-            prev_h2d = self.early.before
         block_bytes = self.hbm.block_bytes
 
         # A plan's moves touch disjoint slots (PlanBuilder), but for L1 slots its demotions
@@ -366,13 +344,9 @@ class PlanExecutor:
             out.done[i] = True
             out.bytes_d2h += len(i) * block_bytes
         # Spills already done: their manifests are committed (fsyncs: after the copies above
-        # are issued, which a resume waits for; not the plan's own time). Not after an early
-        # plan: the rest of its step is planned and applied once it returns, and the fsyncs
-        # (up to 90 ms in the e2e's (c)) held the resume's other copies back; the step's next
-        # plan commits them.
-        if not early:
-            with _blocked(out):
-                self.wait_spills(deadline)
+        # are issued, which a resume waits for; not the plan's own time).
+        with _blocked(out):
+            self.wait_spills(deadline)
         jobs: list[tuple[np.ndarray, Future[Any]]] = []
         if self.agree is not None and self.ledger is not None:
             loading = _sessions(plan, plan.mask(Tier.SSD, Tier.DRAM))  # applied here or not
@@ -411,17 +385,6 @@ class PlanExecutor:
         self.last_epoch = plan.epoch
         out.host_ns = time.perf_counter_ns() - started
         return out
-
-    def _clear_of_early(self, plan: MovePlan, pick: dict[str, np.ndarray]) -> bool:
-        """True when none of the plan's copies out of L1 reads an L1 slot the step's early plan
-        fills, and none into L2 (L1 -> L2, L3 -> L2) writes an L2 slot it reads."""
-        e = self.early
-        assert e is not None
-        out = pick["d2h"]
-        if len(out) and self._l1_among(plan.src_slot[out], e.l1).any():
-            return False
-        into = np.concatenate([plan.dst_slot[out], plan.dst_slot[pick["load"]]])
-        return not _among(self._l2_mark, into, e.l2).any()
 
     def _l1_among(self, slots: np.ndarray, among: np.ndarray) -> np.ndarray:
         """Mask of the L1 `slots` that are in `among` (a scratch mask over L1: no sort, as

@@ -120,13 +120,9 @@ class Worker:
         self.fault_skip: dict[int, int] = {}  # tests: epoch -> index of a move to skip silently
         self.fault_miss_from: int | None = None  # tests: first L3 read from this epoch misses
         self.late: AppliedStep | None = None  # a step whose plans wait (apply_step's late_ok)
-        # Plans applied ahead of their step (apply_early), which the next apply_step counts
-        self.early: list[AppliedPlan] = []
         self.num_late = 0  # steps whose plans waited so
-        self.num_deferred = 0  # steps whose watermark demotions were planned after them
-        self.num_early = 0  # plans applied ahead of their step (apply_early)
         # compute queued before the last step's forward (late_ok): what plans applied after
-        # that forward was launched (apply_late, apply_deferred) wait for instead of it
+        # that forward was launched (apply_late) wait for instead of it
         self._step_mark: torch.cuda.Event | None = None
 
     # ---- the step loop ---------------------------------------------------------------------
@@ -144,7 +140,7 @@ class Worker:
         if late_ok and self.executor.engine.on_gpu:
             self._step_mark = torch.cuda.Event()
             self._step_mark.record(torch.cuda.current_stream(self.hbm.device))
-        if late_ok and not self.early and self._may_wait(step):
+        if late_ok and self._may_wait(step):
             self.mirror.release(step.released_block_ids)
             lost = self._add_fresh(step)
             if not len(lost):  # as expected: the plans can wait
@@ -162,15 +158,6 @@ class Worker:
         self._after_plans(step)
         return self._confirm(AppliedStep(step, applied, None))
 
-    def apply_early(self, plan: MovePlan) -> None:
-        """Apply the first plan of the step being scheduled, before the rest of it is planned
-        (Controller.schedule's `early`: loads into free L1 slots); the step's apply_step
-        counts it among its plans. Plans applied after a forward was launched go first (epoch
-        order)."""
-        self.apply_late()
-        self.early.append(self.apply_plan(plan, early=True))
-        self.num_early += 1
-
     def apply_late(self) -> None:
         """Apply the plans of a step applied with late_ok, if they still wait, and start its
         confirmation (finish() collects it as any other)."""
@@ -180,18 +167,6 @@ class Worker:
         late.plans = self._apply_plans_after_mark(late.step)
         late.waiting = False
         self._confirm(late)
-
-    def apply_deferred(self, step: StepResult) -> AppliedStep:
-        """Apply the plans the controller made after the step in flight was scheduled (the
-        watermark demotions it deferred: Controller.plan_deferred), once its forward is
-        launched; their copies wait for the compute queued before that forward, not for it.
-        Start their confirmation; the step counts as late (confirmed at the next one)."""
-        self.apply_late()
-        self.mirror.release(step.released_block_ids)
-        applied = self._apply_plans_after_mark(step)
-        self._after_plans(step)
-        self.num_deferred += 1
-        return self._confirm(AppliedStep(step, applied, None, late=True))
 
     def _apply_plans_after_mark(self, step: StepResult) -> list[AppliedPlan]:
         """_apply_plans once the step's forward is launched: its copies wait for the compute
@@ -222,11 +197,8 @@ class Worker:
         return True
 
     def _apply_plans(self, step: StepResult) -> list[AppliedPlan]:
-        """The step's plans and drops in order; plans applied early (apply_early) are taken
-        as they were, and any of a step that failed after one was handed out go first."""
+        """The step's plans and drops in order."""
         applied = []
-        early = {a.plan.epoch: a for a in self.early}
-        self.early = []
         # Per plan: the L1 slots the rest of the step fills (see PlanExecutor.run).
         later = [np.asarray(step.fresh_slots, dtype=np.int64)]
         for plan in reversed(step.plans[1:]):
@@ -234,28 +206,13 @@ class Worker:
                                          plan.dst_slot[plan.mask(Tier.DRAM, Tier.HBM)]]))
         for i, plan in enumerate(step.plans):
             drops = step.drops[i] if i < len(step.drops) else _NO_IDS
-            done = early.pop(plan.epoch, None)
-            if done is not None:
-                if len(drops):
-                    raise PlanOrderError(f"rank {self.rank}: step {step.tick} drops {len(drops)} "
-                                         f"blocks before plan {plan.epoch}, which was applied "
-                                         "ahead of its step")
-                applied.append(done)
-                continue
             self.mirror.drop(drops)
             nxt = step.plans[i + 1] if i + 1 < len(step.plans) else None
             then = None
-            if nxt is not None and nxt.epoch not in early:
+            if nxt is not None:
                 then = (nxt, step.drops[i + 1] if i + 1 < len(step.drops) else _NO_IDS)
             applied.append(self.apply_plan(plan, later[len(step.plans) - 1 - i], then=then))
         self.mirror.drop(step.drops[-1] if step.drops else _NO_IDS)
-        if self.executor.early is not None:
-            self.executor.early = None
-            if self.store is not None:  # the manifest commits the early plan left (its step
-                # may have no other plan): in this step, after all its copies are issued, not
-                # in a later decode step's
-                self.executor.wait_spills(time.monotonic() + self.config.wait_timeout_s)
-        applied = list(early.values()) + applied
         self.last_applied = applied
         return applied
 
@@ -311,11 +268,10 @@ class Worker:
         self.executor.settle(pending.forgotten, pending.settled, deadline, loaded=names)
 
     def apply_plan(self, plan: MovePlan, later_l1: np.ndarray | None = None,
-                   early: bool = False,
                    then: tuple[MovePlan, np.ndarray] | None = None) -> AppliedPlan:
         """Check epoch order, apply the moves this rank's map allows, record them. `later_l1`:
-        the L1 slots later plans of the step and its new K/V fill (PlanExecutor.run); `early`:
-        the plan is applied ahead of its step (apply_early); `then`: the step's next plan and
+        the L1 slots later plans of the step and its new K/V fill (PlanExecutor.run); `then`:
+        the step's next plan and
         the drops applied before it, whose L2 -> L1 moves of blocks this plan loads from L3
         may go during this plan's reads (_chain)."""
         if plan.epoch != self.epoch + 1:
@@ -334,7 +290,7 @@ class Worker:
         # job is done (_chain), not after all of them
         chain = (self._chain(plan, ok, *then) if then is not None
                  and plan.epoch + 1 not in self.fault_skip else None)
-        outcome = self.executor.run(plan, ok, later_l1, early=early, chain=chain)
+        outcome = self.executor.run(plan, ok, later_l1, chain=chain)
         if self.fault_miss_from is not None and plan.epoch >= self.fault_miss_from:
             self._inject_miss(plan, outcome)
         self.mirror.apply(plan, outcome.done)
@@ -453,7 +409,6 @@ class Worker:
         """Take the controller's map; move bytes this rank holds elsewhere to where it says.
         Returns the ids of blocks this rank could not restore (their bytes are zeros here)."""
         self.apply_late()  # the map has their moves: none may come after it
-        self.early, self.executor.early = [], None  # superseded, as every plan not confirmed
         relocation = self.mirror.restore(slot_map)
         self.epoch = int(slot_map["epoch"])
         self.tick = int(slot_map.get("tick", self.tick))
