@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from tpkv.workers import ssd_backend, ssd_store
+from tpkv.ssd import backend as ssd_backend
+from tpkv.ssd import store as ssd_store
 
 _SECTOR = 512
 # Calls that need no model update but must fail once the "machine" is down.

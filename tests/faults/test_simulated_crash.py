@@ -22,8 +22,9 @@ from tests.faults.crashcheck import (
     verify,
 )
 from tests.faults.faultfs import FaultOs, SimulatedCrash, installed
-from tpkv.workers import ssd_backend, ssd_store
-from tpkv.workers.ssd_backend import PosixFile
+from tpkv.ssd import backend as ssd_backend
+from tpkv.ssd import store as ssd_store
+from tpkv.ssd.backend import PosixFile
 
 USED = ("sess-00", "sess-01", "sess-02", "sess-03")
 INITIAL = (Op("put", "sess-00", ((0, 1), (1, 2), (2, 3))), Op("put", "sess-01", ((0, 4), (1, 5))),

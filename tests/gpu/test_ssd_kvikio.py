@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from tpkv.config import KvGeometry, SsdConfig
-from tpkv.workers import ssd_store
-from tpkv.workers.ssd_backend import aligned_empty
-from tpkv.workers.ssd_store import SsdStore
+from tpkv.ssd import store as ssd_store
+from tpkv.ssd.backend import aligned_empty
+from tpkv.ssd.store import SsdStore
 
 pytestmark = pytest.mark.gpu
 
@@ -93,7 +93,7 @@ def test_auto_picks_kvikio_only_with_gds(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from tpkv.workers.ssd_backend import _gds_active
+    from tpkv.ssd.backend import _gds_active
 
     store = SsdStore(SsdConfig(root=str(tmp_path), backend="auto"), GEOMS[1], "model", 0)
     assert store.backend_name == ("kvikio" if _gds_active(kvikio) else "posix")

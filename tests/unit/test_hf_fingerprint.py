@@ -63,7 +63,7 @@ def test_a_fingerprint_the_user_sets_is_used(tmp_path: Path):
     import tpkv
     from tpkv.config import TpkvConfig
     from tpkv.models.hf_attach import model_geometry
-    from tpkv.workers.ssd_format import digest32
+    from tpkv.ssd.format import digest32
 
     model = tiny_llama()
     cfg = tiers_config(model, 32, 16, str(tmp_path / "l3"))

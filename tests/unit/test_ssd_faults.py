@@ -16,9 +16,10 @@ import pytest
 
 from tpkv.config import KvGeometry, SsdConfig
 from tpkv.errors import SsdIoError
-from tpkv.workers import ssd_backend, ssd_format
-from tpkv.workers.ssd_backend import PosixFile, aligned_empty
-from tpkv.workers.ssd_store import SsdStore
+from tpkv.ssd import backend as ssd_backend
+from tpkv.ssd import format as ssd_format
+from tpkv.ssd.backend import PosixFile, aligned_empty
+from tpkv.ssd.store import SsdStore
 
 PAGE = 4096
 KIND = dict(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16", block_tokens=2)

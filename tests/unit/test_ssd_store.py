@@ -25,9 +25,9 @@ from tpkv.errors import (
     SsdRequestError,
     TierFullError,
 )
-from tpkv.workers import ssd_backend
-from tpkv.workers.ssd_backend import aligned_empty
-from tpkv.workers.ssd_store import SsdStore
+from tpkv.ssd import backend as ssd_backend
+from tpkv.ssd.backend import aligned_empty
+from tpkv.ssd.store import SsdStore
 
 # 256-byte blocks: payload padded to 4096 (staged under O_DIRECT, a padding iovec otherwise).
 SMALL = dict(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16", block_tokens=2)
@@ -152,7 +152,7 @@ def test_o_direct_einval_falls_back_to_buffered_and_logs_once(
     geo = geometry(SMALL)
     (store,) = make_stores(tmp_path, geo, o_direct=True)
     blocks = random_blocks(np.random.default_rng(2), geo, 3)
-    with caplog.at_level(logging.WARNING, logger="tpkv.workers.ssd_backend"):
+    with caplog.at_level(logging.WARNING, logger="tpkv.ssd.backend"):
         store.write_blocks("s", np.arange(3), blocks)
         store.write_blocks("s", np.arange(3, 6), blocks)
         assert store.commit_manifest("s")
@@ -372,7 +372,7 @@ def _piece_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **cfg: object
                  ) -> tuple[KvGeometry, SsdStore, list[int]]:
     """A store that writes 3 records a piece, pauses up to 30 s a piece, and the offsets of
     its pwritev calls."""
-    from tpkv.workers import ssd_store
+    from tpkv.ssd import store as ssd_store
 
     geo = geometry(ALIGNED)
     monkeypatch.setattr(ssd_store, "_PAUSE_MAX_S", 30.0)
@@ -391,7 +391,7 @@ def test_writes_pause_between_pieces_while_a_read_is_in_flight(
     finishes, bit-exact, once the read ends (and after _PAUSE_MAX_S a piece if reads never end)."""
     import threading
 
-    from tpkv.workers import ssd_store
+    from tpkv.ssd import store as ssd_store
 
     geo, store, pieces = _piece_store(tmp_path, monkeypatch)  # 10 blocks: 4 pieces
     rng = np.random.default_rng(31)
@@ -675,7 +675,7 @@ def test_a_failed_background_drop_makes_later_calls_miss_or_fail_then_retries(
     """If the background delete fails, the next write about the session fails (a spill is then
     forgotten), and drop_session deletes the files."""
     from tpkv.errors import SsdIoError
-    from tpkv.workers import ssd_store
+    from tpkv.ssd import store as ssd_store
 
     geo = geometry(SMALL)
     (store,) = make_stores(tmp_path, geo)

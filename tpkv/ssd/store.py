@@ -23,7 +23,7 @@ from tpkv.errors import (
     SsdRequestError,
     TierFullError,
 )
-from tpkv.workers.ssd_backend import (
+from tpkv.ssd.backend import (
     BlockViews,
     atomic_write,
     fsync_dir,
@@ -31,7 +31,7 @@ from tpkv.workers.ssd_backend import (
     select_backend,
     unlink_missing_ok,
 )
-from tpkv.workers.ssd_format import (
+from tpkv.ssd.format import (
     ALIGN_BYTES,
     CommitRecord,
     Manifest,
@@ -43,11 +43,11 @@ from tpkv.workers.ssd_format import (
     parse_manifest,
     validate_session_id,
 )
-from tpkv.workers.ssd_owner import RootLock
-from tpkv.workers.ssd_paths import MANIFEST_RE, fanout_dirs
-from tpkv.workers.ssd_paths import SessionPaths as _Paths
-from tpkv.workers.ssd_reclaim import reclaim
-from tpkv.workers.ssd_segment import SegmentIo, last_positions
+from tpkv.ssd.owner import RootLock
+from tpkv.ssd.paths import MANIFEST_RE, fanout_dirs
+from tpkv.ssd.paths import SessionPaths as _Paths
+from tpkv.ssd.reclaim import reclaim
+from tpkv.ssd.segment import SegmentIo, last_positions
 
 log = logging.getLogger(__name__)
 

@@ -9,16 +9,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from tpkv.errors import SsdError, SsdFormatError
-from tpkv.workers.ssd_backend import fsync_dir, unlink_missing_ok
-from tpkv.workers.ssd_format import (
+from tpkv.ssd.backend import fsync_dir, unlink_missing_ok
+from tpkv.ssd.format import (
     ALIGN_BYTES,
     SegmentIdentity,
     check_segment_header,
     parse_commit,
     parse_manifest,
 )
-from tpkv.workers.ssd_paths import MANIFEST_RE, fanout_dirs
-from tpkv.workers.ssd_paths import SessionPaths as _Paths
+from tpkv.ssd.paths import MANIFEST_RE, fanout_dirs
+from tpkv.ssd.paths import SessionPaths as _Paths
 
 log = logging.getLogger(__name__)
 
