@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from tpkv.config import KvGeometry, SsdConfig
-from tpkv.ssd import store as ssd_store
+from tpkv.ssd import session_io
 from tpkv.ssd.backend import aligned_empty
 from tpkv.ssd.store import SsdStore
 
@@ -75,7 +75,7 @@ def test_kvikio_round_trip_writes_the_same_bytes_as_posix(
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     # Segment ids are random; fix them so that the two trees can be compared byte for byte.
-    monkeypatch.setattr(ssd_store, "new_segment_id", lambda: 0x5EED_0000_0000_0001)
+    monkeypatch.setattr(session_io, "new_segment_id", lambda: 0x5EED_0000_0000_0001)
     truth = write(tmp_path / "posix", geo, "posix")
     assert write(tmp_path / "kvikio", geo, "kvikio").keys() == truth.keys()
     posix, kvikio = tree(tmp_path / "posix"), tree(tmp_path / "kvikio")

@@ -71,7 +71,7 @@ def test_a_fingerprint_the_user_sets_is_used(tmp_path: Path):
                      model_fingerprint="my-ft-v3") as tiers:
         assert tiers.rt.config.model_fingerprint == "my-ft-v3"
         store = tiers.rt.worker.store
-        assert store is not None and store._ident0.model_digest == digest32("my-ft-v3")
+        assert store is not None and store._files.ident0.model_digest == digest32("my-ft-v3")
     with tpkv.attach(model, {**cfg, "model_fingerprint": "from-config"}, block_tokens=BT,
                      controller="local", device="cpu") as tiers:
         assert tiers.rt.config.model_fingerprint == "from-config"

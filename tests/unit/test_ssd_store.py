@@ -372,10 +372,10 @@ def _piece_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **cfg: object
                  ) -> tuple[KvGeometry, SsdStore, list[int]]:
     """A store that writes 3 records a piece, pauses up to 30 s a piece, and the offsets of
     its pwritev calls."""
-    from tpkv.ssd import store as ssd_store
+    from tpkv.ssd import jobs
 
     geo = geometry(ALIGNED)
-    monkeypatch.setattr(ssd_store, "_PAUSE_MAX_S", 30.0)
+    monkeypatch.setattr(jobs, "_PAUSE_MAX_S", 30.0)
     pieces: list[int] = []
     real_pwritev = os.pwritev
     monkeypatch.setattr(ssd_backend.os, "pwritev",
@@ -391,15 +391,15 @@ def test_writes_pause_between_pieces_while_a_read_is_in_flight(
     finishes, bit-exact, once the read ends (and after _PAUSE_MAX_S a piece if reads never end)."""
     import threading
 
-    from tpkv.ssd import store as ssd_store
+    from tpkv.ssd import jobs
 
     geo, store, pieces = _piece_store(tmp_path, monkeypatch)  # 10 blocks: 4 pieces
     rng = np.random.default_rng(31)
     blocks = random_blocks(rng, geo, 10, aligned=True)
-    with store._gate.reading():  # a read in flight
+    with store._threads.gate.reading():  # a read in flight
         fut = store.submit_write("s", np.arange(10), blocks)
         threading.Event().wait(0.3)
-        assert not fut.done() and store._gate.num_pauses == 1
+        assert not fut.done() and store._threads.gate.num_pauses == 1
         assert pieces == [0]  # the segment header only: the first piece waits
     assert fut.result(timeout=30) > 0
     assert len(pieces) == 1 + 4  # header, then 3 + 3 + 3 + 1 records
@@ -409,10 +409,10 @@ def test_writes_pause_between_pieces_while_a_read_is_in_flight(
     for got, want in zip(out, blocks):
         np.testing.assert_array_equal(got, want)
     # Reads that never end hold each piece back at most _PAUSE_MAX_S.
-    monkeypatch.setattr(ssd_store, "_PAUSE_MAX_S", 0.01)
-    with store._gate.reading():
+    monkeypatch.setattr(jobs, "_PAUSE_MAX_S", 0.01)
+    with store._threads.gate.reading():
         assert store.write_blocks("t", np.arange(10), blocks) > 0
-    assert store._gate.num_pauses == 1 + 4
+    assert store._threads.gate.num_pauses == 1 + 4
     store.close()
 
 
@@ -428,13 +428,15 @@ def test_a_read_submitted_pauses_spills_before_a_reader_takes_it_up(
     assert store.write_blocks("old", np.arange(6), old) > 0 and store.commit_manifest("old")
     pieces.clear()
     readers_busy = threading.Event()
-    held = [store._pool.submit(readers_busy.wait, 30) for _ in range(2)]  # both readers taken
+    readers = store._threads.readers
+    held = [readers.submit(readers_busy.wait, 30) for _ in range(2)]  # both readers taken
     out = empty_out(geo, 6, aligned=True)
     read = store.submit_read("old", np.arange(6), out)  # queued: no reader is free
     spill = store.submit_write("new", np.arange(10), new)
     threading.Event().wait(0.3)
     assert not read.done() and not spill.done()
-    assert pieces == [0] and store._gate.num_pauses == 1  # the header; the first piece waits
+    gate = store._threads.gate
+    assert pieces == [0] and gate.num_pauses == 1  # the header; the first piece waits
     readers_busy.set()
     assert all(h.result(timeout=30) for h in held)
     assert read.result(timeout=30).all()
