@@ -83,7 +83,7 @@ def store_round(root: Path, qd: int, req: int, blocks: list[np.ndarray],
                 out: list[np.ndarray]) -> tuple[float, float, float]:
     """Write a session through SsdStore, then read it twice in `req`-byte jobs over `qd`
     readers: (write, first read, second read) GB/s. Checks the bytes read back."""
-    from tpkv.workers.ssd_store import SsdStore
+    from tpkv.ssd.store import SsdStore
 
     shutil.rmtree(root, ignore_errors=True)
     nbytes = len(blocks) * GEOMETRY.block_bytes

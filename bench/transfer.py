@@ -204,7 +204,7 @@ def raw_odirect(path: Path, total_bytes: int, request_bytes: int = 64 << 20,
 def bench_ssd(root: Path, total_bytes: int, backend: str, rounds: int = 3) -> dict:
     """SsdStore against raw O_DIRECT on the same disk, alternating the two for `rounds` rounds
     (a virtio disk drifts by 20% between minutes): medians, and every round's numbers."""
-    from tpkv.workers.ssd_store import SsdStore
+    from tpkv.ssd.store import SsdStore
 
     g = GEOMETRIES["llama8b-tp1"]
     n = total_bytes // g.block_bytes

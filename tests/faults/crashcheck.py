@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from tpkv.config import KvGeometry, SsdConfig
-from tpkv.workers.ssd_store import SsdStore
+from tpkv.ssd.store import SsdStore
 
 # One 4096-byte block per rank (1 layer x K,V x 16 tokens x 1 head x 64 x fp16), TP 2.
 GEOMETRY = KvGeometry(num_layers=1, num_kv_heads=2, head_dim=64, dtype="float16",

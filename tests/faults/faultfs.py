@@ -10,11 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from tpkv.workers import ssd_backend, ssd_store
+from tpkv.ssd import backend, files, manifest, session_io, store
 
 _SECTOR = 512
 # Calls that need no model update but must fail once the "machine" is down.
 _READ_ONLY = {"lstat", "stat", "fstat", "scandir", "pread", "preadv", "read", "listdir"}
+# The store's modules whose `os` calls go through the fault layer (not reclaim's, not segment's).
+STORE_MODULES = (backend, files, manifest, session_io, store)
 
 
 class SimulatedCrash(BaseException):
@@ -22,7 +24,7 @@ class SimulatedCrash(BaseException):
 
 
 class FaultOs:
-    """Stands in for the `os` module of ssd_backend and ssd_store (see `installed`).
+    """Stands in for the `os` module of the STORE_MODULES (see `installed`).
 
     Every call goes to the real `os`; those that change files are also recorded in a model:
     per file, the bytes as of its last fsync and the writes since; per directory, its entries as
@@ -236,9 +238,11 @@ def _garble(op: tuple[int, bytes | None], rng: np.random.Generator
 @contextlib.contextmanager
 def installed(fault_os: FaultOs) -> Iterator[FaultOs]:
     """The store modules see `fault_os` as their `os` while inside; the real `os` is untouched."""
-    saved = ssd_backend.os, ssd_store.os
-    ssd_backend.os = ssd_store.os = fault_os  # type: ignore[assignment]
+    saved = [module.os for module in STORE_MODULES]
+    for module in STORE_MODULES:
+        module.os = fault_os  # type: ignore[assignment]
     try:
         yield fault_os
     finally:
-        ssd_backend.os, ssd_store.os = saved
+        for module, real in zip(STORE_MODULES, saved):
+            module.os = real

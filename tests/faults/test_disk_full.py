@@ -18,7 +18,7 @@ from tpkv.config import SsdConfig
 from tpkv.errors import SsdIoError, TierFullError, TpkvError
 from tpkv.launch.join import init as tpkv_init
 from tpkv.models.tiered import TieredEngine
-from tpkv.workers.ssd_store import SsdStore
+from tpkv.ssd.store import SsdStore
 
 FS_BYTES = 8 << 20
 BLOCKS_PER_WRITE = 16

@@ -17,7 +17,7 @@ from tpkv.errors import TierFullError
 from tpkv.launch.join import init as tpkv_init
 from tpkv.models.llama import build_model
 from tpkv.models.tiered import TieredEngine
-from tpkv.workers.ssd_store import SsdStore
+from tpkv.ssd.store import SsdStore
 
 GEO = KvGeometry(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16", block_tokens=2,
                  tp_size=1)

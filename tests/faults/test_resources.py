@@ -13,7 +13,7 @@ import pytest
 
 from tests.faults.crashcheck import block_bytes_of, open_stores
 from tpkv.errors import SsdIoError
-from tpkv.workers import ssd_backend
+from tpkv.ssd import backend as ssd_backend
 
 CYCLES = 300
 

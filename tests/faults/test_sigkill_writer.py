@@ -27,7 +27,7 @@ from tests.faults.writer import KILLED, replay, spawn_and_kill, start_server
 from tpkv.config import HbmConfig, HostConfig, KvGeometry, SsdConfig, TpkvConfig
 from tpkv.controller.controller import Controller
 from tpkv.controller.replica import SlotMapReplica
-from tpkv.workers import ssd_format
+from tpkv.ssd import format as ssd_format
 
 NUM_KILLS = int(os.environ.get("TPKV_CRASH_KILLS", "200"))
 MAX_DELAY_S = 0.004  # after the awaited reports: lands before, inside or after the next op

@@ -21,9 +21,8 @@ from tests.faults.crashcheck import (
     run_op,
     verify,
 )
-from tests.faults.faultfs import FaultOs, SimulatedCrash, installed
-from tpkv.workers import ssd_backend, ssd_store
-from tpkv.workers.ssd_backend import PosixFile
+from tests.faults.faultfs import STORE_MODULES, FaultOs, SimulatedCrash, installed
+from tpkv.ssd.backend import PosixFile
 
 USED = ("sess-00", "sess-01", "sess-02", "sess-03")
 INITIAL = (Op("put", "sess-00", ((0, 1), (1, 2), (2, 3))), Op("put", "sess-01", ((0, 4), (1, 5))),
@@ -166,8 +165,9 @@ def test_the_fault_layer_catches_a_store_that_skips_an_fsync(
     if skip == "segment fsync":
         monkeypatch.setattr(PosixFile, "sync", lambda self: None)
     else:
-        monkeypatch.setattr(ssd_backend, "fsync_dir", lambda path: None)
-        monkeypatch.setattr(ssd_store, "fsync_dir", lambda path: None)
+        for module in STORE_MODULES:
+            if hasattr(module, "fsync_dir"):
+                monkeypatch.setattr(module, "fsync_dir", lambda path: None)
     tally = Tally()
     for crash_at in range(1, num_calls + 1):
         crash_and_check(seed_root, tmp_path, crash_at, "durable", "drop", tally)

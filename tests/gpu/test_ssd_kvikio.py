@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from tpkv.config import KvGeometry, SsdConfig
-from tpkv.workers import ssd_store
-from tpkv.workers.ssd_backend import aligned_empty
-from tpkv.workers.ssd_store import SsdStore
+from tpkv.ssd import session_io
+from tpkv.ssd.backend import aligned_empty
+from tpkv.ssd.store import SsdStore
 
 pytestmark = pytest.mark.gpu
 
@@ -75,7 +75,7 @@ def test_kvikio_round_trip_writes_the_same_bytes_as_posix(
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     # Segment ids are random; fix them so that the two trees can be compared byte for byte.
-    monkeypatch.setattr(ssd_store, "new_segment_id", lambda: 0x5EED_0000_0000_0001)
+    monkeypatch.setattr(session_io, "new_segment_id", lambda: 0x5EED_0000_0000_0001)
     truth = write(tmp_path / "posix", geo, "posix")
     assert write(tmp_path / "kvikio", geo, "kvikio").keys() == truth.keys()
     posix, kvikio = tree(tmp_path / "posix"), tree(tmp_path / "kvikio")
@@ -93,7 +93,7 @@ def test_auto_picks_kvikio_only_with_gds(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from tpkv.workers.ssd_backend import _gds_active
+    from tpkv.ssd.backend import _gds_active
 
     store = SsdStore(SsdConfig(root=str(tmp_path), backend="auto"), GEOMS[1], "model", 0)
     assert store.backend_name == ("kvikio" if _gds_active(kvikio) else "posix")

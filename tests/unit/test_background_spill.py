@@ -18,9 +18,9 @@ from tests.pool_cases import make_engine
 from tpkv.config import KvGeometry, SsdConfig
 from tpkv.errors import SsdIoError
 from tpkv.protocol.plan import MovePlan, Tier
+from tpkv.ssd.store import SsdStore
 from tpkv.workers import executor as executor_module
 from tpkv.workers.executor import PlanExecutor
-from tpkv.workers.ssd_store import SsdStore
 
 pytestmark = pytest.mark.timeout(60)
 GEO = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)

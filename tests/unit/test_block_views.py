@@ -9,10 +9,10 @@ import pytest
 
 from tpkv.config import HostConfig, KvGeometry, SsdConfig
 from tpkv.errors import SlotError, SsdRequestError
+from tpkv.ssd.backend import BlockViews
+from tpkv.ssd.store import SsdStore
 from tpkv.workers.executor import _by_session
 from tpkv.workers.pools import HostPool
-from tpkv.workers.ssd_backend import BlockViews
-from tpkv.workers.ssd_store import SsdStore
 
 # 4096-byte blocks: page-aligned, so O_DIRECT takes them without staging
 GEO = KvGeometry(num_layers=2, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=8)

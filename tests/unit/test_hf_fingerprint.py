@@ -63,7 +63,7 @@ def test_a_fingerprint_the_user_sets_is_used(tmp_path: Path):
     import tpkv
     from tpkv.config import TpkvConfig
     from tpkv.models.hf_attach import model_geometry
-    from tpkv.workers.ssd_format import digest32
+    from tpkv.ssd.format import digest32
 
     model = tiny_llama()
     cfg = tiers_config(model, 32, 16, str(tmp_path / "l3"))
@@ -71,7 +71,7 @@ def test_a_fingerprint_the_user_sets_is_used(tmp_path: Path):
                      model_fingerprint="my-ft-v3") as tiers:
         assert tiers.rt.config.model_fingerprint == "my-ft-v3"
         store = tiers.rt.worker.store
-        assert store is not None and store._ident0.model_digest == digest32("my-ft-v3")
+        assert store is not None and store._files.ident0.model_digest == digest32("my-ft-v3")
     with tpkv.attach(model, {**cfg, "model_fingerprint": "from-config"}, block_tokens=BT,
                      controller="local", device="cpu") as tiers:
         assert tiers.rt.config.model_fingerprint == "from-config"

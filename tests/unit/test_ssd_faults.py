@@ -16,9 +16,10 @@ import pytest
 
 from tpkv.config import KvGeometry, SsdConfig
 from tpkv.errors import SsdIoError
-from tpkv.workers import ssd_backend, ssd_format
-from tpkv.workers.ssd_backend import PosixFile, aligned_empty
-from tpkv.workers.ssd_store import SsdStore
+from tpkv.ssd import backend as ssd_backend
+from tpkv.ssd import format as ssd_format
+from tpkv.ssd.backend import PosixFile, aligned_empty
+from tpkv.ssd.store import SsdStore
 
 PAGE = 4096
 KIND = dict(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16", block_tokens=2)
@@ -225,7 +226,7 @@ def test_commits_resealed_with_other_indices_are_misses_where_records_disagree(
     for rank, store in enumerate(setup.stores):
         path = files(setup.root, "s1")[f"commit{rank}"]
         seg = files(setup.root, "s1")[f"seg{rank}"].read_bytes()
-        ident = replace(store._ident(store._paths("s1")),
+        ident = replace(store._files.ident(store._files.paths("s1")),
                         segment_id=int.from_bytes(seg[40:48], "little"))
         path.write_bytes(ssd_format.pack_commit(ident, np.array([1, 0, 2, 3])))
     assert setup.stores[0].commit_manifest("s1")
@@ -295,7 +296,7 @@ def test_a_header_resealed_with_a_valid_crc_but_wrong_fields_is_still_a_miss(
     path = files(setup.root, "s1")["seg0"]
     data = bytearray(path.read_bytes())
     header = np.zeros(PAGE, np.uint8)
-    ident = setup.stores[0]._ident(setup.stores[0]._paths("s1"))
+    ident = setup.stores[0]._files.ident(setup.stores[0]._files.paths("s1"))
     ident = replace(ident, segment_id=int.from_bytes(data[40:48], "little"))
     ssd_format.pack_segment_header(ident, header)
     assert header.tobytes() == bytes(data[:PAGE])  # resealing the right fields changes nothing

@@ -14,7 +14,7 @@ import pytest
 
 from tpkv.config import KvGeometry, SsdConfig
 from tpkv.errors import ConfigError, SsdRootInUseError
-from tpkv.workers.ssd_store import SsdStore
+from tpkv.ssd.store import SsdStore
 
 GEO = KvGeometry(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16", block_tokens=2,
                  tp_size=2)
@@ -74,7 +74,7 @@ _HOLDER = textwrap.dedent("""
     import sys
     import numpy as np
     from tpkv.config import KvGeometry, SsdConfig
-    from tpkv.workers.ssd_store import SsdStore
+    from tpkv.ssd.store import SsdStore
     geo = KvGeometry(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16",
                      block_tokens=2, tp_size=2)
     cfg = SsdConfig(root=sys.argv[1], backend="posix", o_direct=False, io_threads=1)

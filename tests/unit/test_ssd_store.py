@@ -25,9 +25,9 @@ from tpkv.errors import (
     SsdRequestError,
     TierFullError,
 )
-from tpkv.workers import ssd_backend
-from tpkv.workers.ssd_backend import aligned_empty
-from tpkv.workers.ssd_store import SsdStore
+from tpkv.ssd import backend as ssd_backend
+from tpkv.ssd.backend import aligned_empty
+from tpkv.ssd.store import SsdStore
 
 # 256-byte blocks: payload padded to 4096 (staged under O_DIRECT, a padding iovec otherwise).
 SMALL = dict(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16", block_tokens=2)
@@ -152,7 +152,7 @@ def test_o_direct_einval_falls_back_to_buffered_and_logs_once(
     geo = geometry(SMALL)
     (store,) = make_stores(tmp_path, geo, o_direct=True)
     blocks = random_blocks(np.random.default_rng(2), geo, 3)
-    with caplog.at_level(logging.WARNING, logger="tpkv.workers.ssd_backend"):
+    with caplog.at_level(logging.WARNING, logger="tpkv.ssd.backend"):
         store.write_blocks("s", np.arange(3), blocks)
         store.write_blocks("s", np.arange(3, 6), blocks)
         assert store.commit_manifest("s")
@@ -372,10 +372,10 @@ def _piece_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **cfg: object
                  ) -> tuple[KvGeometry, SsdStore, list[int]]:
     """A store that writes 3 records a piece, pauses up to 30 s a piece, and the offsets of
     its pwritev calls."""
-    from tpkv.workers import ssd_store
+    from tpkv.ssd import jobs
 
     geo = geometry(ALIGNED)
-    monkeypatch.setattr(ssd_store, "_PAUSE_MAX_S", 30.0)
+    monkeypatch.setattr(jobs, "_PAUSE_MAX_S", 30.0)
     pieces: list[int] = []
     real_pwritev = os.pwritev
     monkeypatch.setattr(ssd_backend.os, "pwritev",
@@ -391,15 +391,15 @@ def test_writes_pause_between_pieces_while_a_read_is_in_flight(
     finishes, bit-exact, once the read ends (and after _PAUSE_MAX_S a piece if reads never end)."""
     import threading
 
-    from tpkv.workers import ssd_store
+    from tpkv.ssd import jobs
 
     geo, store, pieces = _piece_store(tmp_path, monkeypatch)  # 10 blocks: 4 pieces
     rng = np.random.default_rng(31)
     blocks = random_blocks(rng, geo, 10, aligned=True)
-    with store._gate.reading():  # a read in flight
+    with store._threads.gate.reading():  # a read in flight
         fut = store.submit_write("s", np.arange(10), blocks)
         threading.Event().wait(0.3)
-        assert not fut.done() and store._gate.num_pauses == 1
+        assert not fut.done() and store._threads.gate.num_pauses == 1
         assert pieces == [0]  # the segment header only: the first piece waits
     assert fut.result(timeout=30) > 0
     assert len(pieces) == 1 + 4  # header, then 3 + 3 + 3 + 1 records
@@ -409,10 +409,10 @@ def test_writes_pause_between_pieces_while_a_read_is_in_flight(
     for got, want in zip(out, blocks):
         np.testing.assert_array_equal(got, want)
     # Reads that never end hold each piece back at most _PAUSE_MAX_S.
-    monkeypatch.setattr(ssd_store, "_PAUSE_MAX_S", 0.01)
-    with store._gate.reading():
+    monkeypatch.setattr(jobs, "_PAUSE_MAX_S", 0.01)
+    with store._threads.gate.reading():
         assert store.write_blocks("t", np.arange(10), blocks) > 0
-    assert store._gate.num_pauses == 1 + 4
+    assert store._threads.gate.num_pauses == 1 + 4
     store.close()
 
 
@@ -428,13 +428,15 @@ def test_a_read_submitted_pauses_spills_before_a_reader_takes_it_up(
     assert store.write_blocks("old", np.arange(6), old) > 0 and store.commit_manifest("old")
     pieces.clear()
     readers_busy = threading.Event()
-    held = [store._pool.submit(readers_busy.wait, 30) for _ in range(2)]  # both readers taken
+    readers = store._threads.readers
+    held = [readers.submit(readers_busy.wait, 30) for _ in range(2)]  # both readers taken
     out = empty_out(geo, 6, aligned=True)
     read = store.submit_read("old", np.arange(6), out)  # queued: no reader is free
     spill = store.submit_write("new", np.arange(10), new)
     threading.Event().wait(0.3)
     assert not read.done() and not spill.done()
-    assert pieces == [0] and store._gate.num_pauses == 1  # the header; the first piece waits
+    gate = store._threads.gate
+    assert pieces == [0] and gate.num_pauses == 1  # the header; the first piece waits
     readers_busy.set()
     assert all(h.result(timeout=30) for h in held)
     assert read.result(timeout=30).all()
@@ -675,7 +677,7 @@ def test_a_failed_background_drop_makes_later_calls_miss_or_fail_then_retries(
     """If the background delete fails, the next write about the session fails (a spill is then
     forgotten), and drop_session deletes the files."""
     from tpkv.errors import SsdIoError
-    from tpkv.workers import ssd_store
+    from tpkv.ssd import store as ssd_store
 
     geo = geometry(SMALL)
     (store,) = make_stores(tmp_path, geo)

@@ -4,7 +4,7 @@ import pytest
 
 from tests.pool_cases import check_tier_round_trip, make_engine
 from tpkv.config import KvGeometry, SsdConfig
-from tpkv.workers.ssd_store import SsdStore
+from tpkv.ssd.store import SsdStore
 
 
 @pytest.mark.parametrize("geometry", [

@@ -67,9 +67,9 @@ def demo(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from tpkv.config import GiB, HostConfig, KvGeometry, SsdConfig
+    from tpkv.ssd.store import SsdStore
     from tpkv.workers.copy_engine import CopyEngine
     from tpkv.workers.pools import HbmPool, HostPool
-    from tpkv.workers.ssd_store import SsdStore
 
     console = Console()
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -26,7 +26,7 @@ from tpkv.models.paged import (
 from tpkv.models.readback import HostReadback
 from tpkv.models.scheduler import LocalScheduler, StepTables
 from tpkv.models.tp import tp_info
-from tpkv.workers.ssd_format import validate_session_id
+from tpkv.ssd.format import validate_session_id
 
 
 @dataclass(eq=False)

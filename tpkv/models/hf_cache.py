@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from tpkv.errors import ConfigError, TpkvError
 from tpkv.protocol.messages import StepResult
 from tpkv.protocol.plan import Tier
-from tpkv.workers.ssd_format import validate_session_id
+from tpkv.ssd.format import validate_session_id
 
 if TYPE_CHECKING:
     from tpkv.launch.runtime import TpkvRuntime

@@ -1,1 +1,1 @@
-"""Per-rank workers: tier pools, copy engine, SSD store, collective confirm, worker loop."""
+"""Per-rank workers: tier pools, copy engine, collective confirm, worker loop."""

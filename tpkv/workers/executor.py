@@ -17,11 +17,11 @@ import torch
 
 from tpkv.errors import SsdError, TierFullError, WaitTimeoutError
 from tpkv.protocol.plan import MovePlan, Tier
+from tpkv.ssd.store import SsdStore
 from tpkv.workers import cuda_rt
 from tpkv.workers.agreement import SpillLedger
 from tpkv.workers.copy_engine import CopyEngine, CopyHandle
 from tpkv.workers.mirror import Relocation
-from tpkv.workers.ssd_store import SsdStore
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ import torch
 
 from tpkv.config import GiB, HostConfig, KvGeometry
 from tpkv.errors import ConfigError, SlotError
+from tpkv.ssd.backend import PAGE_BYTES as IO_PAGE_BYTES
+from tpkv.ssd.backend import BlockViews
 from tpkv.workers import cuda_rt
 from tpkv.workers.slots import SlotAllocator
-from tpkv.workers.ssd_backend import PAGE_BYTES as IO_PAGE_BYTES
-from tpkv.workers.ssd_backend import BlockViews
 
 log = logging.getLogger(__name__)
 

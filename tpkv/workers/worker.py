@@ -15,6 +15,7 @@ from tpkv.errors import PlanOrderError
 from tpkv.protocol.digest import plan_digest, slot_map_digest
 from tpkv.protocol.messages import StepResult
 from tpkv.protocol.plan import MovePlan, MoveResult, Tier
+from tpkv.ssd.store import SsdStore
 from tpkv.workers import kernels
 from tpkv.workers.agreement import SpillLedger
 from tpkv.workers.confirm import (
@@ -33,7 +34,6 @@ from tpkv.workers.copy_engine import CopyEngine
 from tpkv.workers.executor import Chain, ExecOutcome, PlanExecutor
 from tpkv.workers.mirror import DRAM, HBM, SSD, SlotMirror
 from tpkv.workers.pools import HbmPool, HostPool
-from tpkv.workers.ssd_store import SsdStore
 
 log = logging.getLogger(__name__)
 _NO_IDS = np.zeros(0, dtype=np.int64)

@@ -11,14 +11,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from tpkv.errors import SsdFormatError
-from tpkv.workers.ssd_backend import (
+from tpkv.ssd.backend import (
     IOV_MAX,
     BlockFile,
     BlockViews,
     aligned_empty,
     is_direct_capable,
 )
-from tpkv.workers.ssd_format import (
+from tpkv.ssd.format import (
     ALIGN_BYTES,
     SegmentIdentity,
     check_record_header,

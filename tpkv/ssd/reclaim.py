@@ -9,16 +9,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from tpkv.errors import SsdError, SsdFormatError
-from tpkv.workers.ssd_backend import fsync_dir, unlink_missing_ok
-from tpkv.workers.ssd_format import (
+from tpkv.ssd.backend import fsync_dir, unlink_missing_ok
+from tpkv.ssd.files import RankFiles
+from tpkv.ssd.format import (
     ALIGN_BYTES,
     SegmentIdentity,
     check_segment_header,
     parse_commit,
     parse_manifest,
 )
-from tpkv.workers.ssd_paths import MANIFEST_RE, fanout_dirs
-from tpkv.workers.ssd_paths import SessionPaths as _Paths
+from tpkv.ssd.paths import MANIFEST_RE, fanout_dirs
+from tpkv.ssd.paths import SessionPaths as _Paths
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +38,16 @@ class Found:
     reasons: list[str] = field(default_factory=list)
 
 
-def reclaim(rank: int, root: str, ident: Callable[[_Paths], SegmentIdentity],
-            read_meta: Callable[[str], bytes], view: Callable[[_Paths, str], object]) -> Found:
-    """Walk `root` once for `rank` (the caller holds its owner lock, so no live store writes
-    these files); `ident`, `read_meta` and `view` are the store's (a session's expected segment
-    identity, a checked metadata read, a servable manifest and commit, else SsdError). Deleted:
-    the rank's temp files; its segments and commit records that can never be read (another
-    model or geometry, a torn or garbage commit or header, a segment without a valid commit
-    record or shorter than it, a commit without its segment). A torn tail past the committed
-    length is cut off. Rank 0 also deletes manifests it cannot serve (every live TP group holds
-    a rank 0 lock, so none is being written). Only tpkv-named files go."""
+def reclaim(files: RankFiles, view: Callable[[_Paths, str], object]) -> Found:
+    """Walk the root of `files` once for its rank (the caller holds its owner lock, so no live
+    store writes these files); `view` gives a servable manifest and commit, else SsdError.
+    Deleted: the rank's temp files; its segments and commit records that can never be read
+    (another model or geometry, a torn or garbage commit or header, a segment without a valid
+    commit record or shorter than it, a commit without its segment). A torn tail past the
+    committed length is cut off. Rank 0 also deletes manifests it cannot serve (every live TP
+    group holds a rank 0 lock, so none is being written). Only tpkv-named files go."""
 
+    rank, root, ident, read_meta = files.rank, files.root, files.ident, files.read_meta
     temp_re = re.compile(
         rf"[0-9a-f]{{64}}\.(r{rank}\.seg|r{rank}\.commit|manifest\.r{rank})\.tmp")
     own_re = re.compile(rf"([0-9a-f]{{64}})\.r{rank}\.(seg|commit)")
