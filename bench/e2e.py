@@ -92,6 +92,11 @@ def parse() -> tuple[argparse.Namespace, Sizes]:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--ssd-dir", default=None, help="L3 directory (default: a temp dir)")
     ap.add_argument("--out", default="bench/results/e2e.json")
+    ap.add_argument("--controller", choices=["ray", "local"], default="ray",
+                    help="the controller's transport: the Ray actor (default) or in process")
+    ap.add_argument("--compare-local", action="store_true",
+                    help="run each configuration again with the in-process controller "
+                         "(results as '<config>-local'; ratios of step times between them)")
     for f in dataclasses.fields(Sizes):
         kind = type(f.default)
         if kind is tuple:
@@ -154,8 +159,14 @@ def main() -> None:
     for key, setting in settings(sizes, ssd_root).items():
         if key in wanted:
             print(f"== ({key}) {setting.label}", flush=True)
-            results[key] = run_tiered(setting, sizes, contexts, device, ceil)
+            results[key] = run_tiered(setting, sizes, contexts, device, ceil, args.controller)
             print(json.dumps(summary_line(results[key])), flush=True)
+            if args.compare_local and args.controller != "local":
+                print(f"== ({key}) the same, in-process controller", flush=True)
+                shutil.rmtree(Path(ssd_root) / f"l3-{key}", ignore_errors=True)
+                results[f"{key}-local"] = run_tiered(setting, sizes, contexts, device, ceil,
+                                                     "local")
+                print(json.dumps(summary_line(results[f"{key}-local"])), flush=True)
             # its L3 files go before the next configuration starts (the disk holds one L3)
             shutil.rmtree(Path(ssd_root) / f"l3-{key}", ignore_errors=True)
             write(args.out, head, results, started)  # what is done survives a cut-off run
@@ -229,11 +240,17 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
             row["step_traffic_vs_quiet_p50"] = r["step_ms_traffic_vs_quiet"]
         if r.get("step_ms_traffic_vs_matched_quiet") is not None:
             row["step_traffic_vs_matched_quiet_p50"] = r["step_ms_traffic_vs_matched_quiet"]
+        local = results.get(f"{key}-local")
+        if local is not None:  # the same run through the Ray actor against in process
+            for k in ("step_ms_p50", "step_ms_p99", "decode_tokens_per_s"):
+                if r.get(k) and local.get(k):
+                    row[f"{k}_ray_vs_local"] = round(r[k] / local[k], 3)
         out[key] = row
     out["goals"] = {"sessions_held_vs_a": ">= 16 (c), 0 failures",
                     "decode_tokens_per_s_vs_a": ">= 2.5", "resume_vs_ceiling": "<= 1.15",
                     "step_traffic_vs_quiet": "<= 1.05 (matched: the same batch size, batch "
-                                             "changed or not, nearest in KV tokens)"}
+                                             "changed or not, nearest in KV tokens)",
+                    "step_ms_ray_vs_local": "p50 <= 1.03, p99 <= 1.05 (b2, c)"}
     return out
 
 

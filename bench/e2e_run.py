@@ -90,7 +90,7 @@ def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool,
 
 
 def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device,
-               ceil: dict[str, float]) -> dict[str, Any]:
+               ceil: dict[str, float], controller: str = "ray") -> dict[str, Any]:
     import tpkv
 
     cuda = device.type == "cuda"
@@ -106,7 +106,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         raise SystemExit(f"({s.key}): L1 of {l1_blocks} blocks cannot hold one session of "
                          f"{longest} tokens plus 8 blocks of room; raise --l1-gib")
     t_start = time.perf_counter()
-    rt = tpkv.init(cfg, controller="local", device=device)
+    rt = tpkv.init(cfg, controller=controller, device=device)
     rt.worker.host.wait_pinned()  # L2 comes online in the background: measure it whole
     try:
         attention = paged_attention_sdpa if cuda else paged_attention_ref
@@ -119,8 +119,8 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         r["copy_blocks"], r["copy_descriptors"] = dict(eng.num_blocks), dict(eng.num_descriptors)
         r["events"] = rt.controller.snapshot()["event_counts"]  # the controller's, by kind
         r["late_steps"] = rt.worker.num_late
-        r["deferred_steps"] = rt.worker.num_deferred
-        r["early_plans"] = rt.worker.num_early
+        # steps planned ahead and used as planned, or applied without their forward
+        r["ahead_steps"] = {"used": rt.num_ahead_used, "unused": rt.num_ahead_unused}
         r["chained_moves"] = rt.worker.executor.num_chained  # L2 -> L1 moves issued during reads
         gate = getattr(rt.worker.store, "_gate", None)
         if gate is not None:  # spill pieces that waited for a resume's reads
@@ -134,7 +134,8 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    r.update({"label": s.label, "l1_gib": s.l1_bytes / GiB, "l2_gib": s.l2_bytes / GiB,
+    r.update({"label": s.label, "controller": controller, "l1_gib": s.l1_bytes / GiB,
+              "l2_gib": s.l2_bytes / GiB,
               "l3_gib": s.l3_bytes / GiB if s.ssd_root else 0.0, "max_batch": max_batch,
               "block_bytes": bb, "wall_s": round(time.perf_counter() - t_start, 1)})
     return r
