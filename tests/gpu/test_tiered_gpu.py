@@ -19,4 +19,5 @@ def test_tp1_tiered_engine_on_cuda_gives_the_tokens_of_a_large_l1(tmp_path, monk
     # each step's trace keeps the copies it was scheduled with and adds those of the plans
     # applied once its forward was launched
     watched = out["watched"]
-    assert watched["lost_spans"] == 0 and watched["later_spans"] > 0, watched
+    assert watched["lost_spans"] == 0, watched
+    assert (watched["later_spans"] > 0) == (mode != "recompute"), watched

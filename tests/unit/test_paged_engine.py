@@ -210,3 +210,36 @@ def test_padded_turn_of_the_prefill_graphs_matches_the_turn_run_eagerly(turn):
     torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(padded_pool, pool, atol=1e-5, rtol=1e-5, equal_nan=True)
     assert torch.isnan(pool[[1, 4, 6, 10, 13, 15]]).all()  # slots outside the table: untouched
+
+
+def test_predict_next_names_the_batch_the_next_step_runs():
+    """Inside each step (its `launched` hook) the engine names the next step's batch: prefills
+    of the turns waiting (as many as the token budget takes), then the decoding turns less
+    those this step ends, one token each; and the turns decoding after this step. With no turn
+    added in between, every prediction is the batch the next step() runs."""
+    model = _model()
+    predicted: list[object] = []
+    engine = PagedEngine(model, _pool(model, 64), max_batch=3, max_prefill_tokens=12,
+                         launched=lambda: predicted.append(engine.predict_next()))
+    ran: list[tuple[list[str], list[int]]] = []
+    running: list[list[str]] = []  # the turns decoding when each step starts
+    schedule = engine.schedule
+
+    def spy(ids, new):  # the batch each step runs
+        ran.append((list(ids), list(new)))
+        running.append([s.session for s in engine.running])
+        return schedule(ids, new)
+    engine.schedule = spy
+    prompts = _prompts([7, 4, 9, 3], seed=5)
+    for i, p in enumerate(prompts):
+        engine.add_turn(f"s{i}", p, 2 + i)
+    engine.run()
+    assert engine.predict_next() is None  # outside a step
+    assert len(predicted) == len(ran) >= 6
+    for (ids, new, after), nxt, now in zip(predicted[:-1], ran[1:], running[1:]):
+        assert (ids, new) == nxt and after == now
+    last = predicted[-1]
+    assert last[0] == [] and last[2] == []  # every turn ends with the last step
+    # prefills first, then the decode steps of those still generating, one token each
+    assert ran[0] == (["s0", "s1"], [7, 4]) and ran[1] == (["s2", "s3"], [9, 3])
+    assert all(n == [1] * len(ids) for ids, n in ran[2:])

@@ -230,10 +230,11 @@ class PagedEngine:
             seqs.append(seq)
         return seqs
 
-    def predict_next(self) -> tuple[list[str], list[int]] | None:
+    def predict_next(self) -> tuple[list[str], list[int], list[str]] | None:
         """During step(), once its forward is launched: the batch (sessions, new tokens) the
         next step() runs if no turn is added or closed before it and none of this step's
-        sessions samples its EOS token. None outside step()."""
+        sessions samples its EOS token, and the sessions decoding then (`running` after this
+        step). None outside step()."""
         if self._step is None:
             return None
         kind, seqs = self._step
@@ -243,11 +244,12 @@ class PagedEngine:
         # this step adds one generated token to each of its sessions
         ending = {id(s) for s in seqs if len(s.generated) + 1 >= s.max_new_tokens}
         running = [s for s in running if id(s) not in ending]
+        names = [s.session for s in running]
         if waiting:
             picked = self._prefill_pick(waiting)
-            return [s.session for s in picked], [s.num_uncached for s in picked]
+            return [s.session for s in picked], [s.num_uncached for s in picked], names
         batch = running[:self.max_batch]
-        return [s.session for s in batch], [1] * len(batch)
+        return [s.session for s in batch], [1] * len(batch), names
 
     def _postprocess(self, kind: str, seqs: list[Seq]) -> list[Finished]:
         if kind == "prefill":  # the prefilled turns move from waiting to running

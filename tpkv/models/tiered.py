@@ -149,7 +149,8 @@ class TieredEngine:
         t1 = time.perf_counter()
         nxt = self.engine.predict_next()
         if nxt is not None and nxt[0] and self.opened.issuperset(nxt[0]):
-            self.rt.schedule_ahead(nxt[0], nxt[1], self._upcoming(nxt[0]))
+            ids, new, running = nxt
+            self.rt.schedule_ahead(ids, new, self._upcoming(ids, running))
         self.last_times["launched_apply"] = t1 - t0
         self.last_times["launched_ahead"] = time.perf_counter() - t1
 
@@ -203,15 +204,18 @@ class TieredEngine:
         return [(i, *span) for i, a in enumerate(self.step_plans())
                 for span in a.outcome.timing]
 
-    def _upcoming(self, session_ids: Sequence[str]) -> list[str] | None:
-        """With hint_running: the turns decoding now that are not in this step (a prefill's):
-        they run again within a step or two, so the controller neither demotes them to make
-        watermark room nor leaves them out of L1 (it prefetches what they miss)."""
+    def _upcoming(self, session_ids: Sequence[str],
+                  running: Sequence[str] | None = None) -> list[str] | None:
+        """With hint_running: the turns decoding (now, or `running`: when the step is planned
+        ahead, those decoding after the step in flight) that are not in this step (a
+        prefill's): they run again within a step or two, so the controller neither demotes
+        them to make watermark room nor leaves them out of L1 (it prefetches what they miss)."""
         if not self.hint_running:
             return None
         now = set(session_ids)
-        names = [q.session for q in self.engine.running[:self.engine.max_batch]
-                 if q.session not in now]
+        if running is None:
+            running = [q.session for q in self.engine.running]
+        names = [s for s in running[:self.engine.max_batch] if s not in now]
         return names or None
 
     def _clock_event(self, always: bool = False) -> Any:
