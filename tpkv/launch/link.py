@@ -38,6 +38,8 @@ class Link(Protocol):
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
 
+    def post(self, method: str, *args: Any, **kwargs: Any) -> Reply: ...
+
     def close(self) -> None: ...
 
 
@@ -95,6 +97,10 @@ class LocalLink:
             self._pool.submit(self._prepare)
         return _Waiting(fut, method, self.timeout_s)
 
+    def post(self, method: str, *args: Any, **kwargs: Any) -> Reply:
+        """A report (attention mass, prefill speed): sent as any call."""
+        return self.send(method, *args, **kwargs)
+
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         last = self._last
         if last is not None and not last.done():  # calls sent earlier go first
@@ -143,17 +149,40 @@ def _report_each(ctl: Any, updates: Sequence[tuple[str, int, np.ndarray]]) -> No
 
 class RayLink:
     """The controller actor through its ControllerClient: a sent call goes at once and the
-    actor runs this client's calls in order (controller.client)."""
+    actor runs this client's calls in order (controller.client). A schedule's answer is
+    fetched and decoded on a thread as soon as it is in, so the step that reads it finds it
+    ready. Reports (`post`) go from a thread of their own, through a second client (their
+    order against the steps' calls does not matter), so they cost the step nothing."""
 
     def __init__(self, client: Any) -> None:
         self.target = client
+        self._fetcher: ThreadPoolExecutor | None = None
+        self._poster: ThreadPoolExecutor | None = None
+        self._reporter: Any = None
 
     def send(self, method: str, *args: Any, **kwargs: Any) -> Reply:
         send = getattr(self.target, "send", None)
         if send is None:  # a stand-in without send (tests): answered now
             return self._now(method, args, kwargs)
         reply: Reply = send(method, *args, **kwargs)
-        return reply
+        if method != "schedule":
+            return reply
+        if self._fetcher is None:
+            self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="tpkv-fetch")
+        timeout_s = float(getattr(self.target, "timeout_s", 30.0))
+        return _Waiting(self._fetcher.submit(reply.result), method, timeout_s + 1.0)
+
+    def post(self, method: str, *args: Any, **kwargs: Any) -> Reply:
+        if not hasattr(self.target, "send"):
+            return self._now(method, args, kwargs)
+        if self._poster is None:
+            self._poster = ThreadPoolExecutor(1, thread_name_prefix="tpkv-report")
+            self._reporter = type(self.target)(self.target.handle, self.target.timeout_s)
+        reporter = self._reporter
+
+        def post() -> Any:
+            return reporter.send(method, *args, **kwargs).result()
+        return _Waiting(self._poster.submit(post), method, self.target.timeout_s + 1.0)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self.send(method, *args, **kwargs).result()
@@ -165,7 +194,10 @@ class RayLink:
             return _Done(error=exc)
 
     def close(self) -> None:
-        pass
+        for pool in (self._fetcher, self._poster):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._fetcher = self._poster = None
 
 
 def make_link(controller: Any, timeout_s: float) -> LocalLink | RayLink:

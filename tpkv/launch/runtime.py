@@ -416,7 +416,7 @@ class TpkvRuntime:
         speed): while the controller is restarting it is dropped, not raised on one rank."""
         if self.rank != 0:
             return
-        self._advice.append((method, self._ctl.send(method, *args, **kwargs)))
+        self._advice.append((method, self._ctl.post(method, *args, **kwargs)))
 
     def _check_advice(self) -> None:
         """Read the answers of reports sent earlier that are in: a refused one is logged."""
