@@ -1,6 +1,7 @@
 """The controller as a named, restartable Ray actor, and a client that speaks msgpack to it.
 
-The only module in tpkv that imports ray. One actor call per step (`schedule`), never one per
+With controller/client.py, the only modules in tpkv that import ray. About two actor calls
+a step (the next step's `schedule`, sent while the forward runs, and a commit), never one per
 block. Arguments and answers cross as msgpack bytes (tpkv.protocol.wire, strict limits);
 typed errors come back as the same tpkv.errors class. The actor also serves the dashboard
 (tpkv.controller.dashboard) from a child process of its own (ServerProcess), with snapshots taken

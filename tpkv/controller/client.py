@@ -139,12 +139,14 @@ class ControllerClient:
         return self.handle.call.remote(method, payload, [self.client_id, seq])
 
     def send(self, method: str, *args: Any, **kwargs: Any) -> Sent:
-        """Send one controller call now; its answer comes with Sent.result(). Arguments as
-        Controller takes them (positional ones for schedule, commit, report_attention)."""
+        """Send one controller call now; its answer comes with Sent.result(). Positional
+        arguments are typed ones, as Controller takes them (schedule, commit, report_attention
+        as a list of updates), put into their wire form here; keyword arguments go as given
+        (the actor checks them: a typed error names what is missing or unknown)."""
         if method not in METHODS:
             raise errors.BadRequestError(f"controller has no method {method!r}")
         to_wire = _ARGS.get(method)
-        if to_wire is not None:
+        if to_wire is not None and args:
             kwargs = to_wire(*args, **kwargs)
         elif args:
             raise errors.ArgumentTypeError(f"controller.{method} takes keyword arguments only, "

@@ -78,7 +78,13 @@ class TpkvRuntime:
 
     @controller.setter
     def controller(self, controller: Any) -> None:
+        """A new controller object: what was sent to the old one (a step planned ahead) is
+        void."""
+        old = getattr(self, "link", None)
+        if old is not None:
+            old.close()
         self.link = None if controller is None else make_link(controller, self.timeout_s)
+        self._ahead = None
 
     @property
     def _ctl(self) -> LocalLink | RayLink:
