@@ -164,6 +164,7 @@ def test_engine_tokens_are_exact_while_l2_comes_online(fake: FakePinning, tmp_pa
     from tpkv.models.tiered import TieredEngine
 
     fake.delay_s = 0.05
+    fake.gate.clear()  # arenas after the first wait until the first schedule
     model, ref = tiny_model_and_reference()
     cfg = tiny_tiers(model, str(tmp_path / "l3"))
     cfg = dataclasses.replace(cfg, l2=dataclasses.replace(
@@ -176,6 +177,7 @@ def test_engine_tokens_are_exact_while_l2_comes_online(fake: FakePinning, tmp_pa
 
         def watched(*args: Any, **kwargs: Any) -> Any:
             seen.append(ctl.table.slots(Tier.DRAM))
+            fake.gate.set()
             return schedule(*args, **kwargs)
 
         ctl.schedule = watched  # type: ignore[method-assign]

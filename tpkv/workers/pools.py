@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from tpkv import startup
 from tpkv.config import GiB, HostConfig, KvGeometry
 from tpkv.errors import ConfigError, SlotError
 from tpkv.workers import cuda_rt
@@ -48,8 +49,9 @@ class HbmPool:
         try:
             # zeros, not empty: a slot never written holds finite values (attention masks
             # what lies past a session's length, and 0 * NaN would not be 0)
-            self.tensor = torch.zeros((num_slots, *geometry.block_shape),
-                                      dtype=torch_dtype(geometry.dtype), device=self.device)
+            with startup.phase("l1_alloc"):
+                self.tensor = torch.zeros((num_slots, *geometry.block_shape),
+                                          dtype=torch_dtype(geometry.dtype), device=self.device)
         except torch.OutOfMemoryError as exc:
             raise ConfigError(
                 f"L1 of {num_slots} slots x {geometry.block_bytes} bytes "
@@ -103,6 +105,7 @@ class HostPool:
         self._maps: list[mmap.mmap] = []
         self.arenas: list[torch.Tensor] = []  # each [n, *block_shape] over one mmap
         self._bytes_views: list[np.ndarray] = []  # each [n, block_bytes] uint8 over the same mmap
+        t_map = time.perf_counter()
         for start in range(0, num_slots, self.slots_per_arena):
             n = min(self.slots_per_arena, num_slots - start)
             # One spare page after the blocks: two arenas are then never adjacent in virtual
@@ -114,6 +117,7 @@ class HostPool:
             self.arenas.append(raw.view(dtype).view(n, *geometry.block_shape))
             self._bytes_views.append(raw.numpy().reshape(n, block_bytes))
         self.arena_ptrs = np.array([a.data_ptr() for a in self.arenas], dtype=np.int64)
+        startup.add("l2_map", time.perf_counter() - t_map)
         # every block starts on a page and is whole pages long: O_DIRECT takes it as it is
         self.page_aligned = block_bytes % IO_PAGE_BYTES == 0 and bool(
             (self.arena_ptrs % IO_PAGE_BYTES == 0).all())
@@ -130,7 +134,8 @@ class HostPool:
             self.pinned = True
             self._num_ready = 0
             self._t0 = time.perf_counter()
-            self._register(0)  # the first arena before the pool is handed out
+            with startup.phase("l2_first_arena"):
+                self._register(0)  # the first arena before the pool is handed out
             self._num_ready = 1
             if len(self._maps) > 1:
                 self._pinner = threading.Thread(target=self._pin_rest, name="tpkv-l2-pin",
