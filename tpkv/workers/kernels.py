@@ -10,7 +10,10 @@ import numpy as np
 from numba import njit
 
 from tpkv import startup
+from tpkv.numba_cache import ensure_cache_dir
 from tpkv.protocol.plan import Tier
+
+ensure_cache_dir(__file__)  # before any kernel is defined: a read-only install still caches
 
 _HBM, _DRAM, _SSD, _NONE = int(Tier.HBM), int(Tier.DRAM), int(Tier.SSD), int(Tier.NONE)
 _ROW_MASK = (1 << 32) - 1  # a block id is (generation << 32) | row (tpkv.controller.table)
