@@ -57,10 +57,10 @@ def ensure_cache_dir(source: str) -> str | None:
     except OSError as exc:
         raise ConfigError(
             f"numba has no writable directory for the kernels of {source} (tried "
-            f"NUMBA_CACHE_DIR={config.CACHE_DIR or '(unset)'}, "
+            f"NUMBA_CACHE_DIR={getattr(config, 'CACHE_DIR', '') or '(unset)'}, "
             f"{Path(source).parent / '__pycache__'}, the user cache directory and {fallback}: "
             f"{exc}); set NUMBA_CACHE_DIR to a writable directory") from exc
-    config.CACHE_DIR = str(fallback)
+    setattr(config, "CACHE_DIR", str(fallback))  # noqa: B010 (set at run time: mypy knows none)
     log.warning("numba cannot write its cache beside %s nor in the user cache directory; "
                 "kernels are cached in %s (set NUMBA_CACHE_DIR to choose)", source, fallback)
     return str(fallback)
