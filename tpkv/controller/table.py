@@ -234,7 +234,7 @@ class BlockTable:
         online count after the call. It grows to the pool's size; it shrinks only over slots
         that are all free (a restarted controller told less than it assumed)."""
         stack, full = self.free[DRAM], len(self.owner[DRAM])
-        n = min(max(int(num_slots), 1), full)
+        n = min(max(int(num_slots), 0), full)
         if n > stack.size:
             stack.grow(n)
         elif n < stack.size and not stack.shrink(n):  # a slot past n is used or kept

@@ -90,7 +90,8 @@ class HostPool:
     the others in order on a thread (several at once), and `ready_slots` counts the slots of
     the pinned prefix (the controller hands out only those). A copy that touches an arena not
     pinned yet waits for it (`await_pinned`). An arena cudaHostRegister refuses ends the
-    pinning there: `ready_slots` stays at the prefix and a warning says how much L2 is left.
+    pinning there: `ready_slots` stays at the prefix and a warning says how much L2 is left
+    (none when it refuses the first arena: the start goes on with L2 empty).
     """
 
     def __init__(self, geometry: KvGeometry, num_slots: int, config: HostConfig | None = None
@@ -135,9 +136,8 @@ class HostPool:
             self._num_ready = 0
             self._t0 = time.perf_counter()
             with startup.phase("l2_first_arena"):
-                self._register(0)  # the first arena before the pool is handed out
-            self._num_ready = 1
-            if len(self._maps) > 1:
+                first_pinned = self._pin_first()
+            if first_pinned and len(self._maps) > 1:
                 self._pinner = threading.Thread(target=self._pin_rest, name="tpkv-l2-pin",
                                                 daemon=True)
                 self._pinner.start()
@@ -233,6 +233,23 @@ class HostPool:
             pos = np.flatnonzero(arena == a)
             out.append((int(a), pos, index[pos]))
         return out
+
+    def _pin_first(self) -> bool:
+        """Pin arena 0 before the pool is handed out; a refusal leaves L2 with no usable slot
+        (`ready_slots` 0: the controller plans without L2), with a warning: -> whether it was
+        pinned."""
+        try:
+            self._register(0)
+        except Exception as exc:  # cudaHostRegister refused (a size, a memory limit)
+            self.pin_error = f"arena 0: {exc}"
+            log.warning("L2: pinning refused the first arena (%d bytes): %s; L2 starts with "
+                        "0 of %d slots (%.2f GiB) online: the engine serves from L1 alone "
+                        "(L3 is reached through L2), recomputing what L1 drops",
+                        len(self._maps[0]), exc, self.num_slots,
+                        self.num_slots * self.block_bytes / GiB)
+            return False
+        self._num_ready = 1
+        return True
 
     def _register(self, i: int) -> None:
         cuda_rt.host_register(int(self.arena_ptrs[i]), len(self._maps[i]))
