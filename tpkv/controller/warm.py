@@ -8,9 +8,9 @@ checkout, in the middle of serving (seen in bench/e2e.py: one resume of the seco
 `make`, so this module does not import the controller) with the caller's policy and geometry and
 tiny tiers, once per process and policy: every kernel gets the
 argument types it gets in service. tests/unit/test_warm.py checks that workloads run after it
-compile nothing more. `warm_in_background` starts the same on a thread (tpkv.init does, so that
-loading numba overlaps the CUDA context and the pinning of L2); a `warm_kernels` for a policy
-being warmed so waits for that thread instead of warming again.
+compile nothing more. tpkv.init runs it on a thread, so that loading numba overlaps the CUDA
+context and the pinning of L2: a `warm_kernels` for a policy another thread is warming waits for
+it instead of warming again.
 """
 
 from __future__ import annotations
@@ -72,25 +72,6 @@ def warm_kernels(config: TpkvConfig, make: MakeController) -> float:
     startup.add("controller_kernels", took)
     log.debug("controller kernels warm in %.2f s", took)
     return took
-
-
-def warm_in_background(config: TpkvConfig, make: MakeController,
-                       before: Callable[[], None] | None = None) -> threading.Thread:
-    """Start `before()` (if given) and then `warm_kernels(config, make)` on a daemon thread;
-    a `warm_kernels` of the same policy meanwhile waits for it. Errors are logged, not raised:
-    the foreground warms again what failed."""
-
-    def run() -> None:
-        try:
-            if before is not None:
-                before()
-        except Exception:
-            log.warning("background kernel warm-up failed", exc_info=True)
-        warm_kernels(config, make)
-
-    t = threading.Thread(target=run, name="tpkv-warm", daemon=True)
-    t.start()
-    return t
 
 
 def _script(config: TpkvConfig, make: MakeController) -> None:

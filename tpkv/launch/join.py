@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
 from dataclasses import asdict
 from typing import Any
 
@@ -37,23 +39,15 @@ def init(config: TpkvConfig, *, controller: Any = "ray",
 
 def _init(config: TpkvConfig, controller: Any, device: torch.device | str | None,
           env: bool) -> TpkvRuntime:
-    import functools
-
     from tpkv.controller.controller import Controller
-    from tpkv.controller.warm import warm_in_background
 
     startup.reset()
     if env:
         config = from_env(config)
-    # numba's kernels (loaded from its disk cache, or compiled) on a thread while this one sets
-    # up CUDA, the groups and the tiers, which mostly wait in C; the Worker and the Controller
-    # below wait for it (workers.kernels.warm, warm_kernels) only if it is not done yet.
-    local = controller == "local" and _rank_hint() == 0
-    if local:
-        warm_in_background(config, functools.partial(Controller, warm=False), kernels.warm)
+    _warm_in_background(config, controller == "local" and _rank_hint() == 0)
     if device is None:
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        device = torch.device("cuda", local_rank % torch.cuda.device_count()) \
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local % torch.cuda.device_count()) \
             if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     with startup.phase("cuda_context"):
@@ -95,6 +89,28 @@ def _init(config: TpkvConfig, controller: Any, device: torch.device | str | None
             except Exception:
                 log.warning("closing the worker of a failed start-up failed", exc_info=True)
         raise
+
+
+def _warm_in_background(config: TpkvConfig, local_controller: bool) -> threading.Thread:
+    """Load numba's kernels (from its disk cache, or compile them) on a thread while init sets
+    up CUDA, the groups and the tiers, which mostly wait in C with the GIL released: the
+    worker's, then those of a local controller. The Worker and the Controller wait for them
+    (workers.kernels.warm, controller.warm.warm_kernels) only if they are not loaded yet; what
+    fails here is logged and done again there."""
+    from tpkv.controller.controller import Controller
+    from tpkv.controller.warm import warm_kernels
+
+    def run() -> None:
+        try:
+            kernels.warm()
+        except Exception:
+            log.warning("loading the worker's kernels failed", exc_info=True)
+        if local_controller:
+            warm_kernels(config, functools.partial(Controller, warm=False))
+
+    t = threading.Thread(target=run, name="tpkv-warm", daemon=True)
+    t.start()
+    return t
 
 
 def _rank_hint() -> int:
