@@ -30,5 +30,8 @@ def __getattr__(name: str) -> object:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        from tpkv.startup import gc_paused
+
+        with gc_paused():  # torch, numba: seconds of imports (tpkv.startup says why)
+            return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'tpkv' has no attribute {name!r}")

@@ -118,6 +118,63 @@ def test_a_refused_arena_shrinks_l2_with_a_warning(fake: FakePinning,
     assert sorted(fake.unregistered) == sorted(fake.registered)  # incl. any pinned past it
 
 
+def test_a_refused_first_arena_leaves_l2_empty_with_a_warning(
+        fake: FakePinning, caplog: pytest.LogCaptureFixture) -> None:
+    fake.fail_at = 0
+    with caplog.at_level(logging.WARNING, logger="tpkv.workers.pools"):
+        p = pool()
+    try:
+        assert p.ready_slots == 0 and not p.pinning and p.wait_pinned(1) == 0
+        assert p.pin_error is not None and p.pin_error.startswith("arena 0:")
+        assert fake.registered == {} and p.pinned_bytes == 0
+        with pytest.raises(SlotError, match="arena 0, not pinned"):
+            p.slot_ptrs(np.array([0]))
+    finally:
+        p.close()
+    assert fake.unregistered == []
+    assert any("refused the first arena" in r.getMessage() and "0 of 40 slots" in r.getMessage()
+               for r in caplog.records), caplog.text
+
+
+@pytest.mark.parametrize("l3", [True, False], ids=["l3", "no-l3"])
+def test_a_start_whose_first_arena_is_refused_serves_from_l1(fake: FakePinning, tmp_path: Path,
+                                                             l3: bool) -> None:
+    """TP 1 tiered engine whose every L2 arena is refused: tpkv.init still returns, the
+    controller plans with 0 L2 slots (no move names L2), and the tokens equal a large L1."""
+    import tpkv
+    from tpkv.config import SsdConfig
+    from tpkv.models.tiered import TieredEngine
+
+    fake.fail_at = 0
+    model, ref = tiny_model_and_reference()
+    cfg = tiny_tiers(model, str(tmp_path / "l3"))
+    cfg = dataclasses.replace(cfg, l2=dataclasses.replace(
+        cfg.l2, arena_bytes=2 * cfg.geometry.block_bytes, pin="always"),
+        l3=cfg.l3 if l3 else SsdConfig())
+    rt = tpkv.init(cfg, controller="local", device="cpu")
+    try:
+        ctl = rt.controller
+        tiers: list[np.ndarray] = []  # src and dst tiers of every planned move
+        schedule = ctl.schedule
+
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            res = schedule(*args, **kwargs)
+            for p in () if res is None else res.plans:
+                tiers.extend([p.src_tier, p.dst_tier])
+            return res
+
+        ctl.schedule = watched  # type: ignore[method-assign]
+        assert rt.worker.host.ready_slots == 0
+        out = drive(TieredEngine(rt, model, report_prefill=False).engine)
+        assert out == ref
+        assert ctl.table.slots(Tier.DRAM) == 0 and ctl.event_counts["drop_l1"] > 0
+        assert not any((t == int(Tier.DRAM)).any() for t in tiers), tiers
+        ctl.check_integrity()
+    finally:
+        rt.close()
+    assert fake.registered == {}
+
+
 def test_close_while_pinning_stops_and_unpins_what_was_pinned(fake: FakePinning) -> None:
     fake.delay_s = 0.02
     p = pool(num_slots=400)
@@ -164,6 +221,7 @@ def test_engine_tokens_are_exact_while_l2_comes_online(fake: FakePinning, tmp_pa
     from tpkv.models.tiered import TieredEngine
 
     fake.delay_s = 0.05
+    fake.gate.clear()  # arenas after the first wait until the first schedule
     model, ref = tiny_model_and_reference()
     cfg = tiny_tiers(model, str(tmp_path / "l3"))
     cfg = dataclasses.replace(cfg, l2=dataclasses.replace(
@@ -176,6 +234,7 @@ def test_engine_tokens_are_exact_while_l2_comes_online(fake: FakePinning, tmp_pa
 
         def watched(*args: Any, **kwargs: Any) -> Any:
             seen.append(ctl.table.slots(Tier.DRAM))
+            fake.gate.set()
             return schedule(*args, **kwargs)
 
         ctl.schedule = watched  # type: ignore[method-assign]

@@ -24,6 +24,9 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from tpkv.numba_cache import ensure_cache_dir
+
+ensure_cache_dir(__file__)  # before any kernel is defined: a read-only install still caches
 _jit = njit(cache=True, nogil=True, boundscheck=False)
 A = np.ndarray  # argument annotations (numba types each call from its arguments)
 PREFETCH_AHEAD = 8  # how many sessions (rows) ahead a loop asks for lines

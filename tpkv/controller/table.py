@@ -230,11 +230,12 @@ class BlockTable:
         return len(self.owner[tier])
 
     def set_l2_online(self, num_slots: int) -> int:
-        """L2 slots [0, num_slots) may be handed out (the ranks have pinned them); -> the
-        online count after the call. It grows to the pool's size; it shrinks only over slots
-        that are all free (a restarted controller told less than it assumed)."""
+        """L2 slots [0, num_slots) may be handed out (the ranks have pinned them; 0 when the
+        first arena was refused); -> the online count after the call. It grows to the pool's
+        size; it shrinks only over slots that are all free (a restarted controller told less
+        than it assumed)."""
         stack, full = self.free[DRAM], len(self.owner[DRAM])
-        n = min(max(int(num_slots), 1), full)
+        n = min(max(int(num_slots), 0), full)
         if n > stack.size:
             stack.grow(n)
         elif n < stack.size and not stack.shrink(n):  # a slot past n is used or kept

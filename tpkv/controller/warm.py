@@ -8,19 +8,23 @@ checkout, in the middle of serving (seen in bench/e2e.py: one resume of the seco
 `make`, so this module does not import the controller) with the caller's policy and geometry and
 tiny tiers, once per process and policy: every kernel gets the
 argument types it gets in service. tests/unit/test_warm.py checks that workloads run after it
-compile nothing more.
+compile nothing more. tpkv.init runs it on a thread, so that loading numba overlaps the CUDA
+context and the pinning of L2: a `warm_kernels` for a policy another thread is warming waits for
+it instead of warming again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tpkv import startup
 from tpkv.config import HbmConfig, HostConfig, SsdConfig, TpkvConfig
 from tpkv.errors import TpkvError
 from tpkv.protocol.digest import plan_digest
@@ -31,7 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_WARMED: set[tuple[object, ...]] = set()
+_WARMED: dict[tuple[object, ...], threading.Event] = {}  # policy key -> set once warmed
+_WARMED_LOCK = threading.Lock()
 # make(config, clock): a Controller that does not warm up itself (the class, partly applied)
 MakeController = Callable[[TpkvConfig, Callable[[], float]], Any]
 
@@ -43,11 +48,17 @@ def _key(config: TpkvConfig) -> tuple[object, ...]:
 
 def warm_kernels(config: TpkvConfig, make: MakeController) -> float:
     """Run the scripted workload on `make(config, clock)` once per process and policy; returns
-    the seconds it took (0.0 when this policy was warmed already)."""
+    the seconds it took (0.0 when this policy was warmed already). While another thread warms
+    this policy, waits for it (and returns 0.0)."""
     key = _key(config)
-    if key in _WARMED:
+    with _WARMED_LOCK:
+        done = _WARMED.get(key)
+        mine = done is None
+        if done is None:
+            done = _WARMED[key] = threading.Event()
+    if not mine:
+        done.wait()
         return 0.0
-    _WARMED.add(key)
     started = time.perf_counter()
     try:
         _script(config, make)
@@ -55,7 +66,10 @@ def warm_kernels(config: TpkvConfig, make: MakeController) -> float:
         log.debug("kernel warm-up stopped early: %s", exc)
     except Exception:  # an optimisation only: never what stops a controller from starting
         log.warning("kernel warm-up failed; kernels compile on first use", exc_info=True)
+    finally:
+        done.set()
     took = time.perf_counter() - started
+    startup.add("controller_kernels", took)
     log.debug("controller kernels warm in %.2f s", took)
     return took
 

@@ -4,10 +4,16 @@ here) and the copy descriptors (CopyEngine: addresses of both sides, merged runs
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from numba import njit
 
+from tpkv import startup
+from tpkv.numba_cache import ensure_cache_dir
 from tpkv.protocol.plan import Tier
+
+ensure_cache_dir(__file__)  # before any kernel is defined: a read-only install still caches
 
 _HBM, _DRAM, _SSD, _NONE = int(Tier.HBM), int(Tier.DRAM), int(Tier.SSD), int(Tier.NONE)
 _ROW_MASK = (1 << 32) - 1  # a block id is (generation << 32) | row (tpkv.controller.table)
@@ -95,6 +101,7 @@ def merged_copies(dev_base: int, block_bytes: int, arena_ptrs: np.ndarray, slots
 
 
 _WARM = False
+_WARM_LOCK = threading.Lock()  # a second caller (tpkv.init's warm-up thread) waits for the first
 
 
 def warm() -> None:
@@ -104,14 +111,17 @@ def warm() -> None:
     global _WARM
     if _WARM:
         return
-    i64, i8 = np.int64, np.int8
-    slots = np.arange(2, dtype=i64)
-    merged_copies(1 << 30, 64, np.array([1 << 40], dtype=i64), 4, slots, slots, True, True)
-    # a MovePlan's arrays are read-only (another type to numba than writable ones)
-    ids, tier, dst_tier = slots.copy(), np.zeros(2, dtype=i8), np.ones(2, dtype=i8)
-    for a in (ids, tier, dst_tier):
-        a.setflags(write=False)
-    check_moves(slots, np.zeros(2, dtype=i8), slots, ids, tier, ids, dst_tier, ids,
-                np.full(2, -1, dtype=i64), np.full(2, -1, dtype=i64), np.zeros(2, dtype=i64),
-                np.zeros(2, dtype=i64))
-    _WARM = True
+    with _WARM_LOCK, startup.phase("worker_kernels"):
+        if _WARM:
+            return
+        i64, i8 = np.int64, np.int8
+        slots = np.arange(2, dtype=i64)
+        merged_copies(1 << 30, 64, np.array([1 << 40], dtype=i64), 4, slots, slots, True, True)
+        # a MovePlan's arrays are read-only (another type to numba than writable ones)
+        ids, tier, dst_tier = slots.copy(), np.zeros(2, dtype=i8), np.ones(2, dtype=i8)
+        for a in (ids, tier, dst_tier):
+            a.setflags(write=False)
+        check_moves(slots, np.zeros(2, dtype=i8), slots, ids, tier, ids, dst_tier, ids,
+                    np.full(2, -1, dtype=i64), np.full(2, -1, dtype=i64),
+                    np.zeros(2, dtype=i64), np.zeros(2, dtype=i64))
+        _WARM = True

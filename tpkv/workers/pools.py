@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from tpkv import startup
 from tpkv.config import GiB, HostConfig, KvGeometry
 from tpkv.errors import ConfigError, SlotError
 from tpkv.ssd.backend import PAGE_BYTES as IO_PAGE_BYTES
@@ -48,8 +49,9 @@ class HbmPool:
         try:
             # zeros, not empty: a slot never written holds finite values (attention masks
             # what lies past a session's length, and 0 * NaN would not be 0)
-            self.tensor = torch.zeros((num_slots, *geometry.block_shape),
-                                      dtype=torch_dtype(geometry.dtype), device=self.device)
+            with startup.phase("l1_alloc"):
+                self.tensor = torch.zeros((num_slots, *geometry.block_shape),
+                                          dtype=torch_dtype(geometry.dtype), device=self.device)
         except torch.OutOfMemoryError as exc:
             raise ConfigError(
                 f"L1 of {num_slots} slots x {geometry.block_bytes} bytes "
@@ -88,7 +90,8 @@ class HostPool:
     the others in order on a thread (several at once), and `ready_slots` counts the slots of
     the pinned prefix (the controller hands out only those). A copy that touches an arena not
     pinned yet waits for it (`await_pinned`). An arena cudaHostRegister refuses ends the
-    pinning there: `ready_slots` stays at the prefix and a warning says how much L2 is left.
+    pinning there: `ready_slots` stays at the prefix and a warning says how much L2 is left
+    (none when it refuses the first arena: the start goes on with L2 empty).
     """
 
     def __init__(self, geometry: KvGeometry, num_slots: int, config: HostConfig | None = None
@@ -103,6 +106,7 @@ class HostPool:
         self._maps: list[mmap.mmap] = []
         self.arenas: list[torch.Tensor] = []  # each [n, *block_shape] over one mmap
         self._bytes_views: list[np.ndarray] = []  # each [n, block_bytes] uint8 over the same mmap
+        t_map = time.perf_counter()
         for start in range(0, num_slots, self.slots_per_arena):
             n = min(self.slots_per_arena, num_slots - start)
             # One spare page after the blocks: two arenas are then never adjacent in virtual
@@ -114,6 +118,7 @@ class HostPool:
             self.arenas.append(raw.view(dtype).view(n, *geometry.block_shape))
             self._bytes_views.append(raw.numpy().reshape(n, block_bytes))
         self.arena_ptrs = np.array([a.data_ptr() for a in self.arenas], dtype=np.int64)
+        startup.add("l2_map", time.perf_counter() - t_map)
         # every block starts on a page and is whole pages long: O_DIRECT takes it as it is
         self.page_aligned = block_bytes % IO_PAGE_BYTES == 0 and bool(
             (self.arena_ptrs % IO_PAGE_BYTES == 0).all())
@@ -130,9 +135,9 @@ class HostPool:
             self.pinned = True
             self._num_ready = 0
             self._t0 = time.perf_counter()
-            self._register(0)  # the first arena before the pool is handed out
-            self._num_ready = 1
-            if len(self._maps) > 1:
+            with startup.phase("l2_first_arena"):
+                first_pinned = self._pin_first()
+            if first_pinned and len(self._maps) > 1:
                 self._pinner = threading.Thread(target=self._pin_rest, name="tpkv-l2-pin",
                                                 daemon=True)
                 self._pinner.start()
@@ -228,6 +233,23 @@ class HostPool:
             pos = np.flatnonzero(arena == a)
             out.append((int(a), pos, index[pos]))
         return out
+
+    def _pin_first(self) -> bool:
+        """Pin arena 0 before the pool is handed out; a refusal leaves L2 with no usable slot
+        (`ready_slots` 0: the controller plans without L2), with a warning: -> whether it was
+        pinned."""
+        try:
+            self._register(0)
+        except Exception as exc:  # cudaHostRegister refused (a size, a memory limit)
+            self.pin_error = f"arena 0: {exc}"
+            log.warning("L2: pinning refused the first arena (%d bytes): %s; L2 starts with "
+                        "0 of %d slots (%.2f GiB) online: the engine serves from L1 alone "
+                        "(L3 is reached through L2), recomputing what L1 drops",
+                        len(self._maps[0]), exc, self.num_slots,
+                        self.num_slots * self.block_bytes / GiB)
+            return False
+        self._num_ready = 1
+        return True
 
     def _register(self, i: int) -> None:
         cuda_rt.host_register(int(self.arena_ptrs[i]), len(self._maps[i]))

@@ -99,9 +99,9 @@ class Worker:
                  group: BoundedGroup | None = None) -> None:
         g = config.geometry
         self.config, self.rank = config, rank
-        kernels.warm()  # the plan check and the copy descriptors, compiled before serving
         self.hbm = HbmPool(g, config.l1.slots(g), device)
         self.host = HostPool(g, config.l2.slots_per_rank(g), config.l2)
+        kernels.warm()  # the plan check and the copy descriptors, compiled before serving
         self.engine = CopyEngine(self.hbm, self.host)
         self.store = (SsdStore(config.l3, g, config.model_fingerprint, rank)
                       if config.l3.enabled else None)

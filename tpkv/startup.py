@@ -1,0 +1,61 @@
+"""Where this process's start-up time goes: seconds per named phase of tpkv.init, for the benchmark.
+
+`tpkv.init` clears the record and each phase adds its wall time under its name (a phase that
+runs twice adds up); phases on a background thread record under their own names, so the sum
+may exceed the wall time of init. `bench/startup.py` reports `times()` beside its totals. Pure
+bookkeeping: importing this module imports nothing heavy, and recording never raises.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_TIMES: dict[str, float] = {}
+_LOCK = threading.Lock()
+
+
+def add(name: str, seconds: float) -> None:
+    """Add `seconds` to phase `name`."""
+    with _LOCK:
+        _TIMES[name] = _TIMES.get(name, 0.0) + seconds
+
+
+@contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Time the body as phase `name` (also when it raises)."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        add(name, time.perf_counter() - started)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Hold off Python's cyclic garbage collector in the body (imports of torch and numba, init):
+    nearly every object made there lives as long as the process, so its collections (hundreds,
+    a few of them full passes over the whole heap) free nothing and cost 0.1-0.5 s here. Left
+    off if it was off; the collector resumes its usual schedule after."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def reset() -> None:
+    """Forget every phase (tpkv.init calls this as it starts)."""
+    with _LOCK:
+        _TIMES.clear()
+
+
+def times() -> dict[str, float]:
+    """Seconds per phase recorded since the last reset, in the order they were first recorded."""
+    with _LOCK:
+        return dict(_TIMES)
