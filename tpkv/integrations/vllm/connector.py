@@ -3,10 +3,10 @@
 Turn it on with
 `KVTransferConfig(kv_connector="TpkvConnector", kv_connector_module_path="tpkv.integrations.vllm",
 kv_role="kv_both", kv_load_failure_policy="recompute")` (or the same as JSON in `vllm serve
---kv-transfer-config`); "recompute" makes vLLM recompute a block that fails tpkv's checks
-instead of failing the request. The scheduler side
-(a Planner) keeps the prefix index; the worker side (a BlockCopier per rank) copies blocks. Loads
-are synchronous, whole blocks, before the step's forward; saves after it.
+--kv-transfer-config`); "recompute" makes vLLM recompute a block that fails tpkv's checks instead
+of failing the request. The scheduler side (a Planner) keeps the prefix index; the worker side (a
+BlockCopier per rank) copies blocks. Loads are synchronous, whole blocks, before the step's
+forward; saves after it.
 """
 
 from __future__ import annotations
