@@ -84,3 +84,13 @@ def test_eviction_is_lru_spares_kept_keys_and_stops_without_room() -> None:
     write, drop = index.reserve(keys_of([60] * 8), keep=[old[1]])
     assert write == [] and drop == []
     assert len(index) == 3 and index.stats.evicted == 2
+
+
+def test_clear_returns_stored_and_pending_keys() -> None:
+    index = PrefixIndex(capacity_blocks=8)
+    keys = keys_of(list(range(12)))
+    index.reserve(keys)
+    index.confirm(keys[:2])
+    assert sorted(index.clear()) == sorted(keys)
+    index.confirm(keys)  # a late confirmation of a cleared key
+    assert len(index) == 0 and index.match(keys) == 0

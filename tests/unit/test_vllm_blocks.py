@@ -167,3 +167,39 @@ def test_layouts_that_cannot_be_copied_by_block_are_refused() -> None:
     # two kernel blocks per vLLM block: one block is both
     names, views = block_views({"l0": torch.zeros(2 * NUM_BLOCKS, 4)}, NUM_BLOCKS)
     assert names == ["l0"] and views[0].shape == (NUM_BLOCKS, 32)
+
+
+def test_reset_forgets_every_block_and_drops_it_on_the_ranks() -> None:
+    copier = BlockCopier(1 << 20)
+    copier.register(kv_caches(), NUM_BLOCKS)
+    planner = Planner(BT, SEED, capacity_blocks=64)
+    prompt = list(range(13))
+    planner.matched_tokens(request("a", prompt), 0)
+    plan = planner.plan([("a", 8)], lambda r: [0, 1, 2, 3])  # blocks 0, 1: pending
+    planner.reset()  # while their saves are in flight
+    copier.load(plan.loads)
+    copier.apply_after_forward(plan)
+    report = copier.take_report()
+    assert report is not None and len(report.saved) == 2
+    planner.report(report)  # confirmations of forgotten keys are ignored
+    assert planner.index.num_stored == 0
+    assert planner.matched_tokens(request("b", list(prompt)), 0) == 0
+    store = copier.store
+    assert store is not None and len(store) == 2
+    run_step(planner, copier, [], {})  # the next plan drops them on every rank
+    assert len(store) == 0
+
+
+def test_connector_options_are_checked() -> None:
+    from tpkv.integrations.vllm.options import DEFAULT_HOST_BYTES, ConnectorOptions
+
+    assert ConnectorOptions.from_extra(None).host_bytes == DEFAULT_HOST_BYTES
+    opts = ConnectorOptions.from_extra({"host_bytes": "64MiB", "model_fingerprint": "m-1"})
+    assert opts.host_bytes == 64 << 20 and opts.model_fingerprint == "m-1"
+    with pytest.raises(ConfigError, match=r"keys tpkv does not know: \['host_byte'\]"):
+        ConnectorOptions.from_extra({"host_byte": 1})
+    for bad in (0, -5, True, 1.5, "lots"):
+        with pytest.raises(ConfigError):
+            ConnectorOptions.from_extra({"host_bytes": bad})
+    with pytest.raises(ConfigError):
+        ConnectorOptions.from_extra({"model_fingerprint": " "})

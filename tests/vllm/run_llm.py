@@ -1,9 +1,9 @@
 """Runs offline vLLM on a tiny random Llama with or without tpkv's connector; writes JSON results.
 
 `python tests/vllm/run_llm.py MODEL_DIR OUT_JSON {baseline,tpkv}`. Each round is one
-LLM.generate call of its prompts (greedy, ignore_eos); rounds run in order in one engine. vLLM's
-own prefix cache is off, so every repeated prefix is the connector's to serve. The entry point
-stays under __main__: vLLM spawns its engine core and workers.
+LLM.generate call of its prompts (greedy, ignore_eos); rounds run in order in one engine, most
+after emptying vLLM's own prefix cache. The entry point stays under __main__: vLLM spawns its
+engine core and workers.
 """
 
 from __future__ import annotations
@@ -33,8 +33,11 @@ def make_model(path: str) -> None:
     LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
 
 
-def rounds() -> list[list[tuple[str, list[int]]]]:
-    """Named prompts by round (token ids in 2..498; 499 marks blocks the sabotage damages)."""
+def rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
+    """(what to empty first, named prompts) by round; token ids in 2..498 (499 marks the blocks
+    the sabotage damages). "vllm" empties vLLM's own prefix cache, standing for vLLM having
+    evicted those blocks (what it no longer holds, the connector serves); "all" the connector's
+    blocks too."""
     def seq(start: int, n: int) -> list[int]:
         return [2 + (start + 7 * i) % 490 for i in range(n)]
 
@@ -42,13 +45,16 @@ def rounds() -> list[list[tuple[str, list[int]]]]:
     a = system + seq(300, 36)  # 100 tokens: 3 full blocks and 4 more
     corrupt = seq(50, 32) + [499] + seq(90, 31) + seq(120, 40)  # its block 1 starts with 499
     return [
-        [("a", a)],
-        [("a_again", a)],  # every full block but the last token's is loaded
-        [("b", system + seq(200, 40)), ("c", system + seq(400, 45))],  # share 2 blocks, one step
+        ("", [("a", a)]),
+        ("vllm", [("a_again", a)]),  # every full block but the last token's is loaded
+        ("vllm", [("b", system + seq(200, 40)), ("c", system + seq(400, 45))]),  # share 2 blocks
+        # vLLM's own cache holds the system prompt (from b, c); the connector adds a's block 2
+        ("", [("a_third", a)]),
         # a new shared prefix asked by two prompts in one step: written once
-        [("d", seq(10, 64) + seq(250, 33)), ("e", seq(10, 64) + seq(350, 50))],
-        [("corrupt", corrupt)],
-        [("corrupt_again", corrupt)],  # block 0 loads, block 1 fails its check: recomputed
+        ("vllm", [("d", seq(10, 64) + seq(250, 33)), ("e", seq(10, 64) + seq(350, 50))]),
+        ("vllm", [("corrupt", corrupt)]),
+        ("vllm", [("corrupt_again", corrupt)]),  # block 0 loads, block 1 fails its check
+        ("all", [("a_forgotten", a)]),  # nothing to load: written again
     ]
 
 
@@ -67,12 +73,14 @@ def main() -> None:
             kv_connector_extra_config={"host_bytes": "64MiB"})
     began = time.perf_counter()
     llm = LLM(model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
-              block_size=BLOCK_TOKENS, enable_prefix_caching=False, enforce_eager=True, seed=0,
+              block_size=BLOCK_TOKENS, enable_prefix_caching=True, enforce_eager=True, seed=0,
               **kwargs)
     started_s = time.perf_counter() - began
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     results = []
-    for batch in rounds():
+    for reset, batch in rounds():
+        if reset and not llm.reset_prefix_cache(reset_connector=reset == "all"):
+            raise RuntimeError(f"vLLM refused to empty its prefix cache ({reset})")
         outs = llm.generate([{"prompt_token_ids": p} for _, p in batch], params, use_tqdm=False)
         for (name, prompt), out in zip(batch, outs):
             results.append({"name": name, "prompt": prompt,

@@ -87,10 +87,21 @@ def test_a_repeated_prompt_loads_its_blocks(runs: Any) -> None:
 
 def test_a_prefix_shared_with_an_earlier_prompt_is_loaded(runs: Any) -> None:
     _, tpkv = runs
-    for name in ("b", "c"):  # share a's first two blocks (the "system prompt")
-        stats = tpkv_stats(tpkv["by_name"][name])
-        assert stats["matched_tokens"] == 64 and stats["failed_load_blocks"] == 0, name
-        assert stats["deduplicated_blocks"] == 2 and stats["written_blocks"] == 1, name
+    b, c = tpkv["by_name"]["b"], tpkv["by_name"]["c"]  # share a's first two blocks, one step
+    assert tpkv_stats(b)["matched_tokens"] == 64 and tpkv_stats(b)["failed_load_blocks"] == 0
+    # c, scheduled after b in the same step, finds those blocks in vLLM's own cache
+    assert tpkv_stats(c)["matched_tokens"] == 0 and c["num_cached_tokens"] == 64
+    for r in (b, c):
+        stats = tpkv_stats(r)
+        assert stats["deduplicated_blocks"] == 2 and stats["written_blocks"] == 1, r["name"]
+
+
+def test_the_connector_serves_only_what_vllm_no_longer_holds(runs: Any) -> None:
+    _, tpkv = runs
+    third = tpkv["by_name"]["a_third"]
+    # vLLM's own cache held the two system-prompt blocks (from b and c); tpkv loaded block 2
+    assert tpkv_stats(third)["matched_tokens"] == 32
+    assert third["num_cached_tokens"] == 96
 
 
 def test_a_shared_prefix_is_stored_once(runs: Any) -> None:
@@ -98,12 +109,21 @@ def test_a_shared_prefix_is_stored_once(runs: Any) -> None:
     d, e = tpkv["by_name"]["d"], tpkv["by_name"]["e"]  # a new shared prefix, in one step
     written = tpkv_stats(d)["written_blocks"] + tpkv_stats(e)["written_blocks"]
     assert written == len(computed_prefixes(d) | computed_prefixes(e)) == 4
+    before_reset = tpkv["results"][:-1]
     distinct: set[tuple[int, ...]] = set()
-    for r in tpkv["results"]:
+    for r in before_reset:
         distinct |= computed_prefixes(r)
-    # nothing was evicted (64 MiB hold 2048 blocks): the index holds each distinct block once
-    assert tpkv_stats(tpkv["results"][-1])["index_blocks"] == len(distinct)
-    assert sum(tpkv_stats(r)["written_blocks"] for r in tpkv["results"]) == len(distinct) + 1
+    # nothing was evicted (64 MiB hold 2048 blocks): the index holds each distinct block once;
+    # one block was written twice (stored again after its damaged record failed its check)
+    assert tpkv_stats(before_reset[-1])["index_blocks"] == len(distinct) == 12
+    assert sum(tpkv_stats(r)["written_blocks"] for r in before_reset) == len(distinct) + 1
+
+
+def test_resetting_the_connector_forgets_its_blocks(runs: Any) -> None:
+    _, tpkv = runs
+    stats = tpkv_stats(tpkv["by_name"]["a_forgotten"])
+    assert stats["matched_tokens"] == 0 and stats["written_blocks"] == 3
+    assert stats["index_blocks"] == 3
 
 
 def test_a_corrupt_record_is_recomputed_never_served(runs: Any) -> None:

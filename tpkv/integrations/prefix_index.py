@@ -146,6 +146,14 @@ class PrefixIndex:
                 self._stored.pop(key, None)
                 self.stats.forgotten += 1
 
+    def clear(self) -> list[bytes]:
+        """Forget every key, stored or pending; return them (the store is to drop them). A
+        pending key's later confirmation is ignored."""
+        keys = list(self._stored) + sorted(self._pending)
+        self._stored.clear()
+        self._pending.clear()
+        return keys
+
     def _evict_one(self, protected: set[bytes], to_drop: list[bytes]) -> bool:
         for key in self._stored:
             if key not in protected:

@@ -162,6 +162,12 @@ class TpkvConnector(KVConnectorBase_V1):
         if self.planner is not None and isinstance(meta, TpkvWorkerMetadata):
             self.planner.report(meta.report)
 
+    def reset_cache(self) -> bool | None:
+        if self.planner is None:
+            return None
+        self.planner.reset()
+        return True
+
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         assert self.planner is not None

@@ -38,6 +38,7 @@ class Planner:
         self.seed = seed
         self.index = PrefixIndex(capacity_blocks)
         self._reqs: dict[str, _Req] = {}
+        self._drops: list[bytes] = []  # keys forgotten by reset, for the next plan
 
     def _keys(self, req: _Req, num_tokens: int) -> list[bytes]:
         tokens = req.request.all_token_ids
@@ -82,7 +83,8 @@ class Planner:
              block_ids_of: Callable[[str], Sequence[int]]) -> StepPlan:
         """This step's plan: the loads planned since the last one, and for each scheduled
         (request id, tokens computed once this step ran) the saves of its newly full blocks."""
-        plan = StepPlan()
+        plan = StepPlan(drops=self._drops)
+        self._drops = []
         loading: list[bytes] = []
         for pending in self._reqs.values():
             if pending.load is not None:
@@ -123,6 +125,11 @@ class Planner:
             if req is not None:
                 req.saved_upto = min(req.saved_upto, first)
                 req.failed_load_blocks += len(report.failed_loads & set(req.keys[first:]))
+
+    def reset(self) -> None:
+        """Forget every stored block (vLLM's reset_prefix_cache(reset_connector=True)): the
+        next plan drops them on every rank, and nothing matches until written again."""
+        self._drops.extend(self.index.clear())
 
     def finished(self, req_id: str) -> dict[str, int]:
         """Forget a finished request; what it got from and gave to the store."""
