@@ -45,10 +45,11 @@ def run(model_dir: Path, out: Path, mode: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
+def runs(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path
+         ) -> tuple[dict[str, Any], dict[str, Any]]:
     root = tmp_path_factory.mktemp("vllm")
-    base = run(root / "tiny-llama", root / "baseline.json", "baseline")
-    tpkv = run(root / "tiny-llama", root / "tpkv.json", "tpkv")
+    base = run(tiny_llama, root / "baseline.json", "baseline")
+    tpkv = run(tiny_llama, root / "tpkv.json", "tpkv")
     return base, tpkv
 
 
