@@ -94,3 +94,18 @@ def test_clear_returns_stored_and_pending_keys() -> None:
     assert sorted(index.clear()) == sorted(keys)
     index.confirm(keys)  # a late confirmation of a cleared key
     assert len(index) == 0 and index.match(keys) == 0
+
+
+def test_a_chain_is_evicted_deepest_block_first() -> None:
+    index = PrefixIndex(capacity_blocks=4)
+    chain = keys_of(list(range(12)))  # 3 blocks
+    index.confirm(index.reserve(chain)[0])
+    _, drop = index.reserve(keys_of([70] * 8))  # room for 2 more: 1 evicted
+    assert drop == [chain[2]]
+    assert index.match(chain) == 2
+    # a match served from the index touches the chain deepest first: its root stays longest
+    other = keys_of([70] * 8)
+    index.confirm(other)
+    index.touch(reversed(chain[:2]))
+    _, drop = index.reserve(keys_of([80] * 12))
+    assert drop == [other[1], other[0], chain[1]]

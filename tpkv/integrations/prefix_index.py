@@ -76,8 +76,11 @@ class PrefixIndex:
     def __init__(self, capacity_blocks: int) -> None:
         check_int("capacity_blocks", capacity_blocks)
         self.capacity_blocks = capacity_blocks
-        self._stored: OrderedDict[bytes, None] = OrderedDict()  # oldest use first
-        self._pending: set[bytes] = set()
+        # Oldest use first. Chains are touched and confirmed deepest first, so a chain's deeper
+        # blocks usually go before its parents; a block whose parent went first no longer
+        # matches (matches are prefixes) and ages out.
+        self._stored: OrderedDict[bytes, None] = OrderedDict()
+        self._pending: dict[bytes, None] = {}  # in the order reserved (parents first)
         self.stats = IndexStats()
 
     def __len__(self) -> int:
@@ -104,7 +107,8 @@ class PrefixIndex:
         return n
 
     def touch(self, keys: Iterable[bytes]) -> None:
-        """Mark stored keys as just used (they go last in the eviction order)."""
+        """Mark stored keys as just used, the last one most recently (callers pass a chain
+        deepest first, so that its parent is evicted after it)."""
         for key in keys:
             if key in self._stored:
                 self._stored.move_to_end(key)
@@ -118,31 +122,34 @@ class PrefixIndex:
         protected = set(keep).union(keys)
         to_write: list[bytes] = []
         to_drop: list[bytes] = []
+        held: list[bytes] = []
         for key in keys:
             self.stats.reserved += 1
             if key in self._stored or key in self._pending:
                 self.stats.deduplicated += 1
-                self.touch((key,))
+                held.append(key)
                 continue
             if len(self) >= self.capacity_blocks and not self._evict_one(protected, to_drop):
                 break
-            self._pending.add(key)
+            self._pending[key] = None
             to_write.append(key)
+        self.touch(reversed(held))
         return to_write, to_drop
 
     def confirm(self, keys: Iterable[bytes]) -> None:
-        """The store holds these keys now (pending -> stored; unknown keys are ignored)."""
-        for key in keys:
-            if key in self._pending:
-                self._pending.discard(key)
-                self._stored[key] = None
-                self.stats.confirmed += 1
+        """The store holds these keys now (pending -> stored, children before parents in the
+        use order; unknown keys are ignored)."""
+        done = set(keys)
+        for key in reversed([k for k in self._pending if k in done]):
+            del self._pending[key]
+            self._stored[key] = None
+            self.stats.confirmed += 1
 
     def forget(self, keys: Iterable[bytes]) -> None:
         """The store failed to write or to serve these keys: they no longer match."""
         for key in keys:
             if key in self._pending or key in self._stored:
-                self._pending.discard(key)
+                self._pending.pop(key, None)
                 self._stored.pop(key, None)
                 self.stats.forgotten += 1
 
