@@ -203,3 +203,31 @@ def test_connector_options_are_checked() -> None:
             ConnectorOptions.from_extra({"host_bytes": bad})
     with pytest.raises(ConfigError):
         ConnectorOptions.from_extra({"model_fingerprint": " "})
+
+
+def test_lora_salt_and_multimodal_requests_never_share_plain_blocks() -> None:
+    copier = BlockCopier(1 << 20)
+    copier.register(kv_caches(), NUM_BLOCKS)
+    planner = Planner(BT, SEED, capacity_blocks=64)
+    prompt = list(range(13))
+    planner.matched_tokens(request("plain", prompt), 0)
+    run_step(planner, copier, [("plain", 13)], {"plain": [0, 1, 2, 3]})
+    assert planner.matched_tokens(request("again", list(prompt)), 0) == 12
+
+    lora = SimpleNamespace(lora_name="adapter", lora_path="/a", lora_int_id=1)
+    salted = [SimpleNamespace(request_id="lora", all_token_ids=list(prompt), lora_request=lora),
+              SimpleNamespace(request_id="salt", all_token_ids=list(prompt), cache_salt="s1")]
+    for req in salted:
+        assert planner.matched_tokens(req, 0) == 0, req.request_id
+    # their own blocks are stored under their own keys, and serve their own kind
+    run_step(planner, copier, [("lora", 13)], {"lora": [4, 5, 6, 7]})
+    assert planner.index.num_stored == 6
+    twin = SimpleNamespace(request_id="lora2", all_token_ids=list(prompt), lora_request=lora)
+    assert planner.matched_tokens(twin, 0) == 12
+    assert planner.matched_tokens(SimpleNamespace(
+        request_id="salt2", all_token_ids=list(prompt), cache_salt="s2"), 0) == 0
+
+    image = SimpleNamespace(request_id="mm", all_token_ids=list(prompt), mm_features=[object()])
+    assert planner.matched_tokens(image, 0) == 0
+    plan = planner.plan([("mm", 13)], lambda r: [8, 9, 10, 11])
+    assert plan.saves == [] and planner.finished("mm")["written_blocks"] == 0

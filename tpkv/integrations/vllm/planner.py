@@ -6,6 +6,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from tpkv.checks import check_int
 from tpkv.integrations.prefix_index import PrefixIndex, extend_chain
 from tpkv.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, StepReport
@@ -15,7 +17,8 @@ from tpkv.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, StepReport
 class _Req:
     """What the planner keeps of one live request."""
 
-    request: Any  # vllm.v1.request.Request: read for all_token_ids only
+    request: Any  # vllm.v1.request.Request: read, never changed
+    seed: bytes | None  # the chain's seed for this request; None: its KV is not the tokens'
     keys: list[bytes] = field(default_factory=list)
     local_tokens: int = 0  # tokens vLLM's own prefix cache held at the last match
     matched_tokens: int = 0  # tokens the store promised beyond them
@@ -30,7 +33,9 @@ class Planner:
     """Owns the prefix index. Per request: the chain keys of its full blocks; at the first
     schedule, the leading keys the index holds beyond vLLM's own cache (a load); every step, the
     blocks that became full and computed (saves of the keys the index did not hold). The last
-    token of a prompt is never served: vLLM computes at least one token to sample from."""
+    token of a prompt is never served: vLLM computes at least one token to sample from. A
+    request's chain starts from its own seed (request_seed): LoRA adapters and cache salts
+    never share blocks with plain requests, multimodal ones are not cached."""
 
     def __init__(self, block_tokens: int, seed: bytes, capacity_blocks: int) -> None:
         check_int("block_tokens", block_tokens)
@@ -40,11 +45,29 @@ class Planner:
         self._reqs: dict[str, _Req] = {}
         self._drops: list[bytes] = []  # keys forgotten by reset, for the next plan
 
+    def request_seed(self, request: Any) -> bytes | None:
+        """The chain seed of a request: the model's, salted by a LoRA adapter and vLLM's
+        cache_salt when it has them (their KV differs, or must not be shared). None for a
+        request whose KV its token ids do not decide (images and other multimodal inputs,
+        prompt embeddings): it is neither served nor stored."""
+        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds",
+                                                            None) is not None:
+            return None
+        lora = getattr(request, "lora_request", None)
+        salt = getattr(request, "cache_salt", None)
+        if lora is None and not salt:
+            return self.seed
+        extra = (f"|lora={getattr(lora, 'lora_name', None)}|{getattr(lora, 'lora_path', None)}"
+                 f"|salt={salt}")
+        return xxhash.xxh3_128_digest(self.seed + extra.encode())
+
     def _keys(self, req: _Req, num_tokens: int) -> list[bytes]:
+        if req.seed is None:
+            return []
         tokens = req.request.all_token_ids
         upto = min(num_tokens, len(tokens)) // self.block_tokens * self.block_tokens
         if len(req.keys) * self.block_tokens < upto:
-            extend_chain(req.keys, tokens[:upto], self.block_tokens, self.seed)
+            extend_chain(req.keys, tokens[:upto], self.block_tokens, req.seed)
         return req.keys[:upto // self.block_tokens]
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
@@ -52,7 +75,7 @@ class Planner:
         can load. Called again for the same request, it answers from the index as it is now."""
         req = self._reqs.get(request.request_id)
         if req is None or req.request is not request:
-            req = self._reqs[request.request_id] = _Req(request)
+            req = self._reqs[request.request_id] = _Req(request, self.request_seed(request))
         req.local_tokens, req.matched_tokens, req.load = num_computed_tokens, 0, None
         if num_computed_tokens % self.block_tokens:
             return 0
@@ -108,7 +131,8 @@ class Planner:
             tokens = req.request.all_token_ids
             for i in range(req.saved_upto, req.saved_upto + len(new)):
                 if keys[i] in wanted:
-                    parent = keys[i - 1] if i else self.seed
+                    parent = keys[i - 1] if i else req.seed
+                    assert parent is not None  # a request without a seed has no keys
                     chunk = tuple(tokens[i * self.block_tokens:(i + 1) * self.block_tokens])
                     plan.saves.append(SaveSpec(req_id, int(ids[i]), keys[i], parent, chunk))
             req.saved_upto += len(new)
