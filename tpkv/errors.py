@@ -124,3 +124,8 @@ class WaitTimeoutError(TpkvError, TimeoutError):
 
 class LaunchError(TpkvError, RuntimeError):
     """Starting or joining a tpkv TP group failed (rendezvous, Ray, placement group, the app)."""
+
+
+class KvLayoutError(TpkvError, ValueError):
+    """An engine's KV cache (vLLM's) is laid out in a way tpkv cannot copy block by block; the
+    message names the layer, its shape and strides."""

@@ -1,0 +1,96 @@
+"""Runs offline vLLM on a tiny random Llama with or without tpkv's connector; writes JSON results.
+
+`python tests/vllm/run_llm.py MODEL_DIR OUT_JSON {baseline,tpkv}`. Each round is one
+LLM.generate call of its prompts (greedy, ignore_eos); rounds run in order in one engine, most
+after emptying vLLM's own prefix cache. The entry point stays under __main__: vLLM spawns its
+engine core and workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+BLOCK_TOKENS = 32
+MAX_TOKENS = 8
+
+
+def make_model(path: str) -> None:
+    """A 2-layer Llama (head_dim 32, the smallest vLLM's CPU attention takes), random weights
+    drawn wide so that greedy picks have clear margins."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, initializer_range=0.2,
+                      bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
+
+
+def rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
+    """(what to empty first, named prompts) by round; token ids in 2..498 (499 marks the blocks
+    the sabotage damages). "vllm" empties vLLM's own prefix cache, standing for vLLM having
+    evicted those blocks (what it no longer holds, the connector serves); "all" the connector's
+    blocks too."""
+    def seq(start: int, n: int) -> list[int]:
+        return [2 + (start + 7 * i) % 490 for i in range(n)]
+
+    system = seq(0, 64)  # two full blocks shared by several prompts
+    a = system + seq(300, 36)  # 100 tokens: 3 full blocks and 4 more
+    corrupt = seq(50, 32) + [499] + seq(90, 31) + seq(120, 40)  # its block 1 starts with 499
+    return [
+        ("", [("a", a)]),
+        ("vllm", [("a_again", a)]),  # every full block but the last token's is loaded
+        ("vllm", [("b", system + seq(200, 40)), ("c", system + seq(400, 45))]),  # share 2 blocks
+        # vLLM's own cache holds the system prompt (from b, c); the connector adds a's block 2
+        ("", [("a_third", a)]),
+        # a new shared prefix asked by two prompts in one step: written once
+        ("vllm", [("d", seq(10, 64) + seq(250, 33)), ("e", seq(10, 64) + seq(350, 50))]),
+        ("vllm", [("corrupt", corrupt)]),
+        ("vllm", [("corrupt_again", corrupt)]),  # block 0 loads, block 1 fails its check
+        ("all", [("a_forgotten", a)]),  # nothing to load: written again
+    ]
+
+
+def main() -> None:
+    model_dir, out_path, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    make_model(model_dir)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict = {}
+    if mode == "tpkv":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="SabotagedTpkvConnector", kv_connector_module_path="sabotage",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"host_bytes": "64MiB"})
+    began = time.perf_counter()
+    llm = LLM(model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
+              block_size=BLOCK_TOKENS, enable_prefix_caching=True, enforce_eager=True, seed=0,
+              **kwargs)
+    started_s = time.perf_counter() - began
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    results = []
+    for reset, batch in rounds():
+        if reset and not llm.reset_prefix_cache(reset_connector=reset == "all"):
+            raise RuntimeError(f"vLLM refused to empty its prefix cache ({reset})")
+        outs = llm.generate([{"prompt_token_ids": p} for _, p in batch], params, use_tqdm=False)
+        for (name, prompt), out in zip(batch, outs):
+            results.append({"name": name, "prompt": prompt,
+                            "tokens": list(out.outputs[0].token_ids),
+                            "num_cached_tokens": out.num_cached_tokens,
+                            "kv_transfer_params": out.kv_transfer_params})
+    with open(out_path, "w") as f:
+        json.dump({"mode": mode, "start_s": started_s,
+                   "total_s": time.perf_counter() - began, "results": results}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Bridges from serving engines to tpkv's tiers (vLLM's KV connector: tpkv.integrations.vllm)."""

@@ -1,0 +1,174 @@
+"""TpkvConnector: vLLM's KV connector (v1) over tpkv's content-addressed block store.
+
+Turn it on with
+`KVTransferConfig(kv_connector="TpkvConnector", kv_connector_module_path="tpkv.integrations.vllm",
+kv_role="kv_both", kv_load_failure_policy="recompute")` (or the same as JSON in `vllm serve
+--kv-transfer-config`); "recompute" makes vLLM recompute a block that fails tpkv's checks instead
+of failing the request. The scheduler side (a Planner) keeps the prefix index; the worker side (a
+BlockCopier per rank) copies blocks. Loads are synchronous, whole blocks, before the step's
+forward; saves after it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from tpkv.errors import KvLayoutError
+from tpkv.integrations.prefix_index import chain_seed
+from tpkv.integrations.vllm.copier import BlockCopier
+from tpkv.integrations.vllm.options import ConnectorOptions, vllm_fingerprint
+from tpkv.integrations.vllm.plan import StepPlan, StepReport
+from tpkv.integrations.vllm.planner import Planner
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TpkvConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers: one step's plan."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass
+class TpkvWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: one step's report (merged over ranks by vLLM)."""
+
+    report: StepReport = field(default_factory=StepReport)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, TpkvWorkerMetadata):
+            raise TypeError(f"cannot merge a {type(other).__name__} into TpkvWorkerMetadata")
+        return TpkvWorkerMetadata(self.report.merge(other.report))
+
+
+def _block_bytes(kv_cache_config: KVCacheConfig) -> int:
+    """Bytes of one block over every attention layer on one rank (one KV cache group only)."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise KvLayoutError(f"TpkvConnector handles one KV cache group, the model has "
+                            f"{len(groups)}")
+    return int(groups[0].kv_cache_spec.page_size_bytes) * len(groups[0].layer_names)
+
+
+class TpkvConnector(KVConnectorBase_V1):
+    """vLLM serves prompt prefixes from tpkv: see the module docstring."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.options = ConnectorOptions.from_extra(
+            self._kv_transfer_config.kv_connector_extra_config)
+        self.block_tokens = int(vllm_config.cache_config.block_size)
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            log.warning("TpkvConnector: kv_load_failure_policy is %r: a block that fails its "
+                        "check fails its request; set it to 'recompute' to have vLLM recompute "
+                        "the block", self._kv_transfer_config.kv_load_failure_policy)
+        self.planner: Planner | None = None
+        self.copier: BlockCopier | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            seed = chain_seed(vllm_fingerprint(vllm_config, self.options), self.block_tokens)
+            capacity = max(self.options.host_bytes // _block_bytes(kv_cache_config), 1)
+            self.planner = Planner(self.block_tokens, seed, capacity)
+        else:
+            self.copier = BlockCopier(self.options.host_bytes)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a later miss, never lost work
+
+    # ---- worker side ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.copier is not None
+        self.copier.register(kv_caches, int(self._kv_cache_config.num_blocks))
+
+    def _plan(self) -> StepPlan:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TpkvConnectorMetadata)
+        return meta.plan
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.copier is not None
+        self.copier.load(self._plan().loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # every load is done in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return  # whole blocks are copied in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self.copier is not None
+        self.copier.apply_after_forward(self._plan())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.copier.take_failed_block_ids() if self.copier is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        report = self.copier.take_report() if self.copier is not None else None
+        return None if report is None else TpkvWorkerMetadata(report)
+
+    # ---- scheduler side -------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        assert self.planner is not None
+        return self.planner.matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self.planner is not None
+        self.planner.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.planner is not None and self._kv_cache_manager is not None
+        counts = scheduler_output.num_scheduled_tokens
+        scheduled = [(r.req_id, r.num_computed_tokens + counts.get(r.req_id, 0))
+                     for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        scheduled += [(req_id, cached.num_computed_tokens[i] + counts.get(req_id, 0))
+                      for i, req_id in enumerate(cached.req_ids)]
+        manager = self._kv_cache_manager
+        plan = self.planner.plan(scheduled, lambda req_id: manager.get_block_ids(req_id)[0])
+        return TpkvConnectorMetadata(plan)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if self.planner is not None and isinstance(meta, TpkvWorkerMetadata):
+            self.planner.report(meta.report)
+
+    def reset_cache(self) -> bool | None:
+        if self.planner is None:
+            return None
+        self.planner.reset()
+        return True
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.planner is not None
+        return False, {"tpkv": self.planner.finished(request.request_id)}

@@ -1,0 +1,112 @@
+"""Worker side: copies vLLM's paged KV blocks to and from the rank's block store, exactly."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tpkv.errors import KvLayoutError
+from tpkv.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, StepReport
+from tpkv.integrations.vllm.store import HostBlockStore
+
+log = logging.getLogger(__name__)
+
+
+def block_views(kv_caches: dict[str, torch.Tensor], num_blocks: int
+                ) -> tuple[list[str], list[torch.Tensor]]:
+    """Each layer's KV cache as [num_blocks, page_bytes] uint8 (a view, no copy). vLLM puts the
+    block index first in every layer's tensor (one page a block, or several kernel blocks a
+    block); anything else is a KvLayoutError naming the layer and its shape."""
+    if not kv_caches:
+        raise KvLayoutError("vLLM registered no KV cache layers")
+    names, views = [], []
+    for name, t in kv_caches.items():
+        if not isinstance(t, torch.Tensor):
+            raise KvLayoutError(f"layer {name!r}: KV cache is a {type(t).__name__}, not a tensor")
+        if t.dim() < 1 or t.shape[0] % num_blocks or not t.is_contiguous():
+            raise KvLayoutError(
+                f"layer {name!r}: KV cache of shape {tuple(t.shape)} and strides {t.stride()} "
+                f"is not {num_blocks} contiguous blocks along dim 0")
+        flat = t.reshape(-1).view(torch.uint8)
+        views.append(flat.view(num_blocks, -1))
+        names.append(name)
+    pages = {v.shape[1] for v in views}
+    if len(pages) != 1:
+        raise KvLayoutError(f"layers have different block sizes in bytes: {sorted(pages)}")
+    return names, views
+
+
+class BlockCopier:
+    """A rank's half of the connector: applies each step's plan to vLLM's KV cache and the
+    block store, and reports what happened. A block that cannot be served exactly is reported
+    as a failed load (vLLM recomputes it); a save of a request whose load failed this step is
+    not made (its KV was computed over blocks that were not loaded)."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.layer_names: list[str] = []
+        self._views: list[torch.Tensor] = []
+        self.store: HostBlockStore | None = None
+        self._report = StepReport()
+        self._failed_block_ids: set[int] = set()
+        self.num_loaded_blocks = 0
+        self.num_saved_blocks = 0
+
+    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        self.layer_names, self._views = block_views(kv_caches, num_blocks)
+        shape = (len(self._views), int(self._views[0].shape[1]))
+        self.store = HostBlockStore(self.capacity_bytes, shape)
+
+    def load(self, loads: list[LoadSpec]) -> None:
+        """Copy each load's stored blocks into its vLLM blocks; a miss or a record that does not
+        check out is a failed block (reported by take_failed_block_ids)."""
+        for spec in loads:
+            for pos, (block_id, key) in enumerate(zip(spec.block_ids, spec.keys)):
+                data = self.store.get(key) if self.store is not None else None
+                if data is None:
+                    self._fail_load(spec, pos, block_id, key)
+                    continue
+                src = torch.from_numpy(data)
+                for layer, view in enumerate(self._views):
+                    view[block_id].copy_(src[layer])
+                self.num_loaded_blocks += 1
+
+    def save(self, saves: list[SaveSpec]) -> None:
+        """Copy the named vLLM blocks into the store."""
+        for spec in saves:
+            if spec.req_id in self._report.failed_load_reqs or self.store is None:
+                self._report.failed_saves.add(spec.key)
+                continue
+            rows = [view[spec.block_id] for view in self._views]
+            data = torch.stack(rows).cpu().numpy()
+            if self.store.put(spec.key, spec.parent, spec.tokens, data):
+                self._report.saved.add(spec.key)
+                self.num_saved_blocks += 1
+            else:
+                self._report.failed_saves.add(spec.key)
+
+    def drop(self, keys: list[bytes]) -> None:
+        if self.store is not None:
+            for key in keys:
+                self.store.drop(key)
+
+    def apply_after_forward(self, plan: StepPlan) -> None:
+        self.save(plan.saves)
+        self.drop(plan.drops)
+
+    def take_failed_block_ids(self) -> set[int]:
+        failed, self._failed_block_ids = self._failed_block_ids, set()
+        return failed
+
+    def take_report(self) -> StepReport | None:
+        report, self._report = self._report, StepReport()
+        return report if report else None
+
+    def _fail_load(self, spec: LoadSpec, pos: int, block_id: int, key: bytes) -> None:
+        self._failed_block_ids.add(block_id)
+        self._report.failed_loads.add(key)
+        first = spec.first_block + pos
+        prev = self._report.failed_load_reqs.get(spec.req_id, first)
+        self._report.failed_load_reqs[spec.req_id] = min(prev, first)
+

@@ -1,0 +1,61 @@
+"""What the scheduler side tells the workers each step, and what a worker reports back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoadSpec:
+    """Copy the stored blocks `keys` into vLLM blocks `block_ids` (the request's logical blocks
+    first_block, first_block + 1, ...) before this step's forward."""
+
+    req_id: str
+    first_block: int
+    block_ids: list[int]
+    keys: list[bytes]
+
+
+@dataclass
+class SaveSpec:
+    """After this step's forward, store vLLM block `block_id` under `key`, the key of `parent`
+    and `tokens`."""
+
+    req_id: str
+    block_id: int
+    key: bytes
+    parent: bytes
+    tokens: tuple[int, ...]
+
+
+@dataclass
+class StepPlan:
+    """One step's work for every rank: loads first, then saves, then drops."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    drops: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class StepReport:
+    """One step's outcome on one rank (or merged over ranks): keys written, keys whose save or
+    load failed, and per request the first logical block whose load failed."""
+
+    saved: set[bytes] = field(default_factory=set)
+    failed_saves: set[bytes] = field(default_factory=set)
+    failed_loads: set[bytes] = field(default_factory=set)
+    failed_load_reqs: dict[str, int] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.saved or self.failed_saves or self.failed_loads)
+
+    def merge(self, other: StepReport) -> StepReport:
+        """Ranks merged: a key counts as saved only when no rank failed it (the scheduler
+        forgets failed keys), failures are the union, each request's first failed block the
+        lowest."""
+        reqs = dict(self.failed_load_reqs)
+        for req_id, first in other.failed_load_reqs.items():
+            reqs[req_id] = min(first, reqs.get(req_id, first))
+        return StepReport(self.saved | other.saved, self.failed_saves | other.failed_saves,
+                          self.failed_loads | other.failed_loads, reqs)
