@@ -161,8 +161,9 @@ def check(out: dict[str, Any], mode: str = "load") -> None:
         assert out["retries"] >= 1 and out["recompute_tokens"] > 0, out
     else:  # ("load" may still recompute blocks the planner dropped when L2 was full)
         assert out["retries"] == 0, out
-    # steps whose plans only demote (and spill) were applied once the forward was launched
-    assert (out["late"] > 0) == (mode != "recompute"), out["late"]
+    # steps whose plans only demote and spill were applied once the forward was launched
+    # (with recompute, L2 drops instead of spilling: there may be none)
+    assert out["late"] > 0 or mode == "recompute", out["late"]
     if out["events"]:  # rank 0: most steps were planned ahead (launch/ahead.py); with
         # staggered turns some were planned for a batch that did not come and applied
         # without their forward
@@ -172,7 +173,7 @@ def check(out: dict[str, Any], mode: str = "load") -> None:
     # was scheduled with and those applied once its forward was launched
     watched = out["watched"]
     assert watched["steps"] > 0 and watched["lost"] == 0, watched
-    assert (watched["later"] > 0) == (mode != "recompute"), watched
+    assert watched["later"] > 0 or mode == "recompute", watched
     if out["events"]:  # rank 0: the controller saw the same
         assert out["events"].get("demote", 0) > 0
         assert out["events"].get("spill" if mode != "recompute" else "drop_l2", 0) > 0

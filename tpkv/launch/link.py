@@ -75,6 +75,19 @@ class _Waiting:
             raise WaitTimeoutError(f"controller busy for {bound:g} s ({self.method})") from exc
 
 
+class _Posted:
+    """A call sent from the posting thread: the Sent it made there, then its answer."""
+
+    def __init__(self, future: Future[Any], method: str, timeout_s: float) -> None:
+        self.sending = _Waiting(future, method, timeout_s)
+
+    def done(self) -> bool:
+        return self.sending.done() and bool(self.sending.result().done())
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.sending.result(timeout).result(timeout)
+
+
 class LocalLink:
     """An in-process Controller. Sent calls run on one thread of their own, in order, while
     the caller goes on (a step's forward); `call` runs on the caller's thread once every
@@ -98,7 +111,7 @@ class LocalLink:
         return _Waiting(fut, method, self.timeout_s)
 
     def post(self, method: str, *args: Any, **kwargs: Any) -> Reply:
-        """A report (attention mass, prefill speed): sent as any call."""
+        """A commit or a report (attention mass, prefill speed): sent as any call."""
         return self.send(method, *args, **kwargs)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -151,8 +164,10 @@ class RayLink:
     """The controller actor through its ControllerClient: a sent call goes at once and the
     actor runs this client's calls in order (controller.client). A schedule's answer is
     fetched and decoded on a thread as soon as it is in, so the step that reads it finds it
-    ready. Reports (`post`) go from a thread of their own, through a second client (their
-    order against the steps' calls does not matter), so they cost the step nothing."""
+    ready. Commits and reports (`post`) are sent from a thread of their own through a second
+    client, in order among themselves; the step does not wait to send them. (The controller
+    takes a step's schedule before or after the commits of earlier plans alike; a caller
+    that needs them in first waits for their answers.)"""
 
     def __init__(self, client: Any) -> None:
         self.target = client
@@ -178,11 +193,8 @@ class RayLink:
         if self._poster is None:
             self._poster = ThreadPoolExecutor(1, thread_name_prefix="tpkv-report")
             self._reporter = type(self.target)(self.target.handle, self.target.timeout_s)
-        reporter = self._reporter
-
-        def post() -> Any:
-            return reporter.send(method, *args, **kwargs).result()
-        return _Waiting(self._poster.submit(post), method, self.target.timeout_s + 1.0)
+        return _Posted(self._poster.submit(self._reporter.send, method, *args, **kwargs),
+                       method, self.target.timeout_s + 1.0)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self.send(method, *args, **kwargs).result()

@@ -301,7 +301,7 @@ class TpkvRuntime:
         if self.rank == 0:
             missed = any(len(r.miss_block_ids) for per_plan in results for r in per_plan)
             for per_plan in results:
-                self._commits.append(self._ctl.send("commit", per_plan))
+                self._commits.append(self._ctl.post("commit", per_plan))
             if missed:
                 self._check_commits(wait=True)  # before the retry schedules the recompute
         return not _misses_hit_batch(report, results)
@@ -425,19 +425,16 @@ class TpkvRuntime:
         self._advice.append((method, self._ctl.post(method, *args, **kwargs)))
 
     def _check_advice(self) -> None:
-        """Read the answers of reports sent earlier that are in: a refused one is logged."""
-        keep = []
-        for method, reply in self._advice:
-            if not reply.done():
-                keep.append((method, reply))
-                continue
+        """Read the answers of reports sent earlier that are in (in order: the first not in
+        yet ends the look): a refused one is logged."""
+        while self._advice and self._advice[0][1].done():
+            method, reply = self._advice.pop(0)
             try:
                 reply.result()
             except ControllerRecoveringError:
                 log.warning("controller restarting: %s report dropped", method)
             except TpkvError as exc:
                 log.warning("controller refused a %s report: %s", method, exc)
-        self._advice = keep
 
     def from_rank0(self, fn: Callable[[], Any], what: str) -> Any:
         """Run fn on rank 0; every rank gets its value or raises its typed error. A group of
@@ -514,23 +511,25 @@ class TpkvRuntime:
         return dict(self._call("resync"))
 
     def _check_commits(self, wait: bool = False) -> None:
-        """Collect background commits (all of them when `wait`); raise one that failed."""
+        """Collect the commits sent (all of them when `wait`); log one the controller refused
+        and resync at the next step. Their answers come in the order sent: the first not in
+        yet ends the look (through Ray each look at a reply costs a call into Ray)."""
         self._check_advice()
-        keep = []
+        keep: list[Reply] = []
         for fut in self._commits:
-            if wait or fut.done():
-                try:
-                    outcome = fut.result(timeout=self.timeout_s)
-                except ControllerRecoveringError:  # the next scheduling call rebuilds it
-                    log.warning("controller restarted before a commit reached it")
-                    continue
-                if not outcome.committed:  # the all-gather agreed, so this is a bug somewhere
-                    log.error("controller refused epoch %d (ranks %s) after the all-gather "
-                              "agreed; resyncing", outcome.epoch, outcome.mismatch_ranks)
-                    self._refused = True
-                    self.num_commit_refusals += 1
-            else:
+            if keep or not (wait or fut.done()):
                 keep.append(fut)
+                continue
+            try:
+                outcome = fut.result(timeout=self.timeout_s)
+            except ControllerRecoveringError:  # the next scheduling call rebuilds it
+                log.warning("controller restarted before a commit reached it")
+                continue
+            if not outcome.committed:  # the all-gather agreed, so this is a bug somewhere
+                log.error("controller refused epoch %d (ranks %s) after the all-gather "
+                          "agreed; resyncing", outcome.epoch, outcome.mismatch_ranks)
+                self._refused = True
+                self.num_commit_refusals += 1
         self._commits = keep
 
     def _resync_if_commit_failed(self) -> dict[str, Any] | None:

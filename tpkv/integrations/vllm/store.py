@@ -10,7 +10,7 @@ import numpy as np
 from tpkv.checks import check_int
 from tpkv.errors import ConfigError
 from tpkv.integrations.prefix_index import KEY_BYTES, block_key
-from tpkv.workers.ssd_format import crc_of
+from tpkv.ssd.format import crc_of
 
 log = logging.getLogger(__name__)
 
