@@ -15,17 +15,17 @@ from tpkv.errors import ControllerRecoveringError, RankMismatchError, TpkvError
 from tpkv.launch import recover
 from tpkv.launch.ahead import Ahead, Credits, as_upcoming
 from tpkv.launch.bootstrap import RankContext, shutdown_ray
-from tpkv.launch.link import LocalLink, RayLink, Reply, make_link
+from tpkv.launch.collective import all_results, as_step, from_rank0, misses_hit_batch
+from tpkv.launch.link import LocalLink, RayLink, make_link
+from tpkv.launch.sent import SentCalls
 from tpkv.limits import MAX_SESSION_TOKENS, check_counts
 from tpkv.protocol.messages import (
     StepResult,
-    move_result_from_dict,
-    move_result_to_dict,
 )
 from tpkv.protocol.plan import MoveResult
-from tpkv.protocol.wire import decode, detached, encode
-from tpkv.workers.confirm import STATUS_MISSES, mismatch_error
-from tpkv.workers.worker import StepReport, Worker
+from tpkv.protocol.wire import decode, encode
+from tpkv.workers.confirm import mismatch_error
+from tpkv.workers.worker import Worker
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,24 +52,26 @@ class TpkvRuntime:
         self.timeout_s = config.wait_timeout_s
         self.controller = controller if ctx.rank == 0 else None  # sets self.link
         self._ray_joined = ray_joined
-        self._commits: list[Reply] = []
-        self._advice: list[tuple[str, Reply]] = []  # reports sent, answers not yet read
+        self.sent = SentCalls(self.timeout_s)  # rank 0: commits and reports on their way
         self._applied: Any = None
         self._ahead: Ahead | None = None  # rank 0: the next step's schedule, sent ahead
         self.credits = Credits()  # rank 0: tokens steps planned ahead added but never fed
         self.num_ahead_used = 0  # steps whose schedule was sent ahead and used as is
         self.num_ahead_unused = 0  # ... and applied without their forward (another batch came)
-        self._refused = False
         self.num_retries = 0
         self.last_step_times: dict[str, float] = {}
         self.num_mismatches = 0
-        self.num_commit_refusals = 0  # rank 0: epochs the controller refused after agreement
         self.last_mismatch: RankMismatchError | None = None
         self._restore: dict[str, Any] | None = None
         self.num_rebuilds = 0  # times a restarted controller was rebuilt from the ranks
         self._l2_told = -1  # L2 slots rank 0 last told the controller are pinned (-1: none)
         self.closing: set[str] = set()  # closed at the controller, blocks not yet released here
         self.pins: dict[str, list[tuple[int, int]]] = {}  # explicit pins, block ranges
+
+    @property
+    def num_commit_refusals(self) -> int:
+        """Rank 0: epochs the controller refused after the ranks agreed."""
+        return self.sent.num_refusals
 
     @property
     def controller(self) -> Any:
@@ -211,9 +213,9 @@ class TpkvRuntime:
         ahead = self.from_rank0(lambda: self._ahead_answer(session_ids, num_new_tokens),
                                 "a step planned ahead")
         if ahead is not None and ahead["used"]:
-            return self._apply(_as_step(ahead["step"]), late_ok, t0)
+            return self._apply(as_step(ahead["step"]), late_ok, t0)
         if ahead is not None:  # planned for another batch: applied with no forward first
-            self._apply_unused(_as_step(ahead["step"]))
+            self._apply_unused(as_step(ahead["step"]))
 
         def plan() -> dict[str, Any]:
             resync = self._resync_if_commit_failed()
@@ -226,7 +228,7 @@ class TpkvRuntime:
         answer = self.from_rank0(plan, "plans of a step")
         if answer["resync"] is not None:
             self._resync(answer["resync"])
-        return self._apply(_as_step(answer["step"]), late_ok, t0)
+        return self._apply(as_step(answer["step"]), late_ok, t0)
 
     def _ahead_answer(self, session_ids: Sequence[str], num_new_tokens: np.ndarray
                       ) -> dict[str, Any] | None:
@@ -242,7 +244,7 @@ class TpkvRuntime:
         except TpkvError as exc:
             log.debug("rank 0: the schedule sent ahead was refused: %s", exc)
             return None
-        used = ahead.matches(session_ids, num_new_tokens) and not self._refused
+        used = ahead.matches(session_ids, num_new_tokens) and not self.sent.refused
         if used:
             self.credits.fed(ahead.session_ids, ahead.num_new_tokens, ahead.sent)
             self.num_ahead_used += 1
@@ -274,7 +276,7 @@ class TpkvRuntime:
                                 "a step planned ahead")
         if ahead is not None:
             self._finish_last()
-            self._apply_unused(_as_step(ahead["step"]))
+            self._apply_unused(as_step(ahead["step"]))
 
     def end_step(self) -> bool:
         """Wait (bounded) for the confirmation of the step. True: committed. False: an L3 miss
@@ -286,7 +288,7 @@ class TpkvRuntime:
         self._check_commits()
         report = self.worker.finish(applied)
         exchange = self.world_size > 1 and (report.any_misses or bool(report.mismatches))
-        results = self._all_results(report, exchange)
+        results = all_results(self.ctx, report, exchange)
         if report.mismatches:
             self.num_mismatches += 1
             err = mismatch_error(report.gathered, report.expected, report.mismatches)
@@ -301,10 +303,10 @@ class TpkvRuntime:
         if self.rank == 0:
             missed = any(len(r.miss_block_ids) for per_plan in results for r in per_plan)
             for per_plan in results:
-                self._commits.append(self._ctl.post("commit", per_plan))
+                self.sent.commit(self._ctl, per_plan)
             if missed:
                 self._check_commits(wait=True)  # before the retry schedules the recompute
-        return not _misses_hit_batch(report, results)
+        return not misses_hit_batch(report, results)
 
     def run_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
                  fn: Callable[[StepResult], T],
@@ -410,7 +412,8 @@ class TpkvRuntime:
         summary = recover.rebuild_controller(self.worker, gather, self.from_rank0, self._call,
                                              self.closing, self.pins)
         # commits still in flight, and a step sent ahead, were for the lost controller
-        self._commits, self._refused, self._ahead = [], False, None
+        self.sent.forget()
+        self._ahead = None
         self._resync(self.from_rank0(lambda: dict(self._call("resync")),
                                      "resync after a controller rebuild"))
         self.num_rebuilds += 1
@@ -422,70 +425,12 @@ class TpkvRuntime:
         speed): while the controller is restarting it is dropped, not raised on one rank."""
         if self.rank != 0:
             return
-        self._advice.append((method, self._ctl.post(method, *args, **kwargs)))
-
-    def _check_advice(self) -> None:
-        """Read the answers of reports sent earlier that are in (in order: the first not in
-        yet ends the look): a refused one is logged."""
-        while self._advice and self._advice[0][1].done():
-            method, reply = self._advice.pop(0)
-            try:
-                reply.result()
-            except ControllerRecoveringError:
-                log.warning("controller restarting: %s report dropped", method)
-            except TpkvError as exc:
-                log.warning("controller refused a %s report: %s", method, exc)
+        self.sent.report(self._ctl, method, *args, **kwargs)
 
     def from_rank0(self, fn: Callable[[], Any], what: str) -> Any:
-        """Run fn on rank 0; every rank gets its value or raises its typed error. A group of
-        one skips the wire (encoding a resume's step took about as long as planning it) and
-        takes a copy instead: the controller reuses its arrays in the next call."""
-        if self.world_size == 1:
-            return detached(fn())
-        payload, failure = None, None
-        if self.rank == 0:
-            try:
-                payload = encode({"ok": fn()})
-            except Exception as exc:  # every rank raises it (others as its tpkv type, or base)
-                failure = exc
-                message = str(exc.args[0]) if isinstance(exc, TpkvError) and exc.args else \
-                    f"rank 0: {what}: {type(exc).__name__}: {exc}"
-                payload = encode({"error": type(exc).__name__, "message": message})
-        if self.world_size > 1:
-            payload = self.ctx.ctl.broadcast_bytes(payload, what=what)
-        if failure is not None:
-            raise failure
-        assert payload is not None
-        answer = decode(payload)
-        if "error" in answer:
-            cls = getattr(errors, str(answer["error"]), None)
-            if not (isinstance(cls, type) and issubclass(cls, TpkvError)):
-                cls = TpkvError
-            raise cls(answer["message"])
-        return answer["ok"]
-
-    def _all_results(self, report: StepReport, exchange: bool) -> list[list[MoveResult]]:
-        """[plan][rank] MoveResults: exchanged when some rank has misses or disagrees, else
-        rebuilt from the gathered rows (rank 0's byte counts and timings stand for all)."""
-        if exchange:
-            blobs = self.ctx.ctl.gather_bytes(
-                encode([move_result_to_dict(r) for r in report.results]), "move results")
-            per_rank = [[move_result_from_dict(d) for d in decode(b)] for b in blobs]
-            return [list(col) for col in zip(*per_rank)]
-        row_of = {int(e): j for j, e in enumerate(report.expected[:, 0].tolist())}
-        out = []
-        for own in report.results:
-            j = row_of.get(own.epoch)
-            rows = report.gathered[:, j, :] if j is not None else None
-            out.append([MoveResult(
-                own.epoch, r, own.moves_applied if rows is None else int(rows[r, 1]),
-                # this rank's own digest counts its misses; the gathered row may not
-                own.slot_map_digest if rows is None or r == self.rank else int(rows[r, 2]),
-                own.status if rows is None else int(rows[r, 3]) & ~STATUS_MISSES,
-                own.miss_block_ids,
-                own.bytes_h2d, own.bytes_d2h, own.bytes_ssd_read, own.bytes_ssd_write,
-                own.elapsed_ns) for r in range(self.world_size)])
-        return out
+        """Run fn on rank 0; every rank gets its value or raises its typed error
+        (collective.from_rank0)."""
+        return from_rank0(self.ctx, fn, what)
 
     def _resync(self, slot_map: dict[str, Any]) -> np.ndarray:
         """Every rank restores the controller's map; blocks any rank holds no copy of are
@@ -511,48 +456,7 @@ class TpkvRuntime:
         return dict(self._call("resync"))
 
     def _check_commits(self, wait: bool = False) -> None:
-        """Collect the commits sent (all of them when `wait`); log one the controller refused
-        and resync at the next step. Their answers come in the order sent: the first not in
-        yet ends the look (through Ray each look at a reply costs a call into Ray)."""
-        self._check_advice()
-        keep: list[Reply] = []
-        for fut in self._commits:
-            if keep or not (wait or fut.done()):
-                keep.append(fut)
-                continue
-            try:
-                outcome = fut.result(timeout=self.timeout_s)
-            except ControllerRecoveringError:  # the next scheduling call rebuilds it
-                log.warning("controller restarted before a commit reached it")
-                continue
-            if not outcome.committed:  # the all-gather agreed, so this is a bug somewhere
-                log.error("controller refused epoch %d (ranks %s) after the all-gather "
-                          "agreed; resyncing", outcome.epoch, outcome.mismatch_ranks)
-                self._refused = True
-                self.num_commit_refusals += 1
-        self._commits = keep
+        self.sent.check(wait)
 
     def _resync_if_commit_failed(self) -> dict[str, Any] | None:
-        self._check_commits()
-        if not self._refused:
-            return None
-        self._check_commits(wait=True)
-        self._refused = False
-        return dict(self._call("resync"))
-
-
-def _as_step(answer: StepResult | dict[str, Any]) -> StepResult:
-    return answer if isinstance(answer, StepResult) else StepResult.from_dict(answer)
-
-
-def _misses_hit_batch(report: StepReport, results: list[list[MoveResult]]) -> bool:
-    """Whether a block missed on any rank belongs to a session of the step's batch."""
-    batch = set(report.step.session_ids)
-    for plan, per_plan in zip(report.step.plans, results):
-        missed = np.concatenate([np.asarray(r.miss_block_ids, dtype=np.int64)
-                                 for r in per_plan] + [np.zeros(0, dtype=np.int64)])
-        if len(missed):
-            hit = np.isin(plan.block_ids, missed)
-            if {plan.session_names[i] for i in plan.session_idx[hit].tolist()} & batch:
-                return True
-    return False
+        return dict(self._call("resync")) if self.sent.take_refusal() else None
