@@ -59,3 +59,24 @@ def times() -> dict[str, float]:
     """Seconds per phase recorded since the last reset, in the order they were first recorded."""
     with _LOCK:
         return dict(_TIMES)
+
+
+# Set while no start-up work needs the host to itself: the background pinning of L2 past its
+# first arena waits for it (`wait_quiet`), so that loading numba's kernels (which maps and
+# protects pages for their code) does not queue behind 8 threads faulting in the whole L2.
+_QUIET = threading.Event()
+_QUIET.set()
+
+
+def hold_quiet() -> None:
+    """Start-up work that background pinning should not crowd begins (tpkv.init's kernels)."""
+    _QUIET.clear()
+
+
+def end_quiet() -> None:
+    _QUIET.set()
+
+
+def wait_quiet(timeout_s: float = 120.0) -> None:
+    """Wait (bounded) until no such start-up work runs."""
+    _QUIET.wait(timeout_s)

@@ -271,3 +271,21 @@ def test_close_in_the_background_returns_before_the_release(fake: FakePinning) -
     hold.set()
     assert wait_released(10)
     assert sorted(fake.unregistered) == sorted(fake.registered)
+
+
+def test_the_rest_of_l2_is_pinned_once_init_has_loaded_its_kernels(fake: FakePinning) -> None:
+    """While tpkv.init loads numba's kernels (startup.hold_quiet), only the first arena is
+    pinned; the rest follow once the load is done (startup.end_quiet)."""
+    from tpkv import startup
+
+    startup.hold_quiet()
+    try:
+        p = pool()
+        time.sleep(0.3)
+        assert p.ready_slots == 4 and len(fake.registered) == 1  # waits for the kernels
+    finally:
+        startup.end_quiet()
+    try:
+        assert p.wait_pinned(10) == 40 and len(fake.registered) == 10
+    finally:
+        p.close()

@@ -101,12 +101,16 @@ def _warm_in_background(config: TpkvConfig, local_controller: bool) -> threading
 
     def run() -> None:
         try:
-            kernels.warm()
-        except Exception:
-            log.warning("loading the worker's kernels failed", exc_info=True)
-        if local_controller:
-            warm_kernels(config, functools.partial(Controller, warm=False))
+            try:
+                kernels.warm()
+            except Exception:
+                log.warning("loading the worker's kernels failed", exc_info=True)
+            if local_controller:
+                warm_kernels(config, functools.partial(Controller, warm=False))
+        finally:
+            startup.end_quiet()
 
+    startup.hold_quiet()  # L2's background pinning waits for the kernels (startup.wait_quiet)
     t = threading.Thread(target=run, name="tpkv-warm", daemon=True)
     t.start()
     return t

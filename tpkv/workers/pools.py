@@ -262,6 +262,9 @@ class HostPool:
         # A pool closed just before (a restart) may still be releasing its memory: pin the
         # rest only after it, so that the host never holds both (the first arena is pinned).
         wait_released()
+        # and only once init's kernels are loaded: 8 threads faulting in L2 slowed that load
+        # from about 1.5 s to 4.8 s + 4.2 s on the H200 host (bench/startup.py, second process)
+        startup.wait_quiet()
         todo = list(range(self._num_ready, len(self._maps)))
         with ThreadPoolExecutor(max_workers=min(8, len(todo)),
                                 thread_name_prefix="tpkv-l2-pin") as pool:
