@@ -55,13 +55,14 @@ def reference(model: Llama, stagger: bool = False) -> Turns:
 
 
 def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
-                device: str = "cpu") -> dict[str, Any]:
+                device: str = "cpu", controller: str = "local") -> dict[str, Any]:
     """One rank: the reference run, then the tiered run (mode "load": resuming always loads;
     "recompute": always recomputes; "miss": loads, and the first L3 read on rank 0 misses;
     "kept": an L2 that holds every block, so demotions of promoted blocks are kept moves;
     "l3small": loads, with an L3 too small for the copies of loaded sessions besides the
     sessions in it, so their segments are given back and written again; "stagger": loads, with
-    turns that arrive while another decodes, drive's `stagger`)."""
+    turns that arrive while another decodes, drive's `stagger`). `controller`: "local" (in
+    process) or "ray" (the actor; the caller runs Ray)."""
     import tpkv
     from tpkv.models.tiered import TieredEngine, tiered_config
 
@@ -73,7 +74,7 @@ def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
                         l2_blocks=4 * L2_BLOCKS if mode == "kept" else L2_BLOCKS,
                         ssd_root=ssd_root, policy=policy,
                         l3_blocks=L3_SMALL if mode == "l3small" else 4096)
-    rt = tpkv.init(cfg, controller="local", device=device)
+    rt = tpkv.init(cfg, controller=controller, device=device)
     try:
         model = apply_tp(model, rank, world)
         stagger = mode == "stagger"
