@@ -381,9 +381,13 @@ class TpkvRuntime:
         """Rank 0, before a schedule: tell the controller how much of L2 is pinned (the rest
         is pinned in the background; the other ranks wait for an arena a copy needs)."""
         ready = self.worker.host.ready_slots
-        if ready != self._l2_told:
+        if ready == self._l2_told:
+            return
+        if self._l2_told < 0:  # the first tell goes before any schedule
             self._call("set_l2_online", num_slots=ready)
-            self._l2_told = ready
+        else:  # L2 only grows from here: a schedule that comes first sees less of it
+            self.sent.report(self._ctl, "set_l2_online", num_slots=ready)
+        self._l2_told = ready
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """A controller call on rank 0, after every call sent before it."""
