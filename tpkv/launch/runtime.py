@@ -66,6 +66,7 @@ class TpkvRuntime:
         self.num_rebuilds = 0  # times a restarted controller was rebuilt from the ranks
         self._l2_told = -1  # L2 slots rank 0 last told the controller are pinned (-1: none)
         self.closing: set[str] = set()  # closed at the controller, blocks not yet released here
+        self.opened: set[str] = set()  # open at the controller (through open_session)
         self.pins: dict[str, list[tuple[int, int]]] = {}  # explicit pins, block ranges
 
     @property
@@ -96,14 +97,17 @@ class TpkvRuntime:
 
     # ---- session calls (run on rank 0, answered everywhere) -------------------------------
     def open_session(self, session_id: str, num_tokens: int = 0) -> int:
-        return int(self._on_rank0("open_session", session_id=session_id,
-                                  num_tokens=num_tokens))
+        handle = int(self._on_rank0("open_session", session_id=session_id,
+                                    num_tokens=num_tokens))
+        self.opened.add(session_id)  # a rebuilt controller gets it back even with no block
+        return handle
 
     def extend_session(self, session_id: str, num_tokens: int) -> None:
         self._on_rank0("extend_session", session_id=session_id, num_tokens=num_tokens)
 
     def close_session(self, session_id: str) -> int:
         freed = int(self._on_rank0("close_session", session_id=session_id))
+        self.opened.discard(session_id)
         self.credits.drop(session_id)
         self.closing.add(session_id)  # the ranks release its blocks with the next step
         self.pins.pop(session_id, None)
@@ -414,7 +418,7 @@ class TpkvRuntime:
         gather = (lambda b: self.ctx.ctl.gather_bytes(b, what)) if self.world_size > 1 \
             else (lambda b: [b])
         summary = recover.rebuild_controller(self.worker, gather, self.from_rank0, self._call,
-                                             self.closing, self.pins)
+                                             self.closing, self.pins, self.opened)
         # commits still in flight, and a step sent ahead, were for the lost controller
         self.sent.forget()
         self._ahead = None
