@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -14,16 +13,18 @@ import numpy as np
 
 from tpkv.config import KvGeometry, TpkvConfig
 from tpkv.controller import recovery
+from tpkv.controller.autopin import AutoPin
 from tpkv.controller.batchtable import BatchTable
 from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.capture import Capture, capture
 from tpkv.controller.cost import RateMeter
 from tpkv.controller.epochs import Epochs, PendingPlan
 from tpkv.controller.planner import PlanContext, PreparedOrders, prepare_orders
-from tpkv.controller.policy import auto_pin_threshold, fold_access
+from tpkv.controller.policy import fold_access
 from tpkv.controller.sessions import SessionTable
 from tpkv.controller.snapshot import session_blocks
-from tpkv.controller.step import Upcoming, schedule_step
+from tpkv.controller.step import Upcoming, check_step, run_step
+from tpkv.controller.steptypes import StepContext
 from tpkv.controller.table import PIN_EXPLICIT, BlockTable
 from tpkv.controller.warm import warm_kernels
 from tpkv.errors import (
@@ -100,9 +101,7 @@ class Controller:
         self.order_asks: dict[int, tuple[int, int]] = {}  # per tier: tick, blocks (planner)
         self.prepared: PreparedOrders | None = None  # by prepare(), for the next step
         self.order_rebuilds: dict[str, int] = {}  # rebuilds from a prepared order, scanned
-        self.pin_threshold = math.inf
-        self._pin_dirty = False
-        self._pin_tick = -(1 << 40)
+        self.autopin = AutoPin(pol)
         self.ranks: dict[int, str] = {}
         self.events: deque[dict[str, Any]] = deque(maxlen=256)
         self.event_counts: Counter[str] = Counter()  # every event since start, by kind
@@ -129,6 +128,10 @@ class Controller:
     @property
     def pending(self) -> deque[PendingPlan]:
         return self.epochs.pending
+
+    @property
+    def pin_threshold(self) -> float:
+        return self.autopin.threshold
 
     # ---- clock, events ---------------------------------------------------------------------
     def now_s(self) -> float:
@@ -277,12 +280,27 @@ class Controller:
         try:
             if self.tick >= _TICK_LIMIT:
                 self._rebase_ticks()
-            result = self._changing(lambda: schedule_step(
-                self, session_ids, num_new_tokens, upcoming))
+            result = self._changing(lambda: self._step(session_ids, num_new_tokens, upcoming))
         finally:
             self.prepared = None  # for this step only (or a refused one: made again)
         self.latency_us.append((time.perf_counter_ns() - started) / 1e3)
         return result
+
+    def _step(self, session_ids: Sequence[str] | np.ndarray,
+              num_new_tokens: Sequence[int] | np.ndarray, upcoming: Upcoming) -> StepResult:
+        """step.check_step (a refused step changes nothing), the next tick, step.run_step."""
+        ctx = StepContext(
+            self.config, self.table, self.sessions, self.epochs, self.batch_table, self.rates,
+            self.autopin, self.marks, self.l3_enabled, self.draining, self.eviction_orders,
+            self.order_asks, self.order_rebuilds, self.prepared, self.move_buffers,
+            self.names_cache, self.check_invariants, self.now_s)
+        checked = check_step(ctx, session_ids, num_new_tokens, upcoming)
+        self.changing = True  # from here on the table changes
+        self.tick += 1
+        self.last_step_s = self.now_s()  # the dashboard tells idle from live by it
+        out = run_step(ctx, checked, session_ids, self.tick)
+        self.names_cache = out.names_cache
+        return StepResult(**out.fields, **self.finish_step(out.builder))
 
     def prepare(self, force: Mapping[int, int] | None = None) -> None:
         """Work the next schedule() would otherwise do first, done now: call it between steps,
@@ -328,7 +346,7 @@ class Controller:
         s = self.sessions.lookup(session_id)
         self.sessions.attn_sum[s] += float(values.sum())
         self._changed(s)
-        self._pin_dirty = True
+        self.autopin.dirty = True
 
     def attention_rows(self, session_id: str, mass: Sequence[float] | np.ndarray,
                        start: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -354,19 +372,6 @@ class Controller:
         """A measured prefill (tokens, seconds) for the cost model."""
         n = check_count("num_tokens", num_tokens, MAX_STEP_TOKENS, "MAX_STEP_TOKENS")
         self.rates.observe_prefill(n, check_seconds("seconds", seconds))
-
-    def refresh_pin_threshold(self) -> None:
-        """Recompute the auto-pin mass threshold over L1 (at most every N steps)."""
-        pol = self.config.policy
-        if not self._pin_dirty or self.tick - self._pin_tick < pol.auto_pin_refresh_steps:
-            return
-        owner = self.table.owner[Tier.HBM]
-        attn = self.table.attn[owner[owner >= 0]]
-        threshold = auto_pin_threshold(attn, pol.auto_pin_fraction, pol.max_auto_pin_blocks)
-        if threshold != self.pin_threshold:
-            self.sessions.clean[:] = False
-            self.eviction_orders.clear()
-        self.pin_threshold, self._pin_dirty, self._pin_tick = threshold, False, self.tick
 
     # ---- confirmations ---------------------------------------------------------------------
     def commit(self, results: Sequence[MoveResult]) -> CommitOutcome:
@@ -481,5 +486,5 @@ class Controller:
             arr[...] = np.where(arr >= 0, np.maximum(arr - shift, 0), arr)
         S.opened_tick -= shift
         self.tick -= shift
-        self._pin_tick -= shift
+        self.autopin.rebase(shift)
         self.event("rebase_ticks", shift=shift)
