@@ -18,7 +18,6 @@ from tpkv.controller.autopin import AutoPin
 from tpkv.controller.batchtable import BatchTable
 from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.capture import Capture, capture
-from tpkv.controller.checks import check_policy, check_rank
 from tpkv.controller.cost import RateMeter
 from tpkv.controller.epochs import Epochs, PendingPlan
 from tpkv.controller.planner import PlanContext, PreparedOrders, prepare_orders
@@ -28,6 +27,7 @@ from tpkv.controller.snapshot import session_blocks
 from tpkv.controller.step import Upcoming, check_step, run_step
 from tpkv.controller.steptypes import StepContext
 from tpkv.controller.table import BlockTable
+from tpkv.controller.validate import check_policy, check_rank
 from tpkv.controller.warm import warm_kernels
 from tpkv.errors import ControllerRecoveringError
 from tpkv.limits import MAX_STEP_TOKENS, check_count, check_counts, check_seconds
