@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpkv.controller.arena import RowArena
-from tpkv.controller.table import BlockTable, SlotStack
+from tpkv.controller.slotstack import SlotStack
+from tpkv.controller.table import BlockTable
 from tpkv.errors import TierFullError
 from tpkv.protocol.digest import plan_digest, slot_map_digest
 from tpkv.protocol.plan import MovePlan, Tier

@@ -6,8 +6,9 @@ import numpy as np
 
 from tpkv.controller.kernels import emptied_sessions, move_rows, plan_arrays
 from tpkv.controller.sessions import SessionTable, add_counts
+from tpkv.controller.slotstack import SlotStack
 from tpkv.controller.stepkernels import l3_moved
-from tpkv.controller.table import DRAM, HBM, NONE, SSD, BlockTable, SlotStack
+from tpkv.controller.table import DRAM, HBM, NONE, SSD, BlockTable
 from tpkv.errors import TierFullError
 from tpkv.protocol.plan import MovePlan
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -14,34 +13,24 @@ import numpy as np
 
 from tpkv.config import KvGeometry, TpkvConfig
 from tpkv.controller import recovery
+from tpkv.controller import sessioncalls as calls
+from tpkv.controller.autopin import AutoPin
 from tpkv.controller.batchtable import BatchTable
 from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.capture import Capture, capture
 from tpkv.controller.cost import RateMeter
 from tpkv.controller.epochs import Epochs, PendingPlan
 from tpkv.controller.planner import PlanContext, PreparedOrders, prepare_orders
-from tpkv.controller.policy import auto_pin_threshold, fold_access
+from tpkv.controller.policy import fold_access
 from tpkv.controller.sessions import SessionTable
 from tpkv.controller.snapshot import session_blocks
-from tpkv.controller.step import Upcoming, schedule_step
-from tpkv.controller.table import PIN_EXPLICIT, BlockTable
+from tpkv.controller.step import Upcoming, check_step, run_step
+from tpkv.controller.steptypes import StepContext
+from tpkv.controller.table import BlockTable
+from tpkv.controller.validate import check_policy, check_rank
 from tpkv.controller.warm import warm_kernels
-from tpkv.errors import (
-    ArgumentError,
-    ArgumentTypeError,
-    BadRequestError,
-    ConfigError,
-    ControllerRecoveringError,
-)
-from tpkv.limits import (
-    MAX_SESSION_BLOCKS,
-    MAX_SESSION_TOKENS,
-    MAX_STEP_TOKENS,
-    check_block_range,
-    check_count,
-    check_counts,
-    check_seconds,
-)
+from tpkv.errors import ControllerRecoveringError
+from tpkv.limits import MAX_STEP_TOKENS, check_count, check_counts, check_seconds
 from tpkv.protocol.messages import CommitOutcome, StepResult
 from tpkv.protocol.plan import MoveResult, Tier
 
@@ -63,16 +52,7 @@ class Controller:
                  table_capacity: int | None = None, check_invariants: bool = False,
                  warm: bool = True) -> None:
         pol, g = config.policy, config.geometry
-        for name in ("max_moves_per_step", "prefetch_max_blocks", "auto_pin_refresh_steps",
-                     "max_tracked_blocks", "max_pending_plans"):
-            if not isinstance(getattr(pol, name), int) or getattr(pol, name) <= 0:
-                raise ConfigError(f"PolicyConfig.{name} must be a positive integer, "
-                                  f"got {getattr(pol, name)!r}")
-        for name in ("prefill_tokens_per_s", "h2d_bytes_per_s", "ssd_read_bytes_per_s"):
-            if not getattr(pol, name) > 0:
-                raise ConfigError(f"PolicyConfig.{name} must be > 0, got {getattr(pol, name)}")
-        if pol.gpu_share_weight < 0:
-            raise ConfigError(f"gpu_share_weight must be >= 0, got {pol.gpu_share_weight}")
+        check_policy(pol)
         self.config = config
         self.clock = clock
         self.started_s = clock()
@@ -100,9 +80,7 @@ class Controller:
         self.order_asks: dict[int, tuple[int, int]] = {}  # per tier: tick, blocks (planner)
         self.prepared: PreparedOrders | None = None  # by prepare(), for the next step
         self.order_rebuilds: dict[str, int] = {}  # rebuilds from a prepared order, scanned
-        self.pin_threshold = math.inf
-        self._pin_dirty = False
-        self._pin_tick = -(1 << 40)
+        self.autopin = AutoPin(pol)
         self.ranks: dict[int, str] = {}
         self.events: deque[dict[str, Any]] = deque(maxlen=256)
         self.event_counts: Counter[str] = Counter()  # every event since start, by kind
@@ -129,6 +107,10 @@ class Controller:
     @property
     def pending(self) -> deque[PendingPlan]:
         return self.epochs.pending
+
+    @property
+    def pin_threshold(self) -> float:
+        return self.autopin.threshold
 
     # ---- clock, events ---------------------------------------------------------------------
     def now_s(self) -> float:
@@ -169,21 +151,7 @@ class Controller:
     def register_rank(self, rank: int, geometry: KvGeometry | Mapping[str, Any],
                       host: str = "") -> dict[str, Any]:
         """A worker announces itself; its geometry must be the controller's exactly."""
-        g = self.config.geometry
-        if isinstance(geometry, Mapping):
-            try:
-                geometry = KvGeometry(**geometry)
-            except TypeError as exc:
-                raise ConfigError(f"rank {rank} sent a geometry that does not parse: "
-                                  f"{exc}") from exc
-        check_count("rank", rank, g.tp_size - 1, "tp_size - 1")
-        if not isinstance(geometry, KvGeometry):
-            raise ArgumentTypeError(f"geometry must be a KvGeometry or a map of its fields, "
-                                    f"got {type(geometry).__name__}")
-        if not isinstance(host, str):
-            raise ArgumentTypeError(f"host must be a str, got {type(host).__name__}")
-        if geometry != g:
-            raise ConfigError(f"rank {rank} geometry {geometry} differs from the controller's {g}")
+        check_rank(rank, geometry, host, self.config.geometry)
         self.ranks[rank] = host
         self.event("rank", rank=rank, host=host, registered=len(self.ranks))
         t = self.table
@@ -193,77 +161,35 @@ class Controller:
     def open_session(self, session_id: str, num_tokens: int = 0) -> int:
         """Register a session; `num_tokens` of prompt get blocks at its first step. -> handle."""
         self.require_ready()
-        num_tokens = check_count("num_tokens", num_tokens, MAX_SESSION_TOKENS,
-                                 "MAX_SESSION_TOKENS")
-        s = self.sessions.open(session_id, self.tick)
-        self.sessions.pending[s] = num_tokens
+        s = calls.open_session(self.sessions, session_id, num_tokens, self.tick)
         self._changed(s)
         return self.sessions.handle(s)
 
     def extend_session(self, session_id: str, num_tokens: int) -> None:
         """Announce tokens (e.g. the user's next turn) that its next step writes."""
         self.require_ready()
-        S = self.sessions
-        s = S.lookup(session_id)
-        n = check_count("num_tokens", num_tokens, MAX_SESSION_TOKENS, "MAX_SESSION_TOKENS")
-        total = int(S.tokens[s]) + int(S.pending[s]) + n
-        if total > MAX_SESSION_TOKENS:
-            raise ArgumentError(f"extend_session({session_id!r}, num_tokens={n}) would make the "
-                                f"session {total} tokens, over MAX_SESSION_TOKENS "
-                                f"({MAX_SESSION_TOKENS})")
-        S.pending[s] += n
+        calls.extend_session(self.sessions, session_id, num_tokens)
 
     def close_session(self, session_id: str) -> int:
         """Forget a session and free its blocks everywhere; returns how many blocks it had."""
         self.require_ready()
-        S, T = self.sessions, self.table
-        s = S.lookup(session_id)
-        rows = S.rows(s).copy()
-        self.epochs.note_closed(session_id, T.ids(rows))
-        T.free_records(S.l3_other, s)  # its segment goes with it: that room is freed too
-        T.release_rows(rows)
-        S.close(s, self.tick)
+        s, n = calls.close_session(self.sessions, self.table, self.epochs, session_id,
+                                   self.tick)
         self._changed(s)
-        self.event("close", session=session_id, blocks=len(rows))
+        self.event("close", session=session_id, blocks=n)
         self.maybe_check()
-        return len(rows)
+        return n
 
     def pin(self, session_id: str, start: int = 0, stop: int | None = None) -> int:
         """Never demote blocks [start, stop) of a session (also ones created later in the range).
         Returns the number of existing blocks pinned."""
         self.require_ready()
-        S = self.sessions
-        s = S.lookup(session_id)
-        start, given = check_block_range(start, stop)
-        stop = S.nblocks(s) if given is None else given
-        if start > stop:
-            raise ArgumentError(f"pin range [{start}, {stop}) is not a range of blocks")
-        S.pins.setdefault(s, []).append((start, stop))
-        rows = S.rows(s)[start:stop]
-        self.table.pinned[rows] |= PIN_EXPLICIT
-        return len(rows)
+        return calls.pin(self.sessions, self.table, session_id, start, stop)
 
     def unpin(self, session_id: str, start: int = 0, stop: int | None = None) -> int:
+        """Undo pin() over [start, stop); -> the number of blocks no pin covers any more."""
         self.require_ready()
-        S = self.sessions
-        s = S.lookup(session_id)
-        start, given = check_block_range(start, stop)
-        stop = MAX_SESSION_BLOCKS if given is None else given
-        kept: list[tuple[int, int]] = []
-        for a, z in S.pins.get(s, []):
-            kept += [(a, min(z, start))] if a < start else []
-            kept += [(max(a, stop), z)] if z > stop else []
-        S.pins[s] = [(a, z) for a, z in kept if a < z]
-        if not S.pins[s]:
-            del S.pins[s]
-        rows = S.rows(s)
-        covered = np.zeros(len(rows), dtype=bool)
-        for a, z in S.pins.get(s, []):
-            covered[a:z] = True
-        unpinned = rows[~covered & (self.table.pinned[rows] != 0)]
-        self.table.pinned[unpinned] &= ~PIN_EXPLICIT
-        S.clean[s] = False
-        return len(unpinned)
+        return calls.unpin(self.sessions, self.table, session_id, start, stop)
 
     # ---- steps -----------------------------------------------------------------------------
     def schedule(self, session_ids: Sequence[str] | np.ndarray,
@@ -277,12 +203,27 @@ class Controller:
         try:
             if self.tick >= _TICK_LIMIT:
                 self._rebase_ticks()
-            result = self._changing(lambda: schedule_step(
-                self, session_ids, num_new_tokens, upcoming))
+            result = self._changing(lambda: self._step(session_ids, num_new_tokens, upcoming))
         finally:
             self.prepared = None  # for this step only (or a refused one: made again)
         self.latency_us.append((time.perf_counter_ns() - started) / 1e3)
         return result
+
+    def _step(self, session_ids: Sequence[str] | np.ndarray,
+              num_new_tokens: Sequence[int] | np.ndarray, upcoming: Upcoming) -> StepResult:
+        """step.check_step (a refused step changes nothing), the next tick, step.run_step."""
+        ctx = StepContext(
+            self.config, self.table, self.sessions, self.epochs, self.batch_table, self.rates,
+            self.autopin, self.marks, self.l3_enabled, self.draining, self.eviction_orders,
+            self.order_asks, self.order_rebuilds, self.prepared, self.move_buffers,
+            self.names_cache, self.check_invariants, self.now_s)
+        checked = check_step(ctx, session_ids, num_new_tokens, upcoming)
+        self.changing = True  # from here on the table changes
+        self.tick += 1
+        self.last_step_s = self.now_s()  # the dashboard tells idle from live by it
+        out = run_step(ctx, checked, session_ids, self.tick)
+        self.names_cache = out.names_cache
+        return StepResult(**out.fields, **self.finish_step(out.builder))
 
     def prepare(self, force: Mapping[int, int] | None = None) -> None:
         """Work the next schedule() would otherwise do first, done now: call it between steps,
@@ -323,50 +264,18 @@ class Controller:
                          start: int = 0) -> None:
         """Add attention mass to blocks start, start+1, ... of a session (cumulative)."""
         self.require_ready()
-        rows, values = self.attention_rows(session_id, mass, start)
-        self.table.attn[rows] += values.astype(np.float32)
-        s = self.sessions.lookup(session_id)
-        self.sessions.attn_sum[s] += float(values.sum())
-        self._changed(s)
-        self._pin_dirty = True
+        self._changed(calls.add_attention(self.sessions, self.table, session_id, mass, start))
+        self.autopin.dirty = True
 
     def attention_rows(self, session_id: str, mass: Sequence[float] | np.ndarray,
                        start: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """report_attention's checks, changing nothing: the rows and the mass to add."""
-        S = self.sessions
-        s = S.lookup(session_id)
-        start = check_count("start", start, MAX_SESSION_BLOCKS, "MAX_SESSION_BLOCKS")
-        if isinstance(mass, (str, bytes)):
-            raise ArgumentTypeError(f"attention mass must be numbers, got {type(mass).__name__}")
-        try:
-            values = np.asarray(mass, dtype=np.float64).reshape(-1)
-        except (TypeError, ValueError) as exc:
-            raise ArgumentTypeError(f"attention mass must be numbers ({session_id!r}): "
-                                    f"{exc}") from exc
-        if not np.isfinite(values).all() or (values < 0).any():
-            raise BadRequestError(f"attention mass must be finite and >= 0 ({session_id!r})")
-        if start + len(values) > S.nblocks(s):
-            raise BadRequestError(f"attention for blocks [{start}, {start + len(values)}) of "
-                                  f"{session_id!r}, which has {S.nblocks(s)} blocks")
-        return S.rows(s)[start:start + len(values)], values
+        return calls.attention_rows(self.sessions, session_id, mass, start)
 
     def report_prefill(self, num_tokens: int, seconds: float) -> None:
         """A measured prefill (tokens, seconds) for the cost model."""
         n = check_count("num_tokens", num_tokens, MAX_STEP_TOKENS, "MAX_STEP_TOKENS")
         self.rates.observe_prefill(n, check_seconds("seconds", seconds))
-
-    def refresh_pin_threshold(self) -> None:
-        """Recompute the auto-pin mass threshold over L1 (at most every N steps)."""
-        pol = self.config.policy
-        if not self._pin_dirty or self.tick - self._pin_tick < pol.auto_pin_refresh_steps:
-            return
-        owner = self.table.owner[Tier.HBM]
-        attn = self.table.attn[owner[owner >= 0]]
-        threshold = auto_pin_threshold(attn, pol.auto_pin_fraction, pol.max_auto_pin_blocks)
-        if threshold != self.pin_threshold:
-            self.sessions.clean[:] = False
-            self.eviction_orders.clear()
-        self.pin_threshold, self._pin_dirty, self._pin_tick = threshold, False, self.tick
 
     # ---- confirmations ---------------------------------------------------------------------
     def commit(self, results: Sequence[MoveResult]) -> CommitOutcome:
@@ -481,5 +390,5 @@ class Controller:
             arr[...] = np.where(arr >= 0, np.maximum(arr - shift, 0), arr)
         S.opened_tick -= shift
         self.tick -= shift
-        self._pin_tick -= shift
+        self.autopin.rebase(shift)
         self.event("rebase_ticks", shift=shift)

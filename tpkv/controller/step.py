@@ -1,9 +1,14 @@
-"""One scheduled step: validate, update sessions, resolve demand, plan, allocate, block tables."""
+"""One scheduled step: validate, update sessions, resolve demand, plan, allocate, block tables.
+
+The controller runs a step in two calls and keeps its own fields itself: `check_step` refuses a
+bad step changing nothing; the controller then advances its tick; `run_step` changes the table
+and sessions (through `steptypes.StepContext`, what a step reads) and returns a `StepOutcome`
+(what the controller keeps). Nothing here imports the controller.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -13,6 +18,7 @@ from tpkv.controller.plankernels import demand_rows, record_choices
 from tpkv.controller.planner import MAX_PHASES, PlanContext, StepNeeds, plan_step
 from tpkv.controller.sessions import SessionTable, add_counts
 from tpkv.controller.stepkernels import alloc_blocks, batch_blocks, outside, start_runs
+from tpkv.controller.steptypes import CheckedStep, NamesCache, StepContext, StepOutcome
 from tpkv.controller.table import DRAM, HBM, NONE, PIN_EXPLICIT, SSD
 from tpkv.errors import (
     ArgumentError,
@@ -28,21 +34,17 @@ from tpkv.limits import (
     check_count,
     check_counts,
 )
-from tpkv.protocol.messages import StepResult
-
-if TYPE_CHECKING:
-    from tpkv.controller.controller import Controller
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 Upcoming = Mapping[str, int] | Sequence[str] | None
 
 
-def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
-                  num_new_tokens: Sequence[int] | np.ndarray, upcoming: Upcoming) -> StepResult:
-    """Controller.schedule: every check first (a refused step changes nothing), then the step."""
-    S, T, pol = ctl.sessions, ctl.table, ctl.config.policy
-    bt = ctl.config.geometry.block_tokens
-    # ---- validate everything before changing anything ------------------------------------------
+def check_step(ctx: StepContext, session_ids: Sequence[str] | np.ndarray,
+               num_new_tokens: Sequence[int] | np.ndarray, upcoming: Upcoming) -> CheckedStep:
+    """Controller.schedule's checks, all before anything changes (a refused step changes
+    nothing but, perhaps, the table's capacity: ensure_rows)."""
+    S, T, pol = ctx.sessions, ctx.table, ctx.config.policy
+    bt = ctx.config.geometry.block_tokens
     batch = S.resolve(session_ids)
     add = check_counts("num_new_tokens", num_new_tokens, MAX_SESSION_TOKENS,
                        "MAX_SESSION_TOKENS", negative_ok=True)
@@ -58,44 +60,51 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         raise ArgumentError(f"session {S.name(int(batch[i]))!r} would hold {int(tokens[i])} "
                             f"tokens after this step (num_new_tokens {int(add[i])}), over "
                             f"MAX_SESSION_TOKENS ({MAX_SESSION_TOKENS})")
-    up = _upcoming(ctl, upcoming, batch)
+    up = _upcoming(ctx, upcoming, batch)
     total = sum_before + new_total
     l1 = T.slots(HBM)
     if total > l1:
         raise TierFullError(f"a step of {len(batch)} sessions needs {total} L1 slots; L1 holds "
                             f"{l1} per rank")
-    held = _pinned_l1_outside(ctl, batch) if S.pins else 0
+    held = _pinned_l1_outside(ctx, batch) if S.pins else 0
     if total + held > l1:
         raise TierFullError(f"a step of {len(batch)} sessions needs {total} L1 slots; {held} of "
                             f"L1's {l1} hold pinned blocks of other sessions")
     T.ensure_rows(new_total, pol.max_tracked_blocks)
-    if len(ctl.pending) + MAX_PHASES > pol.max_pending_plans:
-        raise PlanOrderError(f"{len(ctl.pending)} plans await confirmation (limit "
+    pending = ctx.epochs.pending
+    if len(pending) + MAX_PHASES > pol.max_pending_plans:
+        raise PlanOrderError(f"{len(pending)} plans await confirmation (limit "
                              f"{pol.max_pending_plans}); confirm epoch "
-                             f"{ctl.pending[0].plan.epoch} first")
-    # ---- the step is valid: from here on the table changes -------------------------------------
-    ctl.changing = True
-    ctl.tick += 1
-    ctl.last_step_s = ctl.now_s()  # the dashboard tells idle from live by it
-    tick = ctl.tick
+                             f"{pending[0].plan.epoch} first")
+    return CheckedStep(batch, tokens, nb_before, n_new, nb_after, missing, new_total, sum_after,
+                       up)
+
+
+def run_step(ctx: StepContext, step: CheckedStep, session_ids: Sequence[str] | np.ndarray,
+             tick: int) -> StepOutcome:
+    """The checked step at `tick` (the controller's, just advanced): from here on the table
+    changes (an error leaves it half-changed: Controller._changing)."""
+    S, T = ctx.sessions, ctx.table
+    batch, tokens, new_total, n_new = step.batch, step.tokens, step.new_total, step.n_new
     tokens_before = S.tokens[batch]
     start_runs(batch, tokens, tick, S.tokens, S.pending, S.runs, S.run_hist, S.clean)
-    b = PlanBuilder(T, S, ctl.next_epoch, ctl.now_s(), ctl.check_invariants, ctl.move_buffers,
-                    committed_epoch=ctl.committed_epoch)
-    want, recompute = _demand(ctl, b, batch, missing)
-    needs = StepNeeds(batch, want, len(recompute) + new_total, up)
+    E = ctx.epochs
+    b = PlanBuilder(T, S, E.next_epoch, ctx.now_s(), ctx.check_invariants, ctx.move_buffers,
+                    committed_epoch=E.committed_epoch)
+    want, recompute = _demand(ctx, b, batch, step.missing)
+    needs = StepNeeds(batch, want, len(recompute) + new_total, step.upcoming)
     lost = _EMPTY
-    if _needs_planning(ctl, needs):
-        lost = _plan(ctl, b, needs, tick)
+    if _needs_planning(ctx, needs):
+        lost = _plan(ctx, b, needs, tick)
     b.end_phase()
     fresh_old = (np.concatenate([recompute, lost]).astype(np.int64) if len(recompute) or len(lost)
                  else _EMPTY)
     slots = T.free[HBM].pop(len(fresh_old) + new_total)
-    _place_fresh(ctl, fresh_old, slots[:len(fresh_old)])
-    new_rows, new_pos, new_ids, new_logical = _alloc_new(ctl, batch, n_new, nb_before,
-                                                         slots[len(fresh_old):])
-    offsets, table = ctl.batch_table.build(S, T, batch, nb_after, sum_after)
-    if ctl.check_invariants:
+    _place_fresh(ctx, fresh_old, slots[:len(fresh_old)])
+    new_rows, new_pos, new_ids, new_logical = _alloc_new(ctx, batch, n_new, step.nb_before,
+                                                         slots[len(fresh_old):], tick)
+    offsets, table = ctx.batch_table.build(S, T, batch, step.nb_after, step.sum_after)
+    if ctx.check_invariants:
         rows, _ = S.arena.gather(batch)
         assert (T.tier[rows] == HBM).all(), "a block of the batch is not in L1"
         assert (table == T.slot[rows]).all(), "the patched batch table is stale"
@@ -109,23 +118,24 @@ def schedule_step(ctl: Controller, session_ids: Sequence[str] | np.ndarray,
         fresh_logical = np.concatenate([old_logical, new_logical])
         rc_pos, rc_start, rc_stop = _ranges(old_pos, old_logical)
     if T.num_kept or T.l3_other:
-        _drop_written_copies(ctl, batch, tokens_before, tokens, rc_pos, rc_start)
-    return StepResult(
-        tick=tick, session_ids=_names(ctl, session_ids, batch), num_tokens=tokens,
-        block_offsets=offsets, block_table=table, fresh_block_ids=fresh_ids,
-        fresh_slots=slots.astype(np.int64), fresh_session_idx=fresh_pos,
-        fresh_logical=fresh_logical, recompute_session_idx=rc_pos, recompute_start=rc_start,
-        recompute_stop=rc_stop, **ctl.finish_step(b))
+        _drop_written_copies(ctx, batch, tokens_before, tokens, rc_pos, rc_start)
+    names, names_cache = _names(ctx, session_ids, batch)
+    fields = dict(
+        tick=tick, session_ids=names, num_tokens=tokens, block_offsets=offsets,
+        block_table=table, fresh_block_ids=fresh_ids, fresh_slots=slots.astype(np.int64),
+        fresh_session_idx=fresh_pos, fresh_logical=fresh_logical, recompute_session_idx=rc_pos,
+        recompute_start=rc_start, recompute_stop=rc_stop)
+    return StepOutcome(fields, b, names_cache)
 
 
-def _drop_written_copies(ctl: Controller, batch: np.ndarray, before: np.ndarray,
+def _drop_written_copies(ctx: StepContext, batch: np.ndarray, before: np.ndarray,
                          after: np.ndarray, rc_pos: np.ndarray, rc_start: np.ndarray) -> None:
     """The copies of blocks this step writes are stale: the last block of a session that gets
     tokens, when it was partly filled, and every block from a recomputed range on (the engine
     feeds the session again from there). Their L2 copies are freed; their L3 copies are void
     (the records stay, dead, until their segment goes; a later spill writes them again)."""
-    S, T = ctl.sessions, ctl.table
-    slots = T.take_written(batch, before, after, ctl.config.geometry.block_tokens,
+    S, T = ctx.sessions, ctx.table
+    slots = T.take_written(batch, before, after, ctx.config.geometry.block_tokens,
                            S.arena.arena, S.arena.start, S.kept_last, S.l3_last)
     if len(rc_pos):
         rows = np.concatenate([S.arena.rows(int(batch[pos]))[start:] for pos, start in
@@ -137,24 +147,24 @@ def _drop_written_copies(ctl: Controller, batch: np.ndarray, before: np.ndarray,
         T.free[DRAM].push(slots)
 
 
-def _plan(ctl: Controller, b: PlanBuilder, needs: StepNeeds, tick: int) -> np.ndarray:
+def _plan(ctx: StepContext, b: PlanBuilder, needs: StepNeeds, tick: int) -> np.ndarray:
     """plan_step with the controller's context; the rows it dropped (recomputed)."""
-    pol = ctl.config.policy
-    ctl.refresh_pin_threshold()
-    g, rates = ctl.config.geometry, ctl.rates
+    pol = ctx.config.policy
+    threshold = ctx.autopin.refresh(tick, ctx.table, ctx.sessions, ctx.eviction_orders)
+    g, rates = ctx.config.geometry, ctx.rates
     load_s, recompute_s = block_costs(g.block_bytes, g.block_tokens, rates.h2d_bytes_per_s,
                                       rates.ssd_read_bytes_per_s, rates.prefill_tokens_per_s)
-    prep = ctl.prepared
+    prep = ctx.prepared
     stale = (np.concatenate([needs.batch, np.asarray(prep.changed, dtype=np.int64)])
              if prep is not None and prep.tick == tick else _EMPTY)
-    ctx = PlanContext(pol, ctl.marks, ctl.l3_enabled, tick, ctl.now_s(), ctl.pin_threshold,
-                      ctl.draining, ctl.eviction_orders,
-                      load_s if pol.spill == "cost" else 0.0, recompute_s,
-                      prep, stale, ctl.order_asks, ctl.order_rebuilds)
-    return plan_step(ctx, b, needs).astype(np.int64)
+    plan = PlanContext(pol, ctx.marks, ctx.l3_enabled, tick, ctx.now_s(), threshold,
+                       ctx.draining, ctx.eviction_orders,
+                       load_s if pol.spill == "cost" else 0.0, recompute_s,
+                       prep, stale, ctx.order_asks, ctx.order_rebuilds)
+    return plan_step(plan, b, needs).astype(np.int64)
 
 
-def _upcoming(ctl: Controller, upcoming: Upcoming, batch: np.ndarray) -> np.ndarray:
+def _upcoming(ctx: StepContext, upcoming: Upcoming, batch: np.ndarray) -> np.ndarray:
     """Sessions expected within prefetch_steps steps, soonest first, without the batch."""
     if upcoming is None:
         return _EMPTY
@@ -167,17 +177,17 @@ def _upcoming(ctl: Controller, upcoming: Upcoming, batch: np.ndarray) -> np.ndar
     if isinstance(upcoming, Mapping):
         steps = {name: check_count(f"upcoming[{name!r}]", k, MAX_STEPS_AHEAD, "MAX_STEPS_AHEAD")
                  for name, k in upcoming.items()}
-        horizon = ctl.config.policy.prefetch_steps
+        horizon = ctx.config.policy.prefetch_steps
         names = [n for n, k in sorted(steps.items(), key=lambda kv: kv[1]) if k <= horizon]
     else:
         for name in upcoming:
             if not isinstance(name, str):  # (unhashable ones too)
-                ctl.sessions.lookup(name)
+                ctx.sessions.lookup(name)
         names = list(dict.fromkeys(upcoming))  # once each, in the order given
     if not names:
         return _EMPTY
-    idx = ctl.sessions.resolve(names)
-    return idx[outside(idx, batch, ctl.sessions.plan_local)]
+    idx = ctx.sessions.resolve(names)
+    return idx[outside(idx, batch, ctx.sessions.plan_local)]
 
 
 def _refuse(S: SessionTable, batch: np.ndarray, add: np.ndarray) -> None:
@@ -193,16 +203,17 @@ def _refuse(S: SessionTable, batch: np.ndarray, add: np.ndarray) -> None:
                                 f"{len(batch)} sessions")
 
 
-def _names(ctl: Controller, given: Sequence[str] | np.ndarray,
-           batch: np.ndarray) -> tuple[str, ...]:
-    """The batch's session ids; for handles, patched from the last step's tuple (a decode batch
-    changes in a few places a step) instead of looked up 1024 times."""
+def _names(ctx: StepContext, given: Sequence[str] | np.ndarray,
+           batch: np.ndarray) -> tuple[tuple[str, ...], NamesCache]:
+    """The batch's session ids and the names cache to keep; for handles, patched from the last
+    step's tuple (a decode batch changes in a few places a step) instead of looked up 1024
+    times."""
     if not isinstance(given, np.ndarray):
-        return tuple(given)
-    S = ctl.sessions
+        return tuple(given), ctx.names_cache
+    S = ctx.sessions
     # Handles were checked by resolve() (they are S.handle_of[batch]); a copy, kept below.
     handles = given.astype(np.int64) if given.dtype.kind in "iu" else S.handle_of[batch]
-    prev_handles, prev_names = ctl.names_cache
+    prev_handles, prev_names = ctx.names_cache
     if len(prev_handles) == len(batch):
         changed = np.flatnonzero(prev_handles != handles).tolist()
         out = list(prev_names) if changed else prev_names
@@ -211,12 +222,11 @@ def _names(ctl: Controller, given: Sequence[str] | np.ndarray,
     else:
         out = [S.name(i) for i in batch.tolist()]
     result = tuple(out)
-    ctl.names_cache = (handles, result)
-    return result
+    return result, (handles, result)
 
 
-def _pinned_l1_outside(ctl: Controller, batch: np.ndarray) -> int:
-    T, S = ctl.table, ctl.sessions
+def _pinned_l1_outside(ctx: StepContext, batch: np.ndarray) -> int:
+    T, S = ctx.table, ctx.sessions
     in_batch = set(batch.tolist())
     held = 0
     for si in S.pins:
@@ -226,15 +236,15 @@ def _pinned_l1_outside(ctl: Controller, batch: np.ndarray) -> int:
     return held
 
 
-def _demand(ctl: Controller, b: PlanBuilder, batch: np.ndarray,
+def _demand(ctx: StepContext, b: PlanBuilder, batch: np.ndarray,
             missing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows to bring into L1 (load) and rows to recompute, per the cost model for each session
     of the step with blocks outside L1 (at positions `missing`). Rows to recompute lose their
     L2/L3 copy now."""
-    S, T, rates, pol = ctl.sessions, ctl.table, ctl.rates, ctl.config.policy
+    S, T, rates, pol = ctx.sessions, ctx.table, ctx.rates, ctx.config.policy
     if len(missing) == 0:
         return _EMPTY, _EMPTY
-    g = ctl.config.geometry
+    g = ctx.config.geometry
     sess = batch[missing]
     # cost.resume_costs per session, in the kernel (blocks on L2 and L3 kept per session)
     weight = 1.0 + pol.gpu_share_weight * max(len(batch) - 1, 0)
@@ -260,49 +270,49 @@ def _demand(ctl: Controller, b: PlanBuilder, batch: np.ndarray,
     return rows[off_l1 & ~redo_rows], rows[(tier == NONE) | redo_rows]
 
 
-def _needs_planning(ctl: Controller, needs: StepNeeds) -> bool:
-    return _own_needs(ctl, needs) or _marks_due(ctl, needs.num_fresh)
+def _needs_planning(ctx: StepContext, needs: StepNeeds) -> bool:
+    return _own_needs(ctx, needs) or _marks_due(ctx, needs.num_fresh)
 
 
-def _own_needs(ctl: Controller, needs: StepNeeds) -> bool:
+def _own_needs(ctx: StepContext, needs: StepNeeds) -> bool:
     """The step itself needs moves: blocks to load, room in L1 for its new blocks, or
     upcoming sessions to prefetch (what the watermarks want aside)."""
-    T, S = ctl.table, ctl.sessions
+    T, S = ctx.table, ctx.sessions
     if len(needs.want_l1) or T.num_free(HBM) < needs.num_fresh:
         return True
     up = needs.upcoming
     return bool(len(up) and (S.counts[1][up] < S.arena.length[up]).any())
 
 
-def _marks_due(ctl: Controller, num_fresh: int = 0) -> bool:
+def _marks_due(ctx: StepContext, num_fresh: int = 0) -> bool:
     """A tier is above its high watermark (L1 with `num_fresh` new blocks more), or still
     draining towards its low one."""
-    T = ctl.table
-    if any(ctl.draining.values()) or T.used(HBM) + num_fresh > ctl.marks[HBM][0] * T.slots(HBM):
+    T = ctx.table
+    if any(ctx.draining.values()) or T.used(HBM) + num_fresh > ctx.marks[HBM][0] * T.slots(HBM):
         return True
-    return ctl.l3_enabled and T.used(DRAM) > ctl.marks[DRAM][0] * T.slots(DRAM)
+    return ctx.l3_enabled and T.used(DRAM) > ctx.marks[DRAM][0] * T.slots(DRAM)
 
 
-def _place_fresh(ctl: Controller, rows: np.ndarray, slots: np.ndarray) -> None:
+def _place_fresh(ctx: StepContext, rows: np.ndarray, slots: np.ndarray) -> None:
     """Rows with no copy (NONE) get L1 slots: the engine recomputes their KV there."""
     if len(rows) == 0:
         return
-    ctl.table.set_tier(rows, HBM, slots, free_src=True)
-    sess = ctl.table.session[rows].astype(np.int64)
-    ctl.sessions.dirty[sess] = True
-    S = ctl.sessions
+    ctx.table.set_tier(rows, HBM, slots, free_src=True)
+    sess = ctx.table.session[rows].astype(np.int64)
+    ctx.sessions.dirty[sess] = True
+    S = ctx.sessions
     add_counts(S.counts, S.count_keys(0, sess), -1)
     add_counts(S.counts, S.count_keys(1, sess), 1)
 
 
-def _alloc_new(ctl: Controller, batch: np.ndarray, n_new: np.ndarray, first: np.ndarray,
-               slots: np.ndarray) -> tuple[np.ndarray, ...]:
+def _alloc_new(ctx: StepContext, batch: np.ndarray, n_new: np.ndarray, first: np.ndarray,
+               slots: np.ndarray, tick: int) -> tuple[np.ndarray, ...]:
     """Rows for the blocks new tokens open (n_new[i] for batch[i], from block first[i] on), in
     fresh L1 slots (no move: the engine writes), appended to their sessions (the batch table
     stays clean). Returns (rows, batch position, block id and logical index of each)."""
-    T, S = ctl.table, ctl.sessions
+    T, S = ctx.table, ctx.sessions
     free = T.free_rows
-    new = alloc_blocks(batch, n_new, first, free.stack, free.top, slots, ctl.tick, S.runs,
+    new = alloc_blocks(batch, n_new, first, free.stack, free.top, slots, tick, S.runs,
                        S.counts[1], T.session, T.logical, T.last_tick, T.count, T.runs_seen,
                        T.tier, T.slot, T.owner[HBM], T.gen)
     rows = new[0]
