@@ -177,7 +177,7 @@ def test_the_engine_keeps_serving_when_l3_fills_up(tmp_path: Path) -> None:
         try:
             tiered = TieredEngine(rt, model, report_prefill=False)
             got = drive(tiered.engine)
-            failed = getattr(rt.worker.executor, "num_failed_spills", None)
+            failed = getattr(rt.worker.executor.spills, "num_failed_spills", None)
         finally:
             rt.close()
     assert got == want
