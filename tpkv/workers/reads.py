@@ -72,8 +72,8 @@ class L3Reader:
     def collect(self, plan: MovePlan, jobs: ReadJobs, out: ExecOutcome, deadline: float,
                 on_loaded: Callable[[np.ndarray], None] | None = None) -> None:
         """Wait for the plan's read jobs; their hits are done, their misses reported; with
-        `on_loaded`, it is called after each job with a hit, with the mask of the plan's moves
-        loaded with a hit so far (PlanExecutor issues the chained moves of those)."""
+        `on_loaded`, it is called after each job read, with the mask of the plan's moves loaded
+        with a hit so far (PlanExecutor issues the chained moves of those)."""
         block_bytes = self.block_bytes
         misses: list[np.ndarray] = []
         loaded = np.zeros(plan.num_moves, dtype=bool)
