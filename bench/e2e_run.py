@@ -293,7 +293,7 @@ class Rounds:
             return {}
         free = table.free[int(Tier.DRAM)]
         slots = free.stack[:free.top]
-        running = [sp.slots for sp in ex.spills if not sp.future.done()]
+        running = [sp.slots for sp in ex.spills.running if not sp.future.done()]
         read = np.concatenate(running) if running else np.zeros(0, dtype=np.int64)
         busy = np.isin(slots, read)
         return {"l2_free": len(slots), "l2_free_spilling": int(busy.sum()),

@@ -34,7 +34,7 @@ from bench.transfer import raw_odirect  # noqa: E402
 from tpkv.config import KvGeometry, SsdConfig  # noqa: E402
 from tpkv.ssd.backend import aligned_empty  # noqa: E402
 from tpkv.ssd.store import SsdStore  # noqa: E402
-from tpkv.workers.executor import READ_CHUNK_BYTES  # noqa: E402
+from tpkv.workers.reads import READ_CHUNK_BYTES  # noqa: E402
 
 # 512 KiB blocks, as the e2e's 1B model stores them per rank
 GEOMETRY = KvGeometry(num_layers=16, num_kv_heads=8, head_dim=64, block_tokens=16)

@@ -44,7 +44,7 @@ import bench.e2e_run as e2e_run  # noqa: E402
 from tpkv.controller import builder, controller, step  # noqa: E402
 from tpkv.launch import runtime  # noqa: E402
 from tpkv.models import tiered  # noqa: E402
-from tpkv.workers import copy_engine, cuda_rt, executor, mirror, worker  # noqa: E402
+from tpkv.workers import copy_engine, cuda_rt, executor, mirror, pieces, worker  # noqa: E402
 
 MARKS: dict[str, int] = {}
 CPU: dict[str, int] = {}  # the step thread's CPU time at each mark (time.thread_time_ns)
@@ -111,7 +111,7 @@ def install() -> None:
             (worker.Worker, "apply_step", "apply_step"),
             (mirror.SlotMirror, "check", "check"),
             (executor.PlanExecutor, "run", "run"),
-            (executor.PlanExecutor, "_demotion_groups", "piece_lookup"),
+            (pieces.DemotionPieces, "groups", "piece_lookup"),
             (executor.PlanExecutor, "_mark", "stream_mark"),
             (executor.PlanExecutor, "_h2d", "h2d"),
             (executor.PlanExecutor, "_demote", "demote"),

@@ -164,7 +164,8 @@ def test_the_budget_caps_disk_use_below_a_larger_disk(small_fs: Path) -> None:
 _ENGINE_BUG = pytest.mark.xfail(
     strict=True, raises=TpkvError,
     reason="bug: a commit_manifest that fails with ENOSPC (SsdIoError) escapes the plan "
-           "executor (_await_manifest, wait_spills) and ends the run instead of leaving misses")
+           "executor (SpillTracker.await_manifest, wait) and ends the run instead of leaving "
+           "misses")
 
 
 def test_the_engine_keeps_serving_when_l3_fills_up(tmp_path: Path) -> None:
@@ -177,7 +178,7 @@ def test_the_engine_keeps_serving_when_l3_fills_up(tmp_path: Path) -> None:
         try:
             tiered = TieredEngine(rt, model, report_prefill=False)
             got = drive(tiered.engine)
-            failed = getattr(rt.worker.executor, "num_failed_spills", None)
+            failed = getattr(rt.worker.executor.spills, "num_failed_spills", None)
         finally:
             rt.close()
     assert got == want

@@ -15,7 +15,8 @@ from tpkv.config import KvGeometry, SsdConfig
 from tpkv.errors import WaitTimeoutError
 from tpkv.protocol.plan import MovePlan, Tier
 from tpkv.ssd.store import SsdStore
-from tpkv.workers.executor import PlanExecutor, wait_handle
+from tpkv.workers.executor import PlanExecutor
+from tpkv.workers.outcome import wait_handle
 
 pytestmark = pytest.mark.timeout(60)
 GEO = KvGeometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)

@@ -115,7 +115,7 @@ def check_against_controller(rt: Any) -> dict[str, int]:
     if rt.world_size > 1:  # and on every rank's disk: a manifest completes once all ranks wrote
         rt.ctx.ctl.barrier("spills written")
     on_ssd = {session for _, tier, _, session, _ in table(mine) if tier == Tier.SSD}
-    for session in sorted(on_ssd):  # what a load does first (PlanExecutor._await_manifest)
+    for session in sorted(on_ssd):  # what a load does first (SpillTracker.await_manifest)
         w.store.commit_manifest(session)
     counts = {"l1": 0, "l2": 0, "l3": 0}
     buf = np.zeros(g.block_bytes, dtype=np.uint8)

@@ -62,9 +62,9 @@ def enospc_rank(rank: int, world: int, ssd_root: str, victim: int, every: int,
         got = drive(tiered.engine)
         rt.worker.executor.synchronize()
         ex = rt.worker.executor
-        ledger = getattr(ex, "ledger", None)  # (none before the fix)
+        ledger = getattr(ex.spills, "ledger", None)  # (none before the fix)
         out = {"got": got, "want": want, "injected": counts["injected"],
-               "failed_spills": ex.num_failed_spills,
+               "failed_spills": ex.spills.num_failed_spills,
                "forgotten": getattr(ledger, "num_forgotten_elsewhere", 0),
                "agreements": getattr(ledger, "num_agreements", 0),
                "retries": tiered.stats.retries, "moves": dict(tiered.stats.moves),

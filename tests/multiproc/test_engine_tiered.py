@@ -156,7 +156,7 @@ def check(out: dict[str, Any], mode: str = "load") -> None:
         # and spilled again onto the records they were loaded from (PolicyConfig.
         # keep_l3_copies): the later loads of those records gave the same tokens
         assert out["kept_spills"] > 0, out
-        # copied into L1 while the rest of their reads went on (Worker._chain)
+        # copied into L1 while the rest of their reads went on (chain.find_chain)
         assert out["chained"] > 0, out["chained"]
     if mode == "miss":  # the step that needed the missed block ran again and recomputed it
         assert out["retries"] >= 1 and out["recompute_tokens"] > 0, out

@@ -103,7 +103,7 @@ def test_a_bad_l3_record_is_a_miss_never_wrong_bytes(worker):
     applied = worker.apply_plan(plan(3, [(0, S, -1, D, 3)]))
     assert applied.misses.tolist() == [0] and applied.status & STATUS_MISSES
     assert not worker.host.block_bytes_view(3).any()  # zeros, not the damaged bytes
-    result = worker._result(applied, None)
+    result = applied.result(worker.rank, None)
     assert result.slot_map_digest == plan_digest(applied.plan, result.miss_block_ids)
 
 

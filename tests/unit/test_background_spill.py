@@ -19,7 +19,8 @@ from tpkv.config import KvGeometry, SsdConfig
 from tpkv.errors import SsdIoError
 from tpkv.protocol.plan import MovePlan, Tier
 from tpkv.ssd.store import SsdStore
-from tpkv.workers import executor as executor_module
+from tpkv.workers import reads as reads_module
+from tpkv.workers import spills as spills_module
 from tpkv.workers.executor import PlanExecutor
 
 pytestmark = pytest.mark.timeout(60)
@@ -57,17 +58,17 @@ def test_a_spill_returns_at_once_and_a_refill_of_its_slot_waits_for_it(tmp_path:
     ex.run(_plan(1, 0, H, 0, D, 0), np.ones(1, dtype=bool))  # block 0: L1 slot 0 -> L2 slot 0
     out = ex.run(_plan(2, 0, D, 0, S, -1), np.ones(1, dtype=bool))  # L2 slot 0 -> L3
     # returned (and reported done) while the write still waits for the disk
-    assert out.done.all() and len(ex.spills) == 1 and not gate.is_set()
+    assert out.done.all() and len(ex.spills.running) == 1 and not gate.is_set()
     threading.Timer(0.3, gate.set).start()
     out = ex.run(_plan(3, 1, H, 1, D, 0), np.ones(1, dtype=bool))  # refills L2 slot 0: waits
-    assert not ex.spills and gate.is_set()
+    assert not ex.spills.running and gate.is_set()
     # the wait is not the copy's own time: the controller's rate meter does not see it
     assert out.blocked_ns >= 0.2e9 and out.host_ns >= out.blocked_ns
     assert out.elapsed_ns() == out.host_ns - out.blocked_ns < 0.2e9
     assert (host.block(0) == 2.0).all()  # the refill landed
     # the manifest commit is queued on reap, on the store's commit thread
-    assert [c.name for c in ex.commits] == ["sess"]
-    assert ex.commits[0].future.result(5) is True
+    assert [c.name for c in ex.spills.commits] == ["sess"]
+    assert ex.spills.commits[0].future.result(5) is True
     buf = np.zeros(GEO.block_bytes, dtype=np.uint8)
     assert store.read_blocks("sess", np.array([0]), [buf])[0]
     assert np.array_equal(buf, want)  # L3 holds block 0, not the refill's bytes
@@ -80,17 +81,17 @@ def test_an_unrelated_d2h_does_not_wait_and_synchronize_finishes_every_spill(tmp
     ex.run(_plan(1, 0, H, 0, D, 0), np.ones(1, dtype=bool))
     ex.run(_plan(2, 0, D, 0, S, -1), np.ones(1, dtype=bool))
     ex.run(_plan(3, 1, H, 1, D, 2), np.ones(1, dtype=bool))  # another L2 slot: no wait
-    assert len(ex.spills) == 1 and not gate.is_set()
+    assert len(ex.spills.running) == 1 and not gate.is_set()
     gate.set()
     ex.synchronize()
-    assert not ex.spills and ex.num_failed_spills == 0
+    assert not ex.spills.running and ex.spills.num_failed_spills == 0
     assert store.session_indices("sess").tolist() == [0]
     store.close()
 
 
 def _settled(ex: PlanExecutor) -> None:
     """Wait for the background manifest commits queued so far (failed or not)."""
-    futures.wait([c.future for c in ex.commits], timeout=5)
+    futures.wait([c.future for c in ex.spills.commits], timeout=5)
 
 
 def test_manifests_are_committed_after_the_copies(
@@ -116,11 +117,11 @@ def test_manifests_are_committed_after_the_copies(
     assert order == ["d2h", "commit"]
     ex.run(_plan(4, 2, H, 2, D, 1), ok)
     ex.run(_plan(5, 2, D, 1, S, -1), ok)  # a second spill, done at once (the gate is open)
-    ex.spills[0].future.result(5)
+    ex.spills.running[0].future.result(5)
     order.clear()
     ex.run(_plan(6, 3, H, 3, D, 2), ok)
     _settled(ex)
-    assert order == ["d2h", "commit"] and not ex.spills
+    assert order == ["d2h", "commit"] and not ex.spills.running
     store.close()
 
 
@@ -141,7 +142,7 @@ def test_a_load_of_records_this_rank_no_longer_holds_misses_at_once(
     def no_poll(seconds: float) -> None:
         raise AssertionError(f"polled ({seconds} s) for records that cannot come")
 
-    monkeypatch.setattr(executor_module, "time", types.SimpleNamespace(
+    monkeypatch.setattr(spills_module, "time", types.SimpleNamespace(
         monotonic=time.monotonic, perf_counter_ns=time.perf_counter_ns, sleep=no_poll))
     out = ex.run(_plan(3, 0, S, -1, D, 1), ok)
     assert not out.error and out.misses.tolist() == [0]
@@ -155,7 +156,7 @@ def test_a_session_read_in_chunks_comes_back_bit_exact(tmp_path: Path,
     store = SsdStore(SsdConfig(root=str(tmp_path / "l3"), backend="posix", o_direct=False,
                                io_threads=2), GEO, "m", 0)
     ex = PlanExecutor(make_engine(GEO, 8, 12, "cpu"), store, timeout_s=5.0)
-    monkeypatch.setattr(executor_module, "READ_CHUNK_BYTES", 2 * GEO.block_bytes)
+    monkeypatch.setattr(reads_module, "READ_CHUNK_BYTES", 2 * GEO.block_bytes)
     n = 5
     rng = np.random.default_rng(3)
     for k in range(n):
@@ -251,18 +252,19 @@ def test_a_slow_manifest_commit_holds_no_step_and_a_load_of_its_session_waits_fo
     want = ex.hbm.tensor[0].reshape(-1).view(torch.uint8).numpy().copy()
     ex.run(_plan(1, 0, H, 0, D, 0), ok)
     ex.run(_plan(2, 0, D, 0, S, -1), ok)
-    ex.spills[0].future.result(5)
+    ex.spills.running[0].future.result(5)
     t0 = time.monotonic()
     ex.run(_plan(3, 1, H, 1, D, 2), ok)  # finds the spill written: queues the commit only
-    assert time.monotonic() - t0 < 2.0 and not ex.spills
-    assert [c.name for c in ex.commits] == ["sess"] and not ex.commits[0].future.done()
+    assert time.monotonic() - t0 < 2.0 and not ex.spills.running
+    commits = ex.spills.commits
+    assert [c.name for c in commits] == ["sess"] and not commits[0].future.done()
     threading.Timer(0.3, committing.set).start()
     t0 = time.monotonic()
     out = ex.run(_plan(4, 0, S, -1, D, 1), ok)  # load the session: waits for its commit
-    assert time.monotonic() - t0 >= 0.25 and not ex.commits
+    assert time.monotonic() - t0 >= 0.25 and not ex.spills.commits
     assert not out.error and len(out.misses) == 0 and out.done.all()
     assert np.array_equal(ex.host.block_bytes_view(1), want)
-    assert ex.num_commits == 1 and ex.commit_ns >= 0.25e9  # the wait counts as commit time
+    assert ex.spills.num_commits == 1 and ex.commit_ns >= 0.25e9  # the wait counts as commit time
     store.close()
 
 
@@ -284,14 +286,14 @@ def test_a_failed_background_commit_forgets_its_session(
     ok = np.ones(1, dtype=bool)
     ex.run(_plan(1, 0, H, 0, D, 0), ok)
     ex.run(_plan(2, 0, D, 0, S, -1), ok)
-    ex.spills[0].future.result(5)
+    ex.spills.running[0].future.result(5)
     ex.run(_plan(3, 1, H, 1, D, 2), ok)  # queues the commit
-    assert len(ex.commits) == 1
+    assert len(ex.spills.commits) == 1
     release.set()
     _settled(ex)
     assert store.committed_indices("sess").tolist() == [0]  # written, not yet forgotten
     ex.run(_plan(4, 2, H, 2, D, 3), ok)  # finds it failed
-    assert ex.num_failed_spills == 1 and not ex.commits
+    assert ex.spills.num_failed_spills == 1 and not ex.spills.commits
     assert store.committed_indices("sess").tolist() == []
     out = ex.run(_plan(5, 0, S, -1, D, 1), ok)
     assert out.misses.tolist() == [0]
@@ -312,11 +314,11 @@ def test_a_commit_failing_with_a_plain_oserror_forgets_its_session(
     ok = np.ones(1, dtype=bool)
     ex.run(_plan(1, 0, H, 0, D, 0), ok)
     ex.run(_plan(2, 0, D, 0, S, -1), ok)
-    ex.spills[0].future.result(5)
+    ex.spills.running[0].future.result(5)
     ex.run(_plan(3, 1, H, 1, D, 2), ok)  # finishes the spill: queues the commit
     _settled(ex)
     ex.run(_plan(4, 2, H, 2, D, 3), ok)  # finds it failed
-    assert ex.num_failed_spills == 1 and not ex.commits and not ex.spills
+    assert ex.spills.num_failed_spills == 1 and not ex.spills.commits and not ex.spills.running
     assert store.committed_indices("sess").tolist() == []
     out = ex.run(_plan(5, 0, S, -1, D, 1), ok)
     assert out.misses.tolist() == [0]

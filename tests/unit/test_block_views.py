@@ -11,8 +11,8 @@ from tpkv.config import HostConfig, KvGeometry, SsdConfig
 from tpkv.errors import SlotError, SsdRequestError
 from tpkv.ssd.backend import BlockViews
 from tpkv.ssd.store import SsdStore
-from tpkv.workers.executor import _by_session
 from tpkv.workers.pools import HostPool
+from tpkv.workers.reads import by_session
 
 # 4096-byte blocks: page-aligned, so O_DIRECT takes them without staging
 GEO = KvGeometry(num_layers=2, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=8)
@@ -86,8 +86,8 @@ def test_views_of_another_block_size_are_refused(tmp_path: Path) -> None:
 
 def test_rows_split_by_session_in_plan_order() -> None:
     session_idx = np.array([2, 0, 2, 1, 0, 2, 5])
-    parts = _by_session(session_idx, np.array([0, 1, 2, 3, 4, 5]))
+    parts = by_session(session_idx, np.array([0, 1, 2, 3, 4, 5]))
     assert [p.tolist() for p in parts] == [[0, 2, 5], [1, 4], [3]]
-    parts = _by_session(session_idx, np.array([6, 4, 0, 3]))
+    parts = by_session(session_idx, np.array([6, 4, 0, 3]))
     assert [p.tolist() for p in parts] == [[6], [4], [0], [3]]
-    assert _by_session(session_idx, np.array([], dtype=np.int64)) == []
+    assert by_session(session_idx, np.array([], dtype=np.int64)) == []

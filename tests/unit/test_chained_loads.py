@@ -1,4 +1,4 @@
-"""Chained loads (Worker._chain, PlanExecutor.run's `chain`): a step's L2 -> L1 moves of blocks
+"""Chained loads (chain.find_chain, PlanExecutor.run's `chain`): a step's L2 -> L1 moves of blocks
 its plan before loads from L3 go as soon as each block's read job is done with a hit, beside the
 plan's later reads, instead of after all of them; the next plan takes them as done."""
 
@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 from tests.unit.test_ssd_faults import PAGE, files  # noqa: E402
 from tpkv.protocol.messages import StepResult  # noqa: E402
 from tpkv.protocol.plan import MovePlan, Tier  # noqa: E402
-from tpkv.workers import executor as executor_mod  # noqa: E402
+from tpkv.workers import reads as reads_mod  # noqa: E402
+from tpkv.workers.chain import find_chain  # noqa: E402
 from tpkv.workers.confirm import STATUS_DIVERGED  # noqa: E402
 
 H, D, S = int(Tier.HBM), int(Tier.DRAM), int(Tier.SSD)
@@ -80,7 +81,7 @@ class Rig:
 
 @pytest.fixture
 def one_block_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(executor_mod, "READ_CHUNK_BYTES", 1)
+    monkeypatch.setattr(reads_mod, "READ_CHUNK_BYTES", 1)
 
 
 def test_loaded_blocks_reach_l1_bit_exact_as_each_read_is_done(tmp_path: Path, one_block_jobs:
@@ -122,7 +123,7 @@ def test_a_block_whose_read_misses_is_not_chained(tmp_path: Path, one_block_jobs
 
 
 def test_the_chain_takes_only_moves_the_next_check_passes(tmp_path: Path) -> None:
-    """_chain against a map: blocks 0..5 in L3, block 10 in L1 slot 5 (the loads' plan demotes
+    """find_chain against a map: blocks 0..5 in L3, block 10 in L1 slot 5 (the loads' plan demotes
     it), block 11 in L1 slot 6 (stays), block 12 in L2 slot 12 (not loaded by the plan)."""
     rig = Rig(tmp_path / "l3", n=6)
     w = rig.w
@@ -142,16 +143,17 @@ def test_the_chain_takes_only_moves_the_next_check_passes(tmp_path: Path) -> Non
             (13, H, 9, D, 14),
             (12, D, 12, H, 10),  # from L2, not loaded by the plan: not
         ])
-        chain = w._chain(p, ok, nxt, EMPTY)
+        chain = find_chain(p, ok, nxt, EMPTY, w.mirror, w.hbm.num_slots)
         assert chain is not None
         assert chain.rows.tolist() == [0, 1] and chain.loads.tolist() == [0, 1]
         # a block dropped between the two plans is not chained
-        chain = w._chain(p, ok, nxt, np.array([0]))
+        chain = find_chain(p, ok, nxt, np.array([0]), w.mirror, w.hbm.num_slots)
         assert chain is not None and chain.rows.tolist() == [1]
         # a load this rank refused is not chained, nor is a move whose block differs
-        assert w._chain(p, ok & (np.arange(len(ok)) != 0), nxt, EMPTY).rows.tolist() == [1]
+        refused = ok & (np.arange(len(ok)) != 0)
+        assert find_chain(p, refused, nxt, EMPTY, w.mirror, w.hbm.num_slots).rows.tolist() == [1]
         other = plan(2, [(7, D, 4, H, 0)])
-        assert w._chain(p, ok, other, EMPTY) is None
+        assert find_chain(p, ok, other, EMPTY, w.mirror, w.hbm.num_slots) is None
     finally:
         rig.close()
 

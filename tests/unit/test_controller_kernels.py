@@ -122,7 +122,7 @@ def test_tier_filters_match_numpy_masks() -> None:
 @pytest.mark.parametrize("mark_clean", [True, False])
 def test_gave_up_matches_the_numpy_steps(mark_clean: bool) -> None:
     """The sessions that gave rows (touched and dirty after) and their counts; with
-    mark_clean, the ones that gave none are clean, as _coldest's numpy steps did."""
+    mark_clean, the ones that gave none are clean, as orders.coldest's numpy steps did."""
     rng = np.random.default_rng(13)
     units = rng.permutation(200)[:80].astype(np.int64)
     per_unit = rng.integers(0, 3, 50).astype(np.int64)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from tpkv.workers.executor import PlanExecutor
+from tpkv.workers.pieces import DemotionPieces
 
 
 @dataclass
@@ -18,14 +18,13 @@ class _Handle:
         return self.finished
 
 
-def _executor(*batches: tuple[list[int], list[int], bool]) -> tuple[PlanExecutor, list[_Handle]]:
-    ex = PlanExecutor.__new__(PlanExecutor)  # only the demotion tracking is used here
-    ex.demotions, ex._serial = deque(), 0
-    ex.piece_of = (np.full(64, -1, dtype=np.int64), np.full(64, -1, dtype=np.int64))
+def _pieces(*batches: tuple[list[int], list[int], bool]
+            ) -> tuple[DemotionPieces, list[_Handle]]:
+    pieces = DemotionPieces(64, 64)
     handles = [_Handle(done) for _, _, done in batches]
     for h, (l1, l2, _) in zip(handles, batches):
-        ex.track(h, np.asarray(l1, dtype=np.int64), np.asarray(l2, dtype=np.int64))
-    return ex, handles
+        pieces.track(h, np.asarray(l1, dtype=np.int64), np.asarray(l2, dtype=np.int64))
+    return pieces, handles
 
 
 def _forced_gpu_executor(monkeypatch) -> tuple[PlanExecutor, list, list]:
@@ -69,23 +68,23 @@ def test_l1_among_finds_any_common_slot():
 
 
 def test_a_copy_into_free_slots_waits_for_no_demotion():
-    ex, _ = _executor(([10, 11, 12], [0, 1, 2], False))
-    assert ex._demotion_into(np.array([20, 21]), np.array([5, 6])) is None
+    ex, _ = _pieces(([10, 11, 12], [0, 1, 2], False))
+    assert ex.newest_into(np.array([20, 21]), np.array([5, 6])) is None
 
 
 def test_the_newest_overlapping_demotion_is_the_one_waited_for():
-    ex, h = _executor(([10, 11], [0, 1], False), ([12, 13], [2, 3], False),
+    ex, h = _pieces(([10, 11], [0, 1], False), ([12, 13], [2, 3], False),
                       ([30], [9], False))
-    assert ex._demotion_into(np.array([11, 40]), None) is h[0]
-    assert ex._demotion_into(np.array([11, 13]), None) is h[1]  # the d2h stream is in order
-    assert ex._demotion_into(np.array([50]), np.array([9])) is h[2]  # reads an L2 slot it writes
-    assert ex._demotion_into(np.array([50]), None) is None
+    assert ex.newest_into(np.array([11, 40]), None) is h[0]
+    assert ex.newest_into(np.array([11, 13]), None) is h[1]  # the d2h stream is in order
+    assert ex.newest_into(np.array([50]), np.array([9])) is h[2]  # reads an L2 slot it writes
+    assert ex.newest_into(np.array([50]), None) is None
 
 
 def test_finished_demotions_are_forgotten_oldest_first():
-    ex, h = _executor(([10], [0], True), ([11], [1], False))
-    assert ex._demotion_into(np.array([10]), None) is None
-    assert len(ex.demotions) == 1 and ex.demotions[0].handle is h[1]
+    ex, h = _pieces(([10], [0], True), ([11], [1], False))
+    assert ex.newest_into(np.array([10]), None) is None
+    assert len(ex.running) == 1 and ex.running[0].handle is h[1]
 
 
 def test_a_plan_issues_its_promotions_before_its_demotions() -> None:
@@ -117,14 +116,14 @@ def test_a_plan_issues_its_promotions_before_its_demotions() -> None:
 def test_copies_into_l1_are_grouped_by_the_piece_they_wait_for():
     """Each copy waits for the newest running piece that empties its L1 slot or writes its L2
     slot; groups come oldest piece first, copies that wait for none before them."""
-    ex, h = _executor(([14], [4], True), ([10, 11], [0, 1], False), ([12, 13], [2, 3], False))
+    ex, h = _pieces(([14], [4], True), ([10, 11], [0, 1], False), ([12, 13], [2, 3], False))
     l1 = np.array([12, 40, 10, 13, 41, 14])
     l2 = np.array([50, 51, 52, 53, 0, 54])  # L2 slot 0: written by the second piece
-    groups = ex._demotion_groups(l1, l2)
+    groups = ex.groups(l1, l2)
     assert [g[0] for g in groups] == [None, h[1], h[2]]  # the finished first piece is gone
     assert [sorted(g[1].tolist()) for g in groups] == [[1, 5], [2, 4], [0, 3]]
-    ex2, _ = _executor()
-    assert [(a, b.tolist()) for a, b in ex2._demotion_groups(np.array([1, 2]), np.array([3, 4]))] \
+    ex2, _ = _pieces()
+    assert [(a, b.tolist()) for a, b in ex2.groups(np.array([1, 2]), np.array([3, 4]))] \
         == [(None, [0, 1])]
 
 
@@ -139,7 +138,7 @@ def test_a_demotion_goes_out_in_pieces_each_waited_for_alone(monkeypatch) -> Non
     b, st, ss, dt, ds = (np.array(c) for c in zip(*moves))
     ex.run(MovePlan(1, b, st, ss, dt, ds, np.zeros(3), b, ("s",)), np.ones(3, dtype=bool))
     assert [x for x in issued if x[0] == "d2h"] == [("d2h", [1]), ("d2h", [2]), ("d2h", [3])]
-    pieces = [d.handle for d in ex.demotions]
+    pieces = [d.handle for d in ex.demotions.running]
     assert len(pieces) == 3
     issued.clear()
     up = MovePlan(2, np.array([5, 6]), np.array([D, D]), np.array([5, 6]), np.array([H, H]),
@@ -247,7 +246,7 @@ def test_demotions_nothing_later_in_the_step_needs_wait_for_the_plans_promotions
     for later in (np.array([2, 7]), None):  # slot 2 is filled later in the step / not known
         marks.clear()
         ex.last["h2d"] = before
-        ex.demotions.clear()
+        ex.demotions.running.clear()
         ex.run(resume(2), np.ones(2, dtype=bool), later_l1=later)
         assert marks == [("h2d", None), ("d2h", before)]
     # Both kinds in one plan: those a later plan needs go first, beside the promotions.

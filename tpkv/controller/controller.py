@@ -20,7 +20,8 @@ from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.capture import Capture, capture
 from tpkv.controller.cost import RateMeter
 from tpkv.controller.epochs import Epochs, PendingPlan
-from tpkv.controller.planner import PlanContext, PreparedOrders, prepare_orders
+from tpkv.controller.orders import prepare_orders
+from tpkv.controller.planstate import PlanContext, PreparedOrders
 from tpkv.controller.policy import fold_access
 from tpkv.controller.sessions import SessionTable
 from tpkv.controller.snapshot import session_blocks
@@ -228,7 +229,7 @@ class Controller:
     def prepare(self, force: Mapping[int, int] | None = None) -> None:
         """Work the next schedule() would otherwise do first, done now: call it between steps,
         while the host waits (the engine after launching a forward, the actor after replying).
-        Makes the eviction orders that step is likely to rebuild (planner.PreparedOrders):
+        Makes the eviction orders that step is likely to rebuild (planstate.PreparedOrders):
         each tier's coldest sessions as the table is now, ranked at the next tick. The step
         still applies what only it knows (its batch, the sessions it forbids, the blocks it
         wants, anything changed since), so its result is exactly what it would be without

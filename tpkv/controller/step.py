@@ -15,7 +15,8 @@ import numpy as np
 from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.cost import block_costs
 from tpkv.controller.plankernels import demand_rows, record_choices
-from tpkv.controller.planner import MAX_PHASES, PlanContext, StepNeeds, plan_step
+from tpkv.controller.planner import MAX_PHASES, plan_step
+from tpkv.controller.planstate import PlanContext, StepNeeds
 from tpkv.controller.sessions import SessionTable, add_counts
 from tpkv.controller.stepkernels import alloc_blocks, batch_blocks, outside, start_runs
 from tpkv.controller.steptypes import CheckedStep, NamesCache, StepContext, StepOutcome

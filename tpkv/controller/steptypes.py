@@ -14,7 +14,7 @@ from tpkv.controller.batchtable import BatchTable
 from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.cost import RateMeter
 from tpkv.controller.epochs import Epochs
-from tpkv.controller.planner import PreparedOrders
+from tpkv.controller.planstate import PreparedOrders
 from tpkv.controller.sessions import SessionTable
 from tpkv.controller.table import BlockTable
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -12,12 +11,14 @@ import torch
 
 from tpkv.config import TpkvConfig
 from tpkv.errors import PlanOrderError
-from tpkv.protocol.digest import plan_digest, slot_map_digest
+from tpkv.protocol.digest import plan_digest
 from tpkv.protocol.messages import StepResult
 from tpkv.protocol.plan import MovePlan, MoveResult, Tier
 from tpkv.ssd.store import SsdStore
 from tpkv.workers import kernels
 from tpkv.workers.agreement import SpillLedger
+from tpkv.workers.applied import NO_IDS, AppliedPlan, AppliedStep, StepReport
+from tpkv.workers.chain import find_chain
 from tpkv.workers.confirm import (
     NO_REPORT,
     ROW,
@@ -28,64 +29,14 @@ from tpkv.workers.confirm import (
     Confirmer,
     PendingConfirm,
     disagreements,
-    mismatch_error,
 )
 from tpkv.workers.copy_engine import CopyEngine
-from tpkv.workers.executor import Chain, ExecOutcome, PlanExecutor
-from tpkv.workers.mirror import DRAM, HBM, SSD, SlotMirror
+from tpkv.workers.executor import PlanExecutor
+from tpkv.workers.mirror import HBM, SlotMirror
+from tpkv.workers.outcome import ExecOutcome
 from tpkv.workers.pools import HbmPool, HostPool
 
 log = logging.getLogger(__name__)
-_NO_IDS = np.zeros(0, dtype=np.int64)
-
-
-@dataclass
-class AppliedPlan:
-    """One plan as this rank applied it (the MoveResult is built once its copies are done)."""
-
-    plan: MovePlan
-    outcome: ExecOutcome
-    moves_applied: int
-    after: tuple[np.ndarray, np.ndarray]  # (tier, slot) of the plan's blocks after it, here
-    status: int = 0
-    misses: np.ndarray = field(default_factory=lambda: _NO_IDS)
-
-    def row(self) -> list[int]:
-        """[epoch, moves_applied, digest of the plan's blocks as placed here, status]."""
-        digest = slot_map_digest(self.plan.block_ids, *self.after)
-        return [self.plan.epoch, self.moves_applied, digest, self.status]
-
-
-@dataclass
-class AppliedStep:
-    """A StepResult applied on this rank, its confirmation possibly still in flight."""
-
-    step: StepResult
-    plans: list[AppliedPlan]
-    pending: PendingConfirm | None = None
-    # Its plans wait for Worker.apply_late (after the step's forward is launched); `late`
-    # stays set once they are applied: the step is confirmed at the next one.
-    waiting: bool = False
-    late: bool = False
-
-
-@dataclass
-class StepReport:
-    """A confirmed step: this rank's results, every rank's rows, and where they disagree."""
-
-    step: StepResult
-    results: list[MoveResult]  # this rank's, one per plan of the step
-    gathered: np.ndarray  # [world, k, 4] rows of the k plans with moves (k may be 0)
-    expected: np.ndarray  # [k, 4]
-    mismatches: list[tuple[int, tuple[int, ...]]]  # (epoch, ranks)
-
-    @property
-    def any_misses(self) -> bool:
-        return bool((self.gathered[..., 3] & STATUS_MISSES).any())
-
-    def raise_if_mismatch(self) -> None:
-        if self.mismatches:
-            raise mismatch_error(self.gathered, self.expected, self.mismatches)
 
 
 class Worker:
@@ -112,8 +63,7 @@ class Worker:
         self.world_size = group.world_size if group is not None else 1
         if self.confirmer is not None and self.store is not None:
             # a spill that fails on one rank is forgotten on every rank (SpillLedger)
-            self.executor.ledger = SpillLedger()
-            self.executor.agree = self._agree_loads
+            self.executor.spills.join_group(SpillLedger(), self._agree_loads)
         self.epoch = 0  # last plan applied
         self.last_applied: list[AppliedPlan] = []  # the plans of the last step, as applied here
         self.tick = 0
@@ -205,14 +155,14 @@ class Worker:
             later.append(np.concatenate([later[-1],
                                          plan.dst_slot[plan.mask(Tier.DRAM, Tier.HBM)]]))
         for i, plan in enumerate(step.plans):
-            drops = step.drops[i] if i < len(step.drops) else _NO_IDS
+            drops = step.drops[i] if i < len(step.drops) else NO_IDS
             self.mirror.drop(drops)
             nxt = step.plans[i + 1] if i + 1 < len(step.plans) else None
             then = None
             if nxt is not None:
-                then = (nxt, step.drops[i + 1] if i + 1 < len(step.drops) else _NO_IDS)
+                then = (nxt, step.drops[i + 1] if i + 1 < len(step.drops) else NO_IDS)
             applied.append(self.apply_plan(plan, later[len(step.plans) - 1 - i], then=then))
-        self.mirror.drop(step.drops[-1] if step.drops else _NO_IDS)
+        self.mirror.drop(step.drops[-1] if step.drops else NO_IDS)
         self.last_applied = applied
         return applied
 
@@ -233,8 +183,8 @@ class Worker:
                                           names=set(gone))
             for name in gone:  # in the background: later calls about them wait for it
                 self.store.drop_session_later(name)
-            if self.executor.ledger is not None:
-                self.executor.ledger.closed(gone)
+            if self.executor.spills.ledger is not None:
+                self.executor.spills.ledger.closed(gone)
         self.executor.fence_compute(step.fresh_slots)
         self.tick = step.tick
 
@@ -252,20 +202,21 @@ class Worker:
 
     def _report(self) -> tuple[bytes, int]:
         """What this confirmation tells the other ranks of its spills (SpillLedger)."""
-        return self.executor.report() if self.executor.ledger is not None else NO_REPORT
+        spills = self.executor.spills
+        return spills.report() if spills.ledger is not None else NO_REPORT
 
     def _agree_loads(self, names: set[str], deadline: float) -> None:
-        """PlanExecutor.agree: every rank has finished its spills of `names`, which a plan is
+        """SpillTracker.agree: every rank has finished its spills of `names`, which a plan is
         about to load; agree now on the sessions some rank forgot (one all-gather through the
         confirmation thread, in order with the confirmations, so bounded and in the same order
         on every rank), and forget them here: their loads miss instead of waiting."""
-        ledger = self.executor.ledger
+        ledger = self.executor.spills.ledger
         assert self.confirmer is not None and ledger is not None
         empty = np.zeros((0, ROW), dtype=np.int64)
         pending = self.confirmer.start(lambda: (empty, empty), self._report())
         self.confirmer.wait(pending)
         ledger.num_agreements += 1
-        self.executor.settle(pending.forgotten, pending.settled, deadline, loaded=names)
+        self.executor.spills.settle(pending.forgotten, pending.settled, deadline, loaded=names)
 
     def apply_plan(self, plan: MovePlan, later_l1: np.ndarray | None = None,
                    then: tuple[MovePlan, np.ndarray] | None = None) -> AppliedPlan:
@@ -273,7 +224,7 @@ class Worker:
         the L1 slots later plans of the step and its new K/V fill (PlanExecutor.run); `then`:
         the step's next plan and
         the drops applied before it, whose L2 -> L1 moves of blocks this plan loads from L3
-        may go during this plan's reads (_chain)."""
+        may go during this plan's reads (find_chain)."""
         if plan.epoch != self.epoch + 1:
             raise PlanOrderError(f"rank {self.rank}: plan {plan.epoch} arrived after plan "
                                  f"{self.epoch}; plans apply strictly in epoch order")
@@ -287,9 +238,9 @@ class Worker:
         if skip is not None and plan.num_moves:
             ok[skip % plan.num_moves] = False  # an unknown bug: counted as applied below
         # A step's L2 -> L1 moves of blocks its plan before loads from L3 go as each read
-        # job is done (_chain), not after all of them
-        chain = (self._chain(plan, ok, *then) if then is not None
-                 and plan.epoch + 1 not in self.fault_skip else None)
+        # job is done (find_chain), not after all of them
+        chain = (find_chain(plan, ok, *then, self.mirror, self.hbm.num_slots)
+                 if then is not None and plan.epoch + 1 not in self.fault_skip else None)
         outcome = self.executor.run(plan, ok, later_l1, chain=chain)
         if self.fault_miss_from is not None and plan.epoch >= self.fault_miss_from:
             self._inject_miss(plan, outcome)
@@ -301,48 +252,10 @@ class Worker:
         return AppliedPlan(plan, outcome, applied, self.mirror.where(plan.block_ids), status,
                            outcome.misses)
 
-    def _chain(self, plan: MovePlan, ok: np.ndarray, nxt: MovePlan, drops: np.ndarray
-               ) -> Chain | None:
-        """The L2 -> L1 moves of `nxt` that may go as soon as `plan` has loaded their blocks
-        from L3 (PlanExecutor.run's `chain`): exactly those this rank's check of `nxt` will
-        pass, whatever `plan`'s reads return, once their own block's read is a hit. Each
-        starts from the L2 slot an applied load of `plan` fills with its block, and goes into
-        an L1 slot named once in `nxt`, which none of `nxt`'s moves empties, and which is free
-        once `plan` is applied (free now and filled by none of its moves, or emptied by one);
-        its block is not dropped between the two plans."""
-        loads = np.flatnonzero(ok & (plan.src_tier == SSD) & (plan.dst_tier == DRAM))
-        ups = np.flatnonzero((nxt.src_tier == DRAM) & (nxt.dst_tier == HBM))
-        if not len(loads) or not len(ups):
-            return None
-        by_slot = np.argsort(plan.dst_slot[loads], kind="stable")
-        slots = plan.dst_slot[loads][by_slot]
-        at = np.minimum(np.searchsorted(slots, nxt.src_slot[ups]), len(slots) - 1)
-        q = loads[by_slot[at]]
-        keep = (slots[at] == nxt.src_slot[ups]) & (plan.block_ids[q] == nxt.block_ids[ups])
-        if len(drops):
-            keep &= ~np.isin(nxt.block_ids[ups], drops)
-        ups, q = ups[keep], q[keep]
-        n1 = self.hbm.num_slots
-        d = nxt.dst_slot[ups]
-        inside = (d >= 0) & (d < n1)
-        ups, q, d = ups[inside], q[inside], d[inside]
-        if not len(ups):
-            return None
-        into_l1 = nxt.dst_slot[(nxt.dst_tier == HBM) & (nxt.dst_slot >= 0) & (nxt.dst_slot < n1)]
-        named_once = np.bincount(into_l1, minlength=n1)[d] == 1
-        emptied_next = np.isin(d, nxt.src_slot[nxt.src_tier == HBM])
-        filled = np.isin(d, plan.dst_slot[ok & (plan.dst_tier == HBM)])
-        emptied = np.isin(d, plan.src_slot[ok & (plan.src_tier == HBM)])
-        free_after = ((self.mirror.holder(HBM, d) < 0) | emptied) & ~filled
-        keep = named_once & ~emptied_next & free_after
-        if not keep.any():
-            return None
-        return Chain(nxt, ups[keep], q[keep])
-
     def _refused_ahead(self, plan: MovePlan, ok: np.ndarray) -> None:
-        """Moves of `plan` issued during the plan before's reads (_chain) that this rank's check
-        refuses now (never expected: _chain takes only moves the check passes): their copies
-        wrote L1 slots this map may give to other blocks, which are lost here."""
+        """Moves of `plan` issued during the plan before's reads (find_chain) that this rank's
+        check refuses now (never expected: find_chain takes only moves the check passes):
+        their copies wrote L1 slots this map may give to other blocks, which are lost here."""
         chain = self.executor.chained
         if chain is None or chain.plan is not plan:
             return
@@ -366,12 +279,12 @@ class Worker:
         if p is not None:
             gathered = self.confirmer.wait(p) if self.confirmer else p.gathered
             expected = p.expected
-            if self.executor.ledger is not None:  # sessions some rank forgot: forgotten here
-                self.executor.settle(p.forgotten, p.settled,
-                                     time.monotonic() + self.config.wait_timeout_s)
+            if self.executor.spills.ledger is not None:  # sessions some rank forgot: here too
+                self.executor.spills.settle(p.forgotten, p.settled,
+                                            time.monotonic() + self.config.wait_timeout_s)
             own = {int(e): int(d) for e, d in zip(p.rows[:, 0], p.rows[:, 2])}
         assert gathered is not None
-        results = [self._result(a, own.get(a.plan.epoch)) for a in applied.plans]
+        results = [a.result(self.rank, own.get(a.plan.epoch)) for a in applied.plans]
         return StepReport(applied.step, results, gathered, expected,
                           disagreements(gathered, expected))
 
@@ -451,19 +364,3 @@ class Worker:
             self.host.block_bytes_view(int(plan.dst_slot[i])).fill(0)
             outcome.misses = np.union1d(outcome.misses, plan.block_ids[i:i + 1])
             self.fault_miss_from = None
-
-    def _result(self, a: AppliedPlan, row_digest: int | None) -> MoveResult:
-        """The report for the controller: misses count as (NONE, -1) in its digest."""
-        digest = row_digest
-        if digest is None or len(a.misses):
-            tier, slot = a.after
-            hit = np.isin(a.plan.block_ids, a.misses)
-            tier, slot = np.where(hit, int(Tier.NONE), tier), np.where(hit, -1, slot)
-            digest = slot_map_digest(a.plan.block_ids, tier, slot)
-        o = a.outcome
-        return MoveResult(epoch=a.plan.epoch, rank=self.rank, moves_applied=a.moves_applied,
-                          slot_map_digest=digest,
-                          status=a.status & ~STATUS_MISSES,  # misses travel as ids
-                          miss_block_ids=a.misses, bytes_h2d=o.bytes_h2d,
-                          bytes_d2h=o.bytes_d2h, bytes_ssd_read=o.bytes_ssd_read,
-                          bytes_ssd_write=o.bytes_ssd_write, elapsed_ns=o.elapsed_ns())
