@@ -75,19 +75,6 @@ class _Waiting:
             raise WaitTimeoutError(f"controller busy for {bound:g} s ({self.method})") from exc
 
 
-class _Posted:
-    """A call sent from the posting thread: the Sent it made there, then its answer."""
-
-    def __init__(self, future: Future[Any], method: str, timeout_s: float) -> None:
-        self.sending = _Waiting(future, method, timeout_s)
-
-    def done(self) -> bool:
-        return self.sending.done() and bool(self.sending.result().done())
-
-    def result(self, timeout: float | None = None) -> Any:
-        return self.sending.result(timeout).result(timeout)
-
-
 class LocalLink:
     """An in-process Controller. Sent calls run on one thread of their own, in order, while
     the caller goes on (a step's forward); `call` runs on the caller's thread once every
@@ -173,6 +160,7 @@ class RayLink:
         self.target = client
         self._fetcher: ThreadPoolExecutor | None = None
         self._poster: ThreadPoolExecutor | None = None
+        self._collector: ThreadPoolExecutor | None = None
         self._reporter: Any = None
 
     def send(self, method: str, *args: Any, **kwargs: Any) -> Reply:
@@ -192,9 +180,22 @@ class RayLink:
             return self._now(method, args, kwargs)
         if self._poster is None:
             self._poster = ThreadPoolExecutor(1, thread_name_prefix="tpkv-report")
+            self._collector = ThreadPoolExecutor(1, thread_name_prefix="tpkv-answers")
             self._reporter = type(self.target)(self.target.handle, self.target.timeout_s)
-        return _Posted(self._poster.submit(self._reporter.send, method, *args, **kwargs),
-                       method, self.target.timeout_s + 1.0)
+        answer: Future[Any] = Future()
+        reporter, collector = self._reporter, self._collector
+        assert collector is not None
+
+        def send() -> None:  # on the posting thread; its answer is read on the collector's
+            try:
+                sent = reporter.send(method, *args, **kwargs)
+            except BaseException as exc:
+                answer.set_exception(exc)
+                return
+            collector.submit(_settle, sent, answer)
+        self._poster.submit(send)
+        # (so done() is a flag: a look at a Ray reply from the step's thread costs a call)
+        return _Waiting(answer, method, self.target.timeout_s + 1.0)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self.send(method, *args, **kwargs).result()
@@ -206,10 +207,18 @@ class RayLink:
             return _Done(error=exc)
 
     def close(self) -> None:
-        for pool in (self._fetcher, self._poster):
+        for pool in (self._fetcher, self._poster, self._collector):
             if pool is not None:
                 pool.shutdown(wait=True)
-        self._fetcher = self._poster = None
+        self._fetcher = self._poster = self._collector = None
+
+
+def _settle(sent: Any, answer: Future[Any]) -> None:
+    """The collector's work: wait for a sent call's answer and hand it on."""
+    try:
+        answer.set_result(sent.result())
+    except BaseException as exc:
+        answer.set_exception(exc)
 
 
 def make_link(controller: Any, timeout_s: float) -> LocalLink | RayLink:
