@@ -145,9 +145,14 @@ class TpkvCache(Cache):
         self.in_forward = False
         self.opened = False
         self.resumed_from: list[str] = []  # farthest tier of each forward that loaded blocks
-        self._slots: torch.Tensor | None = None  # the session's L1 slots in this forward
+        self._slots: np.ndarray | None = None  # the session's L1 slots in this forward (host)
+        self._slots_dev: torch.Tensor | None = None  # ... on the device, made when gathering
         self._new = 0
-        self._write_at: tuple[torch.Tensor, torch.Tensor] | None = None  # new tokens' slots
+        # where the new tokens' K/V goes: a slot and the first token's offset when they fit
+        # one block (a decode step: a plain view, nothing sent to the device), else index
+        # tensors of every token's slot and offset
+        self._write_one: tuple[int, int] | None = None
+        self._write_at: tuple[torch.Tensor, torch.Tensor] | None = None
         # per layer: K and V [1, heads, tokens, head_dim] equal to the blocks' (or None)
         self.views: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * g.num_layers
 
@@ -178,14 +183,18 @@ class TpkvCache(Cache):
         elif not self.in_forward or new != self._new:
             raise TpkvError(f"layer {layer} updated with {new} tokens outside a forward pass "
                             f"that layer 0 started ({self._new} tokens)")
-        assert self._slots is not None and self._write_at is not None
+        assert self._slots is not None
         self.rt.worker.wait_layer(layer)  # blocks brought into L1 for this step
         lay = self.tier_layers[layer]
         start, stop = lay.length, lay.length + new
-        slots, offsets = self._write_at  # the same for every layer of the pass
-        self.pool[slots, layer, 0, offsets] = key_states[0].transpose(0, 1).to(self.pool.device)
-        self.pool[slots, layer, 1, offsets] = value_states[0].transpose(0, 1).to(
-            self.pool.device)
+        for kv, states in ((0, key_states), (1, value_states)):  # the same slots each layer
+            rows = states[0].transpose(0, 1).to(self.pool.device)  # [new, heads, head_dim]
+            if self._write_one is not None:
+                slot, first = self._write_one
+                self.pool[slot, layer, kv, first:first + new] = rows
+            else:
+                assert self._write_at is not None
+                self.pool[self._write_at[0], layer, kv, self._write_at[1]] = rows
         view = self.views[layer]
         if view is None or view[0].shape[2] != start:  # from the blocks, once after a resume
             view = self._gather(layer, start)
@@ -229,7 +238,10 @@ class TpkvCache(Cache):
         assert self._slots is not None
         g = self.geometry
         nb = -(-num_tokens // g.block_tokens)
-        slots = self._slots[:nb]
+        if self._slots_dev is None:  # once per pass, for every layer
+            self._slots_dev = torch.as_tensor(self._slots.astype(np.int64),
+                                              device=self.pool.device)
+        slots = self._slots_dev[:nb]
         out = []
         for kv in (0, 1):
             blocks = self.pool[slots, layer, kv]  # [nb, block_tokens, heads, head_dim]
@@ -265,10 +277,16 @@ class TpkvCache(Cache):
             raise KvLostError(f"session {self.session_id!r}: K/V of tokens {first_lost}..{base} "
                               f"is lost (L3 miss or recompute); feed them again",
                               self.session_id, first_lost)
-        self._slots = torch.as_tensor(step.session_slots(0).astype(np.int64),
-                                      device=self.pool.device)
-        pos = torch.arange(base, base + new, device=self.pool.device)
-        self._write_at = self._slots[pos // g.block_tokens], pos % g.block_tokens
+        self._slots, self._slots_dev = step.session_slots(0), None  # (the step's own array)
+        bt = g.block_tokens
+        self._write_one = self._write_at = None
+        if new and base // bt == (base + new - 1) // bt:
+            self._write_one = int(self._slots[base // bt]), base % bt
+        elif new:
+            pos = np.arange(base, base + new)
+            self._write_at = (torch.as_tensor(self._slots[pos // bt].astype(np.int64),
+                                              device=self.pool.device),
+                              torch.as_tensor(pos % bt, device=self.pool.device))
         self._new, self.in_forward = new, True
         for lay in self.tier_layers:
             lay.length = base
