@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,7 @@ class HfTierStats:
     resumes: list[tuple[str, str]] = field(default_factory=list)  # (session, farthest tier)
     lost_tokens: int = 0  # tokens whose K/V had to be fed again
     losses: list[tuple[str, int]] = field(default_factory=list)  # (session, first lost token)
+    step_s: float = 0.0  # host seconds in the steps (run_step: plans applied and confirmed)
 
 
 class _TierLayer(CacheLayerMixin):
@@ -124,6 +126,12 @@ class TpkvCache(Cache):
     or another session's cache of the runtime starts a pass: device memory holds at most one
     session's copy per runtime besides the L1 pool.
 
+    Each pass plans the next one ahead (`_plan_next`): generate calls the model once per token,
+    so the step of one more token of this session is sent to the controller while this pass
+    runs, and the next pass's step takes it without a round trip. A turn's end, another
+    session's pass or any other runtime call leaves it unused (applied without a forward, its
+    token a credit of the session: rt.credits keeps the counts right).
+
     If blocks were lost (an L3 read failed its checks, or the cost model chose recompute), the
     first update of a forward pass raises KvLostError and the cache's length drops to the first
     lost token: calling `generate` again with the whole conversation feeds the rest again
@@ -141,7 +149,9 @@ class TpkvCache(Cache):
         self.max_retries = max_retries
         self.pool = rt.worker.hbm.tensor  # [slots, layers, 2, block_tokens, heads, head_dim]
         self.num_tokens = 0  # tokens whose K/V the blocks hold (the cache's length)
-        self.ctl_tokens = 0  # tokens the controller counts for the session (>= num_tokens)
+        # tokens this cache's steps asked the controller for (>= num_tokens; the controller
+        # may count more: a step planned ahead that no pass fed, a credit in rt.credits)
+        self.ctl_tokens = 0
         self.in_forward = False
         self.opened = False
         self.resumed_from: list[str] = []  # farthest tier of each forward that loaded blocks
@@ -290,6 +300,20 @@ class TpkvCache(Cache):
         self._new, self.in_forward = new, True
         for lay in self.tier_layers:
             lay.length = base
+        if new and (base + new + 1) % bt:
+            self._plan_next(base + new)
+
+    def _plan_next(self, at: int) -> None:
+        """Send the schedule of the pass generate most likely makes next, one token of this
+        session at `at`, while this pass runs (TpkvRuntime.schedule_ahead): that pass then
+        needs no controller round trip. A wrong guess (the turn ended, another session's pass
+        or any other call came first) is applied without a forward and its token becomes a
+        credit of the session. Not sent for a token that would fill its block: a credited
+        token is written by a later step that appends after it, and the controller voids the
+        L2 and L3 copies of the block a step appends to, so that block must be the credited
+        token's (a block the controller counts as full keeps copies made before the token was
+        written)."""
+        self.rt.schedule_ahead([self.session_id], [max(0, at + 1 - self.ctl_tokens)])
 
     def _schedule(self, add: int) -> tuple[StepResult, int | None]:
         """begin_step and end_step at once (before any K/V is read), again after an L3 miss
@@ -308,8 +332,9 @@ class TpkvCache(Cache):
                 first_lost = lost if first_lost is None else min(first_lost, lost)
             return step
 
-        retries = self.rt.num_retries
+        retries, t0 = self.rt.num_retries, time.perf_counter()
         step = self.rt.run_step([self.session_id], [add], attempt, max_retries=self.max_retries)
+        self.stats.step_s += time.perf_counter() - t0
         self.stats.retries += self.rt.num_retries - retries
         self.stats.steps += 1
         if farthest != Tier.HBM:  # blocks loaded into L1: the past is gathered from them again
