@@ -110,7 +110,6 @@ def test_decode_steps_are_planned_ahead_and_early_stops_stay_exact(tmp_path):
         assert tiers.stats.steps == generated + tiers.stats.retries
         assert chat.check() == 4
         assert rt.num_ahead_unused == chat.sent - chat.used >= len(plan) - 3
-        assert tiers.stats.step_s > 0
 
 
 @pytest.mark.timeout(120)

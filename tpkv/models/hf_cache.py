@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -49,7 +48,6 @@ class HfTierStats:
     resumes: list[tuple[str, str]] = field(default_factory=list)  # (session, farthest tier)
     lost_tokens: int = 0  # tokens whose K/V had to be fed again
     losses: list[tuple[str, int]] = field(default_factory=list)  # (session, first lost token)
-    step_s: float = 0.0  # host seconds in the steps (run_step: plans applied and confirmed)
 
 
 class _TierLayer(CacheLayerMixin):
@@ -332,9 +330,8 @@ class TpkvCache(Cache):
                 first_lost = lost if first_lost is None else min(first_lost, lost)
             return step
 
-        retries, t0 = self.rt.num_retries, time.perf_counter()
+        retries = self.rt.num_retries
         step = self.rt.run_step([self.session_id], [add], attempt, max_retries=self.max_retries)
-        self.stats.step_s += time.perf_counter() - t0
         self.stats.retries += self.rt.num_retries - retries
         self.stats.steps += 1
         if farthest != Tier.HBM:  # blocks loaded into L1: the past is gathered from them again
