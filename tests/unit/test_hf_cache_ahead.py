@@ -132,3 +132,27 @@ def test_a_guess_whose_token_would_fill_its_block_is_not_sent(tmp_path):
         chat.turn("x", 2, 2)
         assert len(tiers.cache("x").resumed_from) >= 2
         assert chat.check() == 4
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "the controller voids a block's L2/L3 copies only when a step appends tokens to it; a "
+    "credited token fed by a pass of exactly that one token appends nothing, so copies made "
+    "while the token was unwritten are kept (fix: Controller.schedule learns the tokens a "
+    "step rewrites, the credit it consumes, and voids their blocks' copies)"))
+def test_a_credited_token_fed_alone_before_the_session_goes_down_keeps_stale_copies(tmp_path):
+    """A turn ends with its next token (the 15th, not the last of its block) planned ahead
+    and unused. The session goes down to L2 and comes back for a turn that feeds only that
+    token and generates one (the controller already counts it: the step adds nothing), then
+    goes down again while the next token would fill the block, so nothing appends to it."""
+    model = tiny_llama()
+    with attach(model, str(tmp_path / "l3")) as tiers:
+        chat = Chat(model, tiers)
+        chat.turn("x", 10, 5)  # 14 tokens fed; the 15th is planned ahead
+        for s in ("a", "b", "c"):
+            chat.turn(s, 18, 2)
+        chat.turn("x", 0, 1)  # feeds the 15th alone
+        for s in ("a", "b", "c"):
+            chat.turn(s, 6, 2)
+        chat.turn("x", 3, 2)
+        chat.check()
