@@ -156,3 +156,31 @@ def test_a_credited_token_fed_alone_before_the_session_goes_down_keeps_stale_cop
             chat.turn(s, 6, 2)
         chat.turn("x", 3, 2)
         chat.check()
+
+
+@pytest.mark.timeout(120)
+def test_close_and_reset_with_a_step_planned_ahead(tmp_path):
+    """A session closed (or reset) right after its turn, with its next token planned ahead:
+    the step is applied first and the session's credit goes with it; the cache starts empty
+    and gives a fresh DynamicCache's tokens. Closing another session leaves the guess unused
+    and the next turn exact."""
+    from transformers import DynamicCache
+
+    model = tiny_llama()
+    with attach(model, str(tmp_path / "l3")) as tiers:
+        chat, rt = Chat(model, tiers, seed=2), tiers.rt
+        chat.turn("x", 9, 4)
+        chat.turn("y", 11, 3)
+        tiers.close_session("y")  # x's planned step: unused, x keeps a credit
+        assert rt.credits.tokens == {"x": 1}  # y's own guess: settled, then dropped
+        chat.refs.pop("y")
+        chat.turn("x", 2, 3)
+        unused = rt.num_ahead_unused
+        tiers.cache("x").reset()  # x's next token was planned: settled, then dropped
+        assert rt.num_ahead_unused == unused + 1 and "x" not in rt.credits.tokens
+        assert tiers.cache("x").get_seq_length() == 0
+        chat.refs["x"] = DynamicCache()
+        chat.history.pop("x")
+        chat.turn("x", 7, 3)
+        chat.turn("x", 2, 2)
+        assert chat.check() == 1
