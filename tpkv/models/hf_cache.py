@@ -205,10 +205,10 @@ class TpkvCache(Cache):
                 self.pool[self._write_at[0], layer, kv, self._write_at[1]] = rows
         view = self.views[layer]
         if view is None or view[0].shape[2] != start:  # from the blocks, once after a resume
-            view = self._gather(layer, start)
-            view = view[0].to(key_states.device), view[1].to(value_states.device)
-        keys = torch.cat([view[0], key_states], dim=-2)
-        values = torch.cat([view[1], value_states], dim=-2)
+            keys, values = self._gather(layer, start, (key_states, value_states))
+        else:
+            keys = torch.cat([view[0], key_states], dim=-2)
+            values = torch.cat([view[1], value_states], dim=-2)
         self.views[layer] = keys, values
         lay.length = stop
         if layer == g.num_layers - 1:
@@ -241,8 +241,13 @@ class TpkvCache(Cache):
             lay.length = 0
 
     # ---- internals -------------------------------------------------------------------------
-    def _gather(self, layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V `[1, heads, num_tokens, head_dim]` of `layer`, contiguous, from the blocks."""
+    def _gather(self, layer: int, num_tokens: int,
+                new: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V `[1, heads, num_tokens + n, head_dim]` of `layer`, contiguous (on the device
+        of `new`): the first num_tokens from the blocks, then `new`'s K and V `[1, heads, n,
+        head_dim]` (none without). The blocks are read into one buffer (index_select) and
+        copied once into place: as DynamicCache's torch.cat, plus that one copy."""
         assert self._slots is not None
         g = self.geometry
         nb = -(-num_tokens // g.block_tokens)
@@ -252,9 +257,17 @@ class TpkvCache(Cache):
         slots = self._slots_dev[:nb]
         out = []
         for kv in (0, 1):
-            blocks = self.pool[slots, layer, kv]  # [nb, block_tokens, heads, head_dim]
-            rows = blocks.reshape(nb * g.block_tokens, g.heads_per_rank, g.head_dim)
-            out.append(rows[:num_tokens].permute(1, 0, 2).unsqueeze(0).contiguous())
+            blocks = torch.index_select(self.pool[:, layer, kv], 0, slots)  # [nb, bt, h, d]
+            rows = blocks.view(nb * g.block_tokens, g.heads_per_rank, g.head_dim)[:num_tokens]
+            extra = None if new is None else new[kv]
+            n = 0 if extra is None else extra.shape[2]
+            full = torch.empty(1, g.heads_per_rank, num_tokens + n, g.head_dim,
+                               dtype=self.pool.dtype,
+                               device=self.pool.device if extra is None else extra.device)
+            full[0, :, :num_tokens] = rows.transpose(0, 1)
+            if extra is not None:
+                full[0, :, num_tokens:] = extra[0]
+            out.append(full)
         return out[0], out[1]
 
     def drop_views(self) -> None:
