@@ -195,14 +195,16 @@ class TpkvCache(Cache):
         self.rt.worker.wait_layer(layer)  # blocks brought into L1 for this step
         lay = self.tier_layers[layer]
         start, stop = lay.length, lay.length + new
-        for kv, states in ((0, key_states), (1, value_states)):  # the same slots each layer
-            rows = states[0].transpose(0, 1).to(self.pool.device)  # [new, heads, head_dim]
-            if self._write_one is not None:
-                slot, first = self._write_one
-                self.pool[slot, layer, kv, first:first + new] = rows
-            else:
-                assert self._write_at is not None
-                self.pool[self._write_at[0], layer, kv, self._write_at[1]] = rows
+        if self._write_one is not None:  # K and V [2, new, heads, head_dim] in one copy
+            slot, first = self._write_one
+            self.pool[slot, layer, :, first:first + new] = torch.stack(
+                (key_states[0], value_states[0])).transpose(1, 2).to(self.pool.device)
+        else:  # the same slots for every layer of the pass
+            assert self._write_at is not None
+            slots, offsets = self._write_at
+            for kv, states in ((0, key_states), (1, value_states)):
+                rows = states[0].transpose(0, 1).to(self.pool.device)  # [new, heads, head_dim]
+                self.pool[slots, layer, kv, offsets] = rows
         view = self.views[layer]
         if view is None or view[0].shape[2] != start:  # from the blocks, once after a resume
             keys, values = self._gather(layer, start, (key_states, value_states))
