@@ -325,7 +325,10 @@ class TpkvCache(Cache):
         token is written by a later step that appends after it, and the controller voids the
         L2 and L3 copies of the block a step appends to, so that block must be the credited
         token's (a block the controller counts as full keeps copies made before the token was
-        written)."""
+        written). Not covered yet: a credited token fed by a pass of that token alone (the
+        step appends nothing) whose turn then ends while the token after it would fill the
+        block; the controller must learn which tokens a step rewrites (test_hf_cache_ahead,
+        xfail)."""
         self.rt.schedule_ahead([self.session_id], [max(0, at + 1 - self.ctl_tokens)])
 
     def _schedule(self, add: int) -> tuple[StepResult, int | None]:
