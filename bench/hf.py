@@ -4,7 +4,10 @@ from L2) against DynamicCache on the device and DynamicCache(offloading=True), o
 Sessions of `--context` tokens are visited in turn (a fill round), then `--turns` more rounds of
 `--user` new and `--gen` generated tokens each. Per later turn: wall time (p50), time to first
 token, per decode step (p50), tokens equal to DynamicCache's, L2 -> L1 bytes resumed and their
-time at `--pcie-gbps`. Goal: TpkvCache <= 1.05 x (DynamicCache + PCIe time of its resume).
+time at `--pcie-gbps`; for TpkvCache, the host time of each pass's step (`rt.run_step`: the
+controller's plans, applied and confirmed; p50 over the later turns' passes) and how many steps
+were planned ahead and then used or left unused. Goal: TpkvCache <= 1.05 x (DynamicCache + PCIe
+time of its resume).
 
     python bench/hf.py --device cpu                      # bench/results/hf_cpu.json
     python bench/hf.py --device cuda --model 1b --context 8192 --gen 32 --user 64
@@ -96,6 +99,21 @@ def run_variant(name: str, model: Any, args: argparse.Namespace, device: torch.d
         tiers = tpkv.attach(model, cfg, block_tokens=args.block_tokens, controller="local",
                             device=device, model_fingerprint="bench-hf")
     caches: dict[int, Any] = {}
+    step_s: list[float] = []  # host seconds of each rt.run_step in the later turns
+    ahead = [0, 0]  # steps planned ahead, used and unused, in the later turns
+    if tiers is not None:
+        rt, run_step = tiers.rt, tiers.rt.run_step
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return run_step(*a, **kw)
+            finally:
+                if timing:
+                    step_s.append(time.perf_counter() - t)
+
+        rt.run_step = timed
+    timing = False
 
     def cache(i: int) -> Any:
         if i not in caches:
@@ -119,6 +137,9 @@ def run_variant(name: str, model: Any, args: argparse.Namespace, device: torch.d
                     moved = tiers.stats.moves["l2_l1"] if tiers is not None else 0
                     if profiler is not None and rnd:
                         profiler.enable()
+                    timing = rnd > 0
+                    if tiers is not None and rnd == 1 and i == 0:
+                        ahead = [-tiers.rt.num_ahead_used, -tiers.rt.num_ahead_unused]
                     sync(device)
                     t0 = time.perf_counter()
                     out = model.generate(ids, **{kw: cache(i)}, do_sample=False,
@@ -137,6 +158,8 @@ def run_variant(name: str, model: Any, args: argparse.Namespace, device: torch.d
                         if tiers is not None:
                             blocks = tiers.stats.moves["l2_l1"] - moved
                             resumed_bytes.append(blocks * g.block_bytes)
+        if tiers is not None:
+            ahead = [ahead[0] + tiers.rt.num_ahead_used, ahead[1] + tiers.rt.num_ahead_unused]
     except Exception as exc:  # offloading=True needs CUDA streams on some versions
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
     finally:
@@ -150,6 +173,10 @@ def run_variant(name: str, model: Any, args: argparse.Namespace, device: torch.d
         res["resumed_bytes_per_turn"] = int(mean_bytes)
         res["turns_resumed_from_l2"] = sum(1 for b in resumed_bytes if b)
         res["pcie_ms_per_turn"] = round(mean_bytes / (args.pcie_gbps * 1e9) * 1e3, 3)
+        res["step_ms_p50"] = _p50([t * 1e3 for t in step_s])
+        res["step_ms_mean"] = round(float(np.mean(step_s)) * 1e3, 4) if step_s else None
+        res["steps_timed"] = len(step_s)
+        res["ahead_used"], res["ahead_unused"] = ahead
     return res
 
 

@@ -66,7 +66,8 @@ def hf_tp_rank(rank: int, world: int, model_dir: str, ssd_root: str,
                 "fp": tiers.rt.config.model_fingerprint, "llama_fp": llama_fp,
                 "shard_digest": params_digest(model), "tp": tiers.geometry.tp_size,
                 "heads_per_rank": tiers.geometry.heads_per_rank,
-                "cache_heads": int(caches["s0"].layers[0].keys.shape[1])}
+                "cache_heads": int(caches["s0"].layers[0].keys.shape[1]),
+                "ahead": (tiers.rt.num_ahead_used, tiers.rt.num_ahead_unused)}
 
 
 @pytest.mark.timeout(240)
@@ -94,6 +95,9 @@ def test_tp2_from_pretrained_tp_plan_auto_gives_dynamic_cache_tokens(tmp_path, m
         else:  # every rank re-prefilled from the same token (the miss was rank 0's alone)
             assert out["losses"] and out["retries"] >= 1 and out["lost_tokens"] > 0
     assert results[0]["got"] == results[1]["got"]
+    # decode passes found their steps planned ahead (rank 0 sends and counts them)
+    used, unused = results[0]["ahead"]
+    assert used > 2 * unused > 0 and results[1]["ahead"] == (0, 0), results[0]["ahead"]
     # each rank holds other shards, the fingerprint is the same on both (gathered)
     assert results[0]["shard_digest"] != results[1]["shard_digest"]
     assert results[0]["fp"] == results[1]["fp"] and results[0]["fp"].startswith("hf-")

@@ -3,6 +3,8 @@ turns) gives DynamicCache's tokens and K/V, and an all-L1 run's; the geometry ch
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -129,9 +131,10 @@ def test_decode_steps_read_no_block_and_the_kept_copy_equals_the_blocks(tmp_path
     gathers: list[int] = []
     real = TpkvCache._gather
 
-    def counting(self: TpkvCache, layer: int, num_tokens: int) -> tuple[torch.Tensor, ...]:
+    def counting(self: TpkvCache, layer: int, num_tokens: int,
+                 *new: Any) -> tuple[torch.Tensor, ...]:
         gathers.append(layer)
-        return real(self, layer, num_tokens)
+        return real(self, layer, num_tokens, *new)
 
     monkeypatch.setattr(TpkvCache, "_gather", counting)
     model = tiny_llama()

@@ -124,6 +124,12 @@ class TpkvCache(Cache):
     or another session's cache of the runtime starts a pass: device memory holds at most one
     session's copy per runtime besides the L1 pool.
 
+    Each pass plans the next one ahead (`_plan_next`): generate calls the model once per token,
+    so the step of one more token of this session is sent to the controller while this pass
+    runs, and the next pass's step takes it without a round trip. A turn's end, another
+    session's pass or any other runtime call leaves it unused (applied without a forward, its
+    token a credit of the session: rt.credits keeps the counts right).
+
     If blocks were lost (an L3 read failed its checks, or the cost model chose recompute), the
     first update of a forward pass raises KvLostError and the cache's length drops to the first
     lost token: calling `generate` again with the whole conversation feeds the rest again
@@ -141,13 +147,20 @@ class TpkvCache(Cache):
         self.max_retries = max_retries
         self.pool = rt.worker.hbm.tensor  # [slots, layers, 2, block_tokens, heads, head_dim]
         self.num_tokens = 0  # tokens whose K/V the blocks hold (the cache's length)
-        self.ctl_tokens = 0  # tokens the controller counts for the session (>= num_tokens)
+        # tokens this cache's steps asked the controller for (>= num_tokens; the controller
+        # may count more: a step planned ahead that no pass fed, a credit in rt.credits)
+        self.ctl_tokens = 0
         self.in_forward = False
         self.opened = False
         self.resumed_from: list[str] = []  # farthest tier of each forward that loaded blocks
-        self._slots: torch.Tensor | None = None  # the session's L1 slots in this forward
+        self._slots: np.ndarray | None = None  # the session's L1 slots in this forward (host)
+        self._slots_dev: torch.Tensor | None = None  # ... on the device, made when gathering
         self._new = 0
-        self._write_at: tuple[torch.Tensor, torch.Tensor] | None = None  # new tokens' slots
+        # where the new tokens' K/V goes: a slot and the first token's offset when they fit
+        # one block (a decode step: a plain view, nothing sent to the device), else index
+        # tensors of every token's slot and offset
+        self._write_one: tuple[int, int] | None = None
+        self._write_at: tuple[torch.Tensor, torch.Tensor] | None = None
         # per layer: K and V [1, heads, tokens, head_dim] equal to the blocks' (or None)
         self.views: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * g.num_layers
 
@@ -178,20 +191,26 @@ class TpkvCache(Cache):
         elif not self.in_forward or new != self._new:
             raise TpkvError(f"layer {layer} updated with {new} tokens outside a forward pass "
                             f"that layer 0 started ({self._new} tokens)")
-        assert self._slots is not None and self._write_at is not None
+        assert self._slots is not None
         self.rt.worker.wait_layer(layer)  # blocks brought into L1 for this step
         lay = self.tier_layers[layer]
         start, stop = lay.length, lay.length + new
-        slots, offsets = self._write_at  # the same for every layer of the pass
-        self.pool[slots, layer, 0, offsets] = key_states[0].transpose(0, 1).to(self.pool.device)
-        self.pool[slots, layer, 1, offsets] = value_states[0].transpose(0, 1).to(
-            self.pool.device)
+        if self._write_one is not None:  # K and V [2, new, heads, head_dim] in one copy
+            slot, first = self._write_one
+            self.pool[slot, layer, :, first:first + new] = torch.stack(
+                (key_states[0], value_states[0])).transpose(1, 2).to(self.pool.device)
+        else:  # the same slots for every layer of the pass
+            assert self._write_at is not None
+            slots, offsets = self._write_at
+            for kv, states in ((0, key_states), (1, value_states)):
+                rows = states[0].transpose(0, 1).to(self.pool.device)  # [new, heads, head_dim]
+                self.pool[slots, layer, kv, offsets] = rows
         view = self.views[layer]
         if view is None or view[0].shape[2] != start:  # from the blocks, once after a resume
-            view = self._gather(layer, start)
-            view = view[0].to(key_states.device), view[1].to(value_states.device)
-        keys = torch.cat([view[0], key_states], dim=-2)
-        values = torch.cat([view[1], value_states], dim=-2)
+            keys, values = self._gather(layer, start, (key_states, value_states))
+        else:
+            keys = torch.cat([view[0], key_states], dim=-2)
+            values = torch.cat([view[1], value_states], dim=-2)
         self.views[layer] = keys, values
         lay.length = stop
         if layer == g.num_layers - 1:
@@ -224,17 +243,33 @@ class TpkvCache(Cache):
             lay.length = 0
 
     # ---- internals -------------------------------------------------------------------------
-    def _gather(self, layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V `[1, heads, num_tokens, head_dim]` of `layer`, contiguous, from the blocks."""
+    def _gather(self, layer: int, num_tokens: int,
+                new: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V `[1, heads, num_tokens + n, head_dim]` of `layer`, contiguous (on the device
+        of `new`): the first num_tokens from the blocks, then `new`'s K and V `[1, heads, n,
+        head_dim]` (none without). The blocks are read into one buffer (index_select) and
+        copied once into place: as DynamicCache's torch.cat, plus that one copy."""
         assert self._slots is not None
         g = self.geometry
         nb = -(-num_tokens // g.block_tokens)
-        slots = self._slots[:nb]
+        if self._slots_dev is None:  # once per pass, for every layer
+            self._slots_dev = torch.as_tensor(self._slots.astype(np.int64),
+                                              device=self.pool.device)
+        slots = self._slots_dev[:nb]
         out = []
         for kv in (0, 1):
-            blocks = self.pool[slots, layer, kv]  # [nb, block_tokens, heads, head_dim]
-            rows = blocks.reshape(nb * g.block_tokens, g.heads_per_rank, g.head_dim)
-            out.append(rows[:num_tokens].permute(1, 0, 2).unsqueeze(0).contiguous())
+            blocks = torch.index_select(self.pool[:, layer, kv], 0, slots)  # [nb, bt, h, d]
+            rows = blocks.view(nb * g.block_tokens, g.heads_per_rank, g.head_dim)[:num_tokens]
+            extra = None if new is None else new[kv]
+            n = 0 if extra is None else extra.shape[2]
+            full = torch.empty(1, g.heads_per_rank, num_tokens + n, g.head_dim,
+                               dtype=self.pool.dtype,
+                               device=self.pool.device if extra is None else extra.device)
+            full[0, :, :num_tokens] = rows.transpose(0, 1)
+            if extra is not None:
+                full[0, :, num_tokens:] = extra[0]
+            out.append(full)
         return out[0], out[1]
 
     def drop_views(self) -> None:
@@ -265,13 +300,36 @@ class TpkvCache(Cache):
             raise KvLostError(f"session {self.session_id!r}: K/V of tokens {first_lost}..{base} "
                               f"is lost (L3 miss or recompute); feed them again",
                               self.session_id, first_lost)
-        self._slots = torch.as_tensor(step.session_slots(0).astype(np.int64),
-                                      device=self.pool.device)
-        pos = torch.arange(base, base + new, device=self.pool.device)
-        self._write_at = self._slots[pos // g.block_tokens], pos % g.block_tokens
+        self._slots, self._slots_dev = step.session_slots(0), None  # (the step's own array)
+        bt = g.block_tokens
+        self._write_one = self._write_at = None
+        if new and base // bt == (base + new - 1) // bt:
+            self._write_one = int(self._slots[base // bt]), base % bt
+        elif new:
+            pos = np.arange(base, base + new)
+            self._write_at = (torch.as_tensor(self._slots[pos // bt].astype(np.int64),
+                                              device=self.pool.device),
+                              torch.as_tensor(pos % bt, device=self.pool.device))
         self._new, self.in_forward = new, True
         for lay in self.tier_layers:
             lay.length = base
+        if new and (base + new + 1) % bt:
+            self._plan_next(base + new)
+
+    def _plan_next(self, at: int) -> None:
+        """Send the schedule of the pass generate most likely makes next, one token of this
+        session at `at`, while this pass runs (TpkvRuntime.schedule_ahead): that pass then
+        needs no controller round trip. A wrong guess (the turn ended, another session's pass
+        or any other call came first) is applied without a forward and its token becomes a
+        credit of the session. Not sent for a token that would fill its block: a credited
+        token is written by a later step that appends after it, and the controller voids the
+        L2 and L3 copies of the block a step appends to, so that block must be the credited
+        token's (a block the controller counts as full keeps copies made before the token was
+        written). Not covered yet: a credited token fed by a pass of that token alone (the
+        step appends nothing) whose turn then ends while the token after it would fill the
+        block; the controller must learn which tokens a step rewrites (test_hf_cache_ahead,
+        xfail)."""
+        self.rt.schedule_ahead([self.session_id], [max(0, at + 1 - self.ctl_tokens)])
 
     def _schedule(self, add: int) -> tuple[StepResult, int | None]:
         """begin_step and end_step at once (before any K/V is read), again after an L3 miss
