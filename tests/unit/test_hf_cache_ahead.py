@@ -34,8 +34,7 @@ class Chat:
         self.history: dict[str, torch.Tensor] = {}
         self.refs: dict[str, Any] = {}
         # what the cache plans ahead: a pass sends the schedule of one more token at g (the
-        # position after its last) unless that token would fill its block; the next pass
-        # uses it when it is that token's
+        # position after its last); the next pass uses it when it is that token's
         self.sent = self.used = 0
 
     def turn(self, s: str, n: int, max_new: int, eos: bool = False) -> int:
@@ -60,8 +59,8 @@ class Chat:
         self.history[s] = got
         fed, out = ids.shape[1], got.shape[1] - ids.shape[1]
         decode = range(fed, fed + out - 1)  # positions of the decode passes' tokens
-        self.sent += int((fed + 1) % BT != 0) + sum((p + 2) % BT != 0 for p in decode)
-        self.used += sum((p + 1) % BT != 0 for p in decode)
+        self.sent += 1 + len(decode)
+        self.used += len(decode)
         return out
 
     def check(self) -> int:
@@ -104,8 +103,8 @@ def test_decode_steps_are_planned_ahead_and_early_stops_stay_exact(tmp_path):
             assert out == (2 if eos else max_new), (s, out)
             generated += out
         assert {t for _, t in tiers.stats.resumes} >= {"l2", "l3"}, tiers.stats.resumes
-        # every decode pass whose token does not fill its block found its step planned;
-        # the others, and every turn's end, left one unused (the last one: at check())
+        # every decode pass found its step planned; every turn's end left one unused (the
+        # last one: at check())
         assert rt.num_ahead_used == chat.used > generated // 2, (rt.num_ahead_used, chat.used)
         assert tiers.stats.steps == generated + tiers.stats.retries
         assert chat.check() == 4
@@ -113,12 +112,12 @@ def test_decode_steps_are_planned_ahead_and_early_stops_stay_exact(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_guess_whose_token_would_fill_its_block_is_not_sent(tmp_path):
-    """A turn whose next token would be the last of its block ends; the session goes down to
-    L2 and L3 and comes back for a turn that starts with that token, then goes down and back
-    again. Had that token been planned ahead, the controller would have counted its block
-    full while no pass wrote the token, kept the block's copies across the next turn's write,
-    and brought back stale K/V."""
+def test_a_credited_token_that_fills_its_block_stays_exact(tmp_path):
+    """A turn ends with its next token, the last of its block, planned ahead and unused; the
+    session goes down to L2 and L3 and comes back for a turn that starts with that token,
+    then goes down and back again. The controller counted the block full while no pass wrote
+    the token: the copies of the block made in between must be voided when the token is
+    written (schedule's `rewrite`), or the next resume brings back stale K/V."""
     model = tiny_llama()
     with attach(model, str(tmp_path / "l3")) as tiers:
         chat = Chat(model, tiers, seed=1)
@@ -135,16 +134,12 @@ def test_a_guess_whose_token_would_fill_its_block_is_not_sent(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the controller voids a block's L2/L3 copies only when a step appends tokens to it; a "
-    "credited token fed by a pass of exactly that one token appends nothing, so copies made "
-    "while the token was unwritten are kept (fix: Controller.schedule learns the tokens a "
-    "step rewrites, the credit it consumes, and voids their blocks' copies)"))
-def test_a_credited_token_fed_alone_before_the_session_goes_down_keeps_stale_copies(tmp_path):
+def test_a_credited_token_fed_alone_stays_exact(tmp_path):
     """A turn ends with its next token (the 15th, not the last of its block) planned ahead
     and unused. The session goes down to L2 and comes back for a turn that feeds only that
     token and generates one (the controller already counts it: the step adds nothing), then
-    goes down again while the next token would fill the block, so nothing appends to it."""
+    goes down again while the next token would fill the block, so nothing appends to it. The
+    step that feeds the token names it (`rewrite`), so the block's copies are voided."""
     model = tiny_llama()
     with attach(model, str(tmp_path / "l3")) as tiers:
         chat = Chat(model, tiers)

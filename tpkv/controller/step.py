@@ -41,7 +41,8 @@ Upcoming = Mapping[str, int] | Sequence[str] | None
 
 
 def check_step(ctx: StepContext, session_ids: Sequence[str] | np.ndarray,
-               num_new_tokens: Sequence[int] | np.ndarray, upcoming: Upcoming) -> CheckedStep:
+               num_new_tokens: Sequence[int] | np.ndarray, upcoming: Upcoming,
+               rewrite: Sequence[int] | np.ndarray | None = None) -> CheckedStep:
     """Controller.schedule's checks, all before anything changes (a refused step changes
     nothing but, perhaps, the table's capacity: ensure_rows)."""
     S, T, pol = ctx.sessions, ctx.table, ctx.config.policy
@@ -61,6 +62,7 @@ def check_step(ctx: StepContext, session_ids: Sequence[str] | np.ndarray,
         raise ArgumentError(f"session {S.name(int(batch[i]))!r} would hold {int(tokens[i])} "
                             f"tokens after this step (num_new_tokens {int(add[i])}), over "
                             f"MAX_SESSION_TOKENS ({MAX_SESSION_TOKENS})")
+    again = _rewrite(S, batch, rewrite)
     up = _upcoming(ctx, upcoming, batch)
     total = sum_before + new_total
     l1 = T.slots(HBM)
@@ -78,7 +80,23 @@ def check_step(ctx: StepContext, session_ids: Sequence[str] | np.ndarray,
                              f"{pol.max_pending_plans}); confirm epoch "
                              f"{pending[0].plan.epoch} first")
     return CheckedStep(batch, tokens, nb_before, n_new, nb_after, missing, new_total, sum_after,
-                       up)
+                       up, again)
+
+
+def _rewrite(S: SessionTable, batch: np.ndarray, rewrite: Sequence[int] | np.ndarray | None
+             ) -> np.ndarray:
+    """Schedule's `rewrite`, checked: per batch session, 0 .. the tokens it holds."""
+    if rewrite is None:
+        return np.zeros(len(batch), dtype=np.int64)
+    again = check_counts("rewrite", rewrite, MAX_SESSION_TOKENS, "MAX_SESSION_TOKENS")
+    if len(again) != len(batch):
+        raise BadRequestError(f"rewrite needs {len(batch)} integers, got {len(again)}")
+    held = S.tokens[batch]
+    if (again > held).any():
+        i = int(np.flatnonzero(again > held)[0])
+        raise ArgumentError(f"rewrite of session {S.name(int(batch[i]))!r}: {int(again[i])} "
+                            f"tokens, more than the {int(held[i])} it holds")
+    return again
 
 
 def run_step(ctx: StepContext, step: CheckedStep, session_ids: Sequence[str] | np.ndarray,
@@ -119,7 +137,8 @@ def run_step(ctx: StepContext, step: CheckedStep, session_ids: Sequence[str] | n
         fresh_logical = np.concatenate([old_logical, new_logical])
         rc_pos, rc_start, rc_stop = _ranges(old_pos, old_logical)
     if T.num_kept or T.l3_other:
-        _drop_written_copies(ctx, batch, tokens_before, tokens, rc_pos, rc_start)
+        _drop_written_copies(ctx, batch, tokens_before, step.rewrite, tokens, rc_pos,
+                             rc_start)
     names, names_cache = _names(ctx, session_ids, batch)
     fields = dict(
         tick=tick, session_ids=names, num_tokens=tokens, block_offsets=offsets,
@@ -130,13 +149,15 @@ def run_step(ctx: StepContext, step: CheckedStep, session_ids: Sequence[str] | n
 
 
 def _drop_written_copies(ctx: StepContext, batch: np.ndarray, before: np.ndarray,
-                         after: np.ndarray, rc_pos: np.ndarray, rc_start: np.ndarray) -> None:
+                         rewrite: np.ndarray, after: np.ndarray, rc_pos: np.ndarray,
+                         rc_start: np.ndarray) -> None:
     """The copies of blocks this step writes are stale: the last block of a session that gets
-    tokens, when it was partly filled, and every block from a recomputed range on (the engine
-    feeds the session again from there). Their L2 copies are freed; their L3 copies are void
-    (the records stay, dead, until their segment goes; a later spill writes them again)."""
+    tokens, when it was partly filled, the blocks of tokens it writes again (`rewrite`), and
+    every block from a recomputed range on (the engine feeds the session again from there).
+    Their L2 copies are freed; their L3 copies are void (the records stay, dead, until their
+    segment goes; a later spill writes them again)."""
     S, T = ctx.sessions, ctx.table
-    slots = T.take_written(batch, before, after, ctx.config.geometry.block_tokens,
+    slots = T.take_written(batch, before, rewrite, after, ctx.config.geometry.block_tokens,
                            S.arena.arena, S.arena.start, S.kept_last, S.l3_last)
     if len(rc_pos):
         rows = np.concatenate([S.arena.rows(int(batch[pos]))[start:] for pos, start in

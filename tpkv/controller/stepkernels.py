@@ -150,29 +150,38 @@ def alloc_blocks(batch: A, n_new: A, first: A, free_rows: A, free_top: int, slot
 
 
 @_jit
-def written_kept(batch: A, before: A, after: A, block_tokens: int, arena: A, start: A,
-                 tier: A, slot: A, kept: A, kept_last: A, l3copy: A, l3_last: A) -> A:
-    """The copies of the blocks a step appends to: the last block of each session that gets
-    tokens, when it was part full (`before`, `after`: its tokens before and after the step).
-    They are stale once the step writes. Its L2 copy (BlockTable.kept, by L1 slot) is
-    forgotten here, and its L2 slot returned for the caller to free; its L3 copy
-    (BlockTable.l3copy) is void. Only sessions flagged `kept_last` (a block of theirs promoted
+def written_kept(batch: A, before: A, rewrite: A, after: A, block_tokens: int, arena: A,
+                 start: A, tier: A, slot: A, kept: A, kept_last: A, l3copy: A,
+                 l3_last: A) -> A:
+    """The copies of the blocks a step writes into that held tokens before it: the last block
+    of each session that gets tokens, when it was part full (`before`, `after`: its tokens
+    before and after the step), and the blocks of the `rewrite` tokens before `before` that it
+    writes again (counted by an earlier step that no forward fed: TpkvRuntime's credits). They
+    are stale once the step writes. Their L2 copies (BlockTable.kept, by L1 slot) are
+    forgotten here, and their L2 slots returned for the caller to free; their L3 copies
+    (BlockTable.l3copy) are void. Only sessions flagged `kept_last` (a block of theirs promoted
     keeping its L2 copy since they last got tokens) or `l3_last` (loaded from L3 since) are
     looked at: one flag each, instead of three lookups in tables of a million rows; their
     flags are cleared (the blocks they open from here on are new)."""
     n = len(batch)
-    out = np.empty(n, dtype=np.int32)
+    total = 0
+    for i in range(n):
+        first = (before[i] - rewrite[i]) // block_tokens
+        total += max((before[i] + block_tokens - 1) // block_tokens - first, 0)
+    out = np.empty(total, dtype=np.int32)
     k = 0
     for i in range(n):
         s = batch[i]
-        b = before[i]
+        b = before[i] - rewrite[i]  # the first token the step writes
         two, three = kept_last[s], l3_last[s]
         if not (two or three) or after[i] <= b:
             continue
         kept_last[s] = False
         l3_last[s] = False
-        if b % block_tokens != 0:
-            r = arena[start[s] + b // block_tokens]
+        # blocks b's block .. the last that held tokens before the step (none when b starts
+        # a block past them)
+        for j in range(b // block_tokens, (before[i] + block_tokens - 1) // block_tokens):
+            r = arena[start[s] + j]
             if three:
                 l3copy[r] = 0
             if two and tier[r] == 0:  # (in L1, as every block of the batch is by now)

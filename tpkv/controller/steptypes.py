@@ -60,6 +60,7 @@ class CheckedStep:
     new_total: int
     sum_after: int
     upcoming: np.ndarray
+    rewrite: np.ndarray  # [B] tokens before the step's that it writes again (credits)
 
 
 @dataclass(slots=True)

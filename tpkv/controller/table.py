@@ -214,13 +214,14 @@ class BlockTable:
         self.kept[l1_slots] = -1
         self.num_kept -= len(l1_slots)
 
-    def take_written(self, batch: np.ndarray, before: np.ndarray, after: np.ndarray,
-                     block_tokens: int, arena: np.ndarray, start: np.ndarray,
+    def take_written(self, batch: np.ndarray, before: np.ndarray, rewrite: np.ndarray,
+                     after: np.ndarray, block_tokens: int, arena: np.ndarray, start: np.ndarray,
                      kept_last: np.ndarray, l3_last: np.ndarray) -> np.ndarray:
-        """Forget the L2 copies of the blocks a step appends to and void their L3 copies
-        (stepkernels.written_kept); return the L2 slots, for the caller to free."""
-        slots = written_kept(batch, before, after, block_tokens, arena, start, self.tier,
-                             self.slot, self.kept, kept_last, self.l3copy, l3_last)
+        """Forget the L2 copies of the blocks a step writes into that held tokens (also the
+        `rewrite` tokens before `before`) and void their L3 copies (stepkernels.written_kept);
+        return the L2 slots, for the caller to free."""
+        slots = written_kept(batch, before, rewrite, after, block_tokens, arena, start,
+                             self.tier, self.slot, self.kept, kept_last, self.l3copy, l3_last)
         self.num_kept -= len(slots)
         return slots
 

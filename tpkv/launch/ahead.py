@@ -9,7 +9,9 @@ forward never ran, and the real one is scheduled then.
 
 Tokens such a step added at the controller but the engine never fed stay as a credit of their
 session here (`Credits`): the next schedule of that session asks for that many fewer, so the
-controller's count is always the engine's after the step that feeds them.
+controller's count is always the engine's after the step that feeds them, and names them as
+`rewrite`: the L2/L3 copies of their blocks made in between (a demotion into a kept copy, a
+spill) lack their K/V, and the controller voids them.
 """
 
 from __future__ import annotations
@@ -38,6 +40,17 @@ class Credits:
         # (a negative count goes as it is: the controller refuses it, naming the session)
         return np.where(num_new_tokens < 0, num_new_tokens,
                         np.maximum(num_new_tokens - held, 0))
+
+    def rewrite(self, session_ids: Sequence[str], num_new_tokens: np.ndarray
+                ) -> np.ndarray | None:
+        """Schedule's `rewrite` for such a step: the credit of each session it feeds, whose
+        tokens come first in what it writes (the controller counted them already: the
+        L2/L3 copies of their blocks made since lack their K/V). None when there is none."""
+        if not self.tokens:
+            return None
+        held = np.asarray([self.tokens.get(s, 0) for s in session_ids], dtype=np.int64)
+        held[num_new_tokens <= 0] = 0
+        return held if held.any() else None
 
     def fed(self, session_ids: Sequence[str], num_new_tokens: np.ndarray,
             sent: np.ndarray) -> None:

@@ -166,7 +166,8 @@ class TpkvRuntime:
                          "MAX_SESSION_TOKENS")
         self._sync_l2_online()
         sent = self.credits.ask(ids, n)
-        reply = self._ctl.send("schedule", list(ids), sent, as_upcoming(upcoming))
+        reply = self._ctl.send("schedule", list(ids), sent, as_upcoming(upcoming),
+                               self.credits.rewrite(ids, n))
         self._ahead = Ahead(ids, n, sent, reply)
 
     def begin_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
@@ -225,7 +226,8 @@ class TpkvRuntime:
             resync = self._resync_if_commit_failed()
             self._sync_l2_online()
             sent = self.credits.ask(session_ids, num_new_tokens)
-            step = self._call("schedule", list(session_ids), sent, as_upcoming(upcoming))
+            step = self._call("schedule", list(session_ids), sent, as_upcoming(upcoming),
+                              self.credits.rewrite(session_ids, num_new_tokens))
             self.credits.fed(session_ids, num_new_tokens, sent)
             return {"step": self._answer(step), "resync": resync}
 

@@ -313,7 +313,7 @@ class TpkvCache(Cache):
         self._new, self.in_forward = new, True
         for lay in self.tier_layers:
             lay.length = base
-        if new and (base + new + 1) % bt:
+        if new:
             self._plan_next(base + new)
 
     def _plan_next(self, at: int) -> None:
@@ -321,14 +321,8 @@ class TpkvCache(Cache):
         session at `at`, while this pass runs (TpkvRuntime.schedule_ahead): that pass then
         needs no controller round trip. A wrong guess (the turn ended, another session's pass
         or any other call came first) is applied without a forward and its token becomes a
-        credit of the session. Not sent for a token that would fill its block: a credited
-        token is written by a later step that appends after it, and the controller voids the
-        L2 and L3 copies of the block a step appends to, so that block must be the credited
-        token's (a block the controller counts as full keeps copies made before the token was
-        written). Not covered yet: a credited token fed by a pass of that token alone (the
-        step appends nothing) whose turn then ends while the token after it would fill the
-        block; the controller must learn which tokens a step rewrites (test_hf_cache_ahead,
-        xfail)."""
+        credit of the session; the step that feeds it names it to the controller, which voids
+        the L2/L3 copies of its block made in between (launch/ahead.py)."""
         self.rt.schedule_ahead([self.session_id], [max(0, at + 1 - self.ctl_tokens)])
 
     def _schedule(self, add: int) -> tuple[StepResult, int | None]:
