@@ -208,11 +208,7 @@ class ControllerActor:
                     isinstance(u, list) and len(u) == 3 for u in updates):
                 raise errors.ArgumentTypeError("report_attention: updates must be a list of "
                                                "[session_id, start, mass]")
-            c.require_ready()  # a restarted controller answers ControllerRecoveringError first
-            for session_id, start, mass in updates:  # every check before any change
-                c.attention_rows(session_id, mass, start)
-            for session_id, start, mass in updates:
-                c.report_attention(session_id, mass, start)
+            c.report_attentions(updates)  # (a restarted controller refuses it first)
             return None
         if method == "check_integrity":
             c.check_integrity()

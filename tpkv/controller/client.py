@@ -205,6 +205,7 @@ class Turns:
         self.timeout_s = timeout_s
         self.next: dict[str, int] = {}
         self._changed: Any = None  # asyncio.Condition, made on the loop
+        self._waiting = 0  # calls waiting for their turn (done() wakes them only then)
 
     async def wait(self, order: Any) -> tuple[str, int] | None:
         if order is None:
@@ -218,14 +219,17 @@ class Turns:
             return client, seq
         if self._changed is None:
             self._changed = asyncio.Condition()
-        async with self._changed:
-            try:
+        self._waiting += 1
+        try:
+            async with self._changed:
                 await asyncio.wait_for(self._changed.wait_for(
                     lambda: self.next.get(client, seq) >= seq), self.timeout_s)
-            except asyncio.TimeoutError:
-                log.warning(
-                    "controller call %d of client %s ran without call %d before it (lost?)",
-                    seq, client[:8], self.next.get(client, seq))
+        except asyncio.TimeoutError:
+            log.warning(
+                "controller call %d of client %s ran without call %d before it (lost?)",
+                seq, client[:8], self.next.get(client, seq))
+        finally:
+            self._waiting -= 1
         return client, seq
 
     def done(self, turn: tuple[str, int] | None) -> None:
@@ -233,7 +237,7 @@ class Turns:
             return
         client, seq = turn
         self.next[client] = max(self.next.get(client, seq + 1), seq + 1)
-        if self._changed is not None:
+        if self._waiting:
             changed = self._changed
 
             async def wake() -> None:

@@ -273,6 +273,16 @@ class Controller:
         self._changed(calls.add_attention(self.sessions, self.table, session_id, mass, start))
         self.autopin.dirty = True
 
+    def report_attentions(self, updates: Sequence[tuple[str, int, Sequence[float] | np.ndarray]]
+                          ) -> None:
+        """report_attention of several sessions, [(session_id, start, mass)]: every check
+        first (a refused batch adds nothing), then each report."""
+        self.require_ready()
+        for session_id, start, mass in updates:
+            self.attention_rows(session_id, mass, start)
+        for session_id, start, mass in updates:
+            self.report_attention(session_id, mass, start)
+
     def attention_rows(self, session_id: str, mass: Sequence[float] | np.ndarray,
                        start: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """report_attention's checks, changing nothing: the rows and the mass to add."""

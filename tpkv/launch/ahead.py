@@ -31,26 +31,21 @@ class Credits:
     def __init__(self) -> None:
         self.tokens: dict[str, int] = {}
 
-    def ask(self, session_ids: Sequence[str], num_new_tokens: np.ndarray) -> np.ndarray:
-        """The counts to send for a step that feeds num_new_tokens[i] tokens of session i:
-        less what each already holds."""
-        held = np.asarray([self.tokens.get(s, 0) for s in session_ids], dtype=np.int64)
-        if not held.any():
-            return num_new_tokens
-        # (a negative count goes as it is: the controller refuses it, naming the session)
-        return np.where(num_new_tokens < 0, num_new_tokens,
-                        np.maximum(num_new_tokens - held, 0))
-
-    def rewrite(self, session_ids: Sequence[str], num_new_tokens: np.ndarray
-                ) -> np.ndarray | None:
-        """Schedule's `rewrite` for such a step: the credit of each session it feeds, whose
-        tokens come first in what it writes (the controller counted them already: the
-        L2/L3 copies of their blocks made since lack their K/V). None when there is none."""
+    def ask(self, session_ids: Sequence[str], num_new_tokens: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray | None]:
+        """For a step that feeds num_new_tokens[i] tokens of session i: the counts to send
+        (less what each holds already) and schedule's `rewrite` (the credit of each session
+        it feeds, whose tokens come first in what it writes: the controller counted them
+        already, so the L2/L3 copies of their blocks made since lack their K/V; None when
+        there is none)."""
         if not self.tokens:
-            return None
+            return num_new_tokens, None
         held = np.asarray([self.tokens.get(s, 0) for s in session_ids], dtype=np.int64)
+        # (a negative count goes as it is: the controller refuses it, naming the session)
+        sent = np.where(num_new_tokens < 0, num_new_tokens,
+                        np.maximum(num_new_tokens - held, 0))
         held[num_new_tokens <= 0] = 0
-        return held if held.any() else None
+        return sent, held if held.any() else None
 
     def fed(self, session_ids: Sequence[str], num_new_tokens: np.ndarray,
             sent: np.ndarray) -> None:

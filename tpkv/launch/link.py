@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
-
-import numpy as np
 
 from tpkv.errors import WaitTimeoutError
 
@@ -41,21 +38,6 @@ class Link(Protocol):
     def post(self, method: str, *args: Any, **kwargs: Any) -> Reply: ...
 
     def close(self) -> None: ...
-
-
-class _Done:
-    """A reply that is already here (a call made on the caller's thread)."""
-
-    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
-        self.value, self.error = value, error
-
-    def done(self) -> bool:
-        return True
-
-    def result(self, timeout: float | None = None) -> Any:
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 class _Waiting:
@@ -89,12 +71,9 @@ class LocalLink:
         self._lock = threading.Lock()  # one call at a time on the controller
 
     def send(self, method: str, *args: Any, **kwargs: Any) -> Reply:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tpkv-controller")
-        fut = self._pool.submit(self._run, method, args, kwargs)
+        fut = self._thread().submit(self._run, method, args, kwargs)
         self._last = fut
-        if method == "schedule":  # (a call made meanwhile need not wait for it)
-            self._pool.submit(self._prepare)
+        self._after(method)
         return _Waiting(fut, method, self.timeout_s)
 
     def post(self, method: str, *args: Any, **kwargs: Any) -> Reply:
@@ -107,18 +86,26 @@ class LocalLink:
             _Waiting(last, "earlier calls", self.timeout_s).result()
         self._last = None
         answer = self._run(method, args, kwargs)
-        if method == "schedule" and self._pool is not None:
-            self._pool.submit(self._prepare)
-        elif method == "schedule":
-            self._prepare()
+        self._after(method)
         return answer
+
+    def _thread(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tpkv-controller")
+        return self._pool
+
+    def _after(self, method: str) -> None:
+        """After a schedule: the next step's eviction orders, on the link's thread (a call
+        made meanwhile need not wait for them)."""
+        if method == "schedule":
+            self._thread().submit(self._prepare)
 
     def _run(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self._lock.acquire(timeout=self.timeout_s):
             raise WaitTimeoutError(f"controller busy for {self.timeout_s:g} s ({method})")
         try:
             if method == "report_attention":  # the batch form the actor takes
-                return _report_each(self.target, *args, **kwargs)
+                return self.target.report_attentions(*args, **kwargs)
             return getattr(self.target, method)(*args, **kwargs)
         finally:
             self._lock.release()
@@ -139,14 +126,6 @@ class LocalLink:
             self._pool = None
 
 
-def _report_each(ctl: Any, updates: Sequence[tuple[str, int, np.ndarray]]) -> None:
-    """report_attention of several sessions: every check first, then each report."""
-    for session_id, start, mass in updates:
-        ctl.attention_rows(session_id, mass, start)
-    for session_id, start, mass in updates:
-        ctl.report_attention(session_id, mass, start)
-
-
 class RayLink:
     """The controller actor through its ControllerClient: a sent call goes at once and the
     actor runs this client's calls in order (controller.client). A schedule's answer is
@@ -164,20 +143,14 @@ class RayLink:
         self._reporter: Any = None
 
     def send(self, method: str, *args: Any, **kwargs: Any) -> Reply:
-        send = getattr(self.target, "send", None)
-        if send is None:  # a stand-in without send (tests): answered now
-            return self._now(method, args, kwargs)
-        reply: Reply = send(method, *args, **kwargs)
+        reply: Reply = self.target.send(method, *args, **kwargs)
         if method != "schedule":
             return reply
         if self._fetcher is None:
             self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="tpkv-fetch")
-        timeout_s = float(getattr(self.target, "timeout_s", 30.0))
-        return _Waiting(self._fetcher.submit(reply.result), method, timeout_s + 1.0)
+        return _Waiting(self._fetcher.submit(reply.result), method, self.target.timeout_s + 1.0)
 
     def post(self, method: str, *args: Any, **kwargs: Any) -> Reply:
-        if not hasattr(self.target, "send"):
-            return self._now(method, args, kwargs)
         if self._poster is None:
             self._poster = ThreadPoolExecutor(1, thread_name_prefix="tpkv-report")
             self._collector = ThreadPoolExecutor(1, thread_name_prefix="tpkv-answers")
@@ -200,12 +173,6 @@ class RayLink:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self.send(method, *args, **kwargs).result()
 
-    def _now(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Reply:
-        try:
-            return _Done(getattr(self.target, method)(*args, **kwargs))
-        except Exception as exc:
-            return _Done(error=exc)
-
     def close(self) -> None:
         for pool in (self._fetcher, self._poster, self._collector):
             if pool is not None:
@@ -221,7 +188,7 @@ def _settle(sent: Any, answer: Future[Any]) -> None:
         answer.set_exception(exc)
 
 
-def make_link(controller: Any, timeout_s: float) -> LocalLink | RayLink:
+def make_link(controller: Any, timeout_s: float) -> Link:
     """The link for a controller object: the actor's client goes through Ray, anything else
     (a Controller, a test's stand-in) is called in process."""
     from tpkv.controller.controller import Controller

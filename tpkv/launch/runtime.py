@@ -16,7 +16,7 @@ from tpkv.launch import recover
 from tpkv.launch.ahead import Ahead, Credits, as_upcoming
 from tpkv.launch.bootstrap import RankContext, shutdown_ray
 from tpkv.launch.collective import all_results, as_step, from_rank0, misses_hit_batch
-from tpkv.launch.link import LocalLink, RayLink, make_link
+from tpkv.launch.link import Link, make_link
 from tpkv.launch.sent import SentCalls
 from tpkv.limits import MAX_SESSION_TOKENS, check_counts
 from tpkv.protocol.messages import (
@@ -62,7 +62,6 @@ class TpkvRuntime:
         self.last_step_times: dict[str, float] = {}
         self.num_mismatches = 0
         self.last_mismatch: RankMismatchError | None = None
-        self._restore: dict[str, Any] | None = None
         self.num_rebuilds = 0  # times a restarted controller was rebuilt from the ranks
         self._l2_told = -1  # L2 slots rank 0 last told the controller are pinned (-1: none)
         self.closing: set[str] = set()  # closed at the controller, blocks not yet released here
@@ -90,7 +89,7 @@ class TpkvRuntime:
         self._ahead = None
 
     @property
-    def _ctl(self) -> LocalLink | RayLink:
+    def _ctl(self) -> Link:
         if self.link is None:
             raise TpkvError(f"rank {self.rank} has no controller link (rank 0 talks to it)")
         return self.link
@@ -135,22 +134,14 @@ class TpkvRuntime:
         return n
 
     def controller_slot_map(self) -> dict[str, Any]:
-        """The controller's authoritative map on every rank (for checks and tests). The Ray
-        actor has no read-only call for it: there it is taken by resync(), and every rank
-        restores from it at its next step (a no-op where the maps agree)."""
+        """The controller's authoritative map on every rank (for checks and tests)."""
 
         def fetch() -> dict[str, Any]:
             self._check_commits(wait=True)
-            try:
-                return {"map": self._call("slot_map"), "resync": False}
-            except AttributeError:
-                return {"map": self._call("resync"), "resync": True}
+            return dict(self._call("slot_map"))
 
         self.settle_ahead()
-        answer = self.from_rank0(fetch, "slot map")
-        if answer["resync"]:
-            self._restore = answer["map"]
-        return dict(answer["map"])
+        return dict(self.from_rank0(fetch, "slot map"))
 
     # ---- the step ----------------------------------------------------------------------------
     def schedule_ahead(self, session_ids: Sequence[str], num_new_tokens: Sequence[int],
@@ -165,9 +156,8 @@ class TpkvRuntime:
         n = check_counts("num_new_tokens", num_new_tokens, MAX_SESSION_TOKENS,
                          "MAX_SESSION_TOKENS")
         self._sync_l2_online()
-        sent = self.credits.ask(ids, n)
-        reply = self._ctl.send("schedule", list(ids), sent, as_upcoming(upcoming),
-                               self.credits.rewrite(ids, n))
+        sent, rewrite = self.credits.ask(ids, n)
+        reply = self._ctl.send("schedule", list(ids), sent, as_upcoming(upcoming), rewrite)
         self._ahead = Ahead(ids, n, sent, reply)
 
     def begin_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
@@ -206,9 +196,6 @@ class TpkvRuntime:
                 self._end_late_step()
             else:
                 self.end_step()
-        if self._restore is not None:
-            self._resync(self._restore)
-            self._restore = None
 
     def _begin_step(self, session_ids: Sequence[str], num_new_tokens: np.ndarray,
                     upcoming: Mapping[str, int] | Sequence[str] | None,
@@ -225,9 +212,9 @@ class TpkvRuntime:
         def plan() -> dict[str, Any]:
             resync = self._resync_if_commit_failed()
             self._sync_l2_online()
-            sent = self.credits.ask(session_ids, num_new_tokens)
+            sent, rewrite = self.credits.ask(session_ids, num_new_tokens)
             step = self._call("schedule", list(session_ids), sent, as_upcoming(upcoming),
-                              self.credits.rewrite(session_ids, num_new_tokens))
+                              rewrite)
             self.credits.fed(session_ids, num_new_tokens, sent)
             return {"step": self._answer(step), "resync": resync}
 
