@@ -194,6 +194,9 @@ class SsdConfig:
     # waits for its reads, not for spills). The most bytes one write carries between pauses:
     # a resume's reads start behind at most this much of a spill per writing thread.
     write_piece_bytes: int = 4 << 20
+    # Host memory (node-wide, split over the ranks like the budget) for the records of
+    # returning sessions read ahead of the step that loads them (tpkv.ssd.readahead); 0: none.
+    read_ahead_bytes: int = 2 * GiB
 
     def __post_init__(self) -> None:
         if self.root is not None and (not isinstance(self.root, (str, os.PathLike))
@@ -203,6 +206,7 @@ class SsdConfig:
         check_int("L3 io_threads", self.io_threads)
         check_int("L3 write_threads", self.write_threads)
         check_int("L3 write_piece_bytes", self.write_piece_bytes)
+        check_int("L3 read_ahead_bytes", self.read_ahead_bytes, lo=0)
         check_watermarks("L3", self.high_watermark, self.low_watermark)
         check_choice("L3 backend", self.backend, ("auto", "posix", "kvikio"))
         check_bool("L3 o_direct", self.o_direct)

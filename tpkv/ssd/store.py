@@ -28,6 +28,7 @@ from tpkv.ssd.jobs import ReadMeter, ReadStats, StoreThreads
 from tpkv.ssd.manifest import Manifests
 from tpkv.ssd.owner import RootLock
 from tpkv.ssd.paths import SessionPaths as _Paths
+from tpkv.ssd.readahead import ReadAhead
 from tpkv.ssd.reclaim import reclaim
 from tpkv.ssd.session_io import SessionIo
 
@@ -84,6 +85,8 @@ class SsdStore:
         self._stripes = [threading.Lock() for _ in range(_NUM_LOCK_STRIPES)]
         self._budget = Budget(rank, self.budget_bytes)
         self._reads = ReadMeter()
+        self.ahead = ReadAhead(self.block_bytes, config.read_ahead_bytes // self.geometry.tp_size,
+                               config.io_threads, rank)
         self._scan()
 
     # ---- public API ---------------------------------------------------------------------------
@@ -115,6 +118,7 @@ class SsdStore:
             return 0
         paths = self._files.paths(sid)
         self._await_drop(paths)
+        self.ahead.changed(sid)
         self._make_room(paths.hex, len(indices) * self.record_bytes + (
             0 if self._budget.holds(paths.hex) else ALIGN_BYTES))
         with self._stripe(paths):
@@ -136,31 +140,52 @@ class SsdStore:
             except BaseException:
                 self._settle(paths)
                 raise
+            finally:
+                self.ahead.changed(sid)  # (also read ahead while it wrote)
         return new_bytes - (0 if prev is None else prev.committed_bytes)
 
     def read_blocks(self, session_id: str, logical_idx: np.ndarray,
                     out: Sequence[np.ndarray]) -> np.ndarray:
-        """Read blocks into `out`; return the hit mask. Misses (any fault) are zeroed."""
+        """Read blocks into `out`; return the hit mask. Misses (any fault) are zeroed. Blocks
+        read ahead (read_ahead) come from memory, the rest from the disk."""
+        return self._read(session_id, logical_idx, out, True)
+
+    def read_ahead(self, session_id: str, logical_idx: np.ndarray) -> bool:
+        """Start reading the session's records `logical_idx` into memory of the store's own,
+        for a read_blocks of them to come (ReadAhead). False when they do not fit its budget
+        (SsdConfig.read_ahead_bytes) now: nothing started. True if started or already held."""
+        sid = validate_session_id(session_id)
+        return self.ahead.start(sid, logical_idx,
+                                lambda s, idx, out: self._read(s, idx, out, False))
+
+    def _read(self, session_id: str, logical_idx: np.ndarray, out: Sequence[np.ndarray],
+              ahead: bool) -> np.ndarray:
         sid = validate_session_id(session_id)
         indices = check_indices(logical_idx, len(out))
         check_buffers(out, self.block_bytes, writable=True)
         hits = np.zeros(len(indices), dtype=bool)
+        if ahead and len(indices):
+            self.ahead.take(sid, indices, out, hits)
         began = time.perf_counter_ns()
         paths = self._files.paths(sid)
-        if len(indices):
+        rest = np.flatnonzero(~hits)
+        if len(rest):
+            got = np.zeros(len(rest), dtype=bool)
             try:
                 self._await_drop(paths)
                 with self._threads.gate.reading():
-                    self._sessions.read(sid, paths, indices, out, hits)
+                    self._sessions.read(sid, paths, indices[rest],
+                                        [out[int(i)] for i in rest], got)
             except FileNotFoundError as exc:
                 log.debug("L3 rank %d: session %s not on disk: %s", self.rank, sid, exc)
             except (SsdError, OSError) as exc:
                 log.warning("L3 rank %d: session %s: %d blocks are misses: %s", self.rank, sid,
-                            int((~hits).sum()), exc)
+                            int((~got).sum()), exc)
+            hits[rest] = got
             for i in np.flatnonzero(~hits):
                 out[int(i)].fill(0)
+            self._reads.add(len(rest) * self.block_bytes, began)
         self._budget.claim(paths.hex)
-        self._reads.add(len(indices) * self.block_bytes, began)
         return hits
 
     def read_stats(self) -> ReadStats:
@@ -185,7 +210,10 @@ class SsdStore:
         sid = validate_session_id(session_id)
         paths = self._files.paths(sid)
         self._await_drop(paths)
-        return self._manifests.write(sid, paths)
+        try:
+            return self._manifests.write(sid, paths)
+        finally:
+            self.ahead.changed(sid)
 
     def list_sessions(self) -> list[str]:
         """Ids of sessions this rank can serve: valid manifest, agreeing commit, whole segment."""
@@ -244,11 +272,13 @@ class SsdStore:
         waits for the delete first, list_sessions and close for all of them."""
         sid = validate_session_id(session_id)
         paths = self._files.paths(sid)
+        self.ahead.changed(sid)
         self._budget.forget(paths.hex)
         self._threads.drop_later(paths.hex, self._drop, sid, paths)
 
     def close(self) -> None:
         """Finish every submitted job (pending deletes too), then give up the root."""
+        self.ahead.close()
         self._threads.shutdown()
         self._owner.release()
 
@@ -265,6 +295,7 @@ class SsdStore:
             return self._drop_locked(sid, paths)
 
     def _drop_locked(self, sid: str, paths: _Paths) -> int:
+        self.ahead.changed(sid)
         if self._files.check_dir(paths.dir, create=False):
             segment, commit = paths.segment(self.rank), paths.commit(self.rank)
             try:

@@ -1,0 +1,147 @@
+"""L3 read ahead: records read into memory before the step that loads them; never stale bytes."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.unit.test_ssd_store import SMALL, empty_out, geometry, make_stores, random_blocks
+from tpkv.config import SsdConfig
+from tpkv.errors import ArgumentError, ConfigError
+from tpkv.ssd.store import SsdStore
+
+N = 6
+
+
+def written(tmp_path: Path, **cfg: object) -> tuple[SsdStore, list[np.ndarray]]:
+    geo = geometry(SMALL)
+    [store] = make_stores(tmp_path, geo, **cfg)
+    blocks = random_blocks(np.random.default_rng(1), geo, N)
+    store.write_blocks("s", np.arange(N), blocks)
+    assert store.commit_manifest("s")
+    return store, blocks
+
+
+def wait_done(store: SsdStore, sid: str = "s") -> None:
+    store.ahead.wait_any([sid], 10.0)
+    assert store.ahead.done(sid)
+
+
+def read_all(store: SsdStore) -> tuple[np.ndarray, list[np.ndarray]]:
+    out = empty_out(store.geometry, N)
+    for buf in out:
+        buf.fill(0xAB)
+    return store.read_blocks("s", np.arange(N), out), out
+
+
+def test_blocks_read_ahead_are_served_from_memory_bit_exact(tmp_path: Path) -> None:
+    store, blocks = written(tmp_path)
+    assert store.ahead.done("s") is None
+    assert store.read_ahead("s", np.arange(1, N))
+    wait_done(store)
+    disk_bytes = store.read_stats().bytes
+    hits, out = read_all(store)
+    assert hits.all()
+    for got, want in zip(out, blocks):
+        np.testing.assert_array_equal(got, want)
+    assert store.ahead.num_served == N - 1  # block 0 came from the disk
+    assert store.read_stats().bytes - disk_bytes == store.block_bytes
+    store.close()
+
+
+def test_a_write_after_the_read_ahead_makes_it_stale(tmp_path: Path) -> None:
+    store, blocks = written(tmp_path)
+    assert store.read_ahead("s", np.arange(N))
+    wait_done(store)
+    new = random_blocks(np.random.default_rng(2), store.geometry, 1)
+    store.write_blocks("s", np.array([3]), new)  # block 3 written again
+    assert store.commit_manifest("s")
+    assert store.ahead.done("s") is None  # discarded
+    hits, out = read_all(store)
+    assert hits.all() and store.ahead.num_served == 0
+    np.testing.assert_array_equal(out[3], new[0])
+    np.testing.assert_array_equal(out[2], blocks[2])
+    assert store.ahead.held_bytes == 0
+    store.close()
+
+
+def test_a_change_during_the_read_ahead_is_never_served(tmp_path: Path) -> None:
+    """A write that starts after the read ahead began: the generation it was read under is
+    older, whatever order the two finish in."""
+    store, _ = written(tmp_path)
+    gate = threading.Event()
+    real = store._read
+
+    def slow(sid: str, idx: np.ndarray, out: list[np.ndarray], ahead: bool) -> np.ndarray:
+        gate.wait(10)
+        return real(sid, idx, out, ahead)
+
+    store._read = slow  # type: ignore[method-assign]
+    assert store.read_ahead("s", np.arange(N))
+    store._read = real  # type: ignore[method-assign]
+    new = random_blocks(np.random.default_rng(3), store.geometry, N)
+    store.write_blocks("s", np.arange(N), new)
+    assert store.commit_manifest("s")
+    gate.set()
+    hits, out = read_all(store)
+    assert hits.all() and store.ahead.num_served == 0
+    for got, want in zip(out, new):
+        np.testing.assert_array_equal(got, want)
+    store.ahead.wait_any(["s"], 1.0)
+    store.close()
+    assert store.ahead.held_bytes == 0
+
+
+def test_a_corrupt_record_read_ahead_is_read_again_and_misses(tmp_path: Path) -> None:
+    store, blocks = written(tmp_path, o_direct=False)
+    segment = next(p for p in tmp_path.rglob("*") if p.is_file() and ".seg" in p.name)
+    data = bytearray(segment.read_bytes())
+    at = 4096 + 2 * store.record_bytes + 100  # inside record 2
+    data[at] ^= 0x5A
+    segment.write_bytes(bytes(data))
+    assert store.read_ahead("s", np.arange(N))
+    wait_done(store)
+    hits, out = read_all(store)
+    assert hits.tolist() == [True, True, False, True, True, True]
+    assert not out[2].any()  # a miss is zeroed, never the bytes read
+    assert store.ahead.num_served == N - 1
+    np.testing.assert_array_equal(out[4], blocks[4])
+    store.close()
+
+
+def test_the_budget_bounds_what_is_held(tmp_path: Path) -> None:
+    geo = geometry(SMALL)
+    store, _ = written(tmp_path, read_ahead_bytes=3 * geo.block_bytes)
+    assert not store.read_ahead("s", np.arange(N))  # does not fit: nothing started
+    assert store.ahead.done("s") is None and store.ahead.held_bytes == 0
+    assert store.read_ahead("s", np.arange(3))
+    assert store.ahead.held_bytes == 3 * geo.block_bytes
+    assert not store.ahead.fits(1)
+    wait_done(store)
+    store.ahead.drop("s")
+    assert store.ahead.held_bytes == 0 and store.ahead.fits(3)
+    store.close()
+
+
+def test_dropping_the_session_discards_its_read_ahead(tmp_path: Path) -> None:
+    store, _ = written(tmp_path)
+    assert store.read_ahead("s", np.arange(N))
+    wait_done(store)
+    store.drop_session_later("s")
+    assert store.ahead.done("s") is None
+    hits, _ = read_all(store)
+    assert not hits.any() and store.ahead.num_served == 0
+    store.close()
+
+
+def test_bad_input_is_refused(tmp_path: Path) -> None:
+    store, _ = written(tmp_path)
+    with pytest.raises(ArgumentError, match="-2"):
+        store.read_ahead("s", np.array([1, -2]))
+    assert store.ahead.held_bytes == 0
+    with pytest.raises(ConfigError, match="read_ahead_bytes"):
+        SsdConfig(root=str(tmp_path), read_ahead_bytes=-1)
+    store.close()

@@ -1,0 +1,176 @@
+"""ReadAhead: a returning session's L3 records read into memory before the step that loads them.
+
+A session whose turn arrives with blocks on L3 waits outside the batch while this rank reads its
+records, checked as any read, into buffers of its own (not L2: the controller has not planned
+the load yet). The step that loads the session then copies them from memory instead of reading
+the disk: a read of a record the buffers hold is served from them, the rest from the disk.
+
+Never wrong KV: a session's buffers are good only for the store state they were read from. Every
+change to the session's records on this rank (a write, a manifest commit, a delete) bumps its
+generation and discards them; a buffer read under an older generation is never served. A miss
+read ahead is not served either (the disk is read again). The bytes held are bounded by a budget:
+a read ahead that does not fit is refused (the caller loads the session the usual way).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import numpy as np
+
+from tpkv.errors import ArgumentError
+
+# A session's records are read in jobs of about this size across the read-ahead threads.
+AHEAD_JOB_BYTES = 32 << 20
+
+ReadFn = Callable[[str, np.ndarray, Sequence[np.ndarray]], np.ndarray]
+
+
+@dataclass
+class _Job:
+    indices: np.ndarray  # sorted logical indices it reads
+    buffers: np.ndarray  # [len(indices), block_bytes] uint8
+    future: Future[np.ndarray] | None = None  # the hit mask when done
+
+
+@dataclass
+class _Session:
+    generation: int
+    jobs: list[_Job]
+    num_bytes: int
+    discarded: bool = False
+    num_done: int = 0  # jobs done
+
+
+class ReadAhead:
+    """One rank's read-ahead buffers, at most `budget_bytes` of them, read by `read` (the
+    store's checked read_blocks) on `threads` threads of their own (apart from the readers of
+    a step's loads, which never queue behind them)."""
+
+    def __init__(self, block_bytes: int, budget_bytes: int, threads: int, rank: int) -> None:
+        self.block_bytes, self.budget_bytes = block_bytes, budget_bytes
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix=f"tpkv-l3-ahead{rank}")
+        self._lock = threading.Lock()
+        self._generation: dict[str, int] = {}
+        self._sessions: dict[str, _Session] = {}
+        self._held = 0  # bytes of buffers not yet given back (discarded ones still reading too)
+        self.num_served = 0  # blocks served from the buffers so far
+        self.num_started = 0  # sessions read ahead so far
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return self._held
+
+    def fits(self, num_blocks: int) -> bool:
+        """Whether a read ahead of `num_blocks` blocks fits the budget now."""
+        with self._lock:
+            return self._held + num_blocks * self.block_bytes <= self.budget_bytes
+
+    def start(self, sid: str, logical_idx: np.ndarray, read: ReadFn) -> bool:
+        """Read the session's records `logical_idx` ahead, unless it is read ahead already
+        (True) or they do not fit the budget now (False: nothing started)."""
+        idx = np.unique(np.asarray(logical_idx, dtype=np.int64))
+        if len(idx) and idx[0] < 0:
+            raise ArgumentError(f"session {sid}: logical index {int(idx[0])} is negative")
+        need = len(idx) * self.block_bytes
+        with self._lock:
+            if sid in self._sessions:
+                return True
+            if self._held + need > self.budget_bytes or not len(idx):
+                return False
+            per_job = max(1, AHEAD_JOB_BYTES // self.block_bytes)
+            jobs = [_Job(idx[at:at + per_job],
+                         np.empty((len(idx[at:at + per_job]), self.block_bytes), np.uint8))
+                    for at in range(0, len(idx), per_job)]
+            entry = _Session(self._generation.get(sid, 0), jobs, need)
+            self._sessions[sid] = entry
+            self._held += need
+            self.num_started += 1
+            for job in jobs:
+                job.future = self._pool.submit(read, sid, job.indices, list(job.buffers))
+                job.future.add_done_callback(functools.partial(self._job_done, entry))
+        return True
+
+    def _job_done(self, entry: _Session, _: object) -> None:
+        with self._lock:
+            entry.num_done += 1
+            if entry.discarded and entry.num_done == len(entry.jobs):
+                self._held -= entry.num_bytes
+
+    def done(self, sid: str) -> bool | None:
+        """Whether the session's read ahead is done; None when none is held."""
+        with self._lock:
+            entry = self._sessions.get(sid)
+            return None if entry is None else entry.num_done == len(entry.jobs)
+
+    def wait_any(self, sids: Sequence[str], timeout_s: float) -> None:
+        """Wait until one of the sessions' read aheads is done (or none is held), bounded."""
+        with self._lock:
+            futures = [job.future for s in sids if (e := self._sessions.get(s)) is not None
+                       for job in e.jobs if job.future is not None]
+        pending, deadline = set(futures), time.monotonic() + timeout_s
+        while pending and not any(self.done(s) for s in sids):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            _, pending = wait(pending, timeout=left, return_when=FIRST_COMPLETED)
+
+    def changed(self, sid: str) -> None:
+        """The session's records changed on this rank: what is read ahead of it is stale."""
+        with self._lock:
+            self._generation[sid] = self._generation.get(sid, 0) + 1
+            self._discard(sid)
+
+    def drop(self, sid: str) -> None:
+        """Give the session's buffers back (its load is planned, or it will not be loaded)."""
+        with self._lock:
+            self._discard(sid)
+
+    def _discard(self, sid: str) -> None:
+        entry = self._sessions.pop(sid, None)
+        if entry is None:
+            return
+        entry.discarded = True
+        if entry.num_done == len(entry.jobs):
+            self._held -= entry.num_bytes
+
+    def take(self, sid: str, logical_idx: np.ndarray, out: Sequence[np.ndarray],
+             hits: np.ndarray) -> None:
+        """Copy into out[i] each block logical_idx[i] that a finished job of the session holds
+        as a hit read under its current generation; set hits[i] for those."""
+        with self._lock:
+            entry = self._sessions.get(sid)
+            if entry is None or entry.generation != self._generation.get(sid, 0):
+                return
+            jobs = [job for job in entry.jobs if job.future is not None and job.future.done()]
+        want = np.asarray(logical_idx, dtype=np.int64)
+        served = 0
+        for job in jobs:
+            if job.future is None or job.future.exception() is not None:
+                continue
+            good = job.future.result()
+            pos = np.searchsorted(job.indices, want)
+            inside = pos < len(job.indices)
+            found = np.zeros(len(want), dtype=bool)
+            found[inside] = job.indices[pos[inside]] == want[inside]
+            for i in np.flatnonzero(found & ~hits).tolist():
+                j = int(pos[i])
+                if good[j]:
+                    np.copyto(out[i].reshape(-1).view(np.uint8), job.buffers[j])
+                    hits[i] = True
+                    served += 1
+        with self._lock:
+            # a change while copying makes this copy stale: the caller reads those again
+            if self._generation.get(sid, 0) != entry.generation:
+                hits[:] = False
+                return
+            self.num_served += served
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
