@@ -97,7 +97,9 @@ def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
                "commit_refusals": rt.num_commit_refusals, "late": rt.worker.num_late,
                "kept": s.kept_moves, "ahead": (rt.num_ahead_used, rt.num_ahead_unused),
                "kept_spills": s.kept_spills, "watched": watched,
-               "chained": rt.worker.executor.num_chained}
+               "chained": rt.worker.executor.num_chained,
+               "read_ahead": (tiered.returns.num_read_ahead, rt.worker.store.ahead.num_served,
+                              rt.worker.store.ahead.held_bytes)}
     except BaseException as exc:
         rt.close(exc)
         raise
@@ -158,6 +160,10 @@ def check(out: dict[str, Any], mode: str = "load") -> None:
         assert out["kept_spills"] > 0, out
         # copied into L1 while the rest of their reads went on (chain.find_chain)
         assert out["chained"] > 0, out["chained"]
+        # their turns waited outside the batch while their records were read ahead, and the
+        # steps that loaded them took those from memory (models/returns.py)
+        started, served, held = out["read_ahead"]
+        assert started > 0 and served > 0 and held == 0, out["read_ahead"]
     if mode == "miss":  # the step that needed the missed block ran again and recomputed it
         assert out["retries"] >= 1 and out["recompute_tokens"] > 0, out
     else:  # ("load" may still recompute blocks the planner dropped when L2 was full)

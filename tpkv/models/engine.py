@@ -78,6 +78,10 @@ ScheduleFn = Callable[[Sequence[str], Sequence[int]], StepTables]
 WaitFn = Callable[[StepTables], None]
 ReportFn = Callable[[StepReport], None]
 ReleaseFn = Callable[[str], object]
+# admit(arrived, returning, idle): of the turns added since the last step (arrived) and those
+# waiting outside the batch (returning), the sessions whose turns may queue for the batch now;
+# `idle`: nothing else would run this step (the hook may wait for one to be ready).
+AdmitFn = Callable[[Sequence[str], Sequence[str], bool], Sequence[str]]
 
 
 class PagedEngine:
@@ -89,7 +93,9 @@ class PagedEngine:
     (default: a LocalScheduler over the whole pool), `wait` blocks until the step's blocks are in
     L1 (default: nothing to wait for), `launched` runs once the step's forward is queued on the
     device and before its tokens are read back (the host is free while the device computes),
-    `report` receives a StepReport, `release` frees a closed session's blocks. Under TP every
+    `report` receives a StepReport, `release` frees a closed session's blocks. With `admit`, a
+    turn added waits outside the batch (`returning`) until the hook lets it queue (its KV is
+    back within reach, e.g. read ahead from L3); the batch goes on without it. Under TP every
     rank runs the same calls; the model's hooks do the rest.
 
     `cuda_graphs` (default: on for one rank on a GPU) replays decode steps, and with
@@ -100,6 +106,7 @@ class PagedEngine:
     def __init__(self, model: Llama, hbm_tensor: Tensor, *, schedule: ScheduleFn | None = None,
                  wait: WaitFn | None = None, report: ReportFn | None = None,
                  release: ReleaseFn | None = None, launched: Callable[[], None] | None = None,
+                 admit: AdmitFn | None = None,
                  attention: AttentionImpl = paged_attention_ref,
                  max_batch: int = 64, max_prefill_tokens: int = 8192,
                  eos_token_id: int | None = None, scheduler_seed: int | None = None,
@@ -128,6 +135,7 @@ class PagedEngine:
         self.report: ReportFn = report or (lambda step_report: None)
         self.launched: Callable[[], None] = launched or (lambda: None)
         self.release: ReleaseFn = release or (lambda session: None)
+        self.admit = admit
         self.attention = attention
         if cuda_graphs is None:  # default: on a GPU, for one rank (TP collectives run eagerly)
             cuda_graphs = hbm_tensor.device.type == "cuda" and tp_info(model)[1] == 1
@@ -137,6 +145,8 @@ class PagedEngine:
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         self.eos_token_id = eos_token_id
         self.seqs: dict[str, Seq] = {}
+        self.arrived: list[Seq] = []  # turns added since the last step (with `admit`)
+        self.returning: list[Seq] = []  # turns the admit hook keeps outside the batch for now
         self.waiting: deque[Seq] = deque()  # turns whose prompt is not yet prefilled
         self.running: list[Seq] = []  # turns decoding
         self.tick = 0
@@ -150,7 +160,7 @@ class PagedEngine:
         the prompt still fits L1)."""
         validate_session_id(session)
         old = self.seqs.get(session)
-        if old is not None and (old in self.waiting or old in self.running):
+        if old is not None and self._busy(old):
             raise BadRequestError(f"session {session!r} already has a turn in progress")
         new = check_count("max_new_tokens", max_new_tokens, MAX_SESSION_TOKENS,
                           "MAX_SESSION_TOKENS", low=1)
@@ -166,14 +176,20 @@ class PagedEngine:
         seq = self.seqs.setdefault(session, Seq(session))
         seq.token_ids.extend(prompt.tolist())
         seq.max_new_tokens, seq.generated = new, []
-        self.waiting.append(seq)
+        (self.waiting if self.admit is None else self.arrived).append(seq)
+
+    def _busy(self, seq: Seq) -> bool:
+        return any(seq is s for q in (self.arrived, self.returning, self.waiting, self.running)
+                   for s in q)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.arrived or self.returning)
 
     def step(self) -> list[Finished]:
-        """One step: schedule -> wait for the step's blocks -> forward -> sample -> report."""
+        """One step: admit -> schedule -> wait for the step's blocks -> forward -> sample ->
+        report."""
+        self._admit()
         kind, seqs = self._pick()
         if not seqs:
             return []
@@ -191,6 +207,18 @@ class PagedEngine:
                                time.perf_counter() - t0))
         return self._postprocess(kind, seqs)
 
+    def _admit(self) -> None:
+        """The admit hook's choice: turns it lets in queue for the batch (those outside it
+        first, then the ones just added); the others wait outside."""
+        if self.admit is None or not (self.arrived or self.returning):
+            return
+        back, new = self.returning, self.arrived
+        idle = not (self.waiting or self.running)
+        go = set(self.admit([s.session for s in new], [s.session for s in back], idle))
+        self.arrived = []
+        self.returning = [s for s in back + new if s.session not in go]
+        self.waiting.extend(s for s in back + new if s.session in go)
+
     def run(self) -> list[Finished]:
         """Step until every queued turn is done."""
         done: list[Finished] = []
@@ -201,7 +229,7 @@ class PagedEngine:
     def close_session(self, session: str) -> None:
         """Forget a session whose turns are over and release its blocks."""
         seq = self._seq(session)
-        if seq in self.waiting or seq in self.running:
+        if self._busy(seq):
             raise BadRequestError(f"session {session!r} has a turn in progress")
         del self.seqs[session]
         self.release(session)
@@ -230,17 +258,21 @@ class PagedEngine:
             seqs.append(seq)
         return seqs
 
-    def predict_next(self) -> tuple[list[str], list[int], list[str]] | None:
+    def predict_next(self, joining: Sequence[str] = ()) -> tuple[list[str], list[int],
+                                                                  list[str]] | None:
         """During step(), once its forward is launched: the batch (sessions, new tokens) the
-        next step() runs if no turn is added or closed before it and none of this step's
-        sessions samples its EOS token, and the sessions decoding then (`running` after this
+        next step() runs if no turn is added or closed before it, none of this step's sessions
+        samples its EOS token and the admit hook lets in the turns of `joining` (of those
+        outside the batch) and no other, and the sessions decoding then (`running` after this
         step). None outside step()."""
         if self._step is None:
             return None
         kind, seqs = self._step
+        join = set(joining)
         waiting, running = list(self.waiting), list(self.running)
         if kind == "prefill":  # (as _postprocess will move them)
             waiting, running = waiting[len(seqs):], running + seqs
+        waiting += [s for s in self.returning if s.session in join]
         # this step adds one generated token to each of its sessions
         ending = {id(s) for s in seqs if len(s.generated) + 1 >= s.max_new_tokens}
         running = [s for s in running if id(s) not in ending]

@@ -15,6 +15,7 @@ from tpkv.launch.runtime import TpkvRuntime
 from tpkv.models.engine import PagedEngine, StepReport
 from tpkv.models.fingerprint import llama_fingerprint
 from tpkv.models.llama import Llama, ModelConfig
+from tpkv.models.returns import Returns
 from tpkv.models.scheduler import StepTables
 from tpkv.protocol.messages import StepResult
 from tpkv.protocol.plan import Tier
@@ -131,9 +132,11 @@ class TieredEngine:
         # for later steps; nothing in this one reads them): their host time runs beside it.
         # Then the controller prepares the next step's eviction orders (Controller.prepare).
         rt.worker.defer_demotions()
+        self.returns = Returns(rt)
         self.engine = PagedEngine(model, rt.worker.hbm.tensor, schedule=self.schedule,
                                   wait=self.wait, report=self.report, release=self.release,
-                                  launched=self.launched, **engine_kwargs)
+                                  launched=self.launched, admit=self.returns.admit,
+                                  **engine_kwargs)
         self.block_tokens = self.engine.block_tokens
 
     def launched(self) -> None:
@@ -147,7 +150,7 @@ class TieredEngine:
         if self.last_trace is not None:  # with the copies issued only now
             self.last_trace.spans = self._spans()
         t1 = time.perf_counter()
-        nxt = self.engine.predict_next()
+        nxt = self.engine.predict_next(self.returns.sample(self.engine.returning))
         if nxt is not None and nxt[0] and self.opened.issuperset(nxt[0]):
             ids, new, running = nxt
             self.rt.schedule_ahead(ids, new, self._upcoming(ids, running))
@@ -180,6 +183,7 @@ class TieredEngine:
                                 max_retries=self.max_retries, late_ok=True)
         self.stats.retries += self.rt.num_retries - retries
         self.stats.steps += 1
+        self.returns.loaded(session_ids)
         self._resume = (started, _TIER_NAME[farthest]) if farthest != Tier.HBM else None
         self.last_times = {"schedule": time.perf_counter() - started,
                            **{f"schedule_{k}": v for k, v in self.rt.last_step_times.items()}}
@@ -282,6 +286,7 @@ class TieredEngine:
                            seconds=r.forward_s)
 
     def release(self, session: str) -> object:
+        self.returns.loaded([session])
         if session not in self.opened:
             return 0
         self.opened.discard(session)

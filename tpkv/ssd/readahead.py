@@ -55,7 +55,8 @@ class ReadAhead:
     def __init__(self, block_bytes: int, budget_bytes: int, threads: int, rank: int) -> None:
         self.block_bytes, self.budget_bytes = block_bytes, budget_bytes
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix=f"tpkv-l3-ahead{rank}")
-        self._lock = threading.Lock()
+        # reentrant: a job done before start() adds its callback runs it inside start()
+        self._lock = threading.RLock()
         self._generation: dict[str, int] = {}
         self._sessions: dict[str, _Session] = {}
         self._held = 0  # bytes of buffers not yet given back (discarded ones still reading too)

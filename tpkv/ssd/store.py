@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -173,7 +174,8 @@ class SsdStore:
             got = np.zeros(len(rest), dtype=bool)
             try:
                 self._await_drop(paths)
-                with self._threads.gate.reading():
+                # a step's reads go before spills (ReadsFirst); reads ahead share the disk
+                with self._threads.gate.reading() if ahead else contextlib.nullcontext():
                     self._sessions.read(sid, paths, indices[rest],
                                         [out[int(i)] for i in rest], got)
             except FileNotFoundError as exc:

@@ -75,6 +75,14 @@ class SlotMirror:
         tier = np.where(known, self.tier[rows], NONE).astype(np.int64)
         return tier, np.where(known, self.slot[rows], -1).astype(np.int64)
 
+    def session_logical(self, name: str, tier: int) -> np.ndarray:
+        """Sorted logical indices of the session's blocks this map places on `tier`."""
+        i = self._name_idx.get(name)
+        if i is None:
+            return np.zeros(0, dtype=np.int64)
+        rows = np.flatnonzero((self.session == i) & (self.tier == tier) & (self.ids >= 0))
+        return np.sort(self.logical[rows])
+
     def holder(self, tier: int, slots: np.ndarray) -> np.ndarray:
         """Block ids this map places at (tier, slots[i]), or -1."""
         return self.owner[tier][np.asarray(slots, dtype=np.int64)]

@@ -310,6 +310,33 @@ class Worker:
     def wait_all(self) -> None:
         self.executor.wait_layer(self.hbm.geometry.num_layers - 1)
 
+    # ---- returning sessions read ahead -----------------------------------------------------
+    def read_ahead(self, session: str) -> str:
+        """Start reading the session's blocks that this rank's map places on L3 into memory of
+        the store's own (SsdStore.read_ahead), for the step that loads them. Returns "none" (no
+        block on L3, or no L3), "started", "full" (they do not fit the
+        read-ahead budget now), "too_big" (they never will) or "held" (read or being read
+        ahead already: nothing started)."""
+        if self.store is None:
+            return "none"
+        logical = self.mirror.session_logical(session, int(Tier.SSD))
+        if not len(logical):
+            return "none"
+        if self.store.ahead.done(session) is not None:
+            return "held"
+        if len(logical) * self.store.block_bytes > self.store.ahead.budget_bytes:
+            return "too_big"
+        return "started" if self.store.read_ahead(session, logical) else "full"
+
+    def read_ahead_done(self, session: str) -> bool:
+        """Whether this rank holds the session's read ahead, done."""
+        return self.store is not None and bool(self.store.ahead.done(session))
+
+    def drop_read_ahead(self, session: str) -> None:
+        """Give back what was read ahead of the session (its load is planned, or it closed)."""
+        if self.store is not None:
+            self.store.ahead.drop(session)
+
     # ---- the slot map ----------------------------------------------------------------------
     def slot_map(self) -> dict[str, Any]:
         """This rank's map in the form Controller.rebuild takes (and slot_map() gives)."""

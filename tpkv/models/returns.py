@@ -1,0 +1,86 @@
+"""Returns: turns of sessions with KV on L3 wait outside the batch while it is read ahead."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tpkv.launch.runtime import TpkvRuntime
+
+
+class Returns:
+    """The paged engine's admit hook on the tiers (TieredEngine).
+
+    A turn whose session has blocks on L3 waits outside the batch while every rank reads them
+    ahead into memory (Worker.read_ahead); the batch goes on without it, and it queues for the
+    batch once rank 0's read ahead is done (a slower rank's step reads what it lacks from the
+    disk: slower, never wrong). Read aheads start in the order turns arrived, as the budget
+    (SsdConfig.read_ahead_bytes) allows; a session whose blocks never fit it, or a step on a
+    rank without L3, goes straight in (its step loads it as before). Rank 0 decides; every
+    rank starts the same reads and admits the same turns.
+    """
+
+    def __init__(self, rt: TpkvRuntime) -> None:
+        self.rt = rt
+        self.reading: set[str] = set()  # sessions read ahead (or waiting to be), every rank
+        self.num_read_ahead = 0  # turns that waited outside the batch for a read ahead
+        self.wait_s = rt.config.wait_timeout_s
+        # Rank 0: the turns outside the batch whose read ahead was done when the last step's
+        # forward was launched: the next step lets in those (as the step planned ahead for it
+        # expects), not those done since.
+        self._sample: set[str] | None = None
+
+    def admit(self, arrived: Sequence[str], returning: Sequence[str], idle: bool) -> list[str]:
+        answer = self.rt.from_rank0(lambda: self._decide(arrived, returning, idle),
+                                    "turns admitted to the batch")
+        worker = self.rt.worker
+        for name in answer["read"]:
+            if self.rt.rank != 0:  # (rank 0 started them in _decide)
+                worker.read_ahead(name)
+            self.reading.add(name)
+        self.num_read_ahead += len(answer["read"])
+        return list(answer["go"])
+
+    def sample(self, returning: Sequence[Any]) -> list[str]:
+        """Rank 0, once a step's forward is launched: the sessions of these turns outside the
+        batch (Seqs) that the next step lets in (their read ahead is done now)."""
+        if self.rt.rank != 0:
+            return []
+        worker = self.rt.worker
+        ready = [s.session for s in returning if worker.read_ahead_done(s.session)]
+        self._sample = set(ready)
+        return ready
+
+    def _decide(self, arrived: Sequence[str], returning: Sequence[str],
+                idle: bool) -> dict[str, Any]:
+        """Rank 0: which sessions start a read ahead now, and which turns go in."""
+        worker = self.rt.worker
+        go: list[str] = []
+        read: list[str] = []
+        sample, self._sample = self._sample, None
+        for name in [*returning, *arrived]:
+            if worker.read_ahead_done(name):
+                if sample is None or name in sample or name not in returning or idle:
+                    go.append(name)
+                continue
+            status = worker.read_ahead(name)
+            if status == "started":  # (again, if a change to its records discarded it)
+                read.append(name)
+            elif status in ("none", "too_big"):
+                go.append(name)
+        if idle and not go:  # nothing else runs: wait for the first read ahead to end
+            waiting = [n for n in [*returning, *arrived] if n in self.reading or n in read]
+            if waiting and worker.store is not None:
+                worker.store.ahead.wait_any(waiting, self.wait_s)
+                go = [n for n in waiting if worker.read_ahead_done(n)]
+        return {"go": go, "read": read}
+
+    def loaded(self, session_ids: Sequence[str]) -> None:
+        """The sessions ran a step (their loads are planned) or closed: what was read ahead of
+        them goes back."""
+        if not self.reading:
+            return
+        for name in session_ids:
+            if name in self.reading:
+                self.reading.discard(name)
+                self.rt.worker.drop_read_ahead(name)
