@@ -14,7 +14,7 @@ SLOW_S = 1.0  # each read job on the slowed disk
 PROMPTS = {f"s{i}": list(range(7 * i, 7 * i + 40)) for i in range(6)}
 
 
-def _open(ssd_root: str | None) -> tuple[Any, Any]:
+def _open(ssd_root: str | None, **policy: Any) -> tuple[Any, Any]:
     import tpkv
     from tpkv.config import PolicyConfig
     from tpkv.models.llama import build_model
@@ -24,7 +24,8 @@ def _open(ssd_root: str | None) -> tuple[Any, Any]:
     # a prefill speed that makes every resume a load (never a recompute)
     cfg = tiered_config(model, 1, block_tokens=4, l1_blocks=36, l2_blocks=16,
                         ssd_root=ssd_root,
-                        policy=PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=10.0))
+                        policy=PolicyConfig(cooldown_s=0.0, **{"prefill_tokens_per_s": 10.0,
+                                                               **policy}))
     return tpkv.init(cfg, controller="local", device="cpu"), model
 
 
@@ -93,6 +94,29 @@ def test_a_turn_back_from_l3_never_stalls_the_batch(tmp_path: Any) -> None:
         # the step that loaded s0 took its blocks from memory, not from the slow disk
         assert store.ahead.num_served > 0 and tiered.returns.num_read_ahead >= 1
         assert store.ahead.held_bytes == 0
+        assert got == want
+    finally:
+        rt.close()
+
+
+def test_a_turn_the_gpu_recomputes_sooner_than_the_disk_reads_goes_straight_in(
+        tmp_path: Any) -> None:
+    """A disk (as first estimated) far slower than prefill: s0 is recomputed at once, beside
+    s5's decode, and nothing is read ahead."""
+    from tpkv.models.engine import PagedEngine
+    from tpkv.models.tiered import TieredEngine
+
+    rt, model = _open(str(tmp_path), ssd_read_bytes_per_s=1e3, prefill_tokens_per_s=1e9,
+                      spill="always")
+    try:
+        big = torch.zeros(256, *rt.worker.hbm.tensor.shape[1:])
+        want = _script(PagedEngine(model, big))
+        tiered = TieredEngine(rt, model, report_prefill=False)
+        got = _script(tiered.engine)
+        r = tiered.returns
+        assert r.num_recomputed >= 1 and r.num_read_ahead == 0, (r.num_recomputed,
+                                                                 r.num_read_ahead)
+        assert tiered.stats.recompute_tokens > 0 and not r.recompute
         assert got == want
     finally:
         rt.close()

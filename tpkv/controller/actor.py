@@ -32,7 +32,8 @@ from tpkv.protocol.messages import move_result_from_dict
 from tpkv.protocol.wire import decode, encode
 
 # Methods _dispatch unpacks itself: (required, optional) argument names.
-_OWN_ARGS = {"schedule": ({"session_ids", "num_new_tokens"}, {"upcoming", "rewrite"}),
+_OWN_ARGS = {"schedule": ({"session_ids", "num_new_tokens"}, {"upcoming", "rewrite",
+                                                               "resume"}),
              "commit": ({"results"}, set()), "report_attention": ({"updates"}, set()),
              "resync": (set(), set()), "check_integrity": (set(), set())}
 NAME = "tpkv-controller"
@@ -189,7 +190,7 @@ class ControllerActor:
         self._check_args(method, a)
         if method == "schedule":
             return c.schedule(a["session_ids"], a["num_new_tokens"], a.get("upcoming"),
-                              a.get("rewrite")).to_dict()
+                              a.get("rewrite"), a.get("resume")).to_dict()
         if method == "commit":
             if not isinstance(a["results"], list):
                 raise errors.ArgumentTypeError("commit: results must be a list of move results")

@@ -47,13 +47,16 @@ def _floats(mass: Any) -> Any:
 
 def _schedule_args(session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
                    upcoming: Mapping[str, int] | Sequence[str] | None = None,
-                   rewrite: Sequence[int] | np.ndarray | None = None) -> dict[str, Any]:
+                   rewrite: Sequence[int] | np.ndarray | None = None,
+                   resume: Mapping[str, str] | None = None) -> dict[str, Any]:
     out = {"session_ids": list(session_ids),
            "num_new_tokens": np.asarray(num_new_tokens, dtype=np.int64),
            "upcoming": dict(upcoming) if isinstance(upcoming, Mapping)
            else list(upcoming or ())}
     if rewrite is not None:
         out["rewrite"] = np.asarray(rewrite, dtype=np.int64)
+    if resume:
+        out["resume"] = dict(resume)
     return out
 
 

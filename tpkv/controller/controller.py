@@ -196,19 +196,22 @@ class Controller:
     def schedule(self, session_ids: Sequence[str] | np.ndarray,
                  num_new_tokens: Sequence[int] | np.ndarray,
                  upcoming: Upcoming = None,
-                 rewrite: Sequence[int] | np.ndarray | None = None) -> StepResult:
+                 rewrite: Sequence[int] | np.ndarray | None = None,
+                 resume: Mapping[str, str] | None = None) -> StepResult:
         """Plan one step: `session_ids` run and add num_new_tokens[i] tokens each; `upcoming`
         maps sessions expected soon to the steps until they run (prefetched within
         policy.prefetch_steps); `rewrite[i]`: tokens an earlier step counted but no forward
-        fed, which this one writes (their blocks' L2/L3 copies are stale). Returns block
-        tables, fresh slots and 0..4 plans."""
+        fed, which this one writes (their blocks' L2/L3 copies are stale); `resume` maps batch
+        sessions to "load" or "recompute": the caller's choice for their blocks outside L1
+        instead of the cost model's (e.g. "load" for a session whose L3 records every rank
+        has read ahead). Returns block tables, fresh slots and 0..4 plans."""
         started = time.perf_counter_ns()
         self.require_ready()
         try:
             if self.tick >= _TICK_LIMIT:
                 self._rebase_ticks()
             result = self._changing(lambda: self._step(session_ids, num_new_tokens, upcoming,
-                                                       rewrite))
+                                                       rewrite, resume))
         finally:
             self.prepared = None  # for this step only (or a refused one: made again)
         self.latency_us.append((time.perf_counter_ns() - started) / 1e3)
@@ -216,14 +219,15 @@ class Controller:
 
     def _step(self, session_ids: Sequence[str] | np.ndarray,
               num_new_tokens: Sequence[int] | np.ndarray, upcoming: Upcoming,
-              rewrite: Sequence[int] | np.ndarray | None = None) -> StepResult:
+              rewrite: Sequence[int] | np.ndarray | None = None,
+              resume: Mapping[str, str] | None = None) -> StepResult:
         """step.check_step (a refused step changes nothing), the next tick, step.run_step."""
         ctx = StepContext(
             self.config, self.table, self.sessions, self.epochs, self.batch_table, self.rates,
             self.autopin, self.marks, self.l3_enabled, self.draining, self.eviction_orders,
             self.order_asks, self.order_rebuilds, self.prepared, self.move_buffers,
             self.names_cache, self.check_invariants, self.now_s)
-        checked = check_step(ctx, session_ids, num_new_tokens, upcoming, rewrite)
+        checked = check_step(ctx, session_ids, num_new_tokens, upcoming, rewrite, resume)
         self.changing = True  # from here on the table changes
         self.tick += 1
         self.last_step_s = self.now_s()  # the dashboard tells idle from live by it

@@ -42,7 +42,8 @@ Upcoming = Mapping[str, int] | Sequence[str] | None
 
 def check_step(ctx: StepContext, session_ids: Sequence[str] | np.ndarray,
                num_new_tokens: Sequence[int] | np.ndarray, upcoming: Upcoming,
-               rewrite: Sequence[int] | np.ndarray | None = None) -> CheckedStep:
+               rewrite: Sequence[int] | np.ndarray | None = None,
+               resume: Mapping[str, str] | None = None) -> CheckedStep:
     """Controller.schedule's checks, all before anything changes (a refused step changes
     nothing but, perhaps, the table's capacity: ensure_rows)."""
     S, T, pol = ctx.sessions, ctx.table, ctx.config.policy
@@ -63,6 +64,7 @@ def check_step(ctx: StepContext, session_ids: Sequence[str] | np.ndarray,
                             f"tokens after this step (num_new_tokens {int(add[i])}), over "
                             f"MAX_SESSION_TOKENS ({MAX_SESSION_TOKENS})")
     again = _rewrite(S, batch, rewrite)
+    choice = _resume(session_ids, batch, resume)
     up = _upcoming(ctx, upcoming, batch)
     total = sum_before + new_total
     l1 = T.slots(HBM)
@@ -80,7 +82,7 @@ def check_step(ctx: StepContext, session_ids: Sequence[str] | np.ndarray,
                              f"{pol.max_pending_plans}); confirm epoch "
                              f"{pending[0].plan.epoch} first")
     return CheckedStep(batch, tokens, nb_before, n_new, nb_after, missing, new_total, sum_after,
-                       up, again)
+                       up, again, choice)
 
 
 def _rewrite(S: SessionTable, batch: np.ndarray, rewrite: Sequence[int] | np.ndarray | None
@@ -99,6 +101,30 @@ def _rewrite(S: SessionTable, batch: np.ndarray, rewrite: Sequence[int] | np.nda
     return again
 
 
+_RESUME = {"load": 1, "recompute": 2}
+
+
+def _resume(session_ids: Sequence[str] | np.ndarray, batch: np.ndarray,
+            resume: Mapping[str, str] | None) -> np.ndarray:
+    """Schedule's `resume`, checked: per batch position 0 (the cost model), 1 load or 2
+    recompute."""
+    out = np.zeros(len(batch), dtype=np.int8)
+    if resume is None or not len(resume):
+        return out
+    if not isinstance(resume, Mapping):
+        raise ArgumentTypeError(f"resume must map session ids to 'load' or 'recompute', got "
+                                f"{type(resume).__name__}")
+    pos = {name: i for i, name in enumerate(session_ids) if isinstance(name, str)}
+    for name, how in resume.items():
+        if how not in _RESUME:
+            raise ArgumentError(f"resume[{name!r}] must be 'load' or 'recompute', got {how!r}")
+        if name not in pos:
+            raise BadRequestError(f"resume names session {name!r}, which is not in the step's "
+                                  f"batch of {len(batch)}")
+        out[pos[name]] = _RESUME[how]
+    return out
+
+
 def run_step(ctx: StepContext, step: CheckedStep, session_ids: Sequence[str] | np.ndarray,
              tick: int) -> StepOutcome:
     """The checked step at `tick` (the controller's, just advanced): from here on the table
@@ -110,7 +136,7 @@ def run_step(ctx: StepContext, step: CheckedStep, session_ids: Sequence[str] | n
     E = ctx.epochs
     b = PlanBuilder(T, S, E.next_epoch, ctx.now_s(), ctx.check_invariants, ctx.move_buffers,
                     committed_epoch=E.committed_epoch)
-    want, recompute = _demand(ctx, b, batch, step.missing)
+    want, recompute = _demand(ctx, b, batch, step.missing, step.resume)
     needs = StepNeeds(batch, want, len(recompute) + new_total, step.upcoming)
     lost = _EMPTY
     if _needs_planning(ctx, needs):
@@ -258,11 +284,11 @@ def _pinned_l1_outside(ctx: StepContext, batch: np.ndarray) -> int:
     return held
 
 
-def _demand(ctx: StepContext, b: PlanBuilder, batch: np.ndarray,
-            missing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _demand(ctx: StepContext, b: PlanBuilder, batch: np.ndarray, missing: np.ndarray,
+            resume: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows to bring into L1 (load) and rows to recompute, per the cost model for each session
-    of the step with blocks outside L1 (at positions `missing`). Rows to recompute lose their
-    L2/L3 copy now."""
+    of the step with blocks outside L1 (at positions `missing`), or as `resume` says (the
+    caller's choice, kept as the session's). Rows to recompute lose their L2/L3 copy now."""
     S, T, rates, pol = ctx.sessions, ctx.table, ctx.rates, ctx.config.policy
     if len(missing) == 0:
         return _EMPTY, _EMPTY
@@ -274,6 +300,11 @@ def _demand(ctx: StepContext, b: PlanBuilder, batch: np.ndarray,
         sess, S.counts[2], S.counts[3], g.block_tokens, g.block_bytes, rates.h2d_bytes_per_s,
         rates.ssd_read_bytes_per_s, rates.prefill_tokens_per_s, weight, S.choice, S.load_s,
         S.recompute_s)
+    chosen = resume[missing]
+    if chosen.any():
+        redo = np.where(chosen == 0, redo, (chosen == 2) & (n2 + n3 > 0))
+        S.choice[sess] = redo
+        any_redo = bool(redo.any())
     if not any_redo:
         A = S.arena
         return demand_rows(sess, A.arena, A.start, A.length, T.tier)

@@ -61,6 +61,7 @@ class CheckedStep:
     sum_after: int
     upcoming: np.ndarray
     rewrite: np.ndarray  # [B] tokens before the step's that it writes again (credits)
+    resume: np.ndarray  # [B] int8: 0 the cost model chooses, 1 load, 2 recompute (schedule's)
 
 
 @dataclass(slots=True)

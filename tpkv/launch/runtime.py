@@ -145,7 +145,8 @@ class TpkvRuntime:
 
     # ---- the step ----------------------------------------------------------------------------
     def schedule_ahead(self, session_ids: Sequence[str], num_new_tokens: Sequence[int],
-                       upcoming: Mapping[str, int] | Sequence[str] | None = None) -> None:
+                       upcoming: Mapping[str, int] | Sequence[str] | None = None,
+                       resume: Mapping[str, str] | None = None) -> None:
         """The batch the caller will run next (every rank calls it; rank 0 acts): its schedule
         is sent now, while this step's forward runs, and read at the next begin_step. Nothing
         is sent while one is already on its way; a wrong guess costs one step applied without
@@ -157,24 +158,26 @@ class TpkvRuntime:
                          "MAX_SESSION_TOKENS")
         self._sync_l2_online()
         sent, rewrite = self.credits.ask(ids, n)
-        reply = self._ctl.send("schedule", list(ids), sent, as_upcoming(upcoming), rewrite)
+        reply = self._ctl.send("schedule", list(ids), sent, as_upcoming(upcoming), rewrite,
+                               resume)
         self._ahead = Ahead(ids, n, sent, reply)
 
     def begin_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
                    upcoming: Mapping[str, int] | Sequence[str] | None = None,
-                   late_ok: bool = False) -> StepResult:
+                   late_ok: bool = False, resume: Mapping[str, str] | None = None
+                   ) -> StepResult:
         """Apply the step's plans everywhere and start their confirmation: the schedule sent
         ahead for this batch, else one made now on rank 0. A controller that restarted (and
         lost its table) is rebuilt from the ranks first. `late_ok`: plans that only demote
         other sessions' blocks may wait for apply_late() (Worker.apply_step); the step is then
-        confirmed at the next begin_step."""
+        confirmed at the next begin_step. `resume`: as Controller.schedule takes it."""
         if isinstance(session_ids, (str, bytes)):
             raise errors.ArgumentTypeError(f"session_ids must be a list of str, got "
                                            f"{type(session_ids).__name__} {session_ids!r:.64}")
         num_new_tokens = check_counts("num_new_tokens", num_new_tokens, MAX_SESSION_TOKENS,
                                       "MAX_SESSION_TOKENS", negative_ok=True)
         return self._recovering(
-            lambda: self._begin_step(session_ids, num_new_tokens, upcoming, late_ok))
+            lambda: self._begin_step(session_ids, num_new_tokens, upcoming, late_ok, resume))
 
     def apply_late(self) -> None:
         """Once the step's forward is launched: apply its plans that wait (begin_step's
@@ -199,7 +202,8 @@ class TpkvRuntime:
 
     def _begin_step(self, session_ids: Sequence[str], num_new_tokens: np.ndarray,
                     upcoming: Mapping[str, int] | Sequence[str] | None,
-                    late_ok: bool = False) -> StepResult:
+                    late_ok: bool = False, resume: Mapping[str, str] | None = None
+                    ) -> StepResult:
         self._finish_last()
         t0 = time.perf_counter()
         ahead = self.from_rank0(lambda: self._ahead_answer(session_ids, num_new_tokens),
@@ -214,7 +218,7 @@ class TpkvRuntime:
             self._sync_l2_online()
             sent, rewrite = self.credits.ask(session_ids, num_new_tokens)
             step = self._call("schedule", list(session_ids), sent, as_upcoming(upcoming),
-                              rewrite)
+                              rewrite, resume)
             self.credits.fed(session_ids, num_new_tokens, sent)
             return {"step": self._answer(step), "resync": resync}
 
@@ -304,7 +308,8 @@ class TpkvRuntime:
     def run_step(self, session_ids: Sequence[str], num_new_tokens: Sequence[int] | np.ndarray,
                  fn: Callable[[StepResult], T],
                  upcoming: Mapping[str, int] | Sequence[str] | None = None,
-                 max_retries: int = 2, late_ok: bool = False) -> T:
+                 max_retries: int = 2, late_ok: bool = False,
+                 resume: Mapping[str, str] | None = None) -> T:
         """begin_step, fn(step) (the forward pass), end_step; after a mismatch or a miss the
         step runs again with no new tokens (the first attempt added them) on repaired tiers.
         With `late_ok`, a step whose plans wait (begin_step) returns without end_step: it is
@@ -312,7 +317,7 @@ class TpkvRuntime:
         tokens = check_counts("num_new_tokens", num_new_tokens, MAX_SESSION_TOKENS,
                               "MAX_SESSION_TOKENS", negative_ok=True)
         for attempt in range(max_retries + 1):
-            step = self.begin_step(session_ids, tokens, upcoming, late_ok)
+            step = self.begin_step(session_ids, tokens, upcoming, late_ok, resume)
             out = fn(step)
             if self._applied is not None and self._applied.late:
                 return out

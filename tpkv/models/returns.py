@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tpkv.launch.runtime import TpkvRuntime
+from tpkv.protocol.plan import Tier
 
 
 class Returns:
@@ -14,17 +15,29 @@ class Returns:
     A turn whose session has blocks on L3 waits outside the batch while every rank reads them
     ahead into memory (Worker.read_ahead); the batch goes on without it, and it queues for the
     batch once rank 0's read ahead is done (a slower rank's step reads what it lacks from the
-    disk: slower, never wrong). Read aheads start in the order turns arrived, as the budget
+    disk: slower, never wrong). Its step then loads it (schedule's `resume`: the cost model
+    priced a disk read). Read aheads start in the order turns arrived, as the budget
     (SsdConfig.read_ahead_bytes) allows; a session whose blocks never fit it, or a step on a
-    rank without L3, goes straight in (its step loads it as before). Rank 0 decides; every
-    rank starts the same reads and admits the same turns.
+    rank without L3, goes straight in (its step loads or recomputes it as the cost model says).
+
+    The disk and the GPU work at once: a session whose blocks off L1 the GPU recomputes sooner
+    than the disk would read them, with the read aheads queued before it (at the speeds
+    measured, the recompute weighed by the sessions it delays), goes straight in and is
+    recomputed. Rank 0 decides; every rank starts the same reads and admits the same turns.
     """
 
     def __init__(self, rt: TpkvRuntime) -> None:
         self.rt = rt
         self.reading: set[str] = set()  # sessions read ahead (or waiting to be), every rank
-        self.num_read_ahead = 0  # turns that waited outside the batch for a read ahead
+        self.recompute: set[str] = set()  # sessions sent in to be recomputed (rank 0)
+        self.num_read_ahead = 0  # read aheads started (a turn waited outside the batch)
+        self.num_recomputed = 0  # turns sent in to recompute instead
         self.wait_s = rt.config.wait_timeout_s
+        pol = rt.config.policy
+        self.prefill_tokens_per_s = pol.prefill_tokens_per_s  # measured from prefills
+        self._start_read_rate = pol.ssd_read_bytes_per_s
+        # turns decoding beside the ones admitted (TieredEngine sets it to the engine's)
+        self.num_running: Callable[[], int] = lambda: 0
         # Rank 0: the turns outside the batch whose read ahead was done when the last step's
         # forward was launched: the next step lets in those (as the step planned ahead for it
         # expects), not those done since.
@@ -51,6 +64,15 @@ class Returns:
         self._sample = set(ready)
         return ready
 
+    def hints(self, session_ids: Sequence[str]) -> dict[str, str] | None:
+        """Schedule's `resume` for a batch: "load" for sessions read ahead, "recompute" for
+        those sent in to be recomputed."""
+        if not (self.reading or self.recompute):
+            return None
+        out = {n: "load" for n in session_ids if n in self.reading}
+        out.update((n, "recompute") for n in session_ids if n in self.recompute)
+        return out or None
+
     def _decide(self, arrived: Sequence[str], returning: Sequence[str],
                 idle: bool) -> dict[str, Any]:
         """Rank 0: which sessions start a read ahead now, and which turns go in."""
@@ -62,6 +84,11 @@ class Returns:
             if worker.read_ahead_done(name):
                 if sample is None or name in sample or name not in returning or idle:
                     go.append(name)
+                continue
+            if name in arrived and self._sooner_recomputed(name):
+                self.recompute.add(name)
+                self.num_recomputed += 1
+                go.append(name)
                 continue
             status = worker.read_ahead(name)
             if status == "started":  # (again, if a change to its records discarded it)
@@ -75,12 +102,39 @@ class Returns:
                 go = [n for n in waiting if worker.read_ahead_done(n)]
         return {"go": go, "read": read}
 
+    def _sooner_recomputed(self, name: str) -> bool:
+        """Rank 0: the session has blocks on L3, and recomputing its blocks off L1 (weighed by
+        the turns decoding, whom it delays) takes less than reading its L3 blocks after the
+        read aheads queued."""
+        worker = self.rt.worker
+        store = worker.store
+        if store is None:
+            return False
+        on3 = len(worker.mirror.session_logical(name, int(Tier.SSD)))
+        if not on3:
+            return False
+        off = on3 + len(worker.mirror.session_logical(name, int(Tier.DRAM)))
+        g = self.rt.config.geometry
+        weight = 1.0 + self.rt.config.policy.gpu_share_weight * self.num_running()
+        recompute_s = off * g.block_tokens / self.prefill_tokens_per_s * weight
+        ahead = store.ahead
+        rate = ahead.read_bytes / ahead.read_s if ahead.read_s > 0 else self._start_read_rate
+        read_s = (ahead.pending_bytes() + on3 * store.block_bytes) / rate
+        return recompute_s < read_s
+
+    def prefilled(self, num_tokens: int, seconds: float) -> None:
+        """A prefill's speed (tokens a second), averaged into the estimate."""
+        if num_tokens > 0 and seconds > 0:
+            self.prefill_tokens_per_s = (0.8 * self.prefill_tokens_per_s
+                                         + 0.2 * num_tokens / seconds)
+
     def loaded(self, session_ids: Sequence[str]) -> None:
         """The sessions ran a step (their loads are planned) or closed: what was read ahead of
         them goes back."""
-        if not self.reading:
+        if not (self.reading or self.recompute):
             return
         for name in session_ids:
+            self.recompute.discard(name)
             if name in self.reading:
                 self.reading.discard(name)
                 self.rt.worker.drop_read_ahead(name)

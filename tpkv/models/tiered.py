@@ -137,6 +137,7 @@ class TieredEngine:
                                   wait=self.wait, report=self.report, release=self.release,
                                   launched=self.launched, admit=self.returns.admit,
                                   **engine_kwargs)
+        self.returns.num_running = lambda: len(self.engine.running)
         self.block_tokens = self.engine.block_tokens
 
     def launched(self) -> None:
@@ -153,7 +154,8 @@ class TieredEngine:
         nxt = self.engine.predict_next(self.returns.sample(self.engine.returning))
         if nxt is not None and nxt[0] and self.opened.issuperset(nxt[0]):
             ids, new, running = nxt
-            self.rt.schedule_ahead(ids, new, self._upcoming(ids, running))
+            self.rt.schedule_ahead(ids, new, self._upcoming(ids, running),
+                                   self.returns.hints(ids))
         self.last_times["launched_apply"] = t1 - t0
         self.last_times["launched_ahead"] = time.perf_counter() - t1
 
@@ -180,7 +182,8 @@ class TieredEngine:
         # parts, its new blocks before the forward, its plans once the forward is launched
         # (confirmed at the next step)
         step = self.rt.run_step(session_ids, num_new_tokens, attempt, self._upcoming(session_ids),
-                                max_retries=self.max_retries, late_ok=True)
+                                max_retries=self.max_retries, late_ok=True,
+                                resume=self.returns.hints(session_ids))
         self.stats.retries += self.rt.num_retries - retries
         self.stats.steps += 1
         self.returns.loaded(session_ids)
@@ -281,6 +284,8 @@ class TieredEngine:
                    zip(r.output.session_ids, r.output.block_mass) if len(mass)]
         if updates:  # sent, not waited for: the whole batch in one call
             self.rt.advise("report_attention", updates)
+        if r.kind == "prefill":
+            self.returns.prefilled(int(sum(r.num_new_tokens)), r.forward_s)
         if self.report_prefill and r.kind == "prefill":
             self.rt.advise("report_prefill", num_tokens=int(sum(r.num_new_tokens)),
                            seconds=r.forward_s)

@@ -45,6 +45,7 @@ class _Session:
     num_bytes: int
     discarded: bool = False
     num_done: int = 0  # jobs done
+    began: float = 0.0  # time.monotonic() at start
 
 
 class ReadAhead:
@@ -62,6 +63,8 @@ class ReadAhead:
         self._held = 0  # bytes of buffers not yet given back (discarded ones still reading too)
         self.num_served = 0  # blocks served from the buffers so far
         self.num_started = 0  # sessions read ahead so far
+        # bytes and seconds of the read aheads done so far (each from start to its last job)
+        self.read_bytes, self.read_s = 0, 0.0
 
     @property
     def held_bytes(self) -> int:
@@ -89,7 +92,7 @@ class ReadAhead:
             jobs = [_Job(idx[at:at + per_job],
                          np.empty((len(idx[at:at + per_job]), self.block_bytes), np.uint8))
                     for at in range(0, len(idx), per_job)]
-            entry = _Session(self._generation.get(sid, 0), jobs, need)
+            entry = _Session(self._generation.get(sid, 0), jobs, need, began=time.monotonic())
             self._sessions[sid] = entry
             self._held += need
             self.num_started += 1
@@ -101,8 +104,17 @@ class ReadAhead:
     def _job_done(self, entry: _Session, _: object) -> None:
         with self._lock:
             entry.num_done += 1
+            if entry.num_done == len(entry.jobs):
+                self.read_bytes += entry.num_bytes
+                self.read_s += time.monotonic() - entry.began
             if entry.discarded and entry.num_done == len(entry.jobs):
                 self._held -= entry.num_bytes
+
+    def pending_bytes(self) -> int:
+        """Bytes of the read aheads held and not done yet."""
+        with self._lock:
+            return sum(e.num_bytes for e in self._sessions.values()
+                       if e.num_done < len(e.jobs))
 
     def done(self, sid: str) -> bool | None:
         """Whether the session's read ahead is done; None when none is held."""
