@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -96,11 +97,23 @@ class Returns:
             elif status in ("none", "too_big"):
                 go.append(name)
         if idle and not go:  # nothing else runs: wait for the first read ahead to end
+            self._start_busy([*returning, *arrived], read)
             waiting = [n for n in [*returning, *arrived] if n in self.reading or n in read]
             if waiting and worker.store is not None:
                 worker.store.ahead.wait_any(waiting, self.wait_s)
                 go = [n for n in waiting if worker.read_ahead_done(n)]
         return {"go": go, "read": read}
+
+    def _start_busy(self, names: Sequence[str], read: list[str]) -> None:
+        """Rank 0, with nothing else to run: the read aheads that wait for spills of their
+        sessions to finish (Worker.read_ahead's "busy") start once they have."""
+        worker = self.rt.worker
+        for name in names:
+            if name in read or not worker.executor.spills.busy(name):
+                continue
+            worker.executor.wait_spills(time.monotonic() + self.wait_s, names={name})
+            if worker.read_ahead(name) == "started":
+                read.append(name)
 
     def _sooner_recomputed(self, name: str) -> bool:
         """Rank 0: the session has blocks on L3, and recomputing its blocks off L1 (weighed by

@@ -103,6 +103,12 @@ class SpillTracker:
             fut = self.store.submit_write(name, plan.logical_idx[part], views)
             self.running.append(_Spill(name, plan.epoch, plan.src_slot[part], fut))
 
+    def busy(self, name: str) -> bool:
+        """Whether a spill of the session, or its manifest commit, is not finished: its
+        records on L3 are not all readable yet."""
+        return (any(sp.name == name for sp in self.running)
+                or any(c.name == name and not c.future.done() for c in self.commits))
+
     def wait(self, deadline: float, slots: np.ndarray | None = None,
              names: set[str] | frozenset[str] = frozenset(), every: bool = False,
              finish: bool = True) -> None:

@@ -315,8 +315,9 @@ class Worker:
         """Start reading the session's blocks that this rank's map places on L3 into memory of
         the store's own (SsdStore.read_ahead), for the step that loads them. Returns "none" (no
         block on L3, or no L3), "started", "full" (they do not fit the
-        read-ahead budget now), "too_big" (they never will) or "held" (read or being read
-        ahead already: nothing started)."""
+        read-ahead budget now), "too_big" (they never will), "held" (read or being read
+        ahead already: nothing started) or "busy" (a spill of the session is not finished:
+        its records are not all readable yet)."""
         if self.store is None:
             return "none"
         logical = self.mirror.session_logical(session, int(Tier.SSD))
@@ -324,6 +325,8 @@ class Worker:
             return "none"
         if self.store.ahead.done(session) is not None:
             return "held"
+        if self.executor.spills.busy(session):
+            return "busy"
         if len(logical) * self.store.block_bytes > self.store.ahead.budget_bytes:
             return "too_big"
         return "started" if self.store.read_ahead(session, logical) else "full"
