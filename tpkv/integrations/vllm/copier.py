@@ -131,8 +131,11 @@ class BlockCopier:
                 self.store.drop(key)
 
     def apply_after_forward(self, plan: StepPlan) -> None:
-        self.save(plan.saves)
+        """Drops first (they free room in memory and on disk for the saves; none is a block this
+        step loaded or saves, and a key dropped by a reset and saved again is kept), then
+        saves."""
         self.drop(plan.drops)
+        self.save(plan.saves)
 
     def take_failed_block_ids(self) -> set[int]:
         failed, self._failed_block_ids = self._failed_block_ids, set()

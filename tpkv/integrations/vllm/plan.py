@@ -30,7 +30,7 @@ class SaveSpec:
 
 @dataclass
 class StepPlan:
-    """One step's work for every rank: loads first, then saves, then drops."""
+    """One step's work for every rank: loads before the forward; drops, then saves, after it."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
