@@ -283,3 +283,26 @@ def test_adopt_takes_the_newest_keys_that_fit() -> None:
     keys = [block_key(SEED, [i]) for i in range(5)]
     assert index.adopt(keys) == 3 and index.match(keys[2:]) == 3 and not index.holds(keys[1])
     assert index.adopt(keys) == 0
+
+
+def test_a_block_dropped_by_a_reset_and_saved_again_in_one_step_is_kept() -> None:
+    """Drops apply before saves: a key a reset dropped and the same step saves again stays."""
+    kv = caches(16, 2)
+    copier = BlockCopier(1 << 20)
+    copier.register(kv, 16)
+    planner = Planner(BT, SEED, capacity_blocks=8)
+    prompt = list(range(500, 509))  # 2 full blocks
+    for req_id, ids in (("r1", [1, 2, 3]), ("r2", [4, 5, 6])):
+        planner.matched_tokens(SimpleNamespace(request_id=req_id, all_token_ids=prompt), 0)
+        if req_id == "r2":
+            planner.reset()  # vLLM's reset_prefix_cache(reset_connector=True) between them
+        plan = planner.plan([(req_id, 9)], lambda r, ids=ids: ids)
+        copier.load(plan.loads)
+        copier.apply_after_forward(plan)
+        report = copier.take_report()
+        assert report is not None
+        planner.report(report)
+    keys = extend_chain([], prompt, BT, SEED)
+    assert sorted(plan.drops) == sorted(keys) and [s.key for s in plan.saves] == keys
+    assert copier.store is not None
+    assert all(planner.index.holds(k) and copier.store.holds(k) for k in keys)
