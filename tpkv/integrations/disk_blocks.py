@@ -50,7 +50,7 @@ def prepare_dir(root: str, rank: int) -> str:
     try:
         os.makedirs(path, exist_ok=True)
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_NOFOLLOW, 0o644))
-        os.unlink(probe)
+        unlink_missing_ok(probe)  # a rank's start-up scan may have removed it already
     except OSError as exc:
         raise ConfigError(f"disk_dir {str(root)!r}: cannot create and write {path!r}: "
                           f"{exc.strerror or exc} (errno {exc.errno})") from exc
