@@ -1,9 +1,11 @@
 """Runs offline vLLM on a tiny random Llama with or without tpkv's connector; writes JSON results.
 
-`python tests/vllm/run_llm.py MODEL_DIR OUT_JSON {baseline,tpkv}`. Each round is one
-LLM.generate call of its prompts (greedy, ignore_eos); rounds run in order in one engine, most
-after emptying vLLM's own prefix cache. The entry point stays under __main__: vLLM spawns its
-engine core and workers.
+`python tests/vllm/run_llm.py MODEL_DIR OUT_JSON {baseline,tpkv,disk,restart} [EXTRA_JSON]`.
+Each round is one LLM.generate call of its prompts (greedy, ignore_eos); rounds run in order in
+one engine, most after emptying vLLM's own prefix cache. "baseline" runs every mode's prompts
+without the connector; "disk" and "restart" run the connector with EXTRA_JSON as its
+kv_connector_extra_config (a disk tier) and report the bytes of the disk tier's record files
+after each round. The entry point stays under __main__: vLLM spawns its engine core and workers.
 """
 
 from __future__ import annotations
@@ -58,19 +60,60 @@ def rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
     ]
 
 
+def disk_rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
+    """With 2 blocks of host memory: the oldest blocks go to disk and load back from there; a
+    damaged disk record (block 1 of "k", first token 499) is recomputed; "m" is left on disk
+    (pushed out of memory by "n") for the next process."""
+    def seq(start: int, n: int) -> list[int]:
+        return [2 + (start + 11 * i) % 490 for i in range(n)]
+
+    f, g, h = seq(0, 100), seq(100, 100), seq(200, 100)
+    k = seq(60, 32) + [499] + seq(95, 31) + seq(130, 40)
+    return [
+        ("", [("f", f), ("g", g), ("h", h)]),  # 9 blocks: 2 stay in memory, 7 go to disk
+        ("vllm", [("f_again", f)]),  # f's 3 blocks load from disk
+        ("vllm", [("k", k)]),
+        ("vllm", [("filler", seq(300, 100))]),  # pushes k's blocks out to disk
+        ("vllm", [("k_again", k)]),  # block 0 loads from disk, block 1's record is damaged
+        ("vllm", [("p1", seq(400, 100)), ("p2", seq(20, 100)), ("p3", seq(40, 100)),
+                  ("p4", seq(140, 100))]),  # more blocks than both tiers hold
+        ("vllm", [("m", seq(250, 70))]),
+        ("vllm", [("n", seq(350, 100))]),
+    ]
+
+
+def restart_rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
+    """A new process over the same disk tier: "m" (written by the last one) loads from disk."""
+    return [("", [("m_restart", disk_rounds()[-2][1][0][1])])]
+
+
+def dir_bytes(root: str) -> int:
+    """Bytes of every file in the rank directories under a disk tier's root."""
+    total = 0
+    for sub in os.listdir(root):
+        path = os.path.join(root, sub)
+        if sub.startswith("rank") and os.path.isdir(path):
+            total += sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
+    return total
+
+
 def main() -> None:
     model_dir, out_path, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {"host_bytes": "64MiB"}
     make_model(model_dir)
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     kwargs: dict = {}
-    if mode == "tpkv":
+    plan = {"baseline": rounds() + disk_rounds() + restart_rounds(), "tpkv": rounds(),
+            "disk": disk_rounds(), "restart": restart_rounds()}[mode]
+    if mode != "baseline":
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="SabotagedTpkvConnector", kv_connector_module_path="sabotage",
             kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"host_bytes": "64MiB"})
+            kv_connector_extra_config=extra)
+    disk_dir = extra.get("disk_dir") if mode in ("disk", "restart") else None
     began = time.perf_counter()
     llm = LLM(model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
               block_size=BLOCK_TOKENS, enable_prefix_caching=True, enforce_eager=True, seed=0,
@@ -78,7 +121,8 @@ def main() -> None:
     started_s = time.perf_counter() - began
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     results = []
-    for reset, batch in rounds():
+    disk_used = [dir_bytes(disk_dir)] if disk_dir else []
+    for reset, batch in plan:
         if reset and not llm.reset_prefix_cache(reset_connector=reset == "all"):
             raise RuntimeError(f"vLLM refused to empty its prefix cache ({reset})")
         outs = llm.generate([{"prompt_token_ids": p} for _, p in batch], params, use_tqdm=False)
@@ -87,8 +131,10 @@ def main() -> None:
                             "tokens": list(out.outputs[0].token_ids),
                             "num_cached_tokens": out.num_cached_tokens,
                             "kv_transfer_params": out.kv_transfer_params})
+        if disk_dir:
+            disk_used.append(dir_bytes(disk_dir))
     with open(out_path, "w") as f:
-        json.dump({"mode": mode, "start_s": started_s,
+        json.dump({"mode": mode, "start_s": started_s, "disk_used_bytes": disk_used,
                    "total_s": time.perf_counter() - began, "results": results}, f)
 
 

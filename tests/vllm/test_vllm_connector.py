@@ -7,14 +7,12 @@ these need; elsewhere the module is skipped.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.vllm.harness import run, tpkv_stats
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]  # two vLLM start-ups
 try:
@@ -23,40 +21,15 @@ except Exception as exc:  # not installed, or its torch does not import beside i
     pytest.skip(f"vllm is not importable ({exc!r}); `make vllm-test` installs it in "
                 f".venv-vllm", allow_module_level=True)
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
 BLOCK_TOKENS = 32
 MAX_TOKENS = 8
-RUN_TIMEOUT_S = 420
-
-
-def run(model_dir: Path, out: Path, mode: str) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, str(HERE / "run_llm.py"), str(model_dir), str(out),
-                           mode], cwd=HERE, env=env, capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S)
-    if proc.returncode != 0:
-        raise AssertionError(f"vLLM ({mode}) exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-6000:]}")
-    data = json.loads(out.read_text())
-    data["by_name"] = {r["name"]: r for r in data["results"]}
-    return data
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path
+def runs(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path, baseline: dict[str, Any]
          ) -> tuple[dict[str, Any], dict[str, Any]]:
-    root = tmp_path_factory.mktemp("vllm")
-    base = run(tiny_llama, root / "baseline.json", "baseline")
-    tpkv = run(tiny_llama, root / "tpkv.json", "tpkv")
-    return base, tpkv
-
-
-def tpkv_stats(result: dict[str, Any]) -> dict[str, int]:
-    params = result["kv_transfer_params"]
-    assert params is not None and "tpkv" in params, params
-    return params["tpkv"]
+    tpkv = run(tiny_llama, tmp_path_factory.mktemp("vllm") / "tpkv.json", "tpkv")
+    return baseline, tpkv
 
 
 def computed_prefixes(result: dict[str, Any]) -> set[tuple[int, ...]]:
@@ -69,10 +42,11 @@ def computed_prefixes(result: dict[str, Any]) -> set[tuple[int, ...]]:
 
 def test_greedy_tokens_equal_vllm_without_the_connector(runs: Any) -> None:
     base, tpkv = runs
-    assert [r["name"] for r in tpkv["results"]] == [r["name"] for r in base["results"]]
-    for name, ref in base["by_name"].items():
-        assert len(ref["tokens"]) == MAX_TOKENS, name
-        assert tpkv["by_name"][name]["tokens"] == ref["tokens"], name
+    assert len(tpkv["results"]) == 10
+    for r in tpkv["results"]:
+        ref = base["by_name"][r["name"]]
+        assert len(ref["tokens"]) == MAX_TOKENS and ref["prompt"] == r["prompt"], r["name"]
+        assert r["tokens"] == ref["tokens"], r["name"]
 
 
 def test_a_repeated_prompt_loads_its_blocks(runs: Any) -> None:

@@ -136,6 +136,16 @@ class PrefixIndex:
         self.touch(reversed(held))
         return to_write, to_drop
 
+    def adopt(self, keys: Sequence[bytes]) -> int:
+        """Count keys a store already holds (found on disk at start, oldest use first) as stored,
+        the newest that fit; return how many were taken."""
+        room = self.capacity_blocks - len(self)
+        taken = [k for k in keys if k not in self._stored and k not in self._pending]
+        taken = taken[max(len(taken) - room, 0):] if room > 0 else []
+        for key in taken:
+            self._stored[key] = None
+        return len(taken)
+
     def confirm(self, keys: Iterable[bytes]) -> None:
         """The store holds these keys now (pending -> stored, children before parents in the
         use order; unknown keys are ignored)."""

@@ -4,9 +4,11 @@ Turn it on with
 `KVTransferConfig(kv_connector="TpkvConnector", kv_connector_module_path="tpkv.integrations.vllm",
 kv_role="kv_both", kv_load_failure_policy="recompute")` (or the same as JSON in `vllm serve
 --kv-transfer-config`); "recompute" makes vLLM recompute a block that fails tpkv's checks instead
-of failing the request. The scheduler side (a Planner) keeps the prefix index; the worker side (a
-BlockCopier per rank) copies blocks. Loads are synchronous, whole blocks, before the step's
-forward; saves after it.
+of failing the request. `kv_connector_extra_config={"disk_dir": DIR}` adds the disk tier (see
+ConnectorOptions). The scheduler side (a Planner) keeps the prefix index, which at start takes
+the blocks an earlier process left in the disk tier; the worker side (a BlockCopier per rank)
+copies blocks. Loads are synchronous, whole blocks, before the step's forward; saves (and moves
+to disk) after it.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tpkv.errors import KvLayoutError
+from tpkv.integrations.disk_blocks import check_disk_bytes, prepare_dir, stored_keys
+from tpkv.integrations.disk_format import record_bytes
 from tpkv.integrations.prefix_index import chain_seed
-from tpkv.integrations.vllm.copier import BlockCopier
+from tpkv.integrations.vllm.copier import BlockCopier, DiskSpec
 from tpkv.integrations.vllm.options import ConnectorOptions, vllm_fingerprint
 from tpkv.integrations.vllm.plan import StepPlan, StepReport
 from tpkv.integrations.vllm.planner import Planner
@@ -72,6 +76,19 @@ def _block_bytes(kv_cache_config: KVCacheConfig) -> int:
     return int(groups[0].kv_cache_spec.page_size_bytes) * len(groups[0].layer_names)
 
 
+def _num_ranks(vllm_config: VllmConfig) -> int:
+    pc = vllm_config.parallel_config
+    return int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
+
+
+def _worker_rank() -> int:
+    """This worker's rank over tensor and pipeline parallelism (its disk tier directory)."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    tp = get_tp_group()
+    return int(tp.rank_in_group) + int(tp.world_size) * int(get_pp_group().rank_in_group)
+
+
 class TpkvConnector(KVConnectorBase_V1):
     """vLLM serves prompt prefixes from tpkv: see the module docstring."""
 
@@ -89,12 +106,29 @@ class TpkvConnector(KVConnectorBase_V1):
                         "the block", self._kv_transfer_config.kv_load_failure_policy)
         self.planner: Planner | None = None
         self.copier: BlockCopier | None = None
+        fingerprint = vllm_fingerprint(vllm_config, self.options)
+        seed = chain_seed(fingerprint, self.block_tokens)
+        disk_dir = self.options.disk_dir
         if role == KVConnectorRole.SCHEDULER:
-            seed = chain_seed(vllm_fingerprint(vllm_config, self.options), self.block_tokens)
-            capacity = max(self.options.host_bytes // _block_bytes(kv_cache_config), 1)
-            self.planner = Planner(self.block_tokens, seed, capacity)
+            block_bytes = _block_bytes(kv_cache_config)
+            capacity = max(self.options.host_bytes // block_bytes, 1)
+            disk_blocks = 0
+            if disk_dir is not None:  # bad settings fail here, before any request
+                disk_blocks = check_disk_bytes(self.options.disk_bytes,
+                                               record_bytes(self.block_tokens, block_bytes),
+                                               block_bytes)
+                for rank in range(_num_ranks(vllm_config)):
+                    prepare_dir(disk_dir, rank)
+            self.planner = Planner(self.block_tokens, seed, capacity + disk_blocks)
+            if disk_dir is not None:
+                found = stored_keys(disk_dir, seed, self.block_tokens, _num_ranks(vllm_config))
+                taken = self.planner.index.adopt(found[-disk_blocks:])
+                log.info("TpkvConnector: %d blocks found in the disk tier %s, %d taken",
+                         len(found), disk_dir, taken)
         else:
-            self.copier = BlockCopier(self.options.host_bytes)
+            disk = None if disk_dir is None else DiskSpec(
+                disk_dir, self.options.disk_bytes, seed, self.block_tokens, fingerprint)
+            self.copier = BlockCopier(self.options.host_bytes, disk)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -104,7 +138,8 @@ class TpkvConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.copier is not None
-        self.copier.register(kv_caches, int(self._kv_cache_config.num_blocks))
+        rank = _worker_rank() if self.copier.disk is not None else 0
+        self.copier.register(kv_caches, int(self._kv_cache_config.num_blocks), rank)
 
     def _plan(self) -> StepPlan:
         meta = self._get_connector_metadata()
@@ -125,6 +160,11 @@ class TpkvConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         assert self.copier is not None
         self.copier.apply_after_forward(self._plan())
+
+    def shutdown(self) -> None:
+        if self.copier is not None and self.copier.store is not None:
+            self.copier.store.close()  # gives up the disk tier's directory
+        super().shutdown()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.copier.take_failed_block_ids() if self.copier is not None else set()

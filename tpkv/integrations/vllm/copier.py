@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from tpkv.errors import KvLayoutError
+from tpkv.integrations.disk_blocks import DiskBlockStore
+from tpkv.integrations.disk_format import DiskLayout
 from tpkv.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, StepReport
 from tpkv.integrations.vllm.store import HostBlockStore
 
@@ -37,36 +40,72 @@ def block_views(kv_caches: dict[str, torch.Tensor], num_blocks: int
     return names, views
 
 
+@dataclass(frozen=True)
+class DiskSpec:
+    """The disk tier a rank opens once it knows its block shape: directory, byte cap, the
+    model's chain seed and fingerprint, tokens per block."""
+
+    root: str
+    capacity_bytes: int
+    seed: bytes
+    block_tokens: int
+    model_fingerprint: str = ""
+
+
 class BlockCopier:
     """A rank's half of the connector: applies each step's plan to vLLM's KV cache and the
     block store, and reports what happened. A block that cannot be served exactly is reported
     as a failed load (vLLM recomputes it); a save of a request whose load failed this step is
     not made (its KV was computed over blocks that were not loaded)."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, disk: DiskSpec | None = None) -> None:
         self.capacity_bytes = capacity_bytes
+        self.disk = disk
         self.layer_names: list[str] = []
         self._views: list[torch.Tensor] = []
         self.store: HostBlockStore | None = None
         self._report = StepReport()
         self._failed_block_ids: set[int] = set()
         self.num_loaded_blocks = 0
+        self.num_disk_loaded_blocks = 0
         self.num_saved_blocks = 0
 
-    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        self.layer_names, self._views = block_views(kv_caches, num_blocks)
-        shape = (len(self._views), int(self._views[0].shape[1]))
-        self.store = HostBlockStore(self.capacity_bytes, shape)
+    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
+                 rank: int = 0) -> None:
+        """Take vLLM's KV caches of rank `rank`; open the stores (the disk tier's errors, a
+        cap below one record or a directory that cannot be written, are ConfigErrors)."""
+        names, views = block_views(kv_caches, num_blocks)
+        shape = (len(views), int(views[0].shape[1]))
+        disk = None
+        if self.disk is not None:
+            spec = self.disk
+            layout = DiskLayout(spec.seed, rank, spec.block_tokens, shape)
+            disk = DiskBlockStore(spec.root, spec.capacity_bytes, layout, spec.model_fingerprint)
+        try:
+            store = HostBlockStore(self.capacity_bytes, shape, disk)
+        except BaseException:
+            if disk is not None:
+                disk.close()
+            raise
+        self.layer_names, self._views, self.store = names, views, store
 
     def load(self, loads: list[LoadSpec]) -> None:
         """Copy each load's stored blocks into its vLLM blocks; a miss or a record that does not
         check out is a failed block (reported by take_failed_block_ids)."""
         for spec in loads:
             for pos, (block_id, key) in enumerate(zip(spec.block_ids, spec.keys)):
-                data = self.store.get(key) if self.store is not None else None
+                if self.store is None:
+                    self._fail_load(spec, pos, block_id, key)
+                    continue
+                from_disk = not self.store.in_memory(key)
+                data = self.store.get(key)
                 if data is None:
                     self._fail_load(spec, pos, block_id, key)
                     continue
+                if from_disk:
+                    counts = self._report.disk_loads
+                    counts[spec.req_id] = counts.get(spec.req_id, 0) + 1
+                    self.num_disk_loaded_blocks += 1
                 src = torch.from_numpy(data)
                 for layer, view in enumerate(self._views):
                     view[block_id].copy_(src[layer])
@@ -92,8 +131,11 @@ class BlockCopier:
                 self.store.drop(key)
 
     def apply_after_forward(self, plan: StepPlan) -> None:
-        self.save(plan.saves)
+        """Drops first (they free room in memory and on disk for the saves; none is a block this
+        step loaded or saves, and a key dropped by a reset and saved again is kept), then
+        saves."""
         self.drop(plan.drops)
+        self.save(plan.saves)
 
     def take_failed_block_ids(self) -> set[int]:
         failed, self._failed_block_ids = self._failed_block_ids, set()

@@ -14,17 +14,31 @@ from tpkv.settings import parse_bytes
 
 GiB = 1 << 30
 DEFAULT_HOST_BYTES = 4 * GiB
-KNOWN_KEYS = ("host_bytes", "model_fingerprint")
+DEFAULT_DISK_BYTES = 64 * GiB
+KNOWN_KEYS = ("host_bytes", "model_fingerprint", "disk_dir", "disk_bytes")
+
+
+def _size(name: str, raw: Any) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+        raise ConfigError(f"{name} must be an int or a size like '8GiB', got {raw!r}")
+    value = parse_bytes(raw)
+    check_int(name, value)
+    return value
 
 
 @dataclass(frozen=True)
 class ConnectorOptions:
-    """host_bytes: each rank's budget for stored blocks (an int or a size like "8GiB");
-    model_fingerprint: what identifies the weights in the block keys (derived from the model's
-    name, revision, dtypes, parallelism and checkpoint files when not set)."""
+    """host_bytes: each rank's budget for blocks in host memory (an int or a size like "8GiB");
+    disk_dir: a directory for the disk tier (none when not set): blocks the host budget no
+    longer holds go there, and a later process with the same directory, model and block size
+    loads them; disk_bytes: each rank's budget of record files in it; model_fingerprint: what
+    identifies the weights in the block keys (derived from the model's name, revision, dtypes,
+    parallelism and checkpoint files when not set)."""
 
     host_bytes: int = DEFAULT_HOST_BYTES
     model_fingerprint: str | None = None
+    disk_dir: str | None = None
+    disk_bytes: int = DEFAULT_DISK_BYTES
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -33,13 +47,18 @@ class ConnectorOptions:
         if unknown:
             raise ConfigError(f"kv_connector_extra_config has keys tpkv does not know: {unknown}; "
                               f"known: {list(KNOWN_KEYS)}")
-        raw = extra.get("host_bytes", DEFAULT_HOST_BYTES)
-        if isinstance(raw, bool) or not isinstance(raw, (int, str)):
-            raise ConfigError(f"host_bytes must be an int or a size like '8GiB', got {raw!r}")
-        host_bytes = parse_bytes(raw)
-        check_int("host_bytes", host_bytes)
+        host_bytes = _size("host_bytes", extra.get("host_bytes", DEFAULT_HOST_BYTES))
+        disk_bytes = _size("disk_bytes", extra.get("disk_bytes", DEFAULT_DISK_BYTES))
+        disk_dir = extra.get("disk_dir")
+        if disk_dir is not None and (not isinstance(disk_dir, str) or not disk_dir.strip()
+                                     or "\0" in disk_dir):
+            raise ConfigError(f"disk_dir must be a directory path, got {disk_dir!r}")
+        if disk_dir is None and "disk_bytes" in extra:
+            raise ConfigError(f"disk_bytes is {extra['disk_bytes']!r} but disk_dir is not set; "
+                              f"set disk_dir to turn the disk tier on")
         fp = extra.get("model_fingerprint")
-        return cls(host_bytes, None if fp is None else check_fingerprint(fp))
+        return cls(host_bytes, None if fp is None else check_fingerprint(fp), disk_dir,
+                   disk_bytes)
 
 
 def vllm_fingerprint(vllm_config: Any, options: ConnectorOptions) -> str:

@@ -30,7 +30,7 @@ class SaveSpec:
 
 @dataclass
 class StepPlan:
-    """One step's work for every rank: loads first, then saves, then drops."""
+    """One step's work for every rank: loads before the forward; drops, then saves, after it."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
@@ -40,22 +40,27 @@ class StepPlan:
 @dataclass
 class StepReport:
     """One step's outcome on one rank (or merged over ranks): keys written, keys whose save or
-    load failed, and per request the first logical block whose load failed."""
+    load failed, per request the first logical block whose load failed, and per request the
+    blocks loaded from the disk tier."""
 
     saved: set[bytes] = field(default_factory=set)
     failed_saves: set[bytes] = field(default_factory=set)
     failed_loads: set[bytes] = field(default_factory=set)
     failed_load_reqs: dict[str, int] = field(default_factory=dict)
+    disk_loads: dict[str, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.saved or self.failed_saves or self.failed_loads)
+        return bool(self.saved or self.failed_saves or self.failed_loads or self.disk_loads)
 
     def merge(self, other: StepReport) -> StepReport:
         """Ranks merged: a key counts as saved only when no rank failed it (the scheduler
         forgets failed keys), failures are the union, each request's first failed block the
-        lowest."""
+        lowest, each request's disk loads the most any rank made."""
         reqs = dict(self.failed_load_reqs)
         for req_id, first in other.failed_load_reqs.items():
             reqs[req_id] = min(first, reqs.get(req_id, first))
+        disk = dict(self.disk_loads)
+        for req_id, n in other.disk_loads.items():
+            disk[req_id] = max(n, disk.get(req_id, 0))
         return StepReport(self.saved | other.saved, self.failed_saves | other.failed_saves,
-                          self.failed_loads | other.failed_loads, reqs)
+                          self.failed_loads | other.failed_loads, reqs, disk)

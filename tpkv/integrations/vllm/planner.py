@@ -27,6 +27,7 @@ class _Req:
     written_blocks: int = 0
     deduplicated_blocks: int = 0
     failed_load_blocks: int = 0
+    disk_loaded_blocks: int = 0
 
 
 class Planner:
@@ -149,6 +150,10 @@ class Planner:
             if req is not None:
                 req.saved_upto = min(req.saved_upto, first)
                 req.failed_load_blocks += len(report.failed_loads & set(req.keys[first:]))
+        for req_id, n in report.disk_loads.items():
+            req = self._reqs.get(req_id)
+            if req is not None:
+                req.disk_loaded_blocks += n
 
     def reset(self) -> None:
         """Forget every stored block (vLLM's reset_prefix_cache(reset_connector=True)): the
@@ -163,6 +168,7 @@ class Planner:
         return {
             "matched_tokens": req.matched_tokens,
             "failed_load_blocks": req.failed_load_blocks,
+            "disk_loaded_blocks": req.disk_loaded_blocks,
             "written_blocks": req.written_blocks,
             "deduplicated_blocks": req.deduplicated_blocks,
             "index_blocks": self.index.num_stored,

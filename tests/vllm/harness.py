@@ -1,0 +1,38 @@
+"""Runs tests/vllm/run_llm.py in a fresh Python process (a fresh vLLM) and reads its JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+RUN_TIMEOUT_S = 420
+
+
+def run(model_dir: Path, out: Path, mode: str, extra: dict[str, Any] | None = None
+        ) -> dict[str, Any]:
+    """One vLLM process of `mode` (run_llm.py); its results, with `by_name` added."""
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    args = [sys.executable, str(HERE / "run_llm.py"), str(model_dir), str(out), mode]
+    if extra is not None:
+        args.append(json.dumps(extra))
+    proc = subprocess.run(args, cwd=HERE, env=env, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise AssertionError(f"vLLM ({mode}) exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+    data = json.loads(out.read_text())
+    data["by_name"] = {r["name"]: r for r in data["results"]}
+    return data
+
+
+def tpkv_stats(result: dict[str, Any]) -> dict[str, int]:
+    params = result["kv_transfer_params"]
+    assert params is not None and "tpkv" in params, params
+    return params["tpkv"]
