@@ -180,11 +180,17 @@ def main() -> None:
     if any(g <= 0 for g in rates) or not set(emulate) <= {"c", "c2", "c3"}:
         raise SystemExit(f"--emulate-l3-gbps needs rates > 0 ({rates}) and --emulate-configs "
                          f"a subset of c,c2,c3 ({emulate})")
-    sizing = fit(model_config(sizes.model), sizes, wanted + emulate, bool(emulate))
+    sizing = fit(model_config(sizes.model), sizes, wanted, emulate)
     print("sizes against one H200 and its host:", sizing, flush=True)
     if device.type == "cuda" and not sizing["fits"]:
         raise SystemExit(f"these sizes do not fit one H200 (139 GiB) and its host (128 GiB): "
                          f"{sizing}")
+    if emulate:  # the emulated L3 lives in RAM: its directory must hold the largest one
+        need = max(sizes.l3_all_gib if k == "c3" else sizes.l3_gib for k in emulate) * GiB
+        free = shutil.disk_usage(args.emulate_dir).free
+        if free < need:
+            raise SystemExit(f"--emulate-dir {args.emulate_dir} has {free / GiB:.1f} GiB free, "
+                             f"the emulated L3 needs {need / GiB:.1f} GiB")
     ssd_root = args.ssd_dir or tempfile.mkdtemp(prefix="tpkv-e2e-")
     Path(ssd_root).mkdir(parents=True, exist_ok=True)
     ceil = ceilings(device, ssd_root)

@@ -13,10 +13,12 @@ TERMS = {
                     "steps (no tier move in the step) of the same batch size nearest in KV "
                     "tokens (median of up to 9; of any batch size where that one has none): "
                     "the same steps without tier work beside them",
-    "gpu_prefill_s": "the window's prefill steps (turn prompts plus the tokens recomputed), "
-                     "each at the forward time a fit over the run's prefills that loaded no "
-                     "block (fill turns, returns found in L1 or recomputed) gives its tokens "
-                     "fed: ms = a + b*t + c*t^2 (a line with fewer than 6 distinct sizes)",
+    "gpu_prefill_s": "the window's prefill steps (turn prompts plus the tokens recomputed): "
+                     "one that loaded no block at its own forward time (forward + sampling); "
+                     "one whose forward waited for blocks copied into L1 at the least of its "
+                     "forward time and the greater of a line fit (ms against tokens fed) over "
+                     "the run's prefills that loaded none and a quiet decode step of batch 1 "
+                     "nearest in KV tokens (one pass over the weights)",
     "gpu_s": "gpu_decode_s + gpu_prefill_s: the GPU runs one step at a time",
     "pcie_h2d_s": "bytes moved L2 -> L1 / the h2d ceiling (one 1 GiB pinned copy); "
                   "absent on the CPU",
@@ -41,54 +43,59 @@ _LINKS = {"pcie_h2d_s": ("l2_l1", "h2d"), "pcie_d2h_s": ("l1_l2", "d2h"),
           "disk_read_s": ("l3_l2", "disk_read"), "disk_write_s": ("l2_l3", "disk_write")}
 
 
-def quiet_decode_s(steps: list[tuple[float, bool, int, int, bool]], first: int,
-                   k: int = 9) -> float:
-    """Seconds of decode steps[first:] each at the time of the quiet steps alike (TERMS)."""
+def _quiet(steps: list[tuple[float, bool, int, int, bool]]) -> np.ndarray:
+    """[n, 3] (batch, KV tokens, ms) of the quiet decode steps (the fastest tenth of all steps
+    stands for one where every step moved blocks)."""
     quiet = [(s[2], s[3], s[0]) for s in steps if not s[1]]
-    if not quiet:  # no step without traffic: the fastest tenth of the steps stands for one
+    if not quiet and steps:
         ms = sorted(s[0] for s in steps)
-        quiet = [(s[2], s[3], ms[len(ms) // 10]) for s in steps] if ms else []
-    arr = np.array(quiet, dtype=np.float64).reshape(-1, 3)
-    total = 0.0
-    for _ms, _moved, batch, kv, _changed in steps[first:]:
-        same = arr[arr[:, 0] == batch]
-        pool = same if len(same) else arr
-        near = np.argsort(np.abs(pool[:, 1] - kv), kind="stable")[:k]
-        total += float(np.median(pool[near, 2]))
-    return total / 1e3
+        quiet = [(s[2], s[3], ms[len(ms) // 10]) for s in steps]
+    return np.array(quiet, dtype=np.float64).reshape(-1, 3)
 
 
-def prefill_fit(prefills: list[tuple[int, float, bool]]) -> np.ndarray | None:
-    """Polynomial coefficients (np.polyval) of forward ms against tokens fed, over the
-    prefills that loaded no block; None without any."""
-    clean = [(t, ms) for t, ms, ok in prefills if ok and t > 0]
-    if not clean:
+def _quiet_ms(quiet: np.ndarray, batch: int, kv: int, k: int = 9) -> float:
+    same = quiet[quiet[:, 0] == batch]
+    pool = same if len(same) else quiet
+    if not len(pool):
+        return 0.0
+    near = np.argsort(np.abs(pool[:, 1] - kv), kind="stable")[:k]
+    return float(np.median(pool[near, 2]))
+
+
+def quiet_decode_s(steps: list[tuple[float, bool, int, int, bool]], first: int) -> float:
+    """Seconds of decode steps[first:] each at the time of the quiet steps alike (TERMS)."""
+    quiet = _quiet(steps)
+    return sum(_quiet_ms(quiet, s[2], s[3]) for s in steps[first:]) / 1e3
+
+
+def prefill_fit(prefills: list[tuple[int, float, bool, int]]) -> np.ndarray | None:
+    """(slope, intercept) of forward ms against tokens fed over the prefills that loaded no
+    block; None without two sizes of them."""
+    clean = [(t, ms) for t, ms, ok, _ in prefills if ok and t > 0]
+    if len({t for t, _ in clean}) < 2:
         return None
-    t = np.array([c[0] for c in clean], dtype=np.float64)
-    ms = np.array([c[1] for c in clean], dtype=np.float64)
-    distinct = len(np.unique(t))
-    if distinct < 2:  # one size: time proportional to tokens
-        return np.array([float(np.median(ms / t)), 0.0])
-    return np.polyfit(t, ms, 2 if distinct >= 6 else 1)
+    return np.polyfit([t for t, _ in clean], [ms for _, ms in clean], 1)
 
 
-def prefill_s(prefills: list[tuple[int, float, bool]], first: int) -> float:
-    """Seconds of prefills[first:] at the fit's times (their measured forward without one)."""
-    fit = prefill_fit(prefills)
-    floor = min((ms for t, ms, ok in prefills if ok), default=0.0)
+def prefill_s(prefills: list[tuple[int, float, bool, int]],
+              steps: list[tuple[float, bool, int, int, bool]], first: int) -> float:
+    """Seconds of prefills[first:] on the GPU (TERMS)."""
+    fit, quiet = prefill_fit(prefills), _quiet(steps)
     total = 0.0
-    for tokens, ms, _ok in prefills[first:]:
-        est = ms if fit is None else float(np.polyval(fit, tokens))
-        total += max(est, floor)  # never below the fastest forward that loaded nothing
+    for tokens, ms, clean, context in prefills[first:]:
+        if not clean:  # its forward waited for copies: at most that long, at least one pass
+            line = 0.0 if fit is None else float(np.polyval(fit, tokens))
+            ms = min(ms, max(line, _quiet_ms(quiet, 1, context)))
+        total += ms
     return total / 1e3
 
 
 def window_work(steps: list[tuple[float, bool, int, int, bool]],
-                prefills: list[tuple[int, float, bool]], window: dict[str, Any],
+                prefills: list[tuple[int, float, bool, int]], window: dict[str, Any],
                 bytes_now: dict[str, int], measured_s: float, tokens: int) -> dict[str, Any]:
     """What the window did: GPU seconds at quiet rates, bytes by direction, time, tokens."""
     return {"gpu_decode_s": round(quiet_decode_s(steps, window["decode"]), 4),
-            "gpu_prefill_s": round(prefill_s(prefills, window["prefill"]), 4),
+            "gpu_prefill_s": round(prefill_s(prefills, steps, window["prefill"]), 4),
             "bytes": {k: v - window["bytes"].get(k, 0) for k, v in bytes_now.items()},
             "measured_s": round(measured_s, 4), "tokens": tokens}
 

@@ -125,8 +125,9 @@ class Rounds:
         # mode 2: each decode step profiled alone, then added to the traffic or the quiet sum
         self.step_stats: dict[str, tuple[pstats.Stats | None, int]] | None = (
             {"traffic": (None, 0), "quiet": (None, 0)} if mode == 2 else None)
-        # prefill steps: (tokens fed, forward ms, whether none of its blocks was loaded)
-        self.prefills: list[tuple[int, float, bool]] = []
+        # prefill steps: (tokens fed, forward ms, whether none of its blocks was loaded,
+        # tokens cached before it)
+        self.prefills: list[tuple[int, float, bool, int]] = []
         self.window: dict[str, Any] | None = None  # open_window(): where the bound counts from
         self._returning: dict[str, bool] = {}  # the session's last turn: one after another
         self._first_token: dict[str, tuple[float, bool, float, int]] = {}  # not there yet
@@ -188,6 +189,7 @@ class Rounds:
         session = e.waiting[0].session if e.waiting else None
         returning = session is not None and self._returning.get(session, False)
         fed = e.waiting[0].num_uncached if e.waiting else 0
+        context = e.waiting[0].num_cached if e.waiting else 0
         batch = 1 if e.waiting else min(len(e.running), e.max_batch)
         kv_tokens = 0 if e.waiting else sum(len(q.token_ids) for q in e.running[:batch])
         members = () if e.waiting else tuple(q.session for q in e.running[:batch])
@@ -230,11 +232,11 @@ class Rounds:
                 self.quiet_parts.append({"step_ms": round(ms, 3), **shape, **self._parts()})
         else:
             loaded = {t: len(v) > loads0[t] for t, v in st.resume_s.items()}
-            # (tokens fed, forward ms, whether no block of it was loaded into L1): the bound's
-            # prefill fit takes the steps whose forward did not wait for copies
+            # (tokens fed, forward ms, whether no block of it was loaded into L1, tokens
+            # cached before): the bound's prefill time (e2e_bound.prefill_s)
             self.prefills.append((fed + st.recompute_tokens - recompute0,
                                   1e3 * self.tiered.last_times.get("forward", t1 - t0),
-                                  not (loaded["l2"] or loaded["l3"])))
+                                  not (loaded["l2"] or loaded["l3"]), context))
             if returning:
                 self._resume(session, ms, moved, st.recompute_tokens > recompute0, loaded)
                 self.resumes[-1].update(l2_before)
