@@ -130,7 +130,9 @@ class Rounds:
         self.prefills: list[tuple[int, float, bool, int]] = []
         self.window: dict[str, Any] | None = None  # open_window(): where the bound counts from
         self._returning: dict[str, bool] = {}  # the session's last turn: one after another
-        self._first_token: dict[str, tuple[float, bool, float, int]] = {}  # not there yet
+        # turns whose first token is not there yet: (added, returning, queued s, turn, tokens
+        # the session holds once it is)
+        self._first_token: dict[str, tuple[float, bool, float, int, int]] = {}
         self.ttft: list[dict[str, Any]] = []  # every turn's time to first token
 
     def run(self) -> dict[str, Any]:
@@ -164,9 +166,12 @@ class Rounds:
                  queued_s: float = 0.0, turn: int = 0) -> None:
         """engine.add_turn, timed: the turn's first token is looked for after every step
         (queued_s: how long it waited in the driver's own queue before this call)."""
+        seq = self.engine.seqs.get(session)
+        # the session's tokens once this turn's first is sampled: held + prompt + 1
+        after = (len(seq.token_ids) if seq is not None else 0) + len(tokens) + 1
         self.engine.add_turn(session, tokens, gen)
         self._returning[session] = returning
-        self._first_token[session] = (time.perf_counter(), returning, queued_s, turn)
+        self._first_token[session] = (time.perf_counter(), returning, queued_s, turn, after)
 
     def open_window(self) -> None:
         """From now on steps, bytes and recomputed tokens count toward the run's bound."""
@@ -245,9 +250,9 @@ class Rounds:
     def _first_tokens(self, now: float) -> None:
         """Turns whose Seq now holds a generated token: their time to first token, from
         add_turn, whatever engine queue they waited in."""
-        for s, (added, returning, queued_s, turn) in list(self._first_token.items()):
-            seq = self.engine.seqs.get(s)
-            if seq is not None and seq.generated:
+        for s, (added, returning, queued_s, turn, after) in list(self._first_token.items()):
+            seq = self.engine.seqs.get(s)  # (the last turn's tokens stay until it is reset)
+            if seq is not None and seq.generated and len(seq.token_ids) >= after:
                 del self._first_token[s]
                 self.ttft.append({"session": s, "turn": turn, "returning": returning,
                                   "ttft_ms": round(1e3 * (now - added), 3),
@@ -358,7 +363,7 @@ class Rounds:
                 out[f"profile_{key}_tpkv"] = top_functions(acc, n, "ms_per_step", 60,
                                                            tpkv_only=True)
         out.update(resume_summary(self.resumes))
-        out.update(ttft_summary(self.ttft, sum(r for _, r, _, _ in self._first_token.values())))
+        out.update(ttft_summary(self.ttft, sum(v[1] for v in self._first_token.values())))
         if self.window is not None:  # what the window did, at the rates measured in the run
             out["bound"] = bound(window_work(steps, self.prefills, self.window, dict(st.bytes),
                                              t_turns, gen_tokens), self.ceil)

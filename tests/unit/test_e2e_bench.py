@@ -83,13 +83,14 @@ def test_arrivals_time_turns_from_add_and_arrival(tmp_path: Path) -> None:
 
 
 def test_emulated_l3_paces_every_read_and_write(tmp_path: Path) -> None:
-    r = _run("c2", tmp_path, gbps=0.5)
+    r = _run("c2", tmp_path, gbps=0.02)  # 20 MB/s: slower than any disk here
     _check(r, TOY)
     em = r["emulated_l3"]
-    assert r["emulated"] and r["emulate_gbps"] == 0.5
+    assert r["emulated"] and r["emulate_gbps"] == 0.02
     assert em["writes"]["bytes"] == r["bytes"]["l2_l3"] > 0  # every spill, paced
     assert em["reads"]["bytes"] > 0 and em["paced_read_share"] == 1.0
-    assert r["bound"]["rates_gbps"]["disk_read"] == 0.5  # the bound uses the pace
+    assert r["bound"]["rates_gbps"]["disk_read"] == 0.02  # the bound uses the pace
+    assert em["reads"]["sleep_s"] > 0  # the reads waited for the pace
 
 
 def test_arrival_schedule_is_seeded_poisson() -> None:
@@ -149,3 +150,48 @@ def test_8b_shape_fits_one_h200_and_its_host() -> None:
     assert f["mean_session_gib"] == pytest.approx(0.375)  # as the 1b table's sessions
     too_big = dataclasses.replace(sizes, l2_all_gib=130.0)
     assert not fit(cfg, too_big, ["b2"], [])["fits"]
+
+
+class _LoadingEngine:
+    """An engine whose returning turns first wait in a queue of their own (`loading`, neither
+    waiting nor running) and whose Seq takes the turn's prompt, and drops the last turn's
+    tokens, only when it leaves that queue."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        from tpkv.models.engine import Seq
+
+        self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=100))
+        self.seqs = {"s0": Seq("s0", token_ids=[1, 2, 3, 9], num_cached=3, generated=[9])}
+        self.loading: list[tuple[str, list[int]]] = []
+        self.waiting: list[Any] = []
+        self.running: list[Any] = []
+
+    def add_turn(self, session: str, tokens: list[int], gen: int) -> None:
+        self.loading.append((session, list(tokens)))
+
+    def prefill(self) -> None:  # the load is done: the turn is prefilled, one token sampled
+        session, tokens = self.loading.pop(0)
+        seq = self.seqs[session]
+        seq.token_ids.extend(tokens)
+        seq.generated = [7]
+        seq.token_ids.append(7)
+
+
+def test_ttft_counts_time_in_any_engine_queue() -> None:
+    from types import SimpleNamespace
+
+    from bench.e2e_run import Rounds
+
+    engine = _LoadingEngine()
+    rounds = Rounds(SimpleNamespace(engine=engine), TOY, [8], 1, {})  # type: ignore[arg-type]
+    rounds.add_turn("s0", [4, 5], 3, returning=True, turn=1)
+    time.sleep(0.05)
+    rounds._first_tokens(time.perf_counter())  # a step went by: the turn is still loading
+    assert rounds.ttft == [] and "s0" in rounds._first_token
+    engine.prefill()
+    rounds._first_tokens(time.perf_counter())
+    (rec,) = rounds.ttft
+    assert rec["returning"] and rec["turn"] == 1 and rec["ttft_ms"] >= 50.0
+    assert rounds._first_token == {}
