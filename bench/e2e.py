@@ -142,7 +142,29 @@ def parse() -> tuple[argparse.Namespace, Sizes]:
         scale = kv_bytes_per_token(model_config("1b")) / kv_bytes_per_token(
             model_config(changes["model"]))
         changes["context"] = tuple(int(c * scale) for c in sizes.context)
-    return args, dataclasses.replace(sizes, **changes)
+    sizes = dataclasses.replace(sizes, **changes)
+    if sizes.arrival_per_s <= 0 or sizes.think_s < 0 or sizes.admit < 0:
+        raise SystemExit(f"arrivals need --arrival-per-s > 0, --think-s >= 0 and --admit >= 0, "
+                         f"got {sizes.arrival_per_s}, {sizes.think_s}, {sizes.admit}")
+    return args, sizes
+
+
+DEFINITIONS = {
+    "returning_ttft_ms": "a returning turn (a session's turn after its first): wall time from "
+                         "its engine.add_turn to the end of the step after which the session's "
+                         "Seq first holds a generated token of that turn, whatever engine "
+                         "queue it waited in; p50 and p99 per configuration",
+    "returning_ttft_from_arrival_ms": "arrivals: the same from the turn's arrival, with its "
+                                      "wait in the driver's queue (at most --admit turns in "
+                                      "the engine)",
+    "emulated": "'<config>-em<G>': the configuration with L3 on --emulate-dir (RAM), every "
+                "read_blocks and write_blocks of the worker's store paced to G GB/s (reads "
+                "and writes each on their own clock); emulated_l3 gives the bytes paced, the "
+                "time slept and the I/Os that ended after their interval (late: the store's "
+                "own path slower than the pace)",
+    "sessions_held": "rounds: sessions whose every block is in some tier after the fill round; "
+                     "arrivals: at the end of the run",
+}
 
 
 def settings(sizes: Sizes, ssd_root: str) -> dict[str, Setting]:
@@ -206,7 +228,7 @@ def main() -> None:
     head = {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "sizes": dataclasses.asdict(sizes), "ceilings_gbps": ceil, "sizing": sizing,
-            "bound_terms": TERMS}
+            "bound_terms": TERMS, "definitions": DEFINITIONS}
     for key, setting in settings(sizes, ssd_root).items():
         if key in wanted:
             print(f"== ({key}) {setting.label}", flush=True)
@@ -320,6 +342,9 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
             row[f"resume_{tier}_vs_ceiling_p50"] = e
         if r.get("step_ms_traffic_vs_quiet") is not None:
             row["step_traffic_vs_quiet_p50"] = r["step_ms_traffic_vs_quiet"]
+        if r.get("step_ms_p99_traffic") and r.get("step_ms_p50_quiet"):  # issue 30: <= 1.10
+            row["step_p99_traffic_vs_quiet_p50"] = round(
+                r["step_ms_p99_traffic"] / r["step_ms_p50_quiet"], 3)
         if r.get("step_ms_traffic_vs_matched_quiet") is not None:
             row["step_traffic_vs_matched_quiet_p50"] = r["step_ms_traffic_vs_matched_quiet"]
         local = results.get(f"{key}-local")

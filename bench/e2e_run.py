@@ -332,6 +332,7 @@ class Rounds:
             if ms else None,
             "step_ms_p50": pct(ms, 50), "step_ms_p99": pct(ms, 99),
             "step_ms_p50_quiet": pct(quiet, 50), "step_ms_p50_traffic": pct(busy, 50),
+            "step_ms_p99_traffic": pct(busy, 99),
             "decode_steps": len(ms), "decode_steps_with_traffic": len(busy),
             "step_ms_traffic_vs_quiet": round(float(np.median(busy) / np.median(quiet)), 3)
             if busy and quiet else None,
