@@ -74,6 +74,9 @@ def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool,
           if s.ssd_root else SsdConfig())
     # Automatic pins off: at these sizes 10% of all blocks is about the whole L1 budget.
     extra: dict[str, Any] = {"prefill_tokens_per_s": _SLOW_PREFILL} if s.always_load else {}
+    if s.emulate_gbps:  # the cost model's L3 read speed until it measures one: the pace's (the
+        # fill round's spill choices come before any L3 read; the default is this VM's disk)
+        extra["ssd_read_bytes_per_s"] = s.emulate_gbps * 1e9
     policy = PolicyConfig(cooldown_s=0.0, auto_pin_fraction=0.0, spill=s.spill,
                           l1_reuse=l1_reuse, l2_reuse=l2_reuse,  # type: ignore[arg-type]
                           **extra)
