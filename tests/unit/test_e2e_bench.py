@@ -83,7 +83,8 @@ def test_arrivals_time_turns_from_add_and_arrival(tmp_path: Path) -> None:
 
 
 def test_emulated_l3_paces_every_read_and_write(tmp_path: Path) -> None:
-    r = _run("c2", tmp_path, gbps=0.02)  # 20 MB/s: slower than any disk here
+    # (c3): every return loads (the cost model, told 20 MB/s, would recompute them otherwise)
+    r = _run("c3", tmp_path, gbps=0.02)  # 20 MB/s: slower than any disk here
     _check(r, TOY)
     em = r["emulated_l3"]
     assert r["emulated"] and r["emulate_gbps"] == 0.02
@@ -195,3 +196,15 @@ def test_ttft_counts_time_in_any_engine_queue() -> None:
     (rec,) = rounds.ttft
     assert rec["returning"] and rec["turn"] == 1 and rec["ttft_ms"] >= 50.0
     assert rounds._first_token == {}
+
+
+def test_emulated_setting_tells_the_cost_model_its_pace(tmp_path: Path) -> None:
+    from bench.e2e_setup import config_for, model_for
+
+    s = dataclasses.replace(settings(TOY, str(tmp_path))["c2"], emulate_gbps=14.0)
+    cfg = config_for(s, model_for("tiny", CPU_DEV), TOY.block_tokens, cuda=True)
+    assert cfg.policy.ssd_read_bytes_per_s == 14e9  # not the 2.1 GB/s start value
+    assert not cfg.l3.o_direct  # a RAM file system takes no O_DIRECT
+    plain = config_for(settings(TOY, str(tmp_path))["c2"], model_for("tiny", CPU_DEV),
+                       TOY.block_tokens, cuda=True)
+    assert plain.l3.o_direct and plain.policy.ssd_read_bytes_per_s != 14e9
