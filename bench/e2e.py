@@ -3,12 +3,19 @@ offloaded cache and the transfer ceiling of the resumed bytes, all on the same s
 
     python bench/e2e.py            # quick look: a few minutes on an H200
     python bench/e2e.py --full     # the published numbers (one device call, < 10 minutes)
-    python bench/e2e.py --device cpu --model tiny --sessions 8 ...   # a smoke run anywhere
+    python bench/e2e.py --device cpu   # tiny sizes (CPU preset): a few minutes on 2 cores
+    python bench/e2e.py --full --arrivals 1             # Poisson arrivals + think time
+    python bench/e2e.py --full --emulate-l3-gbps 7,14   # + (c2) on a RAM L3 paced to 7, 14 GB/s
+    python bench/e2e.py --full --model 8b               # 128 KiB of KV per token
 
 The workload: every session first reads a long context (its prefill is the "fill" round), then
 comes back for more turns (a user message, a generated answer) in seeded random order; the
 others' turns are its think time. Every session returns only after all others had a turn, so a
 node that cannot hold them all must recompute (a) or load them back from L2 / L3 (b, c).
+With --arrivals 1 the same sessions and turns come in time instead (bench/e2e_arrive.py:
+Poisson arrivals, exponential think times). Every configuration reports the time to first
+token of returning turns and a bound: its own work at the rates measured in the run
+(bench/e2e_bound.py; the result's "bound_terms" says what each term is).
 Writes bench/results/e2e.json (+ .png with bench/plot_e2e.py).
 """
 
@@ -33,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.e2e_bound import TERMS  # noqa: E402
+from bench.e2e_emulate import MODELS, fit, kv_bytes_per_token, model_config  # noqa: E402
 from bench.e2e_run import Setting, ceilings, rerate, run_tiered  # noqa: E402
 from bench.transfer import raw_odirect, raw_odirect_read  # noqa: E402
 from tpkv.config import GiB  # noqa: E402
@@ -75,12 +84,24 @@ class Sizes:
     # 2: the decode steps, those with tier traffic and those without apart ("profile_traffic_top",
     # "profile_quiet_top", ms per step)
     profile: int = 0
+    # 1: sessions arrive as a Poisson process of arrival_per_s and come back think_s (mean,
+    # exponential) after each answer, instead of the rounds; at most `admit` turns in the engine
+    # at once (0: its max_batch), the rest queue in the driver (TTFT from arrival counts it)
+    arrivals: int = 0
+    arrival_per_s: float = 2.0
+    think_s: float = 20.0
+    admit: int = 0
 
 
 # (a) holds about 5 sessions in 1 GiB of L1; 96 sessions need L2 + L3 for the rest.
 QUICK = Sizes(sessions=96, l2_gib=6.0, l3_gib=16.0)
 FULL = Sizes(l1_gib=2.0, l2_gib=16.0, l2_all_gib=48.0, l3_gib=28.0, l3_all_gib=44.0, sessions=96,
              context=(8192, 16384))
+# Without --full on a CPU: the tiny model (1.5 KiB of KV per token), 24 sessions, (a) holding
+# about 4 of them; a few minutes on 2 cores.
+CPU = Sizes(model="tiny", l1_gib=0.004, l2_gib=0.008, l2_all_gib=0.05, l3_gib=0.03,
+            l3_all_gib=0.05, sessions=24, context=(256, 512), user_tokens=16, gen_tokens=4,
+            hf_seconds=10.0, arrival_per_s=20.0, think_s=0.5)
 
 
 def parse() -> tuple[argparse.Namespace, Sizes]:
@@ -94,6 +115,14 @@ def parse() -> tuple[argparse.Namespace, Sizes]:
     ap.add_argument("--out", default="bench/results/e2e.json")
     ap.add_argument("--controller", choices=["ray", "local"], default="ray",
                     help="the controller's transport: the Ray actor (default) or in process")
+    ap.add_argument("--emulate-l3-gbps", default="",
+                    help="comma-separated GB/s: run --emulate-configs again with L3 on "
+                         "--emulate-dir, reads and writes each paced to that rate (labelled "
+                         "emulated; results as '<config>-em<GB/s>')")
+    ap.add_argument("--emulate-configs", default="c2",
+                    help="configurations the emulated L3 runs (of c, c2, c3)")
+    ap.add_argument("--emulate-dir", default="/dev/shm",
+                    help="a RAM-backed directory for the emulated L3")
     ap.add_argument("--compare-local", action="store_true",
                     help="run each configuration again with the in-process controller "
                          "(results as '<config>-local'; ratios of step times between them)")
@@ -104,11 +133,38 @@ def parse() -> tuple[argparse.Namespace, Sizes]:
         else:
             ap.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None)
     args = ap.parse_args()
-    sizes = FULL if args.full else QUICK
+    sizes = FULL if args.full else QUICK if args.device != "cpu" else CPU
     changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(Sizes)
                if getattr(args, f.name) is not None}
     changes = {k: tuple(v) if isinstance(v, list) else v for k, v in changes.items()}
-    return args, dataclasses.replace(sizes, **changes)
+    if "context" not in changes and changes.get("model") in MODELS:
+        # the same KV bytes per session as the 1b preset's table: fewer, larger tokens
+        scale = kv_bytes_per_token(model_config("1b")) / kv_bytes_per_token(
+            model_config(changes["model"]))
+        changes["context"] = tuple(int(c * scale) for c in sizes.context)
+    sizes = dataclasses.replace(sizes, **changes)
+    if sizes.arrival_per_s <= 0 or sizes.think_s < 0 or sizes.admit < 0:
+        raise SystemExit(f"arrivals need --arrival-per-s > 0, --think-s >= 0 and --admit >= 0, "
+                         f"got {sizes.arrival_per_s}, {sizes.think_s}, {sizes.admit}")
+    return args, sizes
+
+
+DEFINITIONS = {
+    "returning_ttft_ms": "a returning turn (a session's turn after its first): wall time from "
+                         "its engine.add_turn to the end of the step after which the session's "
+                         "Seq first holds a generated token of that turn, whatever engine "
+                         "queue it waited in; p50 and p99 per configuration",
+    "returning_ttft_from_arrival_ms": "arrivals: the same from the turn's arrival, with its "
+                                      "wait in the driver's queue (at most --admit turns in "
+                                      "the engine)",
+    "emulated": "'<config>-em<G>': the configuration with L3 on --emulate-dir (RAM), every "
+                "read_blocks and write_blocks of the worker's store paced to G GB/s (reads "
+                "and writes each on their own clock); emulated_l3 gives the bytes paced, the "
+                "time slept and the I/Os that ended after their interval (late: the store's "
+                "own path slower than the pace)",
+    "sessions_held": "rounds: sessions whose every block is in some tier after the fill round; "
+                     "arrivals: at the end of the run",
+}
 
 
 def settings(sizes: Sizes, ssd_root: str) -> dict[str, Setting]:
@@ -141,6 +197,22 @@ def main() -> None:
     rng = np.random.default_rng(sizes.seed)
     contexts = rng.integers(sizes.context[0], sizes.context[1] + 1, sizes.sessions).tolist()
     started = time.time()
+    rates = [float(g) for g in args.emulate_l3_gbps.split(",") if g.strip()]
+    emulate = [k for k in args.emulate_configs.split(",") if k] if rates else []
+    if any(g <= 0 for g in rates) or not set(emulate) <= {"c", "c2", "c3"}:
+        raise SystemExit(f"--emulate-l3-gbps needs rates > 0 ({rates}) and --emulate-configs "
+                         f"a subset of c,c2,c3 ({emulate})")
+    sizing = fit(model_config(sizes.model), sizes, wanted, emulate)
+    print("sizes against one H200 and its host:", sizing, flush=True)
+    if device.type == "cuda" and not sizing["fits"]:
+        raise SystemExit(f"these sizes do not fit one H200 (139 GiB) and its host (128 GiB): "
+                         f"{sizing}")
+    if emulate:  # the emulated L3 lives in RAM: its directory must hold the largest one
+        need = max(sizes.l3_all_gib if k == "c3" else sizes.l3_gib for k in emulate) * GiB
+        free = shutil.disk_usage(args.emulate_dir).free
+        if free < need:
+            raise SystemExit(f"--emulate-dir {args.emulate_dir} has {free / GiB:.1f} GiB free, "
+                             f"the emulated L3 needs {need / GiB:.1f} GiB")
     ssd_root = args.ssd_dir or tempfile.mkdtemp(prefix="tpkv-e2e-")
     Path(ssd_root).mkdir(parents=True, exist_ok=True)
     ceil = ceilings(device, ssd_root)
@@ -155,7 +227,8 @@ def main() -> None:
     results: dict[str, Any] = {}
     head = {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "sizes": dataclasses.asdict(sizes), "ceilings_gbps": ceil}
+            "sizes": dataclasses.asdict(sizes), "ceilings_gbps": ceil, "sizing": sizing,
+            "bound_terms": TERMS, "definitions": DEFINITIONS}
     for key, setting in settings(sizes, ssd_root).items():
         if key in wanted:
             print(f"== ({key}) {setting.label}", flush=True)
@@ -170,6 +243,19 @@ def main() -> None:
             # its L3 files go before the next configuration starts (the disk holds one L3)
             shutil.rmtree(Path(ssd_root) / f"l3-{key}", ignore_errors=True)
             write(args.out, head, results, started)  # what is done survives a cut-off run
+    for g in rates:  # L3 on a RAM-backed directory, paced: a faster disk than this one
+        for key in emulate:
+            base = settings(sizes, ssd_root)[key]
+            root = tempfile.mkdtemp(prefix="tpkv-e2e-em-", dir=args.emulate_dir)
+            em = dataclasses.replace(base, key=f"{key}-em{g:g}", ssd_root=root, emulate_gbps=g,
+                                     label=f"{base.label}, L3 emulated at {g:g} GB/s (RAM)")
+            print(f"== ({em.key}) {em.label}", flush=True)
+            try:
+                results[em.key] = run_tiered(em, sizes, contexts, device, ceil, args.controller)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            print(json.dumps(summary_line(results[em.key])), flush=True)
+            write(args.out, head, results, started)
     if "d" in wanted:
         from bench.e2e_hf import run_hf
 
@@ -194,7 +280,8 @@ def main() -> None:
         head["ceilings_gbps"] = best
         for key, r in results.items():
             if key not in ("d", "e"):
-                rerate(r, best)
+                g = r.get("emulate_gbps")
+                rerate(r, {**best, "disk_read": g, "disk_write": g} if g else best)
     out = write(args.out, head, results, started)
     print(json.dumps(out["ratios"], indent=1))
     if not args.ssd_dir:
@@ -216,8 +303,13 @@ def write(path: str, head: dict[str, Any], results: dict[str, Any], started: flo
 
 def summary_line(r: dict[str, Any]) -> dict[str, Any]:
     keys = ("sessions_held", "oom_or_failures", "decode_tokens_per_s", "step_ms_p50",
-            "step_ms_p99", "resume_ms_p50", "wall_s")
-    return {k: r.get(k) for k in keys}
+            "step_ms_p99", "resume_ms_p50", "returning_ttft_ms_p50", "returning_ttft_ms_p99",
+            "wall_s")
+    out = {k: r.get(k) for k in keys}
+    if "bound" in r:
+        out["throughput_vs_bound"] = r["bound"].get("throughput_vs_bound")
+        out["bound_limited_by"] = r["bound"]["limited_by"]
+    return out
 
 
 def ratios(results: dict[str, Any]) -> dict[str, Any]:
@@ -234,10 +326,25 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
             if a["decode_tokens_per_s"]:
                 row["decode_tokens_per_s_vs_a"] = round(
                     r["decode_tokens_per_s"] / a["decode_tokens_per_s"], 2)
+        for q in (50, 99):
+            mine, theirs = r.get(f"returning_ttft_ms_p{q}"), (a or {}).get(
+                f"returning_ttft_ms_p{q}")
+            if mine is not None:
+                row[f"returning_ttft_ms_p{q}"] = mine
+                if theirs and key != "a":
+                    row[f"returning_ttft_p{q}_vs_a"] = round(mine / theirs, 2)
+        if "bound" in r:
+            row["throughput_vs_bound"] = r["bound"].get("throughput_vs_bound")
+            row["bound_limited_by"] = r["bound"]["limited_by"]
+        if r.get("emulated"):
+            row["emulated_l3_gbps"] = r.get("emulate_gbps")
         for tier, e in r.get("resume_vs_ceiling", {}).items():
             row[f"resume_{tier}_vs_ceiling_p50"] = e
         if r.get("step_ms_traffic_vs_quiet") is not None:
             row["step_traffic_vs_quiet_p50"] = r["step_ms_traffic_vs_quiet"]
+        if r.get("step_ms_p99_traffic") and r.get("step_ms_p50_quiet"):  # issue 30: <= 1.10
+            row["step_p99_traffic_vs_quiet_p50"] = round(
+                r["step_ms_p99_traffic"] / r["step_ms_p50_quiet"], 3)
         if r.get("step_ms_traffic_vs_matched_quiet") is not None:
             row["step_traffic_vs_matched_quiet_p50"] = r["step_ms_traffic_vs_matched_quiet"]
         local = results.get(f"{key}-local")
@@ -250,7 +357,13 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
                     "decode_tokens_per_s_vs_a": ">= 2.5", "resume_vs_ceiling": "<= 1.15",
                     "step_traffic_vs_quiet": "<= 1.05 (matched: the same batch size, batch "
                                              "changed or not, nearest in KV tokens)",
-                    "step_ms_ray_vs_local": "p50 <= 1.03, p99 <= 1.05 (b2, c)"}
+                    "step_ms_ray_vs_local": "p50 <= 1.03, p99 <= 1.05 (b2, c)",
+                    "issue_30": "one config with L1+L2+L3 and the default policy (c2): "
+                                "sessions_held_vs_a >= 16 with 0 failures, throughput >= "
+                                "max(a, b) and throughput_vs_bound >= 0.85, decode step p99 "
+                                "with traffic <= 1.10x quiet, returning TTFT p50/p99 against "
+                                "(a)'s; emulated at 14 GB/s (c2-em14): sessions_held_vs_a >= 16 "
+                                "and decode_tokens_per_s_vs_a >= 2.5"}
     return out
 
 

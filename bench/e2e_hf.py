@@ -9,13 +9,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpkv.models.llama import ModelConfig
+from bench.e2e_emulate import model_config
 
 
 def hf_model(name: str, device: torch.device) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    c = ModelConfig.preset(name)
+    c = model_config(name)
     cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
                       intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
                       num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,

@@ -53,6 +53,16 @@ def plot(result: dict, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def _order(cfgs: dict) -> list[str]:
+    """The configurations in ORDER, each followed by its emulated-L3 runs ('c2-em14')."""
+    out = []
+    for k in ORDER:
+        out += [k] if k in cfgs else []
+        out += sorted((e for e in cfgs if e.startswith(f"{k}-em")),
+                      key=lambda e: float(e.split("-em")[1]))
+    return out
+
+
 def _f(x: object, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
@@ -60,11 +70,11 @@ def _f(x: object, digits: int = 1) -> str:
 def markdown(result: dict) -> str:
     cfgs, ratios = result["configs"], result["ratios"]
     lines = ["| config | sessions held | failures | gen tok/s | step p50 / p99 ms | "
-             "resume p50 / p99 ms by source | resume / ceiling (p50) |",
-             "|---|---|---|---|---|---|---|"]
-    for k in ORDER:
-        if k not in cfgs:
-            continue
+             "resume p50 / p99 ms by source | resume / ceiling (p50) | "
+             "returning TTFT p50 / p99 ms | vs bound (limited by) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    order = _order(cfgs)
+    for k in order:
         c = cfgs[k]
         res = ", ".join(f"{s}: {_f(c.get(f'resume_ms_p50_{s}'))} / "
                         f"{_f(c.get(f'resume_ms_p99_{s}'))}"
@@ -72,18 +82,27 @@ def markdown(result: dict) -> str:
         if k == "d":
             res = f"turn TTFT: {_f(c.get('resume_ms_p50'))} / {_f(c.get('resume_ms_p99'))}"
         vs = ", ".join(f"{s}: {v:.2f}" for s, v in c.get("resume_vs_ceiling", {}).items())
+        b = c.get("bound") or {}
+        bound = (f"{_f(b.get('throughput_vs_bound'), 2)} ({b['limited_by'].removesuffix('_s')})"
+                 if b else "-")
         lines.append(f"| ({k}) {c['label']} | {c['sessions_held']} of {c['sessions']} | "
                      f"{c['oom_or_failures']} | {_f(c['decode_tokens_per_s'])} | "
-                     f"{_f(c['step_ms_p50'])} / {_f(c['step_ms_p99'])} | {res} | {vs or '-'} |")
+                     f"{_f(c['step_ms_p50'])} / {_f(c['step_ms_p99'])} | {res} | {vs or '-'} | "
+                     f"{_f(c.get('returning_ttft_ms_p50'))} / "
+                     f"{_f(c.get('returning_ttft_ms_p99'))} | {bound} |")
     lines.append("")
-    lines.append("| ratio | " + " | ".join(f"({k})" for k in ORDER if k in ratios) + " | goal |")
-    lines.append("|---|" + "---|" * (len([k for k in ORDER if k in ratios]) + 1))
+    cols = [k for k in order if k in ratios]
+    lines.append("| ratio | " + " | ".join(f"({k})" for k in cols) + " | goal |")
+    lines.append("|---|" + "---|" * (len(cols) + 1))
     for name, goal in (("sessions_held_vs_a", ">= 16"), ("decode_tokens_per_s_vs_a", ">= 2.5"),
+                       ("throughput_vs_bound", ">= 0.85"),
+                       ("returning_ttft_p50_vs_a", "-"), ("returning_ttft_p99_vs_a", "-"),
+                       ("step_p99_traffic_vs_quiet_p50", "<= 1.10"),
                        ("step_traffic_vs_quiet_p50", "-"),
                        ("step_traffic_vs_matched_quiet_p50", "<= 1.05"),
                        ("resume_l2_vs_ceiling_p50", "<= 1.15"),
                        ("resume_l3_vs_ceiling_p50", "<= 1.15")):
-        vals = [_f(ratios[k].get(name), 2) for k in ORDER if k in ratios]
+        vals = [_f(ratios[k].get(name), 2) for k in cols]
         lines.append(f"| {name} | " + " | ".join(vals) + f" | {goal} |")
     return "\n".join(lines)
 

@@ -1,0 +1,210 @@
+"""bench/e2e.py at toy size on the CPU: TTFT of returning turns, the bound, arrivals, the paced
+emulated L3 and the 8B shape."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from bench.e2e import CPU, settings
+from bench.e2e_arrive import schedule
+from bench.e2e_bound import TERMS, bound, quiet_decode_s
+from bench.e2e_emulate import Pace, fit, kv_bytes_per_token, model_config
+from bench.e2e_run import run_tiered
+
+# 8 sessions of 128..256 tokens of the tiny model (1.5 KiB of KV per token); L1 holds 2 of
+# them at once, (b)'s L2 about 3, so returns recompute (a) or load from L2 / L3 (c2).
+TOY = dataclasses.replace(CPU, sessions=8, context=(128, 256), l1_gib=0.0011, l2_gib=0.0012,
+                          l3_gib=0.01, l3_all_gib=0.01, user_tokens=8, gen_tokens=3,
+                          arrival_per_s=50.0, think_s=0.05)
+CEIL = {"disk_read": 2.0, "disk_write": 2.0}  # GB/s: no probe of this machine's disk here
+CPU_DEV = torch.device("cpu")
+
+
+def _contexts(sizes: Any) -> list[int]:
+    rng = np.random.default_rng(sizes.seed)
+    return rng.integers(sizes.context[0], sizes.context[1] + 1, sizes.sessions).tolist()
+
+
+def _run(key: str, tmp: Path, sizes: Any = TOY, gbps: float = 0.0) -> dict[str, Any]:
+    s = settings(sizes, str(tmp))[key]
+    if gbps:
+        s = dataclasses.replace(s, key=f"{key}-em{gbps:g}", emulate_gbps=gbps)
+    return run_tiered(s, sizes, _contexts(sizes), CPU_DEV, dict(CEIL), "local")
+
+
+def _check(r: dict[str, Any], sizes: Any) -> None:
+    """Every returning turn timed, a bound whose terms add up, no failure."""
+    assert r["oom_or_failures"] == 0, r["failures"]
+    returning = sizes.sessions * (sizes.rounds - 1)
+    assert r["returning_turns_timed"] == returning
+    assert r["returning_turns_without_first_token"] == 0
+    back = [t for t in r["ttft_records"] if t["returning"]]
+    assert len(back) == returning and all(t["ttft_ms"] > 0 for t in back)
+    assert 0 < r["returning_ttft_ms_p50"] <= r["returning_ttft_ms_p99"]
+    b = r["bound"]
+    assert 0 < b["throughput_vs_bound"] <= 1.5
+    assert b["gpu_s"] == pytest.approx(b["work"]["gpu_decode_s"] + b["work"]["gpu_prefill_s"],
+                                       abs=2e-4)
+    assert b["work"]["gpu_decode_s"] > 0 and b["work"]["gpu_prefill_s"] > 0
+    assert b["bound_s"] == max(b[k] for k in ("gpu_s", "disk_read_s", "disk_write_s"))
+    assert b["work"]["tokens"] == returning * sizes.gen_tokens
+    assert b["bound_tokens_per_s"] == pytest.approx(b["work"]["tokens"] / b["bound_s"], rel=1e-2)
+
+
+def test_rounds_report_returning_ttft_and_bound(tmp_path: Path) -> None:
+    a, c2 = _run("a", tmp_path), _run("c2", tmp_path)
+    for r in (a, c2):
+        _check(r, TOY)
+        assert r["mode"] == "rounds"
+    assert a["recompute_tokens"] > 0  # (a) recomputes what L1 lost
+    assert c2["bound"]["work"]["bytes"]["l2_l3"] > 0  # (c2) spilled to L3
+    assert c2["bound"]["disk_write_s"] == pytest.approx(
+        c2["bound"]["work"]["bytes"]["l2_l3"] / 2e9, abs=1e-4)
+
+
+def test_arrivals_time_turns_from_add_and_arrival(tmp_path: Path) -> None:
+    sizes = dataclasses.replace(TOY, arrivals=1)
+    r = _run("c2", tmp_path, sizes)
+    _check(r, sizes)
+    assert r["mode"] == "arrivals"
+    arr = r["arrivals"]
+    assert arr["admit"] >= 1 and arr["busy_s"] == pytest.approx(r["bound"]["work"]["measured_s"],
+                                                              rel=1e-3)
+    # turns past the admission limit waited in the driver's queue: counted from arrival
+    if any(t["queued_ms"] for t in r["ttft_records"] if t["returning"]):
+        assert r["returning_ttft_from_arrival_ms_p50"] >= r["returning_ttft_ms_p50"]
+
+
+def test_emulated_l3_paces_every_read_and_write(tmp_path: Path) -> None:
+    # (c3): every return loads (the cost model, told 20 MB/s, would recompute them otherwise)
+    r = _run("c3", tmp_path, gbps=0.02)  # 20 MB/s: slower than any disk here
+    _check(r, TOY)
+    em = r["emulated_l3"]
+    assert r["emulated"] and r["emulate_gbps"] == 0.02
+    assert em["writes"]["bytes"] == r["bytes"]["l2_l3"] > 0  # every spill, paced
+    assert em["reads"]["bytes"] > 0 and em["paced_read_share"] == 1.0
+    assert r["bound"]["rates_gbps"]["disk_read"] == 0.02  # the bound uses the pace
+    assert em["reads"]["sleep_s"] > 0  # the reads waited for the pace
+
+
+def test_arrival_schedule_is_seeded_poisson() -> None:
+    sizes = dataclasses.replace(TOY, arrival_per_s=4.0, think_s=3.0, rounds=3)
+    arrive, think = schedule(sizes, 4000)
+    again, _ = schedule(sizes, 4000)
+    assert np.array_equal(arrive, again) and arrive[0] == 0.0
+    assert np.all(np.diff(arrive) > 0)
+    assert np.mean(np.diff(arrive)) == pytest.approx(0.25, rel=0.05)
+    assert think.shape == (4000, 2) and np.mean(think) == pytest.approx(3.0, rel=0.05)
+
+
+def test_bound_is_the_busiest_resource() -> None:
+    work = {"gpu_decode_s": 1.0, "gpu_prefill_s": 0.5, "measured_s": 3.0, "tokens": 300,
+            "bytes": {"l2_l1": 10 * 10**9, "l1_l2": 0, "l3_l2": 8 * 10**9, "l2_l3": 2 * 10**9}}
+    b = bound(work, {"h2d": 50.0, "d2h": 50.0, "disk_read": 4.0, "disk_write": 4.0})
+    assert b["gpu_s"] == 1.5 and b["pcie_h2d_s"] == 0.2 and b["disk_read_s"] == 2.0
+    assert b["limited_by"] == "disk_read_s" and b["bound_s"] == 2.0
+    assert b["throughput_vs_bound"] == pytest.approx(2 / 3, abs=1e-3)
+    assert b["bound_tokens_per_s"] == 150.0
+    assert set(TERMS) >= {k for k in b if k not in ("work", "rates_gbps")}
+
+
+def test_quiet_decode_takes_steps_alike() -> None:
+    # (ms, moved, batch, kv tokens, changed): quiet steps of batch 2 take 5 ms, of batch 3
+    # 7 ms; the steps with traffic (20 ms) count at the quiet time of their batch size
+    steps = [(5.0, False, 2, 100, False)] * 4 + [(7.0, False, 3, 150, False)] * 4 + [
+        (20.0, True, 3, 150, True), (20.0, True, 2, 100, True)]
+    assert quiet_decode_s(steps, 8) == pytest.approx(0.012)
+    assert quiet_decode_s(steps, 0) == pytest.approx((4 * 5 + 4 * 7 + 12) / 1e3)
+
+
+def test_pace_holds_the_rate_across_threads() -> None:
+    import threading
+
+    pace = Pace(0.1)  # 100 MB/s: 8 I/Os of 2 MB take at least 160 ms however many threads
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=pace.wait, args=(2_000_000, time.perf_counter()))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    took = time.perf_counter() - t0
+    assert took >= 0.155 and pace.bytes == 16_000_000 and pace.calls == 8
+
+
+def test_8b_shape_fits_one_h200_and_its_host() -> None:
+    cfg = model_config("8b")
+    assert kv_bytes_per_token(cfg) == 128 * 1024
+    assert cfg.num_params() == pytest.approx(8.03e9, rel=0.01)
+    from bench.e2e import FULL
+
+    sizes = dataclasses.replace(FULL, model="8b", context=(2048, 4096))
+    f = fit(cfg, sizes, ["a", "b", "b2", "c", "c2", "c3"], ["c2"])
+    assert f["fits"] and f["gpu_gib"] < 139 and f["host_gib"] < 128
+    assert f["mean_session_gib"] == pytest.approx(0.375)  # as the 1b table's sessions
+    too_big = dataclasses.replace(sizes, l2_all_gib=130.0)
+    assert not fit(cfg, too_big, ["b2"], [])["fits"]
+
+
+class _LoadingEngine:
+    """An engine whose returning turns first wait in a queue of their own (`loading`, neither
+    waiting nor running) and whose Seq takes the turn's prompt, and drops the last turn's
+    tokens, only when it leaves that queue."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        from tpkv.models.engine import Seq
+
+        self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=100))
+        self.seqs = {"s0": Seq("s0", token_ids=[1, 2, 3, 9], num_cached=3, generated=[9])}
+        self.loading: list[tuple[str, list[int]]] = []
+        self.waiting: list[Any] = []
+        self.running: list[Any] = []
+
+    def add_turn(self, session: str, tokens: list[int], gen: int) -> None:
+        self.loading.append((session, list(tokens)))
+
+    def prefill(self) -> None:  # the load is done: the turn is prefilled, one token sampled
+        session, tokens = self.loading.pop(0)
+        seq = self.seqs[session]
+        seq.token_ids.extend(tokens)
+        seq.generated = [7]
+        seq.token_ids.append(7)
+
+
+def test_ttft_counts_time_in_any_engine_queue() -> None:
+    from types import SimpleNamespace
+
+    from bench.e2e_run import Rounds
+
+    engine = _LoadingEngine()
+    rounds = Rounds(SimpleNamespace(engine=engine), TOY, [8], 1, {})  # type: ignore[arg-type]
+    rounds.add_turn("s0", [4, 5], 3, returning=True, turn=1)
+    time.sleep(0.05)
+    rounds._first_tokens(time.perf_counter())  # a step went by: the turn is still loading
+    assert rounds.ttft == [] and "s0" in rounds._first_token
+    engine.prefill()
+    rounds._first_tokens(time.perf_counter())
+    (rec,) = rounds.ttft
+    assert rec["returning"] and rec["turn"] == 1 and rec["ttft_ms"] >= 50.0
+    assert rounds._first_token == {}
+
+
+def test_emulated_setting_tells_the_cost_model_its_pace(tmp_path: Path) -> None:
+    from bench.e2e_setup import config_for, model_for
+
+    s = dataclasses.replace(settings(TOY, str(tmp_path))["c2"], emulate_gbps=14.0)
+    cfg = config_for(s, model_for("tiny", CPU_DEV), TOY.block_tokens, cuda=True)
+    assert cfg.policy.ssd_read_bytes_per_s == 14e9  # not the 2.1 GB/s start value
+    assert not cfg.l3.o_direct  # a RAM file system takes no O_DIRECT
+    plain = config_for(settings(TOY, str(tmp_path))["c2"], model_for("tiny", CPU_DEV),
+                       TOY.block_tokens, cuda=True)
+    assert plain.l3.o_direct and plain.policy.ssd_read_bytes_per_s != 14e9
