@@ -96,6 +96,27 @@ def test_lost_blocks_are_recomputed_after_invalidate():
     assert list(second.token_ids) == want
 
 
+def test_a_report_counts_the_tokens_a_schedule_sends_back_for_recompute():
+    """A schedule that loses blocks (engine.invalidate, as the tiers do for a recompute): the
+    step feeds those tokens again, and its report counts every token it wrote."""
+    model, (turn1, turn2) = _model(), _prompts([13, 6], seed=8)
+    engine = PagedEngine(model, _pool(model, 16))
+    local = engine.schedule
+    reports: list[StepReport] = []
+
+    def losing(sessions: list[str], new: list[int]):  # type: ignore[no-untyped-def]
+        if engine.seqs["s"].num_cached:  # the second turn: all but the first block lost
+            engine.invalidate("s", keep_tokens=BT)
+        return local(sessions, new)
+
+    engine.schedule, engine.report = losing, reports.append
+    engine.add_turn("s", turn1, 1)
+    engine.run()
+    engine.add_turn("s", turn2, 1)
+    engine.run()
+    assert [r.num_new_tokens for r in reports] == [(13,), (13 + 1 + 6 - BT,)]
+
+
 def test_step_loop_runs_multi_turn_sessions_like_dense():
     model = _model()
     prompts = dict(zip(["x", "y", "z", "w"], _prompts([3, 18, 9, 5], seed=4)))

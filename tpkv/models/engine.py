@@ -61,7 +61,7 @@ class StepReport:
     tick: int
     kind: Literal["prefill", "decode"]
     tables: StepTables  # as `schedule` returned them
-    num_new_tokens: tuple[int, ...]  # [B] tokens whose K/V this step wrote
+    num_new_tokens: tuple[int, ...]  # [B] tokens whose K/V this step wrote (recomputed too)
     output: StepOutput
     forward_s: float  # wall time of forward + sample (includes the device sync of sampling)
 
@@ -195,6 +195,7 @@ class PagedEngine:
             return []
         new = [s.num_uncached for s in seqs]
         tables = self.schedule([s.session for s in seqs], new)  # L1 slot of every block
+        fed = tuple(s.num_uncached for s in seqs)  # with tokens the schedule lost (recompute)
         self.wait(tables)  # the step's plans are applied: its blocks are in L1
         t0 = time.perf_counter()
         self._step = (kind, seqs)
@@ -203,7 +204,7 @@ class PagedEngine:
         finally:
             self._step = None
         self.tick += 1
-        self.report(StepReport(self.tick, kind, tables, tuple(new), out,
+        self.report(StepReport(self.tick, kind, tables, fed, out,
                                time.perf_counter() - t0))
         return self._postprocess(kind, seqs)
 
