@@ -190,6 +190,7 @@ class Rounds:
         """One engine step, recorded; returns the batch's size (tokens made) and the turns
         it finished."""
         e, st = self.engine, self.tiered.stats
+        e.admit_pending()  # whom the step runs, in waiting and running
         kind = "prefill" if e.waiting else "decode"
         session = e.waiting[0].session if e.waiting else None
         returning = session is not None and self._returning.get(session, False)

@@ -151,6 +151,7 @@ class PagedEngine:
         self.running: list[Seq] = []  # turns decoding
         self.tick = 0
         self._step: tuple[str, list[Seq]] | None = None  # the step() in progress
+        self._admitted = False  # admit_pending() ran for the coming step
 
     # ---- the step loop ---------------------------------------------------------------------
     def add_turn(self, session: str, prompt_token_ids: Sequence[int], max_new_tokens: int) -> None:
@@ -189,7 +190,9 @@ class PagedEngine:
     def step(self) -> list[Finished]:
         """One step: admit -> schedule -> wait for the step's blocks -> forward -> sample ->
         report."""
-        self._admit()
+        if not self._admitted:
+            self.admit_pending()
+        self._admitted = False
         kind, seqs = self._pick()
         if not seqs:
             return []
@@ -208,9 +211,12 @@ class PagedEngine:
                                time.perf_counter() - t0))
         return self._postprocess(kind, seqs)
 
-    def _admit(self) -> None:
-        """The admit hook's choice: turns it lets in queue for the batch (those outside it
-        first, then the ones just added); the others wait outside."""
+    def admit_pending(self) -> None:
+        """The admit hook's choice for the coming step (step() makes it, once, unless called
+        first, e.g. to see what the step will run in `waiting` and `running`): turns it lets in
+        queue for the batch (those outside it first, then the ones just added); the others
+        wait outside."""
+        self._admitted = True
         if self.admit is None or not (self.arrived or self.returning):
             return
         back, new = self.returning, self.arrived
