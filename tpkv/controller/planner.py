@@ -135,11 +135,12 @@ def _make_l2_room(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, short: i
             b.events.append({"kind": "drop_l2", "blocks": len(rows), "sessions": len(units)})
         return
     if ctx.l3_load_s_per_block > ctx.recompute_s_per_block > 0 and len(rows):
-        # Loading these blocks back from L3 would take longer than even a prefill that delays
-        # nobody: the cost model would recompute them, so writing them costs disk for nothing.
+        # Loading these blocks back from L3 would take longer than a prefill, weighed by the
+        # sessions it delays now: the cost model would recompute them, so writing them costs
+        # disk for nothing.
         b.drop(rows)
         b.events.append({"kind": "drop_l2", "blocks": len(rows), "sessions": len(units),
-                         "why": "recompute beats a load from L3"})
+                         "why": "recompute beats a load from L3"})  # (as weighed now)
         return
     cap3 = t.slots(SSD)
     headers = _l3_headers(b, units)

@@ -205,9 +205,12 @@ def _plan(ctx: StepContext, b: PlanBuilder, needs: StepNeeds, tick: int) -> np.n
     prep = ctx.prepared
     stale = (np.concatenate([needs.batch, np.asarray(prep.changed, dtype=np.int64)])
              if prep is not None and prep.tick == tick else _EMPTY)
+    # A recompute delays every other session of the step and those decoding beside it (named
+    # upcoming): spill="cost" keeps (spills) what the cost model would load back under that load
+    weight = 1.0 + pol.gpu_share_weight * max(len(needs.batch) + len(needs.upcoming) - 1, 0)
     plan = PlanContext(pol, ctx.marks, ctx.l3_enabled, tick, ctx.now_s(), threshold,
                        ctx.draining, ctx.eviction_orders,
-                       load_s if pol.spill == "cost" else 0.0, recompute_s,
+                       load_s if pol.spill == "cost" else 0.0, recompute_s * weight,
                        prep, stale, ctx.order_asks, ctx.order_rebuilds)
     return plan_step(plan, b, needs).astype(np.int64)
 
