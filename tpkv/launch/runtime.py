@@ -18,6 +18,7 @@ from tpkv.launch.bootstrap import RankContext, shutdown_ray
 from tpkv.launch.collective import all_results, as_step, from_rank0, misses_hit_batch
 from tpkv.launch.link import Link, make_link
 from tpkv.launch.sent import SentCalls
+from tpkv.launch.session_calls import SessionCalls
 from tpkv.limits import MAX_SESSION_TOKENS, check_counts
 from tpkv.protocol.messages import (
     StepResult,
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class TpkvRuntime:
+class TpkvRuntime(SessionCalls):
     """What `tpkv.init` returns on every rank. Rank 0 talks to the controller; every call that
     changes the controller runs there and its answer (or typed error) reaches every rank by one
     broadcast, so all ranks run the same code with the same arguments.
@@ -93,55 +94,6 @@ class TpkvRuntime:
         if self.link is None:
             raise TpkvError(f"rank {self.rank} has no controller link (rank 0 talks to it)")
         return self.link
-
-    # ---- session calls (run on rank 0, answered everywhere) -------------------------------
-    def open_session(self, session_id: str, num_tokens: int = 0) -> int:
-        handle = int(self._on_rank0("open_session", session_id=session_id,
-                                    num_tokens=num_tokens))
-        self.opened.add(session_id)  # a rebuilt controller gets it back even with no block
-        return handle
-
-    def extend_session(self, session_id: str, num_tokens: int) -> None:
-        self._on_rank0("extend_session", session_id=session_id, num_tokens=num_tokens)
-
-    def close_session(self, session_id: str) -> int:
-        freed = int(self._on_rank0("close_session", session_id=session_id))
-        self.opened.discard(session_id)
-        self.credits.drop(session_id)
-        self.closing.add(session_id)  # the ranks release its blocks with the next step
-        self.pins.pop(session_id, None)
-        self._drop_l3(session_id)
-        return freed
-
-    def _drop_l3(self, session_id: str) -> None:
-        """Closed means deleted: this rank's L3 files of the session go now, not with the next
-        step (which may never come); its spills in flight finish first, so none lands after."""
-        store = self.worker.store
-        if store is None:
-            return
-        self.worker.executor.wait_spills(time.monotonic() + self.timeout_s,
-                                         names={session_id})
-        try:
-            store.drop_session(session_id)
-        except (errors.SsdError, OSError) as exc:  # the next step's delete tries again
-            log.warning("rank %d: L3 files of closed session %r not deleted: %s", self.rank,
-                        session_id, exc)
-
-    def pin(self, session_id: str, start: int = 0, stop: int | None = None) -> int:
-        n = int(self._on_rank0("pin", session_id=session_id, start=start, stop=stop))
-        # kept here too: a rebuilt controller gets its pins back from the ranks
-        self.pins.setdefault(session_id, []).append((start, start + n if stop is None else stop))
-        return n
-
-    def controller_slot_map(self) -> dict[str, Any]:
-        """The controller's authoritative map on every rank (for checks and tests)."""
-
-        def fetch() -> dict[str, Any]:
-            self._check_commits(wait=True)
-            return dict(self._call("slot_map"))
-
-        self.settle_ahead()
-        return dict(self.from_rank0(fetch, "slot map"))
 
     # ---- the step ----------------------------------------------------------------------------
     def schedule_ahead(self, session_ids: Sequence[str], num_new_tokens: Sequence[int],
