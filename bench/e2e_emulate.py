@@ -84,21 +84,23 @@ class Pace:
 
 
 class PacedStore:
-    """Paces a built SsdStore's read_blocks and write_blocks (its reader and writer threads
-    call them through the instance, so the worker's store is paced in place); the library is
-    untouched. paced_read_share: the bytes paced over those the store's read meter counted
-    (below 1: some read path bypasses read_blocks and ran at RAM speed)."""
+    """Paces a built SsdStore's disk reads (its session reader's `read`, which a step's
+    reads and the reads ahead of returning sessions both call through the instance; blocks
+    served from what was read ahead are memory copies, not paced) and its write_blocks (its
+    writer threads call it through the instance), in place; the library is untouched.
+    paced_read_share: the bytes paced over those the store's read meter counted (below 1:
+    some disk read bypassed the paced path and ran at RAM speed)."""
 
     def __init__(self, store: Any, gbps: float) -> None:
         self.store, self.gbps = store, gbps
         self.reads, self.writes = Pace(gbps), Pace(gbps)
-        read, write, bb = store.read_blocks, store.write_blocks, store.block_bytes
+        disk = store._sessions  # noqa: SLF001 (the emulation's one hook into the store)
+        read, write, bb = disk.read, store.write_blocks, store.block_bytes
 
-        def read_blocks(session_id: str, logical_idx: Any, out: Any) -> Any:
+        def read_records(sid: str, paths: Any, indices: Any, out: Any, hits: Any) -> None:
             began = time.perf_counter()
-            hits = read(session_id, logical_idx, out)
+            read(sid, paths, indices, out, hits)
             self.reads.wait(len(out) * bb, began)
-            return hits
 
         def write_blocks(session_id: str, logical_idx: Any, blocks: Any) -> int:
             began = time.perf_counter()
@@ -106,7 +108,7 @@ class PacedStore:
             self.writes.wait(len(blocks) * bb, began)
             return int(added)
 
-        store.read_blocks, store.write_blocks = read_blocks, write_blocks
+        disk.read, store.write_blocks = read_records, write_blocks
 
     def stats(self) -> dict[str, Any]:
         metered = self.store.read_stats().bytes

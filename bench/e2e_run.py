@@ -76,6 +76,12 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         # steps planned ahead and used as planned, or applied without their forward
         r["ahead_steps"] = {"used": rt.num_ahead_used, "unused": rt.num_ahead_unused}
         r["chained_moves"] = rt.worker.executor.num_chained  # L2 -> L1 moves issued during reads
+        # turns back from L3: read ahead while they waited outside the batch (sessions, and the
+        # blocks their steps took from memory), or sent in to be recomputed (models/returns.py)
+        ahead = rt.worker.store.ahead if rt.worker.store is not None else None
+        r["returns"] = {"read_ahead": tiered.returns.num_read_ahead,
+                        "recomputed": tiered.returns.num_recomputed,
+                        "served_blocks": ahead.num_served if ahead is not None else 0}
         gate = getattr(rt.worker.store, "_gate", None)
         if gate is not None:  # spill pieces that waited for a resume's reads
             r["l3_write_pauses"] = gate.num_pauses

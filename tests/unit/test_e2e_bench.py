@@ -92,6 +92,9 @@ def test_emulated_l3_paces_every_read_and_write(tmp_path: Path) -> None:
     assert em["reads"]["bytes"] > 0 and em["paced_read_share"] == 1.0
     assert r["bound"]["rates_gbps"]["disk_read"] == 0.02  # the bound uses the pace
     assert em["reads"]["sleep_s"] > 0  # the reads waited for the pace
+    # the returns were read ahead at the pace while they waited outside the batch, and their
+    # steps took the blocks from memory
+    assert r["returns"]["read_ahead"] > 0 and r["returns"]["served_blocks"] > 0, r["returns"]
 
 
 def test_arrival_schedule_is_seeded_poisson() -> None:
