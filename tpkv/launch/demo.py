@@ -113,6 +113,9 @@ def print_summary(out: dict[str, Any], console: Console) -> None:
         if r["count"]:
             t.add_row(f"resume from {tier.upper()} (mean / p99 ms)",
                       f"{r['mean_ms']:.1f} / {r['p99_ms']:.1f} over {r['count']}")
+    if "returns" in out:
+        t.add_row("turns back from L3 read ahead outside the batch / sent in to recompute",
+                  f"{out['returns']['read_ahead']} / {out['returns']['recomputed']}")
     t.add_row("tokens recomputed after a drop or miss", str(out["recompute_tokens"]))
     t.add_row("decode tokens/s", f"{out['decode_tokens_per_s']:.0f}")
     console.print(t)

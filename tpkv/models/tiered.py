@@ -408,5 +408,7 @@ def run_tiered_demo(rt: TpkvRuntime, model: Llama, workload_cfg: Any, seconds: f
             "tiers": tier_summary(rt), "moves": dict(s.moves), "bytes": dict(s.bytes),
             "kept_moves": s.kept_moves, "kept_spills": s.kept_spills, "resume_latency": resume,
             "recompute_tokens": s.recompute_tokens, "retries": s.retries,
+            "returns": {"read_ahead": tiered.returns.num_read_ahead,
+                        "recomputed": tiered.returns.num_recomputed},
             "decode_tokens": decode_tokens,
             "decode_tokens_per_s": decode_tokens / decode_s if decode_s else 0.0}
