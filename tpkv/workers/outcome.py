@@ -40,6 +40,7 @@ class ExecOutcome:
     # apart from each other in time: their device time is their sum, not their span
     ahead_spans: int = 0
     num_ahead: int = 0  # moves issued so
+    spills_written_below: int = 0  # SpillTracker.written_below once the plan ran
 
     def elapsed_ns(self) -> int:
         """Host time, or the GPU time of its copies if longer (call once they are done)."""

@@ -231,6 +231,13 @@ class SpillTracker:
         return min([sp.epoch for sp in self.running] + [c.epoch for c in self.commits],
                    default=self.last_epoch + 1)
 
+    def written_below(self) -> int:
+        """The epoch below which this rank's spills have all written (read their L2 slots no
+        more), finished or not; the controller hands those slots out before others
+        (MoveResult.spills_written_below)."""
+        return min([sp.epoch for sp in self.running if not sp.future.done()],
+                   default=self.last_epoch + 1)
+
     def report(self) -> tuple[bytes, int]:
         """This rank's SpillLedger report for the next confirmation or agreement."""
         assert self.ledger is not None
