@@ -249,7 +249,7 @@ class PlanBuilder:
         if self._held_spill:  # under the other free slots until reported written
             held = self._held_spill
             self.t.free[DRAM].push_cooling(held[0] if len(held) == 1 else np.concatenate(held),
-                                           self.epoch, *self.t.pace.stamp())
+                                           self.epoch, self.t.pace.step)
             held.clear()
         for rows, slots in self._to_keep:  # promoted: their L2 slots hold their bytes still;
             # kept only while L2 has room to spare: under pressure they would be given back

@@ -34,7 +34,7 @@ class SlotStack:
         self.name = name
         self.reuse_oldest = reuse == "oldest"
         # Spills whose slots are cooling, oldest first: [epoch, slots still free here, blocks
-        # it spilled, step and time (ns) it was pushed at]; `cool`: the second column's sum
+        # it spilled, step it was pushed at]; `cool`: the second column's sum
         self.cooling: deque[list[int]] = deque()
         self.cool = 0
         self._place(np.arange(size - 1, -1, -1, dtype=np.int32), size)
@@ -93,8 +93,7 @@ class SlotStack:
             self.stack[self.top:self.top + n] = group
         self.top += n
 
-    def push_cooling(self, slots: np.ndarray, epoch: int, step: int = 0, at_ns: int = 0
-                     ) -> None:
+    def push_cooling(self, slots: np.ndarray, epoch: int, step: int = 0) -> None:
         """Free `slots`, which the spill of plan `epoch` still reads: under every free slot."""
         n = len(slots)
         if n == 0:
@@ -103,7 +102,7 @@ class SlotStack:
         self._under(np.sort(slots)[::-1] if n > 1 else slots, 0)
         self.top += n
         self.cool += n
-        self.cooling.append([epoch, n, n, step, at_ns])
+        self.cooling.append([epoch, n, n, step])
         while len(self.cooling) > MAX_COOLING and self.cooling[0][1] == 0:
             self.cooling.popleft()  # no reports come (ranks that do not send them)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 
 from tpkv.config import PolicyConfig
@@ -17,53 +16,41 @@ class SpillPacer:
     """What the controller knows of the ranks' spills (background L2 -> L3 writes): the L2
     slots they may still read lie in the L2 SlotStack as cooling slots (handed out last),
     until a confirmation reports them written (MoveResult.spills_written_below); from those
-    reports, the disk's write rate and the steps a spill takes until reported; and the L2
-    intake (demotions, L3 reads) of recent steps.
+    reports, the disk's write rate as the ranks' spills measure it (spill_write_bytes_per_s)
+    and the steps a spill takes until reported; and the L2 intake (demotions, L3 reads) of
+    recent steps.
 
     From them, ahead(): how many blocks a step spills beyond its need, so that by the time
     the next steps copy into L2 their slots are clean (no spill reads them, so no copy waits
-    for the disk): L2 keeps free the largest recent intake times (1 + the steps a spill
-    takes), as long as the spills in flight stay within what the disk writes in
+    for the disk): L2 keeps free the largest recent intake plus the mean intake over the
+    steps a spill takes, as long as the spills in flight stay within what the disk writes in
     `spill_queue_s` (PolicyConfig) at its measured rate. Off (`enabled` False): spilled slots
-    are freed like others and nothing is spilled ahead."""
+    are freed like others (PlanBuilder) and nothing is spilled ahead."""
 
     def __init__(self, policy: PolicyConfig | None = None, block_bytes: int = 1) -> None:
         p = policy or PolicyConfig(spill_pacing=False)
         self.enabled = p.spill_pacing
         self.block_bytes = max(int(block_bytes), 1)
         self.queue_s = p.spill_queue_s
-        self.rate = float(p.ssd_write_bytes_per_s)  # bytes/s per rank; measured from reports
-        self.samples = 0
+        self.rate = float(p.ssd_write_bytes_per_s)  # bytes/s per rank; measured by the ranks
+        self.samples = 0  # confirmations that carried a measured rate
         self.lag = 1.0  # steps from a spill's plan until a confirmation reports it written
         self.step = 0  # steps planned
         self.recent: deque[int] = deque(maxlen=_RECENT_STEPS)  # L2 intake of recent steps
-        self._last_ns = 0  # when a report last marked spills written (monotonic)
 
-    def stamp(self) -> tuple[int, int]:
-        """(step, monotonic ns) a spill is made at, for SlotStack.push_cooling."""
-        return self.step, time.monotonic_ns()
-
-    def written(self, stack: SlotStack, below: int) -> None:
-        """A confirmation: every rank's spills of plans before `below` are written (0: no
-        report). Their slots are clean; the disk's rate and the spills' lag are sampled."""
-        if not self.enabled or below <= 0:
+    def written(self, stack: SlotStack, below: int, rate: int = 0) -> None:
+        """A confirmation: every rank's spills of plans before `below` are written (0: not
+        reported), and the disk writes `rate` bytes/s as the slowest rank's spills measure it
+        (0: not measured). Those spills' slots are clean; their lag in steps is sampled."""
+        if not self.enabled:
             return
-        done = stack.cooled_below(below)
-        if not done:
-            return
-        now = time.monotonic_ns()
-        lag = sum(self.step - d[3] for d in done) / len(done)
-        self.lag = (1 - _EMA) * self.lag + _EMA * lag
-        start = max(self._last_ns, min(d[4] for d in done))
-        self._last_ns = now
-        if now <= start:
-            return
-        sample = sum(d[2] for d in done) * self.block_bytes / ((now - start) / 1e9)
-        # The disk was busy all along only while spills remain: else the sample counts idle
-        # time, and only one above the estimate is taken
-        if stack.cooling or sample > self.rate:
+        if rate > 0:
+            self.rate = float(rate)
             self.samples += 1
-            self.rate = sample if self.samples == 1 else (1 - _EMA) * self.rate + _EMA * sample
+        done = stack.cooled_below(below) if below > 0 else []
+        if done:
+            # (a decaying maximum: planned for, a spill slower than the average costs a wait)
+            self.lag = max(float(max(self.step - d[3] for d in done)), (1 - _EMA) * self.lag)
 
     def stepped(self, intake: int) -> None:
         """A step was planned that copies `intake` blocks into L2."""

@@ -67,7 +67,8 @@ def all_results(ctx: RankContext, report: StepReport, exchange: bool
             own.status if rows is None else int(rows[r, 3]) & ~STATUS_MISSES,
             own.miss_block_ids,
             own.bytes_h2d, own.bytes_d2h, own.bytes_ssd_read, own.bytes_ssd_write,
-            own.elapsed_ns, own.spills_written_below) for r in range(ctx.world_size)])
+            own.elapsed_ns, own.spills_written_below, own.spill_write_bytes_per_s)
+            for r in range(ctx.world_size)])
     return out
 
 
