@@ -52,11 +52,14 @@ def _plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray
         extra2 = 0
         if phase == 0 and ctx.l3_enabled:  # L1 draining goes first
             projected = t.used(DRAM) + len(in3) + len(victims) - min(len(in2), free1 + len(victims))
-            extra2 = max(0, _watermark(ctx, DRAM, projected, t.slots(DRAM)) - short2)
+            extra2 = _watermark(ctx, DRAM, projected, t.slots(DRAM))
+            # L2 spills now, or did: blocks live in L3 (L1 and L2 do not hold the sessions)
+            pressed = short2 > 0 or extra2 > 0 or t.used(SSD) > 0
+            extra2 = max(0, extra2 - short2)
             if not ctx.l3_load_s_per_block > ctx.recompute_s_per_block > 0:  # (else dropped)
                 # ahead of need: the slots this frees are clean by the time steps need them
                 extra2 = max(extra2, t.pace.ahead(t.free[DRAM], free2, len(in3) + len(victims),
-                                                  short2))
+                                                  short2, pressed))
             extra2 = min(extra2, max(budget - extra1, budget // 4))
         _make_l2_room(ctx, b, shield, short2, extra2, budget)
         free2 = t.num_free(DRAM)

@@ -37,6 +37,7 @@ class SpillPacer:
         self.lag = 1.0  # steps from a spill's plan until a confirmation reports it written
         self.step = 0  # steps planned
         self.recent: deque[int] = deque(maxlen=_RECENT_STEPS)  # L2 intake of recent steps
+        self.pressed = -_RECENT_STEPS - 1  # the last step L2 had to spill (need, watermark)
 
     def written(self, stack: SlotStack, below: int, rate: int = 0) -> None:
         """A confirmation: every rank's spills of plans before `below` are written (0: not
@@ -57,10 +58,18 @@ class SpillPacer:
         self.step += 1
         self.recent.append(intake)
 
-    def ahead(self, stack: SlotStack, free: int, intake: int, short: int) -> int:
+    def ahead(self, stack: SlotStack, free: int, intake: int, short: int, pressed: bool) -> int:
         """Blocks to spill in this step beyond `short` (those its `intake` needs, `free` free
-        L2 slots now, kept copies among them)."""
+        L2 slots now, kept copies among them). `pressed`: L2 spills in this step anyway (at
+        need or past its high watermark), or blocks live in L3. Nothing is spilled ahead
+        unless L2 was pressed within the last _RECENT_STEPS steps: an L2 that holds what it
+        gets needs no pacing (so the first overflow of an L2 is not paced: its spills at need
+        may still hold a copy into their slots)."""
         if not self.enabled:
+            return 0
+        if pressed:
+            self.pressed = self.step
+        if self.step - self.pressed > _RECENT_STEPS:
             return 0
         peak = max(self.recent, default=0)
         mean = sum(self.recent) / len(self.recent) if self.recent else 0.0
