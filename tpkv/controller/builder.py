@@ -42,6 +42,9 @@ class PlanBuilder:
     one exception, free_vacated(L1): moves into L1 later in the phase may fill the L1 slots its
     demotions empty (workers issue those demotions first and order the copies into their slots
     after them). A drop (a block loses its only copy; no data moves) frees its slot at once.
+    The L2 slots a phase spills (L2 -> L3, written in the background) go under every other
+    free L2 slot until the ranks report the spill written (SlotStack.push_cooling,
+    SpillPacer), unless spill pacing is off.
     Drops are reported per position: `drops[i]` apply before plan i, `drops[len(plans)]` after
     the last plan.
     """
