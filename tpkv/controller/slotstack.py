@@ -80,8 +80,9 @@ class SlotStack:
     def push(self, slots: np.ndarray) -> None:
         n = len(slots)
         assert self.top + n <= self.size, f"{self.name}: push past capacity"
-        if self.top == 0:
-            self.cooling.clear()
+        if self.top == 0 and self.cool:  # (a stack emptied by setting `top`: a rebuild)
+            for c in self.cooling:
+                c[1] = 0
             self.cool = 0
         # Highest first, so that a later pop hands the group back in ascending order: slots a
         # session gave up together come back as runs, and copies of runs merge into fewer,

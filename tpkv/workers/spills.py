@@ -248,7 +248,7 @@ class SpillTracker:
         end = time.perf_counter_ns()
         with self._rate_lock:
             start, self._last_end_ns = max(sp.submitted_ns, self._last_end_ns), end
-            if fut.exception() is None and end > start:
+            if not fut.cancelled() and fut.exception() is None and end > start:
                 sample = nbytes / ((end - start) / 1e9)
                 old = self.write_bytes_per_s
                 self.write_bytes_per_s = sample if old == 0 else 0.75 * old + 0.25 * sample
