@@ -274,6 +274,18 @@ class PolicyConfig:
     prefill_tokens_per_s: float = 70_000.0  # start value until prefill speed is measured
     h2d_bytes_per_s: float = 55e9  # per rank, L2 -> L1; start value until measured
     ssd_read_bytes_per_s: float = 2.1e9  # per rank, L3 -> L2; start value until measured
+    # Spills paced (controller/spillpace.py): the L2 slots a spill still reads are handed out
+    # after every other free slot, and L2 is spilled ahead of need so that clean slots cover
+    # the next steps' copies into L2 (the largest intake of recent steps, plus the mean intake
+    # over the steps a spill takes to be reported written), never queueing more than the disk
+    # writes in spill_queue_s at the rate the ranks' spills measure (ssd_write_bytes_per_s
+    # until then). A larger queue spills further ahead, but a session spilled ahead and
+    # resumed at once waits for the queue before it: 0.25-0.5 s gave steps blocked 57-61 ms
+    # in tests/multiproc/test_spill_pacing.py, 0.05-0.1 s at most 9 ms. Off: spilled slots
+    # are free slots like the others, and L2 spills only at need and past its high mark.
+    spill_pacing: bool = True
+    ssd_write_bytes_per_s: float = 1.5e9  # per rank, L2 -> L3; start value until measured
+    spill_queue_s: float = 0.1
     max_tracked_blocks: int = 1 << 25  # block table rows per node (metadata only)
     max_pending_plans: int = 256  # plans sent but not yet confirmed by every rank
 
@@ -299,8 +311,11 @@ class PolicyConfig:
                      "max_tracked_blocks", "max_pending_plans"):
             check_int(f"PolicyConfig.{name}", getattr(self, name))
         check_float("PolicyConfig.gpu_share_weight", self.gpu_share_weight)
-        for name in ("prefill_tokens_per_s", "h2d_bytes_per_s", "ssd_read_bytes_per_s"):
+        for name in ("prefill_tokens_per_s", "h2d_bytes_per_s", "ssd_read_bytes_per_s",
+                     "ssd_write_bytes_per_s"):
             check_float(f"PolicyConfig.{name}", getattr(self, name), lo_open=True)
+        check_float("PolicyConfig.spill_queue_s", self.spill_queue_s, 0.0, settings.MAX_WAIT_S)
+        check_bool("PolicyConfig.spill_pacing", self.spill_pacing)
 
 
 @dataclass(frozen=True)

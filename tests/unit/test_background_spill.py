@@ -323,3 +323,22 @@ def test_a_commit_failing_with_a_plain_oserror_forgets_its_session(
     out = ex.run(_plan(5, 0, S, -1, D, 1), ok)
     assert out.misses.tolist() == [0]
     store.close()
+
+
+def test_each_plan_reports_which_spills_are_written_and_the_rate_the_disk_wrote_them(
+        tmp_path: Path) -> None:
+    """ExecOutcome.spills_written_below / spill_write_bytes_per_s (MoveResult's, for the
+    controller's spill pacing): the epoch below which every spill has written, and the
+    disk's rate as spills measure it (0 until one has)."""
+    ex, store, gate = _setup(tmp_path)
+    ex.run(_plan(1, 0, H, 0, D, 0), np.ones(1, dtype=bool))
+    out = ex.run(_plan(2, 0, D, 0, S, -1), np.ones(1, dtype=bool))  # waits for the gate
+    assert (out.spills_written_below, out.spill_write_bytes_per_s) == (2, 0)
+    time.sleep(0.2)  # the disk takes 0.2 s or more for the block
+    gate.set()
+    ex.spills.running[0].future.result(5)
+    below, rate = ex.spills.progress()
+    assert below == 3 and 0 < rate < GEO.block_bytes / 0.2
+    out = ex.run(_plan(3, 1, H, 1, D, 1), np.ones(1, dtype=bool))
+    assert (out.spills_written_below, out.spill_write_bytes_per_s) == (4, rate)
+    store.close()

@@ -5,7 +5,9 @@ what it returns (block tables, fresh slots, plans, drops, errors, final slot map
 in data/controller_golden.json were recorded before the schedule() fast paths, and again
 after two intended changes: freed slots handed back in ascending order (for runs), and a
 session whose last L3 block moved up listed in ssd_dropped_sessions (its records freed; with
-that list blanked, the new digests equalled the old ones in every case). To re-record
+that list blanked, the new digests equalled the old ones in every case); and again when
+spill pacing became the default (PolicyConfig.spill_pacing: spilled L2 slots handed out last,
+spills ahead of need; with it off, the digests before it pass in every case). To re-record
 after an intended change of behaviour, run this file with TPKV_GOLDEN_WRITE=1.
 """
 

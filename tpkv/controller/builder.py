@@ -42,6 +42,9 @@ class PlanBuilder:
     one exception, free_vacated(L1): moves into L1 later in the phase may fill the L1 slots its
     demotions empty (workers issue those demotions first and order the copies into their slots
     after them). A drop (a block loses its only copy; no data moves) frees its slot at once.
+    The L2 slots a phase spills (L2 -> L3, written in the background) go under every other
+    free L2 slot until the ranks report the spill written (SlotStack.push_cooling,
+    SpillPacer), unless spill pacing is off.
     Drops are reported per position: `drops[i]` apply before plan i, `drops[len(plans)]` after
     the last plan.
     """
@@ -70,6 +73,8 @@ class PlanBuilder:
         self.touched = np.zeros(0, dtype=bool)  # sessions changed this phase (made on first use)
         self._held: dict[int, list[np.ndarray]] = {HBM: [], DRAM: []}
         self._held_kept: list[np.ndarray] = []  # L1 slots of this phase's kept demotions
+        self._held_spill: list[np.ndarray] = []  # L2 slots this phase's spills read
+        self.into_l2 = 0  # blocks copied into L2 slots in this step (SpillPacer.stepped)
         # (rows, L2 slots) of this phase's promotions: the slots become the rows' kept copies
         # when the phase ends (BlockTable.kept), instead of free slots
         self._to_keep: list[tuple[np.ndarray, np.ndarray]] = []
@@ -142,8 +147,8 @@ class PlanBuilder:
         if kept_slots is not None:  # as a stack whose top (the end) is the first row's slot
             slots, top = kept_slots[::-1].astype(np.int32), n
         else:
-            if dst == DRAM and n > stack.top:
-                t.reclaim_kept(n - stack.top)
+            if dst == DRAM and n > stack.clean:  # kept copies go before slots spills read
+                t.reclaim_kept(n - stack.clean)
             if n > stack.top and dst != SSD:
                 stack.pop(n)  # raises TierFullError
             slots, top = stack.stack, stack.top
@@ -161,12 +166,15 @@ class PlanBuilder:
         self.buffers[6][at:at + n] = kept_slots is not None or kept
         if SSD in (src, dst):
             self._l3_moved(rows, self.buffers[1][at:at + n], src, kept)
-        if kept_slots is None:
-            stack.top -= n if dst != SSD else 0
+        if kept_slots is None and dst != SSD:
+            stack.took(n)
+            self.into_l2 += n if dst == DRAM else 0
         if src == DRAM and dst == HBM:
             self._to_keep.append((self.buffers[0][at:at + n], self.buffers[2][at:at + n]))
         elif kept_slots is not None:
             self._held_kept.append(self.buffers[2][at:at + n])  # their L1 slots (no copy)
+        elif src == DRAM and dst == SSD and not kept:  # a spill reads them in the background
+            self._held_spill.append(self.buffers[2][at:at + n])
         elif src != SSD:
             self._held[src].append(self.buffers[2][at:at + n])  # their old slots
         else:
@@ -234,10 +242,18 @@ class PlanBuilder:
         free from the next phase on."""
         self._held[HBM] += self._held_kept
         self._held_kept.clear()
+        if not self.t.pace.enabled:  # spilled slots are free slots like the others
+            self._held[DRAM] += self._held_spill
+            self._held_spill.clear()
         for tier, held in self._held.items():
             if held:
                 self.t.free[tier].push(held[0] if len(held) == 1 else np.concatenate(held))
                 held.clear()
+        if self._held_spill:  # under the other free slots until reported written
+            held = self._held_spill
+            self.t.free[DRAM].push_cooling(held[0] if len(held) == 1 else np.concatenate(held),
+                                           self.epoch, self.t.pace.step)
+            held.clear()
         for rows, slots in self._to_keep:  # promoted: their L2 slots hold their bytes still;
             # kept only while L2 has room to spare: under pressure they would be given back
             # at once (BlockTable.keep_reserve)

@@ -25,6 +25,7 @@ from tpkv.controller.planstate import PlanContext, PreparedOrders
 from tpkv.controller.policy import fold_access
 from tpkv.controller.sessions import SessionTable
 from tpkv.controller.snapshot import session_blocks
+from tpkv.controller.spillpace import SpillPacer
 from tpkv.controller.step import Upcoming, check_step, run_step
 from tpkv.controller.steptypes import StepContext
 from tpkv.controller.table import BlockTable
@@ -67,6 +68,7 @@ class Controller:
         capacity = table_capacity or min(l1 + l2 + l3 + 1024, 1 << 20)
         self.table = BlockTable(l1, l2, l3, pol.lru_k, min(capacity, pol.max_tracked_blocks),
                                 pol.l1_reuse, pol.l2_reuse, self.l3_enabled)
+        self.table.pace = SpillPacer(pol, g.block_bytes)
         self.sessions = SessionTable(pol.lru_k)
         self.batch_table = BatchTable()
         self.names_cache: tuple[np.ndarray, tuple[str, ...]] = (np.zeros(0, np.int64), ())

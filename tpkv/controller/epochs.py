@@ -34,7 +34,8 @@ def _checked(results: object) -> list[MoveResult]:
     for i, r in enumerate(out):
         if not isinstance(r, MoveResult):
             raise ArgumentTypeError(f"results[{i}] must be a MoveResult, got {type(r).__name__}")
-        for name in ("epoch", "rank", "status", "slot_map_digest"):
+        for name in ("epoch", "rank", "status", "slot_map_digest", "spills_written_below",
+                     "spill_write_bytes_per_s"):
             check_count(f"results[{i}].{name}", getattr(r, name), (1 << 64) - 1, "uint64",
                         low=-(1 << 63))
         check_counts(f"results[{i}].miss_block_ids", r.miss_block_ids, (1 << 63) - 1, "int64")
@@ -155,6 +156,8 @@ class Epochs:
             done = done[~np.isin(done, np.concatenate(later))]
         T.in_flight[done] = 0
         self.committed_epoch = epoch
+        T.pace.written(T.free[Tier.DRAM], min(int(r.spills_written_below) for r in results),
+                       min(int(r.spill_write_bytes_per_s) for r in results))
         return CommitOutcome(epoch, not bad, bad, num_misses, plan_digest(head.plan), bool(bad))
 
     def lose(self, T: BlockTable, S: SessionTable, block_ids: np.ndarray) -> int:

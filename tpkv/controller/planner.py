@@ -19,6 +19,13 @@ MAX_PHASES = 3  # L3 -> L2, then L2 -> L1 into slots a demotion freed; a third p
 def plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray:
     """Emit the step's moves through `b`; return rows of `needs.want_l1` that could not be
     brought up in MAX_PHASES phases and were dropped (the caller recomputes them)."""
+    try:
+        return _plan_step(ctx, b, needs)
+    finally:
+        b.t.pace.stepped(b.into_l2)
+
+
+def _plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray:
     t, s = b.t, b.s
     protect = np.zeros(s.capacity, dtype=bool)
     protect[needs.batch] = True
@@ -46,7 +53,14 @@ def plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray:
         if phase == 0 and ctx.l3_enabled:  # L1 draining goes first
             projected = t.used(DRAM) + len(in3) + len(victims) - min(len(in2), free1 + len(victims))
             extra2 = _watermark(ctx, DRAM, projected, t.slots(DRAM))
-            extra2 = min(max(0, extra2 - short2), max(budget - extra1, budget // 4))
+            # L2 spills now, or did: blocks live in L3 (L1 and L2 do not hold the sessions)
+            pressed = short2 > 0 or extra2 > 0 or t.used(SSD) > 0
+            extra2 = max(0, extra2 - short2)
+            if not ctx.l3_load_s_per_block > ctx.recompute_s_per_block > 0:  # (else dropped)
+                # ahead of need: the slots this frees are clean by the time steps need them
+                extra2 = max(extra2, t.pace.ahead(t.free[DRAM], free2, len(in3) + len(victims),
+                                                  short2, pressed))
+            extra2 = min(extra2, max(budget - extra1, budget // 4))
         _make_l2_room(ctx, b, shield, short2, extra2, budget)
         free2 = t.num_free(DRAM)
         stage = in3[:free2]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from tpkv.controller.slotstack import SlotStack
+from tpkv.controller.spillpace import SpillPacer
 from tpkv.controller.stepkernels import keep_promoted, written_kept
 from tpkv.errors import TierFullError
 from tpkv.protocol.plan import Tier
@@ -78,6 +79,8 @@ class BlockTable:
         self.keep_reserve = l2_slots // 8
         self.capacity = 0
         self.free_rows = SlotStack(0, "block table")
+        # L2 slots spills still read, and spills ahead of need (the controller configures it)
+        self.pace = SpillPacer()
         self._alloc_arrays(capacity)
 
     # ---- storage -------------------------------------------------------------------------------
@@ -200,8 +203,9 @@ class BlockTable:
     def keep(self, rows: np.ndarray, slots: np.ndarray, kept_last: np.ndarray) -> None:
         """Rows just promoted keep their old L2 `slots` as copies, in order, while still in L1
         and while L2 keeps `keep_reserve` other slots free; their sessions are flagged in
-        `kept_last` (SessionTable.kept_last). The other slots are freed."""
-        room = max(self.free[DRAM].top - self.keep_reserve, 0)
+        `kept_last` (SessionTable.kept_last), not counting slots spills still read (SlotStack.
+        cooling). The other slots are freed."""
+        room = max(self.free[DRAM].clean - self.keep_reserve, 0)
         num, rest = keep_promoted(rows, slots, room, self.tier, self.slot, self.session,
                                   self.kept, kept_last)
         self.num_kept += num

@@ -48,7 +48,8 @@ def from_rank0(ctx: RankContext, fn: Callable[[], Any], what: str) -> Any:
 def all_results(ctx: RankContext, report: StepReport, exchange: bool
                 ) -> list[list[MoveResult]]:
     """[plan][rank] MoveResults: exchanged when some rank has misses or disagrees, else
-    rebuilt from the gathered rows (rank 0's byte counts and timings stand for all)."""
+    rebuilt from the gathered rows (rank 0's byte counts, timings and spill progress stand for
+    all)."""
     if exchange:
         blobs = ctx.ctl.gather_bytes(
             encode([move_result_to_dict(r) for r in report.results]), "move results")
@@ -66,7 +67,8 @@ def all_results(ctx: RankContext, report: StepReport, exchange: bool
             own.status if rows is None else int(rows[r, 3]) & ~STATUS_MISSES,
             own.miss_block_ids,
             own.bytes_h2d, own.bytes_d2h, own.bytes_ssd_read, own.bytes_ssd_write,
-            own.elapsed_ns) for r in range(ctx.world_size)])
+            own.elapsed_ns, own.spills_written_below, own.spill_write_bytes_per_s)
+            for r in range(ctx.world_size)])
     return out
 
 

@@ -180,3 +180,7 @@ class MoveResult:
     bytes_ssd_read: int = 0
     bytes_ssd_write: int = 0
     elapsed_ns: int = 0
+    # The epoch below which this rank's spills (background L2 -> L3 writes) had all written
+    # when it ran the plan, so read their L2 slots no more; 0: not reported
+    spills_written_below: int = 0
+    spill_write_bytes_per_s: int = 0  # the disk's write rate its spills measured (0: none)

@@ -46,7 +46,9 @@ class AppliedPlan:
                           status=self.status & ~STATUS_MISSES,  # misses travel as ids
                           miss_block_ids=self.misses, bytes_h2d=o.bytes_h2d,
                           bytes_d2h=o.bytes_d2h, bytes_ssd_read=o.bytes_ssd_read,
-                          bytes_ssd_write=o.bytes_ssd_write, elapsed_ns=o.elapsed_ns())
+                          bytes_ssd_write=o.bytes_ssd_write, elapsed_ns=o.elapsed_ns(),
+                          spills_written_below=o.spills_written_below,
+                          spill_write_bytes_per_s=o.spill_write_bytes_per_s)
 
 
 @dataclass

@@ -232,6 +232,7 @@ class PlanExecutor:
             self.spills.submit(plan, i)
             out.done[i], out.bytes_ssd_write = True, len(i) * block_bytes
         self.spills.ran(plan)
+        out.spills_written_below, out.spill_write_bytes_per_s = self.spills.progress()
         out.host_ns = time.perf_counter_ns() - started
         return out
 

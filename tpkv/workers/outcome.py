@@ -40,6 +40,9 @@ class ExecOutcome:
     # apart from each other in time: their device time is their sum, not their span
     ahead_spans: int = 0
     num_ahead: int = 0  # moves issued so
+    # SpillTracker.progress once the plan ran: spills written below this epoch, disk rate
+    spills_written_below: int = 0
+    spill_write_bytes_per_s: int = 0
 
     def elapsed_ns(self) -> int:
         """Host time, or the GPU time of its copies if longer (call once they are done)."""

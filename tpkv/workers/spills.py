@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -31,6 +33,7 @@ class _Spill:
     epoch: int
     slots: np.ndarray  # L2 slots it reads
     future: Future[Any]
+    submitted_ns: int = 0  # perf_counter_ns when queued
 
 
 @dataclass
@@ -71,6 +74,12 @@ class SpillTracker:
         self.ledger: SpillLedger | None = None
         self.agree: Callable[[set[str], float], None] | None = None
         self.last_epoch = 0  # of the last plan run
+        # The disk's write rate as spills measure it (bytes/s, a moving average; 0: none yet),
+        # each spill's bytes over the time from its submission, or the end of the spill
+        # before it, to its end (writes in parallel share that time)
+        self.write_bytes_per_s = 0.0
+        self._last_end_ns = 0
+        self._rate_lock = threading.Lock()
 
     def join_group(self, ledger: SpillLedger, agree: Callable[[set[str], float], None]) -> None:
         """TP > 1: report spill outcomes through `ledger`; call `agree` before a load of
@@ -100,8 +109,11 @@ class SpillTracker:
             name = plan.session_names[int(plan.session_idx[part[0]])]
             # views made on the store's thread, not here (the step's forward waits for this)
             views = self.host.block_views(plan.src_slot[part])
+            queued = time.perf_counter_ns()
             fut = self.store.submit_write(name, plan.logical_idx[part], views)
-            self.running.append(_Spill(name, plan.epoch, plan.src_slot[part], fut))
+            sp = _Spill(name, plan.epoch, plan.src_slot[part], fut, queued)
+            fut.add_done_callback(partial(self._ended, sp, len(part) * self.host.block_bytes))
+            self.running.append(sp)
 
     def busy(self, name: str) -> bool:
         """Whether a spill of the session, or its manifest commit, is not finished: its
@@ -236,6 +248,24 @@ class SpillTracker:
         or failed and forgotten)."""
         return min([sp.epoch for sp in self.running] + [c.epoch for c in self.commits],
                    default=self.last_epoch + 1)
+
+    def _ended(self, sp: _Spill, nbytes: int, fut: Future[Any]) -> None:
+        """A spill's write ended (on a writer thread): a sample of the disk's write rate."""
+        end = time.perf_counter_ns()
+        with self._rate_lock:
+            start, self._last_end_ns = max(sp.submitted_ns, self._last_end_ns), end
+            if not fut.cancelled() and fut.exception() is None and end > start:
+                sample = nbytes / ((end - start) / 1e9)
+                old = self.write_bytes_per_s
+                self.write_bytes_per_s = sample if old == 0 else 0.75 * old + 0.25 * sample
+
+    def progress(self) -> tuple[int, int]:
+        """(the epoch below which this rank's spills have all written, so read their L2 slots
+        no more, finished or not; the disk's write rate, bytes/s, 0 if not measured yet): for
+        the controller's spill pacing (MoveResult.spills_written_below, spill_write_bytes_per_s)."""
+        below = min([sp.epoch for sp in self.running if not sp.future.done()],
+                    default=self.last_epoch + 1)
+        return below, int(self.write_bytes_per_s)
 
     def report(self) -> tuple[bytes, int]:
         """This rank's SpillLedger report for the next confirmation or agreement."""

@@ -1,0 +1,167 @@
+"""Spill pacing: L2 slots a spill still reads handed out last (SlotStack cooling), the ranks'
+reports of spills written and of the disk's rate (SpillPacer), and spills ahead of need."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tpkv.config import PolicyConfig
+from tpkv.controller import Controller, SlotMapReplica
+from tpkv.controller.slotstack import SlotStack
+from tpkv.controller.spillpace import SpillPacer
+from tpkv.errors import ConfigError
+from tpkv.protocol.plan import Tier
+
+
+@pytest.mark.parametrize("reuse", ["newest", "oldest"])
+def test_slot_stack_hands_out_spilled_slots_last_and_the_oldest_spills_first(reuse: str
+                                                                             ) -> None:
+    """The stack against a list model (free slots, bottom first, cooling ones lowest: the
+    newest spill's at the very bottom) through pops, pushes, spills, reports and grows."""
+    rng = np.random.default_rng(7)
+    s = SlotStack(24, "L2", reuse=reuse)
+    model = list(range(23, -1, -1))
+    spills: list[list[int]] = []  # [epoch, its slots still free], oldest first
+    used: list[int] = []
+    epoch = 0
+    for _ in range(3000):
+        op = int(rng.integers(0, 12))
+        cool = sum(n for _, n in spills)
+        if op < 4 and model:
+            n = int(rng.integers(1, len(model) + 1))
+            assert s.pop(n).tolist() == model[len(model) - n:][::-1]
+            used += model[len(model) - n:]
+            del model[len(model) - n:]
+            over = cool - len(model)  # handed out past the clean ones: the oldest spills'
+            for sp in spills:
+                k = min(max(over, 0), sp[1])
+                sp[1] -= k
+                over -= k
+        elif op < 7 and used:
+            back = [used.pop(int(rng.integers(0, len(used))))
+                    for _ in range(int(rng.integers(1, len(used) + 1)))]
+            s.push(np.array(back, dtype=np.int32))
+            group = sorted(back, reverse=True)
+            if not model:
+                spills = []
+                model = group
+            elif reuse == "oldest":  # under the free slots, above the cooling ones
+                model = model[:cool] + group + model[cool:]
+            else:
+                model = model + group
+        elif op < 10 and used:
+            epoch += 1
+            back = [used.pop(int(rng.integers(0, len(used))))
+                    for _ in range(int(rng.integers(1, len(used) + 1)))]
+            s.push_cooling(np.array(back, dtype=np.int32), epoch)
+            model = sorted(back, reverse=True) + model
+            spills.append([epoch, len(back)])
+        elif op == 10 and spills:
+            below = int(rng.integers(spills[0][0], epoch + 2))
+            s.cooled_below(below)
+            spills = [sp for sp in spills if sp[0] >= below]
+        elif op == 11 and s.size < 200:
+            old = s.size
+            s.grow(old + int(rng.integers(1, 6)))
+            model = model[:cool] + list(range(s.size - 1, old - 1, -1)) + model[cool:]
+        cool = sum(n for _, n in spills)
+        assert s.top == len(model) and s.stack[:s.top].tolist() == model
+        assert s.cool == cool and s.clean == len(model) - cool
+
+
+def _pacer(**policy: Any) -> tuple[SpillPacer, SlotStack]:
+    pol = PolicyConfig(ssd_write_bytes_per_s=100 * 4096, spill_queue_s=0.5, **policy)
+    return SpillPacer(pol, 4096), SlotStack(64, "L2")  # the disk: 100 blocks/s
+
+
+def test_the_pacer_keeps_room_for_the_largest_intake_and_the_steps_a_spill_takes() -> None:
+    p, stack = _pacer()
+    for intake in (4, 10, 4, 6):
+        p.stepped(intake)
+    # never pressed: an L2 that holds what it gets spills nothing ahead
+    assert p.ahead(stack, 8, 3, 0, pressed=False) == 0
+    # pressed: keep free the largest intake (10) plus the mean (6) over a spill's lag (1
+    # step): 16 after this step's intake of 3, with 8 free -> 11 more
+    assert p.ahead(stack, 8, 3, 0, pressed=True) == 11
+    assert p.ahead(stack, 8, 3, 2, pressed=False) == 9  # (2 spilled at need already)
+    assert p.ahead(stack, 30, 3, 0, pressed=False) == 0  # room enough
+    # spills in flight are capped at what the disk writes in spill_queue_s: 50 blocks
+    stack.pop(48)
+    stack.push_cooling(np.arange(45, dtype=np.int32), epoch=7, step=p.step)
+    assert stack.in_flight() == 45 and stack.clean == 16 and stack.cool == 45
+    assert p.ahead(stack, 8, 3, 0, pressed=True) == 5
+    # the ranks report epoch 7's spills written 3 steps later, and the disk at 200 blocks/s
+    for _ in range(3):
+        p.stepped(4)
+    p.written(stack, 8, 200 * 4096)
+    assert stack.cool == 0 and stack.in_flight() == 0 and stack.clean == 61
+    assert p.lag == 3.0 and p.rate == 200 * 4096 and p.samples == 1
+    # want: 10 + mean 36 / 7 x 3 steps = 26; cap 100 blocks
+    assert p.ahead(stack, 8, 3, 0, pressed=True) == 10 + 16 - 5
+    p.written(stack, 0, 0)  # a confirmation that reports nothing changes nothing
+    assert p.lag == 3.0 and p.samples == 1
+
+
+def test_an_unpaced_pacer_spills_nothing_ahead() -> None:
+    p, stack = _pacer(spill_pacing=False)
+    p.stepped(40)
+    assert p.ahead(stack, 0, 40, 0, pressed=True) == 0
+    assert SpillPacer().enabled is False  # (a table's until the controller configures it)
+
+
+def test_pacing_knobs_are_checked() -> None:
+    with pytest.raises(ConfigError, match="spill_queue_s"):
+        PolicyConfig(spill_queue_s=-1.0)
+    with pytest.raises(ConfigError, match="ssd_write_bytes_per_s"):
+        PolicyConfig(ssd_write_bytes_per_s=0.0)
+    with pytest.raises(ConfigError, match="spill_pacing"):
+        PolicyConfig(spill_pacing="yes")  # type: ignore[arg-type]
+
+
+def test_a_spills_l2_slots_are_handed_out_last_until_the_ranks_report_it_written(
+        make_config: Any, fake_clock: Any) -> None:
+    """A controller with a small L2: the slots a spill read lie under every other free L2
+    slot, so the next demotions take the others; once a confirmation reports the spill
+    written, they are clean again."""
+    c = Controller(make_config(l1=8, l2=16, l3=64), fake_clock, check_invariants=True)
+    reps = [SlotMapReplica(r, 8, 16, 4) for r in range(2)]
+    stack = c.table.free[Tier.DRAM]
+    spilled: np.ndarray | None = None
+    for n in "abcdefghij":
+        c.open_session(n, 16)  # 4 blocks each
+        res = c.schedule([n], [0])
+        outs = [rep.apply_step(res) for rep in reps]
+        for i, plan in enumerate(res.plans):
+            results = [o[i] for o in outs]
+            if spilled is None and plan.mask(Tier.DRAM, Tier.SSD).any():
+                spilled = plan.src_slot[plan.mask(Tier.DRAM, Tier.SSD)]
+                epoch = plan.epoch
+            assert c.commit(results).committed  # the replicas report nothing: still cooling
+        if spilled is not None:
+            break
+    assert spilled is not None and stack.cool == len(spilled)
+    assert set(stack.stack[:stack.cool].tolist()) == set(spilled.tolist())
+    # a session in L2 closes: its slots are free, and clean (no spill reads them)
+    S, T = c.sessions, c.table
+    in_l2 = [n for n in S.index if (T.tier[S.rows(S.lookup(n))] == Tier.DRAM).any()]
+    c.close_session(in_l2[0])
+    clean = stack.stack[stack.cool:stack.top].tolist()
+    assert clean and stack.cool == len(spilled), (clean, stack.cool)
+    # the next demotion into L2 takes the clean slots first
+    c.open_session("g", 16)
+    res = c.schedule(["g"], [0])
+    into = np.concatenate([p.dst_slot[p.mask(Tier.HBM, Tier.DRAM)] for p in res.plans])
+    assert len(into), res.plans
+    assert np.isin(into, spilled).sum() == max(0, len(into) - len(clean)), (into, spilled, clean)
+    # a confirmation that reports the spill written (and the disk's rate) makes them clean
+    outs = [rep.apply_step(res) for rep in reps]
+    for i in range(len(res.plans)):
+        results = [dataclasses.replace(o[i], spills_written_below=epoch + 1,
+                                       spill_write_bytes_per_s=5_000_000) for o in outs]
+        assert c.commit(results).committed
+    assert stack.cool == 0 and c.table.pace.rate == 5e6 and c.table.pace.samples > 0
+    c.check_integrity()
