@@ -70,6 +70,9 @@ class FakeWorker:
     def read_ahead_done(self, name: str) -> bool:
         return name in self.ahead.done_now
 
+    def needs_read_ahead(self, name: str) -> bool:
+        return self.on3.get(name, 0) > 0 and self.status.get(name) != "too_big"
+
     def drop_read_ahead(self, name: str) -> None:
         self.dropped.append(name)
         self.ahead.held.discard(name)
@@ -117,6 +120,21 @@ def test_the_next_step_lets_in_those_sampled_at_the_launch_not_those_done_since(
     w.ahead.done_now.add("b")  # done after the launch
     assert r.admit([], ["a", "b"], idle=False) == ["a"]
     assert r.admit([], ["b"], idle=False) == ["b"]  # no sample since: done is enough
+
+
+def test_one_outside_whose_blocks_left_l3_goes_in_once_sampled() -> None:
+    """Its blocks were loaded up or dropped meanwhile (nothing to read): it goes in at the
+    step after the launch that saw it so, as that step's plan made ahead expects."""
+    r, w = returns()
+    w.status = {"a": "started"}
+    w.on3 = {"a": 4}
+    r.admit(["a"], [], idle=False)
+    assert r.sample(seqs("a")) == []
+    w.on3, w.ahead.held = {}, set()  # off L3; its read ahead discarded
+    w.status = {}
+    assert r.admit([], ["a"], idle=False) == []  # not in the sample: not yet
+    assert r.sample(seqs("a")) == ["a"]
+    assert r.admit([], ["a"], idle=False) == ["a"]
 
 
 def test_with_nothing_to_run_it_waits_for_a_read_ahead() -> None:

@@ -57,11 +57,13 @@ class Returns:
 
     def sample(self, returning: Sequence[Any]) -> list[str]:
         """Rank 0, once a step's forward is launched: the sessions of these turns outside the
-        batch (Seqs) that the next step lets in (their read ahead is done now)."""
+        batch (Seqs) that the next step lets in: their read ahead is done now, or they need
+        none (nothing of theirs is on L3 any more)."""
         if self.rt.rank != 0:
             return []
         worker = self.rt.worker
-        ready = [s.session for s in returning if worker.read_ahead_done(s.session)]
+        ready = [s.session for s in returning if worker.read_ahead_done(s.session)
+                 or not worker.needs_read_ahead(s.session)]
         self._sample = set(ready)
         return ready
 
@@ -81,9 +83,14 @@ class Returns:
         go: list[str] = []
         read: list[str] = []
         sample, self._sample = self._sample, None
+        if idle:  # nothing runs: no step was planned ahead for a batch
+            sample = None
         for name in [*returning, *arrived]:
+            if sample is not None and name in sample:  # the step planned ahead expects it
+                go.append(name)
+                continue
             if worker.read_ahead_done(name):
-                if sample is None or name in sample or name not in returning or idle:
+                if sample is None or name not in returning:
                     go.append(name)
                 continue
             if name in arrived and self._sooner_recomputed(name):
@@ -94,8 +101,8 @@ class Returns:
             status = worker.read_ahead(name)
             if status == "started":  # (again, if a change to its records discarded it)
                 read.append(name)
-            elif status in ("none", "too_big"):
-                go.append(name)
+            elif status in ("none", "too_big") and (sample is None or name not in returning):
+                go.append(name)  # (one outside the batch goes in once sampled)
         if idle and not go:  # nothing else runs: wait for the first read ahead to end
             self._start_busy([*returning, *arrived], read)
             waiting = [n for n in [*returning, *arrived] if n in self.reading or n in read]

@@ -331,6 +331,14 @@ class Worker:
             return "too_big"
         return "started" if self.store.read_ahead(session, logical) else "full"
 
+    def needs_read_ahead(self, session: str) -> bool:
+        """Whether read_ahead would read anything of the session: it has blocks on L3 here,
+        and they fit the read-ahead budget when it is empty."""
+        if self.store is None:
+            return False
+        n = len(self.mirror.session_logical(session, int(Tier.SSD)))
+        return 0 < n and n * self.store.block_bytes <= self.store.ahead.budget_bytes
+
     def read_ahead_done(self, session: str) -> bool:
         """Whether this rank holds the session's read ahead, done."""
         return self.store is not None and bool(self.store.ahead.done(session))
