@@ -67,7 +67,8 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
             r = Arrivals(tiered, sizes, contexts, bb, ceil).run()
         else:
             r = Rounds(tiered, sizes, contexts, bb, ceil).run()
-        if paced is not None:
+        if paced is not None:  # once every spill is written (spills run in the background)
+            rt.worker.executor.wait_spills(time.monotonic() + 120, every=True)
             r["emulated_l3"] = paced.stats()
         eng = rt.worker.engine  # how well the slot placement let copies merge into runs
         r["copy_blocks"], r["copy_descriptors"] = dict(eng.num_blocks), dict(eng.num_descriptors)

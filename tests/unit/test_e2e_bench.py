@@ -59,14 +59,15 @@ def _check(r: dict[str, Any], sizes: Any) -> None:
 
 
 def test_rounds_report_returning_ttft_and_bound(tmp_path: Path) -> None:
-    a, c2 = _run("a", tmp_path), _run("c2", tmp_path)
-    for r in (a, c2):
+    # (c) spills whatever leaves L2 (what (c2) spills depends on the speeds it measures)
+    a, c = _run("a", tmp_path), _run("c", tmp_path)
+    for r in (a, c):
         _check(r, TOY)
         assert r["mode"] == "rounds"
     assert a["recompute_tokens"] > 0  # (a) recomputes what L1 lost
-    assert c2["bound"]["work"]["bytes"]["l2_l3"] > 0  # (c2) spilled to L3
-    assert c2["bound"]["disk_write_s"] == pytest.approx(
-        c2["bound"]["work"]["bytes"]["l2_l3"] / 2e9, abs=1e-4)
+    assert c["bound"]["work"]["bytes"]["l2_l3"] > 0  # (c) spilled to L3
+    assert c["bound"]["disk_write_s"] == pytest.approx(
+        c["bound"]["work"]["bytes"]["l2_l3"] / 2e9, abs=1e-4)
 
 
 def test_arrivals_time_turns_from_add_and_arrival(tmp_path: Path) -> None:
@@ -75,8 +76,9 @@ def test_arrivals_time_turns_from_add_and_arrival(tmp_path: Path) -> None:
     _check(r, sizes)
     assert r["mode"] == "arrivals"
     arr = r["arrivals"]
+    # (busy_s is rounded to the millisecond)
     assert arr["admit"] >= 1 and arr["busy_s"] == pytest.approx(r["bound"]["work"]["measured_s"],
-                                                              rel=1e-3)
+                                                              abs=6e-4)
     # turns past the admission limit waited in the driver's queue: counted from arrival
     if any(t["queued_ms"] for t in r["ttft_records"] if t["returning"]):
         assert r["returning_ttft_from_arrival_ms_p50"] >= r["returning_ttft_ms_p50"]

@@ -58,8 +58,11 @@ def _plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray
             extra2 = max(0, extra2 - short2)
             if not ctx.l3_load_s_per_block > ctx.recompute_s_per_block > 0:  # (else dropped)
                 # ahead of need: the slots this frees are clean by the time steps need them
-                extra2 = max(extra2, t.pace.ahead(t.free[DRAM], free2, len(in3) + len(victims),
-                                                  short2, pressed))
+                # but never into L3 room a session there would have to give up
+                l3_room = t.num_free(SSD) - short2 - int(np.count_nonzero(s.counts[SSD + 1])) - 1
+                extra2 = max(extra2, min(max(0, l3_room),
+                                         t.pace.ahead(t.free[DRAM], free2, len(in3) + len(victims),
+                                                      short2, pressed)))
             extra2 = min(extra2, max(budget - extra1, budget // 4))
         _make_l2_room(ctx, b, shield, short2, extra2, budget)
         free2 = t.num_free(DRAM)
