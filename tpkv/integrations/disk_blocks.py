@@ -24,6 +24,7 @@ from tpkv.integrations.disk_format import (
     SUFFIX,
     TMP_SUFFIX,
     DiskLayout,
+    Head,
     check_record,
     head_length,
     pack,
@@ -214,6 +215,18 @@ class DiskBlockStore:
         if key in self._lru:
             self._lru.move_to_end(key)
             return True
+        if not self.reserve(key, parent, tokens, data):
+            return False
+        ok = self.write(key, parent, tokens, data)
+        self.finish(key, ok)
+        return ok
+
+    def reserve(self, key: bytes, parent: bytes, tokens: Sequence[int],
+                data: np.ndarray) -> bool:
+        """First step of a put in three (reserve, write, finish; a background writer runs the
+        write without holding its lock): check the block and make room, counting its record's
+        bytes. False (nothing counted) when the block is not the layout's, its key is not its
+        parent's and tokens', or no room can be made."""
         if data.shape != self.layout.block_shape or data.dtype != np.uint8:
             log.warning("tpkv disk tier: block %s has shape %s %s, expected %s uint8; not kept",
                         key.hex(), data.shape, data.dtype, self.layout.block_shape)
@@ -225,6 +238,11 @@ class DiskBlockStore:
             return False
         if not self._make_room(self.record_bytes):
             return False
+        self.used_bytes += self.record_bytes
+        return True
+
+    def write(self, key: bytes, parent: bytes, tokens: Sequence[int], data: np.ndarray) -> bool:
+        """Write a reserved block's record file (touches no state of the store)."""
         path = self.path(key)
         try:
             atomic_write(path, pack(self.layout, key, parent, tokens, data), path + TMP_SUFFIX)
@@ -232,19 +250,30 @@ class DiskBlockStore:
             log.warning("tpkv disk tier: writing block %s to %s failed: %s; not kept",
                         key.hex(), path, exc)
             return False
-        self._lru[key] = None
-        self.used_bytes += self.record_bytes
         return True
+
+    def finish(self, key: bytes, written: bool) -> None:
+        """Last step of a put: hold the key when its record was written, else stop counting
+        the bytes reserve() counted."""
+        if written:
+            self._lru[key] = None
+        else:
+            self.used_bytes -= self.record_bytes
 
     def get(self, key: bytes) -> np.ndarray | None:
         """The block's bytes ([layers, page_bytes] uint8, a fresh array), or None on a miss or
         a record that does not check out (which is deleted)."""
+        got = self.get_record(key)
+        return None if got is None else got[1]
+
+    def get_record(self, key: bytes) -> tuple[Head, np.ndarray] | None:
+        """As get, with the record's checked head (parent, tokens, the data's CRC32C)."""
         if key not in self._lru:
             return None
         path = self.path(key)
         try:
             buf = _read(path, self.record_bytes)
-            check_record(self.layout, key, buf)
+            head = check_record(self.layout, key, buf)
         except (OSError, SsdError) as exc:
             self.num_bad_reads += 1
             log.warning("tpkv disk tier: block %s is not served: %s", key.hex(), exc)
@@ -256,7 +285,7 @@ class DiskBlockStore:
         except OSError:
             pass
         data = np.frombuffer(buf, dtype=np.uint8, offset=self.layout.head_bytes)
-        return data.reshape(self.layout.block_shape)
+        return head, data.reshape(self.layout.block_shape)
 
     def peek(self, key: bytes) -> tuple[bytes, tuple[int, ...]] | None:
         """A held record's parent and tokens from its head, unchecked beyond the head (for
