@@ -238,8 +238,9 @@ def test_a_disk_hit_comes_back_into_memory(tmp_path: Path,
     assert disk is not None and disk.keys() == [bs[0][0]]
     got = store.get(bs[0][0])
     assert got is not None and np.array_equal(got, bs[0][3])
-    assert store.num_promoted == 1 and bs[0][0] in store.keys() and bs[0][0] not in disk
-    assert store.flush(10) and disk.keys() == [bs[1][0]]  # the oldest made room
+    assert store.num_promoted == 1 and bs[0][0] in store.keys()
+    assert bs[0][0] in disk and disk.is_cached(bs[0][0])  # its record stays
+    assert store.flush(10) and disk.keys() == [bs[0][0], bs[1][0]]  # the oldest made room
     reads = []
     real = DiskBlockStore.get_record
     monkeypatch.setattr(DiskBlockStore, "get_record",
@@ -248,7 +249,27 @@ def test_a_disk_hit_comes_back_into_memory(tmp_path: Path,
         got = store.get(bs[0][0])
         assert got is not None and np.array_equal(got, bs[0][3])
     assert reads == []
+    # moving it out of memory again writes nothing: its record is there
+    assert store.writer is not None
+    written = store.writer.num_written
+    for b in blocks(3, start=100):
+        assert store.put(*b) and store.flush(10)  # each write lands before the next put
+    assert bs[0][0] not in store.keys() and store.take_lost() == []
+    assert store.writer.num_written == written + 2 and not disk.is_cached(bs[0][0])
+    got = store.get(bs[0][0])
+    assert got is not None and np.array_equal(got, bs[0][3])
     store.close()
+
+
+def test_a_full_disk_gives_up_records_memory_holds_too_first(tmp_path: Path) -> None:
+    disk = DiskBlockStore(str(tmp_path), 3 * RECORD, layout())
+    bs = blocks(4)
+    for b in bs[:3]:
+        assert disk.put(*b)
+    disk.mark_cached(bs[1][0])
+    assert disk.put(*bs[3])
+    assert disk.keys() == [bs[0][0], bs[2][0], bs[3][0]] and disk.used_bytes == 3 * RECORD
+    disk.close()
 
 
 def test_disk_loaded_blocks_counts_only_blocks_before_the_first_failed_one(

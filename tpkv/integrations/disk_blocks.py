@@ -163,9 +163,10 @@ def stored_keys(root: str, seed: bytes, block_tokens: int, num_ranks: int) -> li
 
 class DiskBlockStore:
     """One rank's block records under `root`, at most `capacity_bytes` of record files (a write
-    makes room first, least recently used first, records of other models or formats before
-    any). `get` serves a block only when its whole record checks out (disk_format.check_record);
-    a damaged record is deleted and is a miss. The lock is held until close()."""
+    makes room first: records of other models or formats, then those host memory holds too
+    (mark_cached), then the least recently used). `get` serves a block only when its whole
+    record checks out (disk_format.check_record); a damaged record is deleted and is a miss.
+    The lock is held until close()."""
 
     def __init__(self, root: str, capacity_bytes: int, layout: DiskLayout,
                  model_fingerprint: str = "") -> None:
@@ -177,6 +178,8 @@ class DiskBlockStore:
         self.dir = prepare_dir(root, layout.rank)
         self._owner = RootLock(os.path.realpath(root), layout.rank, model_fingerprint)
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # our records, oldest use first
+        # held keys whose block host memory holds too (mark_cached): the first to go for room
+        self._cached: OrderedDict[bytes, None] = OrderedDict()
         self._others: OrderedDict[str, int] = OrderedDict()  # path -> size, oldest first
         self.used_bytes = 0
         self.num_bad_reads = 0
@@ -214,6 +217,7 @@ class DiskBlockStore:
         fails. A key held already is kept as it is (True)."""
         if key in self._lru:
             self._lru.move_to_end(key)
+            self._cached.pop(key, None)  # the disk holds the only copy again
             return True
         if not self.reserve(key, parent, tokens, data):
             return False
@@ -298,7 +302,20 @@ class DiskBlockStore:
             return None
         return head.parent, head.tokens
 
+    def mark_cached(self, key: bytes, cached: bool = True) -> None:
+        """Whether host memory holds a copy of a held key too: such records go first when room
+        is needed (the block stays in memory; the host store writes it again if it moves it
+        out after that)."""
+        if cached and key in self._lru:
+            self._cached[key] = None
+        else:
+            self._cached.pop(key, None)
+
+    def is_cached(self, key: bytes) -> bool:
+        return key in self._cached
+
     def drop(self, key: bytes) -> bool:
+        self._cached.pop(key, None)
         if key not in self._lru:
             return False
         del self._lru[key]
@@ -329,8 +346,9 @@ class DiskBlockStore:
                 if not self._remove(path, size):
                     return False
             elif self._lru:
-                key = next(iter(self._lru))
-                del self._lru[key]
+                key, _ = (self._cached or self._lru).popitem(last=False)
+                self._lru.pop(key, None)
+                self._cached.pop(key, None)
                 self.num_evicted += 1
                 if not self._remove(self.path(key), self.record_bytes):
                     return False

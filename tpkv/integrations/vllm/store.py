@@ -45,8 +45,10 @@ class HostBlockStore:
     write (or, with none queued, the oldest block) instead of waiting, and `take_lost` names
     the keys so given up, for the index to forget. With queue_blocks 0 the move is a write on
     the caller's path. A get that misses in memory reads the disk and brings the block back
-    into memory as the most recently used (its disk record is deleted) when memory has free
-    room (with a writer it keeps queue_blocks free; without, a full memory takes none)."""
+    into memory as the most recently used when memory has free room (with a writer it keeps
+    queue_blocks free; without, a full memory takes none). Its record stays on disk, marked
+    as cached: moving the block out again writes nothing, and the disk gives up such records
+    first when it needs room (the block then lives in memory only)."""
 
     def __init__(self, capacity_bytes: int, block_shape: tuple[int, int],
                  disk: DiskBlockStore | None = None, queue_blocks: int = 0) -> None:
@@ -160,9 +162,12 @@ class HostBlockStore:
         return data
 
     def drop(self, key: bytes) -> bool:
-        if self._records.pop(key, None) is not None:
-            return True
+        in_memory = self._records.pop(key, None) is not None
         with self._lock:
+            if in_memory:
+                if self.disk is not None and self.disk.is_cached(key):
+                    self.disk.drop(key)
+                return True
             if self.writer is not None and self.writer.cancel(key):
                 return True
             return self.disk is not None and self.disk.drop(key)
@@ -217,7 +222,7 @@ class HostBlockStore:
             free = self.capacity_blocks - len(self._records) - (
                 len(self.writer) if self.writer is not None else 0)
             if free > 0:
-                disk.drop(key)
+                disk.mark_cached(key)  # the record stays: moving the block out again is free
         if free > 0:
             self._records[key] = BlockRecord(key, head.parent, head.tokens, data, head.data_crc)
             self.num_promoted += 1
@@ -234,6 +239,10 @@ class HostBlockStore:
                 if key is None and self._records:
                     key = next(iter(self._records))
                     del self._records[key]
+                    with self._lock:
+                        if self.disk is not None and self.disk.is_cached(key):
+                            self.disk.mark_cached(key, False)  # on disk still: not lost
+                            continue
                 if key is None:
                     return False
                 self._lost.append(key)
@@ -254,7 +263,11 @@ class HostBlockStore:
             while (len(self._records) > self.capacity_blocks - writer.max_jobs
                    and writer.has_room):
                 key = next(iter(self._records))
-                writer.submit(self._records.pop(key))  # checked by the writer before writing
+                rec = self._records.pop(key)
+                if writer.disk.is_cached(key):
+                    writer.disk.mark_cached(key, False)  # its record is on disk already
+                else:
+                    writer.submit(rec)  # checked by the writer before writing
                 self.num_spilled += 1
 
     def _spill_oldest(self, disk: DiskBlockStore) -> None:
