@@ -136,25 +136,31 @@ class DiskWriter:
                 _, job = self._queue.popitem(last=False)
                 self._running = job
                 rec = job.rec
-                reserved = self.disk.reserve(rec.key, rec.parent, rec.tokens, rec.data)
-            written = False
+                reserved = written = False
+                try:
+                    reserved = self.disk.reserve(rec.key, rec.parent, rec.tokens, rec.data)
+                except Exception:  # never let one block stop the writer
+                    log.exception("tpkv disk tier: making room for block %s failed",
+                                  rec.key.hex())
             try:
                 if reserved and crc_of(rec.data) != rec.crc:
                     log.warning("tpkv disk tier: block %s changed in memory (CRC32C); not "
                                 "written", rec.key.hex())
                 elif reserved:
                     written = self.disk.write(rec.key, rec.parent, rec.tokens, rec.data)
-            except Exception:  # never let one block stop the writer
+            except Exception:
                 log.exception("tpkv disk tier: writing block %s failed", rec.key.hex())
             with self._changed:
-                if reserved:
-                    self.disk.finish(rec.key, written)
-                if written and job.cancelled:
-                    self.disk.drop(rec.key)
-                elif written:
-                    self.num_written += 1
-                elif not job.cancelled:
-                    self.num_failed += 1
-                    self._lost.append(rec.key)
-                self._running = None
-                self._changed.notify_all()
+                try:
+                    if reserved:
+                        self.disk.finish(rec.key, written)
+                    if written and job.cancelled:
+                        self.disk.drop(rec.key)
+                    elif written:
+                        self.num_written += 1
+                    elif not job.cancelled:
+                        self.num_failed += 1
+                        self._lost.append(rec.key)
+                finally:
+                    self._running = None
+                    self._changed.notify_all()
