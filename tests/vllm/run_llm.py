@@ -5,7 +5,8 @@ Each round is one LLM.generate call of its prompts (greedy, ignore_eos); rounds 
 one engine, most after emptying vLLM's own prefix cache. "baseline" runs every mode's prompts
 without the connector; "disk" and "restart" run the connector with EXTRA_JSON as its
 kv_connector_extra_config (a disk tier) and report the bytes of the disk tier's record files
-after each round. The entry point stays under __main__: vLLM spawns its engine core and workers.
+after each round, once its background writes have landed. The entry point stays under
+__main__: vLLM spawns its engine core and workers.
 """
 
 from __future__ import annotations
@@ -97,6 +98,26 @@ def dir_bytes(root: str) -> int:
     return total
 
 
+def settled_bytes(root: str, quiet_s: float = 0.5, limit_s: float = 30.0) -> int:
+    """dir_bytes once the disk tier's background writes have landed: no `.tmp` file and the
+    same listing and bytes for `quiet_s`."""
+    def look() -> tuple[int, tuple[str, ...]]:
+        names = tuple(sorted(e.name for sub in os.listdir(root) if sub.startswith("rank")
+                             for e in os.scandir(os.path.join(root, sub))))
+        return dir_bytes(root), names
+
+    deadline = time.monotonic() + limit_s
+    last, since = look(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = look()
+        if now != last or any(n.endswith(".tmp") for n in now[1]):
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return now[0]
+    raise RuntimeError(f"the disk tier under {root} did not settle in {limit_s} s")
+
+
 def main() -> None:
     model_dir, out_path, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {"host_bytes": "64MiB"}
@@ -132,7 +153,7 @@ def main() -> None:
                             "num_cached_tokens": out.num_cached_tokens,
                             "kv_transfer_params": out.kv_transfer_params})
         if disk_dir:
-            disk_used.append(dir_bytes(disk_dir))
+            disk_used.append(settled_bytes(disk_dir))
     with open(out_path, "w") as f:
         json.dump({"mode": mode, "start_s": started_s, "disk_used_bytes": disk_used,
                    "total_s": time.perf_counter() - began, "results": results}, f)

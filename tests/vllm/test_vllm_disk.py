@@ -1,9 +1,11 @@
 """TpkvConnector's disk tier in real vLLM (CPU): spills, loads back, survives a restart.
 
 Two vLLM processes with the connector share one disk tier directory, one after the other: the
-first ("disk" rounds of tests/vllm/run_llm.py) keeps 2 blocks in host memory and 10 records
-on disk; the second ("restart") starts fresh over the same directory. Tokens are compared with
-vLLM without the connector (the session's baseline run).
+first ("disk" rounds of tests/vllm/run_llm.py) keeps 2 blocks in host memory, 12 more for
+blocks on their way to disk (the background writer's queue: the largest step writes 12 blocks,
+so none is given up however slow the disk), and 10 records on disk; the second ("restart")
+starts fresh over the same directory. run_llm.py reads the disk tier once its writes have
+landed. Tokens are compared with vLLM without the connector (the session's baseline run).
 """
 
 from __future__ import annotations
@@ -29,14 +31,15 @@ BLOCK_BYTES = 2 * 2 * BLOCK_TOKENS * 2 * 32 * 4
 RECORD_BYTES = record_bytes(BLOCK_TOKENS, BLOCK_BYTES)
 DISK_RECORDS = 10
 DISK_BYTES = DISK_RECORDS * RECORD_BYTES
+QUEUE_BLOCKS = 12
 
 
 @pytest.fixture(scope="module")
 def disk_runs(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path
               ) -> tuple[dict[str, Any], dict[str, Any], Path]:
     root = tmp_path_factory.mktemp("vllm-disk")
-    extra = {"host_bytes": 2 * BLOCK_BYTES, "disk_dir": str(root / "tier"),
-             "disk_bytes": DISK_BYTES}
+    extra = {"host_bytes": (2 + QUEUE_BLOCKS) * BLOCK_BYTES, "disk_dir": str(root / "tier"),
+             "disk_bytes": DISK_BYTES, "disk_queue_bytes": QUEUE_BLOCKS * BLOCK_BYTES}
     first = run(tiny_llama, root / "disk.json", "disk", extra)
     second = run(tiny_llama, root / "restart.json", "restart", extra)
     return first, second, root / "tier"
@@ -81,8 +84,9 @@ def test_a_corrupt_disk_record_is_recomputed(baseline: Any, disk_runs: Any) -> N
     again = first["by_name"]["k_again"]
     stats = tpkv_stats(again)
     # block 0 came from disk; block 1's record was damaged on disk: vLLM recomputed from it
+    # (block 2, loaded too, is recomputed and not counted)
     assert stats["matched_tokens"] == 96 and stats["failed_load_blocks"] == 1
-    assert stats["disk_loaded_blocks"] >= 1 and stats["written_blocks"] == 1
+    assert stats["disk_loaded_blocks"] == 1 and stats["written_blocks"] == 1
     assert again["tokens"] == baseline["by_name"]["k"]["tokens"]
 
 

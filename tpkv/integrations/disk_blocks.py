@@ -24,6 +24,7 @@ from tpkv.integrations.disk_format import (
     SUFFIX,
     TMP_SUFFIX,
     DiskLayout,
+    Head,
     check_record,
     head_length,
     pack,
@@ -162,9 +163,10 @@ def stored_keys(root: str, seed: bytes, block_tokens: int, num_ranks: int) -> li
 
 class DiskBlockStore:
     """One rank's block records under `root`, at most `capacity_bytes` of record files (a write
-    makes room first, least recently used first, records of other models or formats before
-    any). `get` serves a block only when its whole record checks out (disk_format.check_record);
-    a damaged record is deleted and is a miss. The lock is held until close()."""
+    makes room first: records of other models or formats, then those host memory holds too
+    (mark_cached), then the least recently used). `get` serves a block only when its whole
+    record checks out (disk_format.check_record); a damaged record is deleted and is a miss.
+    The lock is held until close()."""
 
     def __init__(self, root: str, capacity_bytes: int, layout: DiskLayout,
                  model_fingerprint: str = "") -> None:
@@ -176,6 +178,8 @@ class DiskBlockStore:
         self.dir = prepare_dir(root, layout.rank)
         self._owner = RootLock(os.path.realpath(root), layout.rank, model_fingerprint)
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # our records, oldest use first
+        # held keys whose block host memory holds too (mark_cached): the first to go for room
+        self._cached: OrderedDict[bytes, None] = OrderedDict()
         self._others: OrderedDict[str, int] = OrderedDict()  # path -> size, oldest first
         self.used_bytes = 0
         self.num_bad_reads = 0
@@ -213,7 +217,20 @@ class DiskBlockStore:
         fails. A key held already is kept as it is (True)."""
         if key in self._lru:
             self._lru.move_to_end(key)
+            self._cached.pop(key, None)  # the disk holds the only copy again
             return True
+        if not self.reserve(key, parent, tokens, data):
+            return False
+        ok = self.write(key, parent, tokens, data)
+        self.finish(key, ok)
+        return ok
+
+    def reserve(self, key: bytes, parent: bytes, tokens: Sequence[int],
+                data: np.ndarray) -> bool:
+        """First step of a put in three (reserve, write, finish; a background writer runs the
+        write without holding its lock): check the block and make room, counting its record's
+        bytes. False (nothing counted) when the block is not the layout's, its key is not its
+        parent's and tokens', or no room can be made."""
         if data.shape != self.layout.block_shape or data.dtype != np.uint8:
             log.warning("tpkv disk tier: block %s has shape %s %s, expected %s uint8; not kept",
                         key.hex(), data.shape, data.dtype, self.layout.block_shape)
@@ -225,6 +242,11 @@ class DiskBlockStore:
             return False
         if not self._make_room(self.record_bytes):
             return False
+        self.used_bytes += self.record_bytes
+        return True
+
+    def write(self, key: bytes, parent: bytes, tokens: Sequence[int], data: np.ndarray) -> bool:
+        """Write a reserved block's record file (touches no state of the store)."""
         path = self.path(key)
         try:
             atomic_write(path, pack(self.layout, key, parent, tokens, data), path + TMP_SUFFIX)
@@ -232,19 +254,30 @@ class DiskBlockStore:
             log.warning("tpkv disk tier: writing block %s to %s failed: %s; not kept",
                         key.hex(), path, exc)
             return False
-        self._lru[key] = None
-        self.used_bytes += self.record_bytes
         return True
+
+    def finish(self, key: bytes, written: bool) -> None:
+        """Last step of a put: hold the key when its record was written, else stop counting
+        the bytes reserve() counted."""
+        if written:
+            self._lru[key] = None
+        else:
+            self.used_bytes -= self.record_bytes
 
     def get(self, key: bytes) -> np.ndarray | None:
         """The block's bytes ([layers, page_bytes] uint8, a fresh array), or None on a miss or
         a record that does not check out (which is deleted)."""
+        got = self.get_record(key)
+        return None if got is None else got[1]
+
+    def get_record(self, key: bytes) -> tuple[Head, np.ndarray] | None:
+        """As get, with the record's checked head (parent, tokens, the data's CRC32C)."""
         if key not in self._lru:
             return None
         path = self.path(key)
         try:
             buf = _read(path, self.record_bytes)
-            check_record(self.layout, key, buf)
+            head = check_record(self.layout, key, buf)
         except (OSError, SsdError) as exc:
             self.num_bad_reads += 1
             log.warning("tpkv disk tier: block %s is not served: %s", key.hex(), exc)
@@ -256,7 +289,7 @@ class DiskBlockStore:
         except OSError:
             pass
         data = np.frombuffer(buf, dtype=np.uint8, offset=self.layout.head_bytes)
-        return data.reshape(self.layout.block_shape)
+        return head, data.reshape(self.layout.block_shape)
 
     def peek(self, key: bytes) -> tuple[bytes, tuple[int, ...]] | None:
         """A held record's parent and tokens from its head, unchecked beyond the head (for
@@ -269,7 +302,20 @@ class DiskBlockStore:
             return None
         return head.parent, head.tokens
 
+    def mark_cached(self, key: bytes, cached: bool = True) -> None:
+        """Whether host memory holds a copy of a held key too: such records go first when room
+        is needed (the block stays in memory; the host store writes it again if it moves it
+        out after that)."""
+        if cached and key in self._lru:
+            self._cached[key] = None
+        else:
+            self._cached.pop(key, None)
+
+    def is_cached(self, key: bytes) -> bool:
+        return key in self._cached
+
     def drop(self, key: bytes) -> bool:
+        self._cached.pop(key, None)
         if key not in self._lru:
             return False
         del self._lru[key]
@@ -300,8 +346,9 @@ class DiskBlockStore:
                 if not self._remove(path, size):
                     return False
             elif self._lru:
-                key = next(iter(self._lru))
-                del self._lru[key]
+                key, _ = (self._cached or self._lru).popitem(last=False)
+                self._lru.pop(key, None)
+                self._cached.pop(key, None)
                 self.num_evicted += 1
                 if not self._remove(self.path(key), self.record_bytes):
                     return False

@@ -7,8 +7,10 @@ kv_role="kv_both", kv_load_failure_policy="recompute")` (or the same as JSON in 
 of failing the request. `kv_connector_extra_config={"disk_dir": DIR}` adds the disk tier (see
 ConnectorOptions). The scheduler side (a Planner) keeps the prefix index, which at start takes
 the blocks an earlier process left in the disk tier; the worker side (a BlockCopier per rank)
-copies blocks. Loads are synchronous, whole blocks, before the step's forward; saves (and moves
-to disk) after it.
+copies blocks. Loads are synchronous, whole blocks, before the step's forward (a block read
+from disk comes back into host memory); saves after it. Blocks leave host memory for disk
+through a background writer (ConnectorOptions.disk_queue_bytes): the step never waits on a disk
+write, and a block given up because the writer fell behind is reported and forgotten.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ from tpkv.integrations.disk_blocks import check_disk_bytes, prepare_dir, stored_
 from tpkv.integrations.disk_format import record_bytes
 from tpkv.integrations.prefix_index import chain_seed
 from tpkv.integrations.vllm.copier import BlockCopier, DiskSpec
-from tpkv.integrations.vllm.options import ConnectorOptions, vllm_fingerprint
+from tpkv.integrations.vllm.options import (
+    ConnectorOptions,
+    vllm_fingerprint,
+    write_queue_blocks,
+)
 from tpkv.integrations.vllm.plan import StepPlan, StepReport
 from tpkv.integrations.vllm.planner import Planner
 
@@ -117,6 +123,9 @@ class TpkvConnector(KVConnectorBase_V1):
                 disk_blocks = check_disk_bytes(self.options.disk_bytes,
                                                record_bytes(self.block_tokens, block_bytes),
                                                block_bytes)
+                # blocks queued for disk stay in host memory: the index holds what is left
+                capacity -= write_queue_blocks(self.options.host_bytes,
+                                               self.options.disk_queue_bytes, block_bytes)
                 for rank in range(_num_ranks(vllm_config)):
                     prepare_dir(disk_dir, rank)
             self.planner = Planner(self.block_tokens, seed, capacity + disk_blocks)
@@ -127,7 +136,8 @@ class TpkvConnector(KVConnectorBase_V1):
                          len(found), disk_dir, taken)
         else:
             disk = None if disk_dir is None else DiskSpec(
-                disk_dir, self.options.disk_bytes, seed, self.block_tokens, fingerprint)
+                disk_dir, self.options.disk_bytes, seed, self.block_tokens, fingerprint,
+                self.options.disk_queue_bytes)
             self.copier = BlockCopier(self.options.host_bytes, disk)
 
     @property

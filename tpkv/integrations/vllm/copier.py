@@ -10,6 +10,7 @@ import torch
 from tpkv.errors import KvLayoutError
 from tpkv.integrations.disk_blocks import DiskBlockStore
 from tpkv.integrations.disk_format import DiskLayout
+from tpkv.integrations.vllm.options import write_queue_blocks
 from tpkv.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, StepReport
 from tpkv.integrations.vllm.store import HostBlockStore
 
@@ -43,13 +44,16 @@ def block_views(kv_caches: dict[str, torch.Tensor], num_blocks: int
 @dataclass(frozen=True)
 class DiskSpec:
     """The disk tier a rank opens once it knows its block shape: directory, byte cap, the
-    model's chain seed and fingerprint, tokens per block."""
+    model's chain seed and fingerprint, tokens per block, and the part of the host budget for
+    blocks queued for the background writer (None: the default, 0: written on the step's
+    path)."""
 
     root: str
     capacity_bytes: int
     seed: bytes
     block_tokens: int
     model_fingerprint: str = ""
+    queue_bytes: int | None = None  # host bytes for blocks on their way to disk (options.py)
 
 
 class BlockCopier:
@@ -77,12 +81,14 @@ class BlockCopier:
         names, views = block_views(kv_caches, num_blocks)
         shape = (len(views), int(views[0].shape[1]))
         disk = None
+        queue = 0
         if self.disk is not None:
             spec = self.disk
+            queue = write_queue_blocks(self.capacity_bytes, spec.queue_bytes, shape[0] * shape[1])
             layout = DiskLayout(spec.seed, rank, spec.block_tokens, shape)
             disk = DiskBlockStore(spec.root, spec.capacity_bytes, layout, spec.model_fingerprint)
         try:
-            store = HostBlockStore(self.capacity_bytes, shape, disk)
+            store = HostBlockStore(self.capacity_bytes, shape, disk, queue)
         except BaseException:
             if disk is not None:
                 disk.close()
@@ -102,9 +108,9 @@ class BlockCopier:
                 if data is None:
                     self._fail_load(spec, pos, block_id, key)
                     continue
-                if from_disk:
-                    counts = self._report.disk_loads
-                    counts[spec.req_id] = counts.get(spec.req_id, 0) + 1
+                if from_disk:  # the planner counts those before the request's first failure
+                    self._report.disk_loads.setdefault(spec.req_id, set()).add(
+                        spec.first_block + pos)
                     self.num_disk_loaded_blocks += 1
                 src = torch.from_numpy(data)
                 for layer, view in enumerate(self._views):
@@ -142,6 +148,8 @@ class BlockCopier:
         return failed
 
     def take_report(self) -> StepReport | None:
+        if self.store is not None:
+            self._report.lost.update(self.store.take_lost())
         report, self._report = self._report, StepReport()
         return report if report else None
 

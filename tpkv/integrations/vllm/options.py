@@ -15,7 +15,8 @@ from tpkv.settings import parse_bytes
 GiB = 1 << 30
 DEFAULT_HOST_BYTES = 4 * GiB
 DEFAULT_DISK_BYTES = 64 * GiB
-KNOWN_KEYS = ("host_bytes", "model_fingerprint", "disk_dir", "disk_bytes")
+MAX_DEFAULT_QUEUE_BYTES = GiB
+KNOWN_KEYS = ("host_bytes", "model_fingerprint", "disk_dir", "disk_bytes", "disk_queue_bytes")
 
 
 def _size(name: str, raw: Any) -> int:
@@ -31,14 +32,17 @@ class ConnectorOptions:
     """host_bytes: each rank's budget for blocks in host memory (an int or a size like "8GiB");
     disk_dir: a directory for the disk tier (none when not set): blocks the host budget no
     longer holds go there, and a later process with the same directory, model and block size
-    loads them; disk_bytes: each rank's budget of record files in it; model_fingerprint: what
-    identifies the weights in the block keys (derived from the model's name, revision, dtypes,
+    loads them; disk_bytes: each rank's budget of record files in it; disk_queue_bytes: the
+    part of host_bytes for blocks on their way to disk, written by a background thread (default
+    a quarter of host_bytes, at most 1 GiB; 0: written on the step's path); model_fingerprint:
+    what identifies the weights in the block keys (derived from the model's name, revision, dtypes,
     parallelism and checkpoint files when not set)."""
 
     host_bytes: int = DEFAULT_HOST_BYTES
     model_fingerprint: str | None = None
     disk_dir: str | None = None
     disk_bytes: int = DEFAULT_DISK_BYTES
+    disk_queue_bytes: int | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -56,9 +60,32 @@ class ConnectorOptions:
         if disk_dir is None and "disk_bytes" in extra:
             raise ConfigError(f"disk_bytes is {extra['disk_bytes']!r} but disk_dir is not set; "
                               f"set disk_dir to turn the disk tier on")
+        queue = extra.get("disk_queue_bytes")
+        if queue is not None:
+            if disk_dir is None:
+                raise ConfigError(f"disk_queue_bytes is {queue!r} but disk_dir is not set; "
+                                  f"set disk_dir to turn the disk tier on")
+            queue = 0 if queue == 0 and type(queue) is int else _size("disk_queue_bytes", queue)
+            if queue >= host_bytes:
+                raise ConfigError(f"disk_queue_bytes {queue} must be below host_bytes "
+                                  f"{host_bytes}: it is the part of it for blocks on their "
+                                  f"way to disk")
         fp = extra.get("model_fingerprint")
         return cls(host_bytes, None if fp is None else check_fingerprint(fp), disk_dir,
-                   disk_bytes)
+                   disk_bytes, queue)
+
+
+def write_queue_blocks(host_bytes: int, queue_bytes: int | None, block_bytes: int) -> int:
+    """Blocks of the host budget kept for blocks on their way to disk (0: none, the moves to
+    disk are written on the step's path); ConfigError when they leave no block for memory."""
+    if queue_bytes is None:
+        queue_bytes = min(host_bytes // 4, MAX_DEFAULT_QUEUE_BYTES)
+    blocks = queue_bytes // block_bytes
+    if blocks and blocks >= host_bytes // block_bytes:
+        raise ConfigError(f"disk_queue_bytes {queue_bytes} ({blocks} blocks of {block_bytes} "
+                          f"bytes) leaves no room in host_bytes {host_bytes} "
+                          f"({host_bytes // block_bytes} blocks)")
+    return blocks
 
 
 def vllm_fingerprint(vllm_config: Any, options: ConnectorOptions) -> str:

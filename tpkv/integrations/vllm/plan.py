@@ -40,27 +40,31 @@ class StepPlan:
 @dataclass
 class StepReport:
     """One step's outcome on one rank (or merged over ranks): keys written, keys whose save or
-    load failed, per request the first logical block whose load failed, and per request the
-    blocks loaded from the disk tier."""
+    load failed, per request the first logical block whose load failed, per request the logical
+    blocks loaded from the disk tier, and keys the rank no longer holds (given up before their
+    disk write landed, or whose write failed)."""
 
     saved: set[bytes] = field(default_factory=set)
     failed_saves: set[bytes] = field(default_factory=set)
     failed_loads: set[bytes] = field(default_factory=set)
     failed_load_reqs: dict[str, int] = field(default_factory=dict)
-    disk_loads: dict[str, int] = field(default_factory=dict)
+    disk_loads: dict[str, set[int]] = field(default_factory=dict)
+    lost: set[bytes] = field(default_factory=set)
 
     def __bool__(self) -> bool:
-        return bool(self.saved or self.failed_saves or self.failed_loads or self.disk_loads)
+        return bool(self.saved or self.failed_saves or self.failed_loads or self.disk_loads
+                    or self.lost)
 
     def merge(self, other: StepReport) -> StepReport:
-        """Ranks merged: a key counts as saved only when no rank failed it (the scheduler
-        forgets failed keys), failures are the union, each request's first failed block the
-        lowest, each request's disk loads the most any rank made."""
+        """Ranks merged: a key counts as saved only when no rank failed or lost it (the
+        scheduler forgets those), failures and losses are the union, each request's first
+        failed block the lowest, each request's disk-loaded blocks those any rank loaded."""
         reqs = dict(self.failed_load_reqs)
         for req_id, first in other.failed_load_reqs.items():
             reqs[req_id] = min(first, reqs.get(req_id, first))
-        disk = dict(self.disk_loads)
-        for req_id, n in other.disk_loads.items():
-            disk[req_id] = max(n, disk.get(req_id, 0))
+        disk = {req_id: set(blocks) for req_id, blocks in self.disk_loads.items()}
+        for req_id, blocks in other.disk_loads.items():
+            disk.setdefault(req_id, set()).update(blocks)
         return StepReport(self.saved | other.saved, self.failed_saves | other.failed_saves,
-                          self.failed_loads | other.failed_loads, reqs, disk)
+                          self.failed_loads | other.failed_loads, reqs, disk,
+                          self.lost | other.lost)

@@ -140,20 +140,25 @@ class Planner:
         return plan
 
     def report(self, report: StepReport) -> None:
-        """The workers' report of a step: keep what every rank wrote, forget what failed, and
-        save again from a request's first block whose load failed (vLLM recomputes it)."""
-        failed = report.failed_saves | report.failed_loads
+        """The workers' report of a step: keep what every rank wrote, forget what failed or a
+        rank lost (and have every rank drop what a rank lost), save again from a request's
+        first block whose load failed (vLLM recomputes it), and count the blocks loaded from
+        disk before that block (vLLM recomputes the rest)."""
+        failed = report.failed_saves | report.failed_loads | report.lost
         self.index.confirm(report.saved - failed)
         self.index.forget(failed)
+        self._drops.extend(sorted(report.lost))
         for req_id, first in report.failed_load_reqs.items():
             req = self._reqs.get(req_id)
             if req is not None:
                 req.saved_upto = min(req.saved_upto, first)
                 req.failed_load_blocks += len(report.failed_loads & set(req.keys[first:]))
-        for req_id, n in report.disk_loads.items():
+        for req_id, blocks in report.disk_loads.items():
             req = self._reqs.get(req_id)
             if req is not None:
-                req.disk_loaded_blocks += n
+                first_failed = report.failed_load_reqs.get(req_id)
+                req.disk_loaded_blocks += sum(
+                    1 for b in blocks if first_failed is None or b < first_failed)
 
     def reset(self) -> None:
         """Forget every stored block (vLLM's reset_prefix_cache(reset_connector=True)): the
