@@ -126,3 +126,44 @@ def test_explicit_pins_survive_a_controller_restart(tmp_path: Path, model_and_wa
         assert pinned[:5].all() and not pinned[5:].any(), np.flatnonzero(pinned)
     finally:
         rt.close()
+
+
+def test_a_restart_found_by_a_session_call_while_a_step_awaits_confirmation(
+        tmp_path: Path, model_and_want: Any) -> None:
+    """A step whose plans were applied once its forward was launched is confirmed at the next
+    step; the controller restarts before that, and the first call to find it is a session call
+    (a new session opened): the rebuild takes the rank's map with those plans in it, so the
+    step's commit must not follow (on the old code it did: PlanOrderError, found by the engine
+    soak)."""
+    import numpy as np
+    import torch
+
+    from tpkv.models.engine import PagedEngine
+
+    model, _ = model_and_want
+    cfg = tiny_tiers(model, str(tmp_path / "l3"))
+    g = cfg.geometry
+    ref = PagedEngine(model, torch.full((256, g.num_layers, 2, g.block_tokens, g.num_kv_heads,
+                                         g.head_dim), float("nan")), scheduler_seed=3)
+    rt = tpkv_init(cfg, controller="local", device="cpu")
+    rng = np.random.default_rng(2)
+    try:
+        engine = TieredEngine(rt, model, report_prefill=False).engine
+        restarted = 0
+        for i in range(40):
+            names = [f"s{i % 6}", f"new{i}"] if restarted == 0 and i > 0 else [f"s{i % 6}"]
+            if rt._applied is not None and rt._applied.late and not restarted:
+                rt.controller = Controller(cfg, restarts=1, awaiting_rebuild=True)
+                restarted = i
+                names = [f"new{i}"]  # its open_session finds the restart first
+            for name in names:
+                prompt = rng.integers(0, 512, 6).tolist()
+                for e in (engine, ref):
+                    e.add_turn(name, prompt, 3)
+            got = {f.session: f.token_ids for f in engine.run()}
+            assert got == {f.session: f.token_ids for f in ref.run()}, i
+            if restarted and i > restarted + 3:
+                break
+        assert restarted and rt.num_rebuilds == 1, (restarted, rt.num_rebuilds)
+    finally:
+        rt.close()

@@ -359,7 +359,12 @@ class TpkvRuntime(SessionCalls):
 
     def rebuild_controller(self) -> dict[str, Any]:
         """A collective: rebuild the restarted controller from the ranks (recover.py), then
-        restore this rank from its map. Returns the rebuild summary."""
+        restore this rank from its map. Returns the rebuild summary. A step not yet confirmed
+        (plans applied once its forward was launched) is confirmed among the ranks first and
+        never committed: its moves are in the maps the controller is rebuilt from."""
+        if self._applied is not None:
+            applied, self._applied = self._applied, None
+            self.worker.finish(applied)  # (a disagreement: the rebuild resyncs every rank)
         what = "slot maps for a controller rebuild"
         gather = (lambda b: self.ctx.ctl.gather_bytes(b, what)) if self.world_size > 1 \
             else (lambda b: [b])
