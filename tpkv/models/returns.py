@@ -33,7 +33,10 @@ class Returns:
         self.recompute: set[str] = set()  # sessions sent in to be recomputed (rank 0)
         self.num_read_ahead = 0  # read aheads started (a turn waited outside the batch)
         self.num_recomputed = 0  # turns sent in to recompute instead
-        self.wait_s = rt.config.wait_timeout_s
+        # With nothing else to run, rank 0 waits this long at most for a read ahead before it
+        # answers the other ranks (they wait for its answer within wait_timeout_s); the engine
+        # then asks again
+        self.wait_s = min(1.0, rt.config.wait_timeout_s / 4)
         pol = rt.config.policy
         self.prefill_tokens_per_s = pol.prefill_tokens_per_s  # measured from prefills
         self._start_read_rate = pol.ssd_read_bytes_per_s
@@ -118,7 +121,8 @@ class Returns:
         for name in names:
             if name in read or not worker.executor.spills.busy(name):
                 continue
-            worker.executor.wait_spills(time.monotonic() + self.wait_s, names={name})
+            worker.executor.wait_spills(time.monotonic() + self.rt.config.wait_timeout_s / 2,
+                                        names={name})
             if worker.read_ahead(name) == "started":
                 read.append(name)
 
