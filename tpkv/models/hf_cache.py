@@ -48,6 +48,7 @@ class HfTierStats:
     resumes: list[tuple[str, str]] = field(default_factory=list)  # (session, farthest tier)
     lost_tokens: int = 0  # tokens whose K/V had to be fed again
     losses: list[tuple[str, int]] = field(default_factory=list)  # (session, first lost token)
+    passes_without_step: int = 0  # forward passes that fit the room of their session's step
 
 
 class _TierLayer(CacheLayerMixin):
@@ -112,6 +113,10 @@ class TpkvCache(Cache):
     """The K/V of one session (batch size 1) in tpkv's blocks. The first `update` of a forward
     pass (layer 0) schedules one step of the session with the controller: its blocks are
     brought back into L1 from L2/L3 (waited for layer by layer) and new blocks get L1 slots.
+    A step counts the session's tokens up to the end of the block its pass ends in (the rest
+    lent to the session as a credit, rt.credits), so the passes after it that fit that block
+    and find no other step applied since (the worker's tick and epoch as they were) need no
+    step at all: their blocks are where that step left them (`_room`).
     Each `update` writes the new tokens' K/V of its layer into the L1 pool through the session's
     block table and returns the layer's whole past: bit for bit the tensors DynamicCache returns
     (same values, shape and layout). Between forward passes (and turns) the controller may
@@ -124,11 +129,11 @@ class TpkvCache(Cache):
     or another session's cache of the runtime starts a pass: device memory holds at most one
     session's copy per runtime besides the L1 pool.
 
-    Each pass plans the next one ahead (`_plan_next`): generate calls the model once per token,
-    so the step of one more token of this session is sent to the controller while this pass
-    runs, and the next pass's step takes it without a round trip. A turn's end, another
-    session's pass or any other runtime call leaves it unused (applied without a forward, its
-    token a credit of the session: rt.credits keeps the counts right).
+    A pass whose last token ends a block plans the next one ahead (`_plan_next`): generate calls
+    the model once per token, so the step of the next block of this session is sent to the
+    controller while this pass runs, and the next pass's step takes it without a round trip. A
+    turn's end, another session's pass or any other runtime call leaves it unused (applied
+    without a forward, its tokens a credit of the session: rt.credits keeps the counts right).
 
     If blocks were lost (an L3 read failed its checks, or the cost model chose recompute), the
     first update of a forward pass raises KvLostError and the cache's length drops to the first
@@ -155,11 +160,17 @@ class TpkvCache(Cache):
         self.resumed_from: list[str] = []  # farthest tier of each forward that loaded blocks
         self._slots: np.ndarray | None = None  # the session's L1 slots in this forward (host)
         self._slots_dev: torch.Tensor | None = None  # ... on the device, made when gathering
+        # the last step's slots; the tokens its blocks hold room for (counted at the
+        # controller); the worker's (tick, epoch) after it: a pass that fits and finds them
+        # unchanged runs without a step
+        self._table: np.ndarray | None = None
+        self._room = 0
+        self._applied: tuple[int, int] | None = None
         self._new = 0
-        # where the new tokens' K/V goes: a slot and the first token's offset when they fit
-        # one block (a decode step: a plain view, nothing sent to the device), else index
-        # tensors of every token's slot and offset
-        self._write_one: tuple[int, int] | None = None
+        # where the new tokens' K/V goes: a view of their rows in every layer's K and V
+        # [layers, 2, new, heads, head_dim] when they fit one block (a decode step: nothing
+        # sent to the device), else index tensors of every token's slot and offset
+        self._write_one: torch.Tensor | None = None
         self._write_at: tuple[torch.Tensor, torch.Tensor] | None = None
         # per layer: K and V [1, heads, tokens, head_dim] equal to the blocks' (or None)
         self.views: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * g.num_layers
@@ -195,10 +206,10 @@ class TpkvCache(Cache):
         self.rt.worker.wait_layer(layer)  # blocks brought into L1 for this step
         lay = self.tier_layers[layer]
         start, stop = lay.length, lay.length + new
-        if self._write_one is not None:  # K and V [2, new, heads, head_dim] in one copy
-            slot, first = self._write_one
-            self.pool[slot, layer, :, first:first + new] = torch.stack(
-                (key_states[0], value_states[0])).transpose(1, 2).to(self.pool.device)
+        if self._write_one is not None:  # K and V [new, heads, head_dim], one copy each
+            rows = self._write_one[layer]
+            rows[0].copy_(key_states[0].transpose(0, 1))
+            rows[1].copy_(value_states[0].transpose(0, 1))
         else:  # the same slots for every layer of the pass
             assert self._write_at is not None
             slots, offsets = self._write_at
@@ -237,7 +248,8 @@ class TpkvCache(Cache):
         if self.opened:
             self.rt.close_session(self.session_id)
         self.opened, self.in_forward, self._slots = False, False, None
-        self.num_tokens = self.ctl_tokens = 0
+        self.num_tokens = self.ctl_tokens = self._room = 0
+        self._table = self._applied = None
         self.drop_views()
         for lay in self.tier_layers:
             lay.length = 0
@@ -278,7 +290,8 @@ class TpkvCache(Cache):
 
     def _begin_forward(self, new: int) -> None:
         """Schedule the session's step for `new` tokens after `num_tokens`: every block in
-        L1, slots for the new ones. Raises KvLostError if K/V before `num_tokens` is gone."""
+        L1, slots for the new ones (none when the pass fits the last step's room and no step
+        was applied since). Raises KvLostError if K/V before `num_tokens` is gone."""
         if self.in_forward:  # the last pass failed half way: its layers' copies run ahead
             self.drop_views()
         holder = _VIEW_HOLDER.get(self.rt)
@@ -288,23 +301,39 @@ class TpkvCache(Cache):
                 other.drop_views()
             _VIEW_HOLDER[self.rt] = weakref.ref(self)
         g, base = self.geometry, self.num_tokens
-        add = max(0, base + new - self.ctl_tokens)
-        step, first_lost = self._schedule(add)
-        self.ctl_tokens += add
-        if first_lost is not None and first_lost < base:
-            self.drop_views()
-            self.num_tokens = first_lost
-            self.stats.lost_tokens += base - first_lost
-            self.stats.losses.append((self.session_id, first_lost))
-            self.in_forward, self._slots = False, None
-            raise KvLostError(f"session {self.session_id!r}: K/V of tokens {first_lost}..{base} "
-                              f"is lost (L3 miss or recompute); feed them again",
-                              self.session_id, first_lost)
-        self._slots, self._slots_dev = step.session_slots(0), None  # (the step's own array)
         bt = g.block_tokens
+        # tokens this pass feeds that no step of this cache asked for yet
+        need = max(0, base + new - self.ctl_tokens)
+        w = self.rt.worker
+        if new and base + new <= self._room and self._applied == (w.tick, w.epoch):
+            self.stats.passes_without_step += 1
+            self._credit(-need)  # counted by the last step, lent until now
+        else:
+            # up to the end of the block the pass ends in (a pass of no tokens: none)
+            add = max(0, -(-(base + new) // bt) * bt - self.ctl_tokens) if new else need
+            step, first_lost = self._schedule(add)
+            if first_lost is not None and first_lost < base:
+                self.ctl_tokens += add
+                self._applied = self._table = None
+                self.drop_views()
+                self.num_tokens = first_lost
+                self.stats.lost_tokens += base - first_lost
+                self.stats.losses.append((self.session_id, first_lost))
+                self.in_forward, self._slots = False, None
+                raise KvLostError(f"session {self.session_id!r}: K/V of tokens {first_lost}.."
+                                  f"{base} is lost (L3 miss or recompute); feed them again",
+                                  self.session_id, first_lost)
+            self._room = self.ctl_tokens + add
+            self._credit(add - need)
+            self._applied = (w.tick, w.epoch)
+            self._table, self._slots_dev = step.session_slots(0), None  # (the step's array)
+        self.ctl_tokens += need
+        self._slots = self._table
+        assert self._slots is not None
         self._write_one = self._write_at = None
         if new and base // bt == (base + new - 1) // bt:
-            self._write_one = int(self._slots[base // bt]), base % bt
+            first = base % bt
+            self._write_one = self.pool[int(self._slots[base // bt]), :, :, first:first + new]
         elif new:
             pos = np.arange(base, base + new)
             self._write_at = (torch.as_tensor(self._slots[pos // bt].astype(np.int64),
@@ -313,17 +342,31 @@ class TpkvCache(Cache):
         self._new, self.in_forward = new, True
         for lay in self.tier_layers:
             lay.length = base
-        if new:
+        if new and base + new >= self._room:
             self._plan_next(base + new)
+
+    def _credit(self, tokens: int) -> None:
+        """Rank 0: `tokens` (> 0) the controller counts that this pass does not feed become a
+        credit of the session; `-tokens` of its credit fed by a pass with no step (nothing
+        was copied since the step that counted them, so no copy of their block is stale)."""
+        if not tokens or self.rt.rank != 0:
+            return
+        ids, n = [self.session_id], np.asarray([abs(tokens)], dtype=np.int64)
+        if tokens > 0:
+            self.rt.credits.unfed(ids, n)
+        else:
+            self.rt.credits.fed(ids, n, np.zeros(1, dtype=np.int64))
 
     def _plan_next(self, at: int) -> None:
         """Send the schedule of the pass generate most likely makes next, one token of this
-        session at `at`, while this pass runs (TpkvRuntime.schedule_ahead): that pass then
-        needs no controller round trip. A wrong guess (the turn ended, another session's pass
-        or any other call came first) is applied without a forward and its token becomes a
-        credit of the session; the step that feeds it names it to the controller, which voids
-        the L2/L3 copies of its block made in between (launch/ahead.py)."""
-        self.rt.schedule_ahead([self.session_id], [max(0, at + 1 - self.ctl_tokens)])
+        session at `at` (counted to the end of its block, as that pass would ask), while this
+        pass runs (TpkvRuntime.schedule_ahead): that pass then needs no controller round
+        trip. A wrong guess (the turn ended, another session's pass or any other call came
+        first) is applied without a forward and its tokens become a credit of the session;
+        the step that feeds them names them to the controller, which voids the L2/L3 copies
+        of their block made in between (launch/ahead.py)."""
+        end = -(-(at + 1) // self.geometry.block_tokens) * self.geometry.block_tokens
+        self.rt.schedule_ahead([self.session_id], [max(0, end - self.ctl_tokens)])
 
     def _schedule(self, add: int) -> tuple[StepResult, int | None]:
         """begin_step and end_step at once (before any K/V is read), again after an L3 miss
