@@ -11,6 +11,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from tpkv.errors import ConfigError, TpkvError
+from tpkv.models.hf_write import PassWrite
 from tpkv.protocol.messages import StepResult
 from tpkv.protocol.plan import Tier
 from tpkv.ssd.format import validate_session_id
@@ -118,8 +119,9 @@ class TpkvCache(Cache):
     and find no other step applied since (the worker's tick and epoch as they were) need no
     step at all: their blocks are where that step left them (`_room`).
     Each `update` writes the new tokens' K/V of its layer into the L1 pool through the session's
-    block table and returns the layer's whole past: bit for bit the tensors DynamicCache returns
-    (same values, shape and layout). Between forward passes (and turns) the controller may
+    block table (a pass whose tokens fit one block: every layer's at once, at the last layer)
+    and returns the layer's whole past: bit for bit the tensors DynamicCache returns (same
+    values, shape and layout). Between forward passes (and turns) the controller may
     demote the blocks to L2 and spill them to L3.
 
     The past is gathered from the blocks once, at the first forward pass after a resume; later
@@ -167,11 +169,8 @@ class TpkvCache(Cache):
         self._room = 0
         self._applied: tuple[int, int] | None = None
         self._new = 0
-        # where the new tokens' K/V goes: a view of their rows in every layer's K and V
-        # [layers, 2, new, heads, head_dim] when they fit one block (a decode step: nothing
-        # sent to the device), else index tensors of every token's slot and offset
-        self._write_one: torch.Tensor | None = None
-        self._write_at: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._shape = torch.Size()  # K/V shape of the pass in flight (layer 0's)
+        self._write: PassWrite | None = None  # where the pass in flight writes its K/V
         # per layer: K and V [1, heads, tokens, head_dim] equal to the blocks' (or None)
         self.views: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * g.num_layers
 
@@ -188,34 +187,21 @@ class TpkvCache(Cache):
                      value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new K/V `[1, heads, new, head_dim]` of `layer` into its blocks; return
         the layer's K/V of every token so far, `[1, heads, tokens, head_dim]`, contiguous."""
-        g = self.geometry
-        if key_states.dim() != 4 or key_states.shape[0] != 1:
-            raise TpkvError(f"TpkvCache holds one sequence: K/V of shape "
-                            f"{tuple(key_states.shape)}, want [1, heads, tokens, head_dim]")
-        _, heads, new, dim = key_states.shape
-        if (heads, dim) != (g.heads_per_rank, g.head_dim) or key_states.dtype != self.pool.dtype:
-            raise ConfigError(f"K/V of {heads} heads x {dim} dims ({key_states.dtype}) on this "
-                              f"rank; the tiers hold {g.heads_per_rank} x {g.head_dim} "
-                              f"({self.pool.dtype})")
         if layer == 0:
-            self._begin_forward(new)
-        elif not self.in_forward or new != self._new:
-            raise TpkvError(f"layer {layer} updated with {new} tokens outside a forward pass "
-                            f"that layer 0 started ({self._new} tokens)")
-        assert self._slots is not None
+            self._check(key_states)
+            self._begin_forward(key_states.shape[2])
+            self._shape = key_states.shape
+        elif (not self.in_forward or key_states.shape != self._shape
+              or key_states.dtype != self.pool.dtype):
+            self._check(key_states)
+            raise TpkvError(f"layer {layer} updated with K/V of shape "
+                            f"{tuple(key_states.shape)} outside a forward pass that layer 0 "
+                            f"started ({self._new} tokens)")
         self.rt.worker.wait_layer(layer)  # blocks brought into L1 for this step
         lay = self.tier_layers[layer]
-        start, stop = lay.length, lay.length + new
-        if self._write_one is not None:  # K and V [new, heads, head_dim], one copy each
-            rows = self._write_one[layer]
-            rows[0].copy_(key_states[0].transpose(0, 1))
-            rows[1].copy_(value_states[0].transpose(0, 1))
-        else:  # the same slots for every layer of the pass
-            assert self._write_at is not None
-            slots, offsets = self._write_at
-            for kv, states in ((0, key_states), (1, value_states)):
-                rows = states[0].transpose(0, 1).to(self.pool.device)  # [new, heads, head_dim]
-                self.pool[slots, layer, kv, offsets] = rows
+        start = lay.length
+        assert self._write is not None
+        self._write.put(layer, key_states, value_states)
         view = self.views[layer]
         if view is None or view[0].shape[2] != start:  # from the blocks, once after a resume
             keys, values = self._gather(layer, start, (key_states, value_states))
@@ -223,10 +209,22 @@ class TpkvCache(Cache):
             keys = torch.cat([view[0], key_states], dim=-2)
             values = torch.cat([view[1], value_states], dim=-2)
         self.views[layer] = keys, values
-        lay.length = stop
-        if layer == g.num_layers - 1:
-            self.num_tokens, self.in_forward, self._slots = stop, False, None
+        lay.length = start + self._new
+        if layer == len(self.tier_layers) - 1:
+            self._write.end()
+            self.num_tokens, self.in_forward, self._slots = lay.length, False, None
         return keys, values
+
+    def _check(self, key_states: torch.Tensor) -> None:
+        g = self.geometry
+        if key_states.dim() != 4 or key_states.shape[0] != 1:
+            raise TpkvError(f"TpkvCache holds one sequence: K/V of shape "
+                            f"{tuple(key_states.shape)}, want [1, heads, tokens, head_dim]")
+        _, heads, _, dim = key_states.shape
+        if (heads, dim) != (g.heads_per_rank, g.head_dim) or key_states.dtype != self.pool.dtype:
+            raise ConfigError(f"K/V of {heads} heads x {dim} dims ({key_states.dtype}) on this "
+                              f"rank; the tiers hold {g.heads_per_rank} x {g.head_dim} "
+                              f"({self.pool.dtype})")
 
     # ---- session ---------------------------------------------------------------------------
     def read_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -330,15 +328,7 @@ class TpkvCache(Cache):
         self.ctl_tokens += need
         self._slots = self._table
         assert self._slots is not None
-        self._write_one = self._write_at = None
-        if new and base // bt == (base + new - 1) // bt:
-            first = base % bt
-            self._write_one = self.pool[int(self._slots[base // bt]), :, :, first:first + new]
-        elif new:
-            pos = np.arange(base, base + new)
-            self._write_at = (torch.as_tensor(self._slots[pos // bt].astype(np.int64),
-                                              device=self.pool.device),
-                              torch.as_tensor(pos % bt, device=self.pool.device))
+        self._write = PassWrite(self.pool, self._slots, base, new, bt)
         self._new, self.in_forward = new, True
         for lay in self.tier_layers:
             lay.length = base
