@@ -202,12 +202,17 @@ class TpkvCache(Cache):
         start = lay.length
         assert self._write is not None
         self._write.put(layer, key_states, value_states)
-        view = self.views[layer]
+        view, self.views[layer] = self.views[layer], None
         if view is None or view[0].shape[2] != start:  # from the blocks, once after a resume
+            del view
             keys, values = self._gather(layer, start, (key_states, value_states))
-        else:
-            keys = torch.cat([view[0], key_states], dim=-2)
-            values = torch.cat([view[1], value_states], dim=-2)
+        else:  # the old K freed before the new V is made, as DynamicCache does
+            old_keys, old_values = view
+            del view
+            keys = torch.cat([old_keys, key_states], dim=-2)
+            del old_keys
+            values = torch.cat([old_values, value_states], dim=-2)
+            del old_values
         self.views[layer] = keys, values
         lay.length = start + self._new
         if layer == len(self.tier_layers) - 1:
