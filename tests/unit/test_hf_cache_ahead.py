@@ -1,9 +1,10 @@
 """TpkvCache counts a pass's tokens to the end of its block, runs the passes that fit that room
 with no step while no other step was applied, and plans the step of the pass after a block's
-last token ahead (TpkvRuntime.schedule_ahead); turns that stop early (max_new_tokens, EOS) and
-other sessions' turns leave a wrong guess or a credit, which must cost nothing but time: tokens
-and K/V stay DynamicCache's through L2 and L3, and the controller's count is the cache's length
-plus the session's credit."""
+last token ahead (TpkvRuntime.schedule_ahead), and HfTiers.generate the step of a turn's first
+pass, never one past the turn's last pass; turns that stop early (EOS) and other sessions' turns
+leave a wrong guess or a credit, which must cost nothing but time: tokens and K/V stay
+DynamicCache's through L2 and L3, and the controller's count is the cache's length plus the
+session's credit."""
 
 from __future__ import annotations
 
@@ -65,25 +66,34 @@ class Chat:
         self.history[s] = got
         out = got.shape[1] - ids.shape[1]
         base = self.fed.get(s, 0)
-        for new in [ids.shape[1] - base] + [1] * (out - 1):
-            self._expect(s, base, new)
+        last = ids.shape[1] + max_new - 1  # tokens fed once the turn's last pass is
+        first = ids.shape[1] - base
+        if self.ahead is None and s in self.fed and not self._fits(s, base, first):  # plan_turn
+            self.sent += 1
+            self.ahead = (s, -(-(base + first) // BT) * BT - base)
+        for new in [first] + [1] * (out - 1):
+            self._expect(s, base, new, last)
             base += new
         self.fed[s] = base
         return out
 
-    def _expect(self, s: str, base: int, new: int) -> None:
+    def _fits(self, s: str, base: int, new: int) -> bool:
+        return self.last == s and base + new <= self.room[s]
+
+    def _expect(self, s: str, base: int, new: int, last: int) -> None:
         """A pass of `new` tokens of s after `base`: no step when it fits the room of s's step
         and that step was the last one applied; else a step counting to the end of the
         block, which takes the step planned ahead when it asked the same. A pass that ends
-        its room plans the next one ahead (one token, to the end of its block)."""
+        its room plans the next one ahead (one token, to the end of its block), unless it is
+        the turn's last (`last`: max_new_tokens)."""
         end = -(-(base + new) // BT) * BT
-        if self.last == s and base + new <= self.room[s]:
+        if self._fits(s, base, new):
             self.skipped += 1
         else:
             self.steps += 1
             self.used += self.ahead == (s, end - base)
             self.ahead, self.last, self.room[s] = None, s, end
-        if base + new >= self.room[s]:
+        if base + new >= self.room[s] and base + new < last:
             self.sent += 1
             self.ahead = (s, -(-(base + new + 1) // BT) * BT - base - new)
 
@@ -135,7 +145,7 @@ def test_decode_steps_are_planned_ahead_and_early_stops_stay_exact(tmp_path):
         assert chat.steps + chat.skipped == generated
         assert rt.num_ahead_used == chat.used > 0, (rt.num_ahead_used, chat.used)
         assert chat.check() == 4
-        assert rt.num_ahead_unused == chat.sent - chat.used > 0
+        assert rt.num_ahead_unused == chat.sent - chat.used
 
 
 @pytest.mark.timeout(120)
@@ -195,12 +205,13 @@ def test_close_and_reset_with_a_step_planned_ahead(tmp_path):
     model = tiny_llama()
     with attach(model, str(tmp_path / "l3")) as tiers:
         chat, rt = Chat(model, tiers, seed=2), tiers.rt
-        chat.turn("x", 9, 4)
+        # a turn that stops (EOS) after a pass that ends a block leaves the next one planned
+        chat.turn("x", 11, 4, eos=True)
         chat.turn("y", 11, 3)
-        tiers.close_session("y")  # x's planned step (its next block): unused, x's credit
-        assert rt.credits.tokens == {"x": BT}  # y's went with it
+        tiers.close_session("y")
+        assert rt.credits.tokens == {"x": BT}  # x's planned block: unused; y's went with it
         chat.refs.pop("y")
-        chat.turn("x", 2, 2)  # tokens 12..15 fed: the next block is planned ahead
+        chat.turn("x", 2, 4, eos=True)  # tokens 12..15 fed: the next block is planned ahead
         unused = rt.num_ahead_unused
         tiers.cache("x").reset()  # x's next token was planned: settled, then dropped
         assert rt.num_ahead_unused == unused + 1 and "x" not in rt.credits.tokens

@@ -44,3 +44,22 @@ def test_layers_in_any_order_read_back_what_they_wrote(order):
         for layer, (keys, values) in enumerate(cache.read_kv()):
             assert torch.equal(keys, torch.cat([k for k, _ in fed[layer]], dim=2)), layer
             assert torch.equal(values, torch.cat([v for _, v in fed[layer]], dim=2)), layer
+
+
+def test_max_new_tokens_as_generate_reads_it():
+    """What plan_turn is told a turn makes at most: max_new_tokens, else max_length less the
+    ids, from the call, then its generation_config, then the model's."""
+    from transformers import GenerationConfig
+
+    from tpkv.models.hf_attach import max_new_tokens
+
+    model = tiny_llama()
+    model.generation_config = GenerationConfig(max_length=30)
+    assert max_new_tokens(model, 12, {"max_new_tokens": 5, "max_length": 40}) == 5
+    assert max_new_tokens(model, 12, {"max_length": 40}) == 28
+    assert max_new_tokens(model, 12, {}) == 18
+    assert max_new_tokens(model, 40, {}) == 0
+    cfg = GenerationConfig(max_new_tokens=7)
+    assert max_new_tokens(model, 12, {"generation_config": cfg}) == 7
+    model.generation_config = GenerationConfig(max_new_tokens=3)
+    assert max_new_tokens(model, 12, {}) == 3

@@ -11,6 +11,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from tpkv.errors import ConfigError, TpkvError
+from tpkv.models.hf_room import StepRoom
 from tpkv.models.hf_write import PassWrite
 from tpkv.protocol.messages import StepResult
 from tpkv.protocol.plan import Tier
@@ -117,7 +118,7 @@ class TpkvCache(Cache):
     A step counts the session's tokens up to the end of the block its pass ends in (the rest
     lent to the session as a credit, rt.credits), so the passes after it that fit that block
     and find no other step applied since (the worker's tick and epoch as they were) need no
-    step at all: their blocks are where that step left them (`_room`).
+    step at all: their blocks are where that step left them (`room`, hf_room.StepRoom).
     Each `update` writes the new tokens' K/V of its layer into the L1 pool through the session's
     block table (a pass whose tokens fit one block: every layer's at once, at the last layer)
     and returns the layer's whole past: bit for bit the tensors DynamicCache returns (same
@@ -131,11 +132,13 @@ class TpkvCache(Cache):
     or another session's cache of the runtime starts a pass: device memory holds at most one
     session's copy per runtime besides the L1 pool.
 
-    A pass whose last token ends a block plans the next one ahead (`_plan_next`): generate calls
-    the model once per token, so the step of the next block of this session is sent to the
-    controller while this pass runs, and the next pass's step takes it without a round trip. A
-    turn's end, another session's pass or any other runtime call leaves it unused (applied
-    without a forward, its tokens a credit of the session: rt.credits keeps the counts right).
+    A pass whose last token ends a block plans the next one ahead (`StepRoom.plan_next`):
+    generate calls the model once per token, so the step of the next block of this session is
+    sent to the controller while this pass runs, and the next pass's step takes it without a
+    round trip; HfTiers.generate plans a turn's first pass so (`plan_turn`) and none past its
+    last. A turn that stops early, another session's pass or any other runtime call leaves it
+    unused (applied without a forward, its tokens a credit of the session: rt.credits keeps
+    the counts right).
 
     If blocks were lost (an L3 read failed its checks, or the cost model chose recompute), the
     first update of a forward pass raises KvLostError and the cache's length drops to the first
@@ -162,12 +165,8 @@ class TpkvCache(Cache):
         self.resumed_from: list[str] = []  # farthest tier of each forward that loaded blocks
         self._slots: np.ndarray | None = None  # the session's L1 slots in this forward (host)
         self._slots_dev: torch.Tensor | None = None  # ... on the device, made when gathering
-        # the last step's slots; the tokens its blocks hold room for (counted at the
-        # controller); the worker's (tick, epoch) after it: a pass that fits and finds them
-        # unchanged runs without a step
-        self._table: np.ndarray | None = None
-        self._room = 0
-        self._applied: tuple[int, int] | None = None
+        self._table: np.ndarray | None = None  # the last step's slots (for passes without)
+        self.room = StepRoom(rt, session_id, g.block_tokens)
         self._new = 0
         self._shape = torch.Size()  # K/V shape of the pass in flight (layer 0's)
         self._write: PassWrite | None = None  # where the pass in flight writes its K/V
@@ -251,8 +250,9 @@ class TpkvCache(Cache):
         if self.opened:
             self.rt.close_session(self.session_id)
         self.opened, self.in_forward, self._slots = False, False, None
-        self.num_tokens = self.ctl_tokens = self._room = 0
-        self._table = self._applied = None
+        self.num_tokens = self.ctl_tokens = 0
+        self._table = None
+        self.room.forget()
         self.drop_views()
         for lay in self.tier_layers:
             lay.length = 0
@@ -307,17 +307,16 @@ class TpkvCache(Cache):
         bt = g.block_tokens
         # tokens this pass feeds that no step of this cache asked for yet
         need = max(0, base + new - self.ctl_tokens)
-        w = self.rt.worker
-        if new and base + new <= self._room and self._applied == (w.tick, w.epoch):
+        if self.room.fits(base, new):
             self.stats.passes_without_step += 1
-            self._credit(-need)  # counted by the last step, lent until now
+            self.room.credit(-need)  # counted by the last step, lent until now
         else:
-            # up to the end of the block the pass ends in (a pass of no tokens: none)
-            add = max(0, -(-(base + new) // bt) * bt - self.ctl_tokens) if new else need
+            add = self.room.ask(base, new, self.ctl_tokens)
             step, first_lost = self._schedule(add)
             if first_lost is not None and first_lost < base:
                 self.ctl_tokens += add
-                self._applied = self._table = None
+                self.room.forget()
+                self._table = None
                 self.drop_views()
                 self.num_tokens = first_lost
                 self.stats.lost_tokens += base - first_lost
@@ -326,9 +325,8 @@ class TpkvCache(Cache):
                 raise KvLostError(f"session {self.session_id!r}: K/V of tokens {first_lost}.."
                                   f"{base} is lost (L3 miss or recompute); feed them again",
                                   self.session_id, first_lost)
-            self._room = self.ctl_tokens + add
-            self._credit(add - need)
-            self._applied = (w.tick, w.epoch)
+            self.room.took(self.ctl_tokens + add)
+            self.room.credit(add - need)
             self._table, self._slots_dev = step.session_slots(0), None  # (the step's array)
         self.ctl_tokens += need
         self._slots = self._table
@@ -337,31 +335,20 @@ class TpkvCache(Cache):
         self._new, self.in_forward = new, True
         for lay in self.tier_layers:
             lay.length = base
-        if new and base + new >= self._room:
-            self._plan_next(base + new)
+        if new:
+            self.room.plan_next(base + new, self.ctl_tokens)
 
-    def _credit(self, tokens: int) -> None:
-        """Rank 0: `tokens` (> 0) the controller counts that this pass does not feed become a
-        credit of the session; `-tokens` of its credit fed by a pass with no step (nothing
-        was copied since the step that counted them, so no copy of their block is stale)."""
-        if not tokens or self.rt.rank != 0:
-            return
-        ids, n = [self.session_id], np.asarray([abs(tokens)], dtype=np.int64)
-        if tokens > 0:
-            self.rt.credits.unfed(ids, n)
-        else:
-            self.rt.credits.fed(ids, n, np.zeros(1, dtype=np.int64))
-
-    def _plan_next(self, at: int) -> None:
-        """Send the schedule of the pass generate most likely makes next, one token of this
-        session at `at` (counted to the end of its block, as that pass would ask), while this
-        pass runs (TpkvRuntime.schedule_ahead): that pass then needs no controller round
-        trip. A wrong guess (the turn ended, another session's pass or any other call came
-        first) is applied without a forward and its tokens become a credit of the session;
-        the step that feeds them names them to the controller, which voids the L2/L3 copies
-        of their block made in between (launch/ahead.py)."""
-        end = -(-(at + 1) // self.geometry.block_tokens) * self.geometry.block_tokens
-        self.rt.schedule_ahead([self.session_id], [max(0, end - self.ctl_tokens)])
+    def plan_turn(self, num_ids: int, max_new_tokens: int | None) -> None:
+        """Before generate runs a turn of `num_ids` tokens in all (the cache holds the first
+        num_tokens) that makes at most `max_new_tokens` (HfTiers.generate): the step of its
+        first pass is sent now, while generate prepares (not a session's first: it is not
+        open at the controller yet), and no pass after it plans one past the turn's last pass
+        (`room.turn_end`, until the caller resets it to None)."""
+        room, base = self.room, self.num_tokens
+        room.turn_end = None if max_new_tokens is None else num_ids + max_new_tokens - 1
+        if self.opened and num_ids > base and not room.fits(base, num_ids - base):
+            self.rt.schedule_ahead([self.session_id],
+                                   [room.ask(base, num_ids - base, self.ctl_tokens)])
 
     def _schedule(self, add: int) -> tuple[StepResult, int | None]:
         """begin_step and end_step at once (before any K/V is read), again after an L3 miss
