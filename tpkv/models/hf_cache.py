@@ -157,8 +157,9 @@ class TpkvCache(Cache):
         self.max_retries = max_retries
         self.pool = rt.worker.hbm.tensor  # [slots, layers, 2, block_tokens, heads, head_dim]
         self.num_tokens = 0  # tokens whose K/V the blocks hold (the cache's length)
-        # tokens this cache's steps asked the controller for (>= num_tokens; the controller
-        # may count more: a step planned ahead that no pass fed, a credit in rt.credits)
+        # tokens the controller counts for passes of this cache (>= num_tokens: more after a
+        # loss); it counts more: the credit in rt.credits (room a step made, a step planned
+        # ahead that no pass fed)
         self.ctl_tokens = 0
         self.in_forward = False
         self.opened = False
