@@ -67,7 +67,8 @@ def hf_tp_rank(rank: int, world: int, model_dir: str, ssd_root: str,
                 "shard_digest": params_digest(model), "tp": tiers.geometry.tp_size,
                 "heads_per_rank": tiers.geometry.heads_per_rank,
                 "cache_heads": int(caches["s0"].layers[0].keys.shape[1]),
-                "ahead": (tiers.rt.num_ahead_used, tiers.rt.num_ahead_unused)}
+                "ahead": (tiers.rt.num_ahead_used, tiers.rt.num_ahead_unused),
+                "passes": (s.steps, s.passes_without_step)}
 
 
 @pytest.mark.timeout(240)
@@ -95,9 +96,13 @@ def test_tp2_from_pretrained_tp_plan_auto_gives_dynamic_cache_tokens(tmp_path, m
         else:  # every rank re-prefilled from the same token (the miss was rank 0's alone)
             assert out["losses"] and out["retries"] >= 1 and out["lost_tokens"] > 0
     assert results[0]["got"] == results[1]["got"]
-    # decode passes found their steps planned ahead (rank 0 sends and counts them)
+    # passes that fit their step's room ran with no step, the same ones on both ranks; the
+    # rest found some steps planned ahead (rank 0 sends and counts them), none in vain (every
+    # turn runs to max_new_tokens: no pass plans past a turn's last)
+    steps, without = results[0]["passes"]
+    assert without > 0 and steps > 0 and results[1]["passes"] == (steps, without)
     used, unused = results[0]["ahead"]
-    assert used > 2 * unused > 0 and results[1]["ahead"] == (0, 0), results[0]["ahead"]
+    assert used > 0 and unused == 0 and results[1]["ahead"] == (0, 0), results[0]["ahead"]
     # each rank holds other shards, the fingerprint is the same on both (gathered)
     assert results[0]["shard_digest"] != results[1]["shard_digest"]
     assert results[0]["fp"] == results[1]["fp"] and results[0]["fp"].startswith("hf-")

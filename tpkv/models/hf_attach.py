@@ -57,6 +57,22 @@ def cache_kwarg(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def max_new_tokens(model: Any, num_ids: int, kwargs: Mapping[str, Any]) -> int | None:
+    """The most tokens `model.generate(ids of num_ids tokens, **kwargs)` makes: max_new_tokens,
+    else max_length less the ids, from kwargs, their generation_config or the model's (None
+    when none says)."""
+    if kwargs.get("max_new_tokens") is not None:
+        return int(kwargs["max_new_tokens"])
+    cfg = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    if kwargs.get("max_length") is not None:
+        return max(0, int(kwargs["max_length"]) - num_ids)
+    if cfg is not None and getattr(cfg, "max_new_tokens", None) is not None:
+        return int(cfg.max_new_tokens)
+    if cfg is not None and getattr(cfg, "max_length", None) is not None:
+        return max(0, int(cfg.max_length) - num_ids)
+    return None
+
+
 def model_fingerprint(model: Any, *, tp_size: int | None = None) -> str:
     """What tells this model's L3 records from another's: its architecture, the checkpoint
     files it was loaded from (when `config._name_or_path` is a local directory: names, sizes,
@@ -92,6 +108,7 @@ class HfTiers:
         self.geometry = rt.config.geometry
         self.stats = HfTierStats()
         self.caches: dict[str, TpkvCache] = {}
+        self.kwarg = cache_kwarg(model)
 
     def cache(self, session_id: str) -> TpkvCache:
         if session_id not in self.caches:
@@ -104,14 +121,21 @@ class HfTiers:
         conversation as input_ids (as with DynamicCache); where the tiers lost some of the
         session's K/V, generate again: the cache's length is then the first lost token, so the
         model feeds the rest again. The tokens equal DynamicCache's unless that happened (a
-        recompute runs other matmul shapes, equal up to rounding)."""
+        recompute runs other matmul shapes, equal up to rounding). The step of the turn's
+        first pass is sent to the controller before generate starts, and none is sent for a
+        pass after its last (TpkvCache.plan_turn)."""
         c = self.cache(cache) if isinstance(cache, str) else cache
+        num_ids = int(input_ids.shape[-1])
+        max_new = max_new_tokens(self.model, num_ids, kwargs)
         for attempt in range(max_recomputes + 1):
             try:
-                return self.model.generate(input_ids, **{cache_kwarg(self.model): c}, **kwargs)
+                c.plan_turn(num_ids, max_new)
+                return self.model.generate(input_ids, **{self.kwarg: c}, **kwargs)
             except KvLostError:
                 if attempt == max_recomputes:
                     raise
+            finally:
+                c.room.turn_end = None
         raise AssertionError("unreachable")
 
     def close_session(self, session_id: str) -> None:

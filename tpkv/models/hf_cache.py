@@ -11,6 +11,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from tpkv.errors import ConfigError, TpkvError
+from tpkv.models.hf_room import StepRoom
+from tpkv.models.hf_write import PassWrite
 from tpkv.protocol.messages import StepResult
 from tpkv.protocol.plan import Tier
 from tpkv.ssd.format import validate_session_id
@@ -48,6 +50,7 @@ class HfTierStats:
     resumes: list[tuple[str, str]] = field(default_factory=list)  # (session, farthest tier)
     lost_tokens: int = 0  # tokens whose K/V had to be fed again
     losses: list[tuple[str, int]] = field(default_factory=list)  # (session, first lost token)
+    passes_without_step: int = 0  # forward passes that fit the room of their session's step
 
 
 class _TierLayer(CacheLayerMixin):
@@ -112,9 +115,14 @@ class TpkvCache(Cache):
     """The K/V of one session (batch size 1) in tpkv's blocks. The first `update` of a forward
     pass (layer 0) schedules one step of the session with the controller: its blocks are
     brought back into L1 from L2/L3 (waited for layer by layer) and new blocks get L1 slots.
+    A step counts the session's tokens up to the end of the block its pass ends in (the rest
+    lent to the session as a credit, rt.credits), so the passes after it that fit that block
+    and find no other step applied since (the worker's tick and epoch as they were) need no
+    step at all: their blocks are where that step left them (`room`, hf_room.StepRoom).
     Each `update` writes the new tokens' K/V of its layer into the L1 pool through the session's
-    block table and returns the layer's whole past: bit for bit the tensors DynamicCache returns
-    (same values, shape and layout). Between forward passes (and turns) the controller may
+    block table (a pass whose tokens fit one block: every layer's at once, at the last layer)
+    and returns the layer's whole past: bit for bit the tensors DynamicCache returns (same
+    values, shape and layout). Between forward passes (and turns) the controller may
     demote the blocks to L2 and spill them to L3.
 
     The past is gathered from the blocks once, at the first forward pass after a resume; later
@@ -124,11 +132,13 @@ class TpkvCache(Cache):
     or another session's cache of the runtime starts a pass: device memory holds at most one
     session's copy per runtime besides the L1 pool.
 
-    Each pass plans the next one ahead (`_plan_next`): generate calls the model once per token,
-    so the step of one more token of this session is sent to the controller while this pass
-    runs, and the next pass's step takes it without a round trip. A turn's end, another
-    session's pass or any other runtime call leaves it unused (applied without a forward, its
-    token a credit of the session: rt.credits keeps the counts right).
+    A pass whose last token ends a block plans the next one ahead (`StepRoom.plan_next`):
+    generate calls the model once per token, so the step of the next block of this session is
+    sent to the controller while this pass runs, and the next pass's step takes it without a
+    round trip; HfTiers.generate plans a turn's first pass so (`plan_turn`) and none past its
+    last. A turn that stops early, another session's pass or any other runtime call leaves it
+    unused (applied without a forward, its tokens a credit of the session: rt.credits keeps
+    the counts right).
 
     If blocks were lost (an L3 read failed its checks, or the cost model chose recompute), the
     first update of a forward pass raises KvLostError and the cache's length drops to the first
@@ -147,20 +157,20 @@ class TpkvCache(Cache):
         self.max_retries = max_retries
         self.pool = rt.worker.hbm.tensor  # [slots, layers, 2, block_tokens, heads, head_dim]
         self.num_tokens = 0  # tokens whose K/V the blocks hold (the cache's length)
-        # tokens this cache's steps asked the controller for (>= num_tokens; the controller
-        # may count more: a step planned ahead that no pass fed, a credit in rt.credits)
+        # tokens the controller counts for passes of this cache (>= num_tokens: more after a
+        # loss); it counts more: the credit in rt.credits (room a step made, a step planned
+        # ahead that no pass fed)
         self.ctl_tokens = 0
         self.in_forward = False
         self.opened = False
         self.resumed_from: list[str] = []  # farthest tier of each forward that loaded blocks
         self._slots: np.ndarray | None = None  # the session's L1 slots in this forward (host)
         self._slots_dev: torch.Tensor | None = None  # ... on the device, made when gathering
+        self._table: np.ndarray | None = None  # the last step's slots (for passes without)
+        self.room = StepRoom(rt, session_id, g.block_tokens)
         self._new = 0
-        # where the new tokens' K/V goes: a slot and the first token's offset when they fit
-        # one block (a decode step: a plain view, nothing sent to the device), else index
-        # tensors of every token's slot and offset
-        self._write_one: tuple[int, int] | None = None
-        self._write_at: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._shape = torch.Size()  # K/V shape of the pass in flight (layer 0's)
+        self._write: PassWrite | None = None  # where the pass in flight writes its K/V
         # per layer: K and V [1, heads, tokens, head_dim] equal to the blocks' (or None)
         self.views: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * g.num_layers
 
@@ -177,45 +187,49 @@ class TpkvCache(Cache):
                      value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new K/V `[1, heads, new, head_dim]` of `layer` into its blocks; return
         the layer's K/V of every token so far, `[1, heads, tokens, head_dim]`, contiguous."""
+        if layer == 0:
+            self._check(key_states)
+            self._begin_forward(key_states.shape[2])
+            self._shape = key_states.shape
+        elif (not self.in_forward or key_states.shape != self._shape
+              or key_states.dtype != self.pool.dtype):
+            self._check(key_states)
+            raise TpkvError(f"layer {layer} updated with K/V of shape "
+                            f"{tuple(key_states.shape)} outside a forward pass that layer 0 "
+                            f"started ({self._new} tokens)")
+        self.rt.worker.wait_layer(layer)  # blocks brought into L1 for this step
+        lay = self.tier_layers[layer]
+        start = lay.length
+        assert self._write is not None
+        self._write.put(layer, key_states, value_states)
+        view, self.views[layer] = self.views[layer], None
+        if view is None or view[0].shape[2] != start:  # from the blocks, once after a resume
+            del view
+            keys, values = self._gather(layer, start, (key_states, value_states))
+        else:  # the old K freed before the new V is made, as DynamicCache does
+            old_keys, old_values = view
+            del view
+            keys = torch.cat([old_keys, key_states], dim=-2)
+            del old_keys
+            values = torch.cat([old_values, value_states], dim=-2)
+            del old_values
+        self.views[layer] = keys, values
+        lay.length = start + self._new
+        if layer == len(self.tier_layers) - 1:
+            self._write.end()
+            self.num_tokens, self.in_forward, self._slots = lay.length, False, None
+        return keys, values
+
+    def _check(self, key_states: torch.Tensor) -> None:
         g = self.geometry
         if key_states.dim() != 4 or key_states.shape[0] != 1:
             raise TpkvError(f"TpkvCache holds one sequence: K/V of shape "
                             f"{tuple(key_states.shape)}, want [1, heads, tokens, head_dim]")
-        _, heads, new, dim = key_states.shape
+        _, heads, _, dim = key_states.shape
         if (heads, dim) != (g.heads_per_rank, g.head_dim) or key_states.dtype != self.pool.dtype:
             raise ConfigError(f"K/V of {heads} heads x {dim} dims ({key_states.dtype}) on this "
                               f"rank; the tiers hold {g.heads_per_rank} x {g.head_dim} "
                               f"({self.pool.dtype})")
-        if layer == 0:
-            self._begin_forward(new)
-        elif not self.in_forward or new != self._new:
-            raise TpkvError(f"layer {layer} updated with {new} tokens outside a forward pass "
-                            f"that layer 0 started ({self._new} tokens)")
-        assert self._slots is not None
-        self.rt.worker.wait_layer(layer)  # blocks brought into L1 for this step
-        lay = self.tier_layers[layer]
-        start, stop = lay.length, lay.length + new
-        if self._write_one is not None:  # K and V [2, new, heads, head_dim] in one copy
-            slot, first = self._write_one
-            self.pool[slot, layer, :, first:first + new] = torch.stack(
-                (key_states[0], value_states[0])).transpose(1, 2).to(self.pool.device)
-        else:  # the same slots for every layer of the pass
-            assert self._write_at is not None
-            slots, offsets = self._write_at
-            for kv, states in ((0, key_states), (1, value_states)):
-                rows = states[0].transpose(0, 1).to(self.pool.device)  # [new, heads, head_dim]
-                self.pool[slots, layer, kv, offsets] = rows
-        view = self.views[layer]
-        if view is None or view[0].shape[2] != start:  # from the blocks, once after a resume
-            keys, values = self._gather(layer, start, (key_states, value_states))
-        else:
-            keys = torch.cat([view[0], key_states], dim=-2)
-            values = torch.cat([view[1], value_states], dim=-2)
-        self.views[layer] = keys, values
-        lay.length = stop
-        if layer == g.num_layers - 1:
-            self.num_tokens, self.in_forward, self._slots = stop, False, None
-        return keys, values
 
     # ---- session ---------------------------------------------------------------------------
     def read_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -238,6 +252,8 @@ class TpkvCache(Cache):
             self.rt.close_session(self.session_id)
         self.opened, self.in_forward, self._slots = False, False, None
         self.num_tokens = self.ctl_tokens = 0
+        self._table = None
+        self.room.forget()
         self.drop_views()
         for lay in self.tier_layers:
             lay.length = 0
@@ -278,7 +294,8 @@ class TpkvCache(Cache):
 
     def _begin_forward(self, new: int) -> None:
         """Schedule the session's step for `new` tokens after `num_tokens`: every block in
-        L1, slots for the new ones. Raises KvLostError if K/V before `num_tokens` is gone."""
+        L1, slots for the new ones (none when the pass fits the last step's room and no step
+        was applied since). Raises KvLostError if K/V before `num_tokens` is gone."""
         if self.in_forward:  # the last pass failed half way: its layers' copies run ahead
             self.drop_views()
         holder = _VIEW_HOLDER.get(self.rt)
@@ -288,42 +305,51 @@ class TpkvCache(Cache):
                 other.drop_views()
             _VIEW_HOLDER[self.rt] = weakref.ref(self)
         g, base = self.geometry, self.num_tokens
-        add = max(0, base + new - self.ctl_tokens)
-        step, first_lost = self._schedule(add)
-        self.ctl_tokens += add
-        if first_lost is not None and first_lost < base:
-            self.drop_views()
-            self.num_tokens = first_lost
-            self.stats.lost_tokens += base - first_lost
-            self.stats.losses.append((self.session_id, first_lost))
-            self.in_forward, self._slots = False, None
-            raise KvLostError(f"session {self.session_id!r}: K/V of tokens {first_lost}..{base} "
-                              f"is lost (L3 miss or recompute); feed them again",
-                              self.session_id, first_lost)
-        self._slots, self._slots_dev = step.session_slots(0), None  # (the step's own array)
         bt = g.block_tokens
-        self._write_one = self._write_at = None
-        if new and base // bt == (base + new - 1) // bt:
-            self._write_one = int(self._slots[base // bt]), base % bt
-        elif new:
-            pos = np.arange(base, base + new)
-            self._write_at = (torch.as_tensor(self._slots[pos // bt].astype(np.int64),
-                                              device=self.pool.device),
-                              torch.as_tensor(pos % bt, device=self.pool.device))
+        # tokens this pass feeds that no step of this cache asked for yet
+        need = max(0, base + new - self.ctl_tokens)
+        if self.room.fits(base, new):
+            self.stats.passes_without_step += 1
+            self.room.credit(-need)  # counted by the last step, lent until now
+        else:
+            add = self.room.ask(base, new, self.ctl_tokens)
+            step, first_lost = self._schedule(add)
+            if first_lost is not None and first_lost < base:
+                self.ctl_tokens += add
+                self.room.forget()
+                self._table = None
+                self.drop_views()
+                self.num_tokens = first_lost
+                self.stats.lost_tokens += base - first_lost
+                self.stats.losses.append((self.session_id, first_lost))
+                self.in_forward, self._slots = False, None
+                raise KvLostError(f"session {self.session_id!r}: K/V of tokens {first_lost}.."
+                                  f"{base} is lost (L3 miss or recompute); feed them again",
+                                  self.session_id, first_lost)
+            self.room.took(self.ctl_tokens + add)
+            self.room.credit(add - need)
+            self._table, self._slots_dev = step.session_slots(0), None  # (the step's array)
+        self.ctl_tokens += need
+        self._slots = self._table
+        assert self._slots is not None
+        self._write = PassWrite(self.pool, self._slots, base, new, bt)
         self._new, self.in_forward = new, True
         for lay in self.tier_layers:
             lay.length = base
         if new:
-            self._plan_next(base + new)
+            self.room.plan_next(base + new, self.ctl_tokens)
 
-    def _plan_next(self, at: int) -> None:
-        """Send the schedule of the pass generate most likely makes next, one token of this
-        session at `at`, while this pass runs (TpkvRuntime.schedule_ahead): that pass then
-        needs no controller round trip. A wrong guess (the turn ended, another session's pass
-        or any other call came first) is applied without a forward and its token becomes a
-        credit of the session; the step that feeds it names it to the controller, which voids
-        the L2/L3 copies of its block made in between (launch/ahead.py)."""
-        self.rt.schedule_ahead([self.session_id], [max(0, at + 1 - self.ctl_tokens)])
+    def plan_turn(self, num_ids: int, max_new_tokens: int | None) -> None:
+        """Before generate runs a turn of `num_ids` tokens in all (the cache holds the first
+        num_tokens) that makes at most `max_new_tokens` (HfTiers.generate): the step of its
+        first pass is sent now, while generate prepares (not a session's first: it is not
+        open at the controller yet), and no pass after it plans one past the turn's last pass
+        (`room.turn_end`, until the caller resets it to None)."""
+        room, base = self.room, self.num_tokens
+        room.turn_end = None if max_new_tokens is None else num_ids + max_new_tokens - 1
+        if self.opened and num_ids > base and not room.fits(base, num_ids - base):
+            self.rt.schedule_ahead([self.session_id],
+                                   [room.ask(base, num_ids - base, self.ctl_tokens)])
 
     def _schedule(self, add: int) -> tuple[StepResult, int | None]:
         """begin_step and end_step at once (before any K/V is read), again after an L3 miss
