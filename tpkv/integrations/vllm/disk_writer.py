@@ -24,7 +24,7 @@ from tpkv.integrations.disk_blocks import DiskBlockStore
 from tpkv.ssd.format import crc_of
 
 if TYPE_CHECKING:
-    from tpkv.integrations.vllm.store import BlockRecord
+    from tpkv.integrations.vllm.record import BlockRecord
 
 log = logging.getLogger(__name__)
 

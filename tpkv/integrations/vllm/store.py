@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,21 +14,10 @@ from tpkv.errors import ConfigError
 from tpkv.integrations.disk_blocks import DiskBlockStore
 from tpkv.integrations.prefix_index import KEY_BYTES, block_key
 from tpkv.integrations.vllm.disk_writer import DiskWriter
+from tpkv.integrations.vllm.record import BlockRecord
 from tpkv.ssd.format import crc_of
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class BlockRecord:
-    """A stored block: its key, the parent key and tokens it was made from, its bytes
-    ([layers, page_bytes] uint8) and their CRC32C."""
-
-    key: bytes
-    parent: bytes
-    tokens: tuple[int, ...]
-    data: np.ndarray
-    crc: int
 
 
 class HostBlockStore:
