@@ -284,9 +284,8 @@ class TieredEngine:
                    zip(r.output.session_ids, r.output.block_mass) if len(mass)]
         if updates:  # sent, not waited for: the whole batch in one call
             self.rt.advise("report_attention", updates)
-        if r.kind == "prefill":
+        if self.report_prefill and r.kind == "prefill":  # (else the configured speed stands)
             self.returns.prefilled(int(sum(r.num_new_tokens)), r.forward_s)
-        if self.report_prefill and r.kind == "prefill":
             self.rt.advise("report_prefill", num_tokens=int(sum(r.num_new_tokens)),
                            seconds=r.forward_s)
 
