@@ -10,6 +10,7 @@ prefix cache has lost a session's blocks by the time it returns. Variants, each 
 process (the interpreter of `--python`, `.venv-vllm` by default; `make vllm-venv` builds it):
 
 - vllm: vLLM alone (its prefix cache only);
+- vllm_all_fit: vLLM alone with a KV cache that holds every session (the ceiling);
 - tpkv: TpkvConnector with host memory for every session (`--host-mib`);
 - tpkv_disk: TpkvConnector with little host memory (`--disk-host-kib`) and the disk tier;
 - vllm_offload: vLLM's `kv_offloading_size` (its OffloadingConnector);
@@ -45,7 +46,7 @@ from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
 REPO = os.path.dirname(HERE)
-VARIANTS = ("vllm", "tpkv", "tpkv_disk", "vllm_offload", "vllm_simple_offload")
+VARIANTS = ("vllm", "vllm_all_fit", "tpkv", "tpkv_disk", "vllm_offload", "vllm_simple_offload")
 TOKEN_LO, TOKEN_HI = 2, 511  # prompt token ids: not bos (0) nor eos (1)
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
@@ -110,6 +111,11 @@ def max_prompt_tokens(work: Workload, answer_tokens: int) -> int:
             + work.turns * len(work.users[0][0]) + (work.turns - 1) * answer_tokens)
 
 
+def all_fit_blocks(sessions: int, max_len: int, block_tokens: int) -> int:
+    """KV cache blocks that hold every session's longest request, and one more of each."""
+    return (sessions + 1) * -(-max_len // block_tokens)
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default); None for no values."""
     if not 0 <= q <= 100:
@@ -134,6 +140,7 @@ def summarize(run: dict[str, Any], reference: dict[str, Any] | None) -> dict[str
     saved = src.get("local_cache_hit", 0) + src.get("external_kv_transfer", 0)
     generated = sum(len(r["tokens"]) for r in reqs)
     out: dict[str, Any] = {
+        "kv_blocks": run["kv_blocks"],
         "requests": len(reqs),
         "returning_requests": len(returning),
         "prompt_tokens": prompt,
@@ -219,7 +226,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     began = time.perf_counter()
     llm = LLM(spec["model_dir"], skip_tokenizer_init=True, dtype="float32",
               max_model_len=spec["max_model_len"], block_size=a["block_tokens"],
-              num_gpu_blocks_override=a["kv_blocks"], enable_prefix_caching=True,
+              num_gpu_blocks_override=spec["kv_blocks"], enable_prefix_caching=True,
               enforce_eager=True, seed=0, disable_log_stats=False, **kwargs)
     start_s = time.perf_counter() - began
     params = SamplingParams(max_tokens=a["answer_tokens"], temperature=0.0, ignore_eos=True)
@@ -247,7 +254,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                          "ttft_s": ttft if ttft else None, "wall_s": wall})
     run_s = time.perf_counter() - run_began
     after = _counters(llm)
-    result = {"variant": variant, "start_s": start_s, "run_s": run_s, "requests": requests,
+    result = {"variant": variant, "kv_blocks": spec["kv_blocks"], "start_s": start_s,
+              "run_s": run_s, "requests": requests,
               "prompt_tokens_by_source": {k: after[k] - before[k] for k in SOURCES}}
     if variant.startswith("tpkv"):
         result["disk_loaded_blocks"] = disk_blocks
@@ -259,7 +267,11 @@ def run_variant(args: argparse.Namespace, variant: str, model_dir: str, max_len:
     """One variant in a fresh process: its JSON, or {"error": ...} with the output's tail."""
     tmp = tempfile.mkdtemp(prefix=f"tpkv-bench-vllm-{variant}-")
     try:
+        blocks = args.kv_blocks
+        if variant == "vllm_all_fit":
+            blocks = all_fit_blocks(args.sessions, max_len, args.block_tokens)
         spec = {"variant": variant, "args": vars(args), "model_dir": model_dir,
+                "kv_blocks": blocks,
                 "max_model_len": max_len, "disk_dir": os.path.join(tmp, "disk"),
                 "out": os.path.join(tmp, "out.json")}
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH",
@@ -306,12 +318,12 @@ def main() -> None:
     ap.add_argument("--answer-tokens", type=int, default=16)
     ap.add_argument("--block-tokens", type=int, default=32)
     ap.add_argument("--kv-blocks", type=int, default=48, help="vLLM's KV cache, blocks")
-    ap.add_argument("--host-mib", type=int, default=64, help="tpkv: host memory")
-    ap.add_argument("--disk-host-kib", type=int, default=1024, help="tpkv_disk: host memory")
+    ap.add_argument("--host-mib", type=int, default=256, help="tpkv: host memory")
+    ap.add_argument("--disk-host-kib", type=int, default=4096, help="tpkv_disk: host memory")
     ap.add_argument("--disk-mib", type=int, default=256, help="tpkv_disk: disk budget")
     ap.add_argument("--offload-mib", type=int, default=64, help="vLLM offloading: CPU buffer")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-dir", default=None, help="default: a folder in /tmp by shape")
     ap.add_argument("--python", default=None, help="vLLM's interpreter (.venv-vllm)")
@@ -347,9 +359,8 @@ def main() -> None:
         began = time.perf_counter()
         runs[variant] = run_variant(args, variant, model_dir, max_len)
         took = time.perf_counter() - began
-        print(f"{variant}: {took:.0f} s{' ' + runs[variant]['error'] if 'error' in runs[variant] else ''}",
-              file=sys.stderr)
-    ref = runs.get("vllm") if "error" not in runs.get("vllm", {"error": 1}) else None
+        print(f"{variant}: {took:.0f} s {runs[variant].get('error', '')}", file=sys.stderr)
+    ref = runs["vllm"] if "error" not in runs.get("vllm", {"error": None}) else None
     results = {v: ({"error": r["error"]} if "error" in r else summarize(r, ref))
                for v, r in runs.items()}
     out = {
