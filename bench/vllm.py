@@ -11,6 +11,8 @@ process (the interpreter of `--python`, `.venv-vllm` by default; `make vllm-venv
 
 - vllm: vLLM alone (its prefix cache only);
 - vllm_all_fit: vLLM alone with a KV cache that holds every session (the ceiling);
+- null_connector: vLLM with a connector that does nothing (bench/vllm_null.py): what vLLM's
+  connector path costs by itself;
 - tpkv: TpkvConnector with host memory for every session (`--host-mib`);
 - tpkv_disk: TpkvConnector with little host memory (`--disk-host-kib`) and the disk tier;
 - vllm_offload: vLLM's `kv_offloading_size` (its OffloadingConnector);
@@ -46,7 +48,8 @@ from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
 REPO = os.path.dirname(HERE)
-VARIANTS = ("vllm", "vllm_all_fit", "tpkv", "tpkv_disk", "vllm_offload", "vllm_simple_offload")
+VARIANTS = ("vllm", "vllm_all_fit", "null_connector", "tpkv", "tpkv_disk", "vllm_offload",
+            "vllm_simple_offload")
 TOKEN_LO, TOKEN_HI = 2, 511  # prompt token ids: not bos (0) nor eos (1)
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
@@ -135,6 +138,8 @@ def summarize(run: dict[str, Any], reference: dict[str, Any] | None) -> dict[str
     returning = [r for r in reqs if r["turn"] > 0]
     ttft = [r["ttft_s"] * 1e3 for r in returning if r["ttft_s"] is not None]
     wall = [r["wall_s"] * 1e3 for r in returning]
+    decode = [(r["wall_s"] - r["ttft_s"]) * 1e3 / (len(r["tokens"]) - 1) for r in returning
+              if r["ttft_s"] is not None and len(r["tokens"]) > 1]
     src = run["prompt_tokens_by_source"]
     prompt = sum(len(r["prompt"]) for r in reqs)
     saved = src.get("local_cache_hit", 0) + src.get("external_kv_transfer", 0)
@@ -155,6 +160,7 @@ def summarize(run: dict[str, Any], reference: dict[str, Any] | None) -> dict[str
         "ttft_ms_p99": _ms(percentile(ttft, 99)),
         "wall_ms_p50": _ms(percentile(wall, 50)),
         "wall_ms_p99": _ms(percentile(wall, 99)),
+        "decode_ms_per_token_p50": _ms(percentile(decode, 50)),
         "generated_tokens": generated,
         "run_s": round(run["run_s"], 3),
         "gen_tokens_per_s": round(generated / run["run_s"], 2) if run["run_s"] > 0 else None,
@@ -219,6 +225,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             kv_connector="TpkvConnector", kv_connector_module_path="tpkv.integrations.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config=extra)
+    elif variant == "null_connector":
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NullConnector", kv_connector_module_path="bench.vllm_null",
+            kv_role="kv_both")
     elif variant in ("vllm_offload", "vllm_simple_offload"):
         kwargs["kv_offloading_size"] = a["offload_mib"] / 1024
     work = make_workload(a["seed"], a["sessions"], a["turns"], a["system_tokens"],

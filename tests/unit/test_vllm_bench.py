@@ -101,6 +101,7 @@ def test_summary_counts_saved_tokens_and_times_returning_turns_only() -> None:
     assert s["ttft_ms_p50"] == pytest.approx(20.0)  # turn 0's 400-500 ms left out
     assert s["ttft_ms_p99"] == pytest.approx(29.8)
     assert s["wall_ms_p50"] == pytest.approx(250.0)
+    assert s["decode_ms_per_token_p50"] == pytest.approx((190 + 270) / 2)  # (wall - ttft) / 1
     assert s["generated_tokens"] == 8 and s["gen_tokens_per_s"] == 4.0
     assert s["tokens_equal"] is True
     assert "disk_loaded_blocks" not in s
@@ -115,6 +116,7 @@ def test_summary_flags_different_or_missing_tokens() -> None:
     alone = summarize(ref, None)
     assert "tokens_equal" not in alone
     assert alone["ttft_ms_p50"] is None  # no returning turn had a TTFT
+    assert alone["decode_ms_per_token_p50"] is None
     assert alone["prefill_saved_frac"] == 0.0
 
 
