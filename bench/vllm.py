@@ -14,7 +14,8 @@ process (the interpreter of `--python`, `.venv-vllm` by default; `make vllm-venv
 - null_connector: vLLM with a connector that does nothing (bench/vllm_null.py): what vLLM's
   connector path costs by itself;
 - tpkv: TpkvConnector with host memory for every session (`--host-mib`);
-- tpkv_disk: TpkvConnector with little host memory (`--disk-host-kib`) and the disk tier;
+- tpkv_disk: TpkvConnector with little host memory (`--disk-host-kib`, of which
+  `--disk-queue-kib` for blocks on their way to disk) and the disk tier;
 - vllm_offload: vLLM's `kv_offloading_size` (its OffloadingConnector);
 - vllm_simple_offload: the same with VLLM_USE_SIMPLE_KV_OFFLOAD=1 (SimpleCPUOffloadConnector).
 
@@ -41,6 +42,7 @@ import platform  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -175,6 +177,25 @@ def summarize(run: dict[str, Any], reference: dict[str, Any] | None) -> dict[str
     return out
 
 
+def combine(per_rep: list[dict[str, Any]]) -> dict[str, Any]:
+    """One variant's summaries over repetitions: the median of each number (None where a
+    repetition has none), a flag true only where every repetition's is, and each repetition's
+    own summary under "by_rep"."""
+    if not per_rep:
+        raise ValueError("no repetitions to combine")
+    out: dict[str, Any] = {"reps": len(per_rep)}
+    for key in per_rep[0]:
+        values = [s.get(key) for s in per_rep]
+        if all(isinstance(v, bool) for v in values):
+            out[key] = all(values)
+        elif any(v is None for v in values):
+            out[key] = None
+        else:
+            out[key] = round(statistics.median(values), 4)
+    out["by_rep"] = per_rep
+    return out
+
+
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
@@ -220,7 +241,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         extra: dict[str, Any] = {"host_bytes": a["host_mib"] << 20}
         if variant == "tpkv_disk":
             extra = {"host_bytes": a["disk_host_kib"] << 10, "disk_dir": spec["disk_dir"],
-                     "disk_bytes": a["disk_mib"] << 20}
+                     "disk_bytes": a["disk_mib"] << 20,
+                     "disk_queue_bytes": a["disk_queue_kib"] << 10}
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="TpkvConnector", kv_connector_module_path="tpkv.integrations.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute",
@@ -329,12 +351,17 @@ def main() -> None:
     ap.add_argument("--block-tokens", type=int, default=32)
     ap.add_argument("--kv-blocks", type=int, default=48, help="vLLM's KV cache, blocks")
     ap.add_argument("--host-mib", type=int, default=256, help="tpkv: host memory")
-    ap.add_argument("--disk-host-kib", type=int, default=4096, help="tpkv_disk: host memory")
+    ap.add_argument("--disk-host-kib", type=int, default=16384, help="tpkv_disk: host memory")
+    ap.add_argument("--disk-queue-kib", type=int, default=12288,
+                    help="tpkv_disk: the part of host memory for blocks on their way to disk "
+                         "(a block the writer has no room for is given up)")
     ap.add_argument("--disk-mib", type=int, default=256, help="tpkv_disk: disk budget")
     ap.add_argument("--offload-mib", type=int, default=64, help="vLLM offloading: CPU buffer")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=1,
+                    help="runs of each variant, alternating; figures are medians over them")
     ap.add_argument("--model-dir", default=None, help="default: a folder in /tmp by shape")
     ap.add_argument("--python", default=None, help="vLLM's interpreter (.venv-vllm)")
     ap.add_argument("--variant-timeout-s", type=int, default=420)
@@ -364,15 +391,27 @@ def main() -> None:
     model_dir = args.model_dir or os.path.join(
         tempfile.gettempdir(), f"tpkv-bench-vllm-llama-{args.layers}x{args.hidden}-{max_len}")
     load_start = round(os.getloadavg()[0], 2)
-    runs: dict[str, dict[str, Any]] = {}
-    for variant in variants:
-        began = time.perf_counter()
-        runs[variant] = run_variant(args, variant, model_dir, max_len)
-        took = time.perf_counter() - began
-        print(f"{variant}: {took:.0f} s {runs[variant].get('error', '')}", file=sys.stderr)
-    ref = runs["vllm"] if "error" not in runs.get("vllm", {"error": None}) else None
-    results = {v: ({"error": r["error"]} if "error" in r else summarize(r, ref))
-               for v, r in runs.items()}
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    for rep in range(args.reps):  # variants alternate, so a busy spell hits every one
+        for variant in variants:
+            if rep and "error" in runs[variant][0]:
+                continue  # it did not start: once is enough
+            load = round(os.getloadavg()[0], 2)
+            began = time.perf_counter()
+            run = run_variant(args, variant, model_dir, max_len)
+            run["load_avg_1m"] = load
+            runs[variant].append(run)
+            print(f"rep {rep} {variant}: {time.perf_counter() - began:.0f} s "
+                  f"{run.get('error', '')}", file=sys.stderr)
+    refs = [r for r in runs.get("vllm", []) if "error" not in r]
+    results: dict[str, dict[str, Any]] = {}
+    for v, rs in runs.items():
+        if "error" in rs[0]:
+            results[v] = {"error": rs[0]["error"]}
+            continue
+        per_rep = [summarize(r, refs[i] if i < len(refs) else None) | {
+            "load_avg_1m": r["load_avg_1m"]} for i, r in enumerate(rs)]
+        results[v] = combine(per_rep)
     out = {
         "bench": "vllm",
         "date": time.strftime("%Y-%m-%d"),
@@ -386,16 +425,18 @@ def main() -> None:
                     "load_avg_1m_at_start": load_start,
                     "load_avg_1m_at_end": round(os.getloadavg()[0], 2)},
         "results": results,
-        "errors": {v: r for v, r in runs.items() if "error" in r},
-        "requests": {v: [{k: x[k] for k in ("session", "turn", "num_cached_tokens",
-                                            "connector_matched_tokens", "ttft_s", "wall_s")}
-                         | {"prompt_tokens": len(x["prompt"])} for x in r["requests"]]
-                     for v, r in runs.items() if "error" not in r},
+        "errors": {v: rs[0] for v, rs in runs.items() if "error" in rs[0]},
+        "requests_first_rep": {
+            v: [{k: x[k] for k in ("session", "turn", "num_cached_tokens",
+                                   "connector_matched_tokens", "ttft_s", "wall_s")}
+                | {"prompt_tokens": len(x["prompt"])} for x in rs[0]["requests"]]
+            for v, rs in runs.items() if "error" not in rs[0]},
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(json.dumps(out, indent=1) + "\n")
-    print(json.dumps(results, indent=1))
+    print(json.dumps({v: {k: x for k, x in r.items() if k != "by_rep"}
+                      for v, r in results.items()}, indent=1))
 
 
 if __name__ == "__main__":

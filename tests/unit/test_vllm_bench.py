@@ -12,6 +12,7 @@ from bench.vllm import (
     TOKEN_LO,
     _error_line,
     all_fit_blocks,
+    combine,
     make_workload,
     max_prompt_tokens,
     percentile,
@@ -133,3 +134,17 @@ def test_error_line_finds_the_root_cause_in_vllm_output() -> None:
                                 "CUDA-alike and XPU GPUs")
     assert _error_line("killed\n\n") == "killed"
     assert _error_line("") == "(no output)"
+
+
+def test_combine_takes_medians_and_all_of_the_flags() -> None:
+    reps = [{"ttft_ms_p50": 10.0, "prompt_tokens": 400, "tokens_equal": True, "x": 1.0},
+            {"ttft_ms_p50": 30.0, "prompt_tokens": 400, "tokens_equal": False, "x": None},
+            {"ttft_ms_p50": 20.0, "prompt_tokens": 400, "tokens_equal": True, "x": 3.0}]
+    c = combine(reps)
+    assert c["reps"] == 3 and c["ttft_ms_p50"] == 20.0 and c["prompt_tokens"] == 400
+    assert c["tokens_equal"] is False  # one repetition differed
+    assert c["x"] is None
+    assert c["by_rep"] == reps
+    assert combine(reps[:1])["tokens_equal"] is True
+    with pytest.raises(ValueError, match="no repetitions"):
+        combine([])
