@@ -27,29 +27,35 @@ LABELS = {
 
 
 def table(result: dict[str, Any]) -> str:
-    rows = ["| variant | KV blocks | prefill computed | prefix-cache hits | connector loaded "
-            "| returning TTFT p50 / p99 ms | gen tok/s | tokens equal |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| variant | KV blocks | prefill computed | vLLM prefix-cache hits "
+            "| connector loaded (blocks from disk) | returning TTFT p50 / p99 ms "
+            "| decode ms/token | gen tok/s | tokens equal |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in result["results"].items():
         label = LABELS.get(name, name)
         if "error" in r:
-            rows.append(f"| {label} | - | did not start: {r['error']} | | | | | |")
+            rows.append(f"| {label} | - | did not start: `{r['error']}` | | | | | | |")
             continue
-        loaded = f"{r['connector_loaded_tokens']}"
+        loaded = f"{r['connector_loaded_tokens']:g}"
         if r.get("disk_loaded_blocks"):
-            loaded += f" ({r['disk_loaded_blocks']} blocks from disk)"
+            loaded += f" ({r['disk_loaded_blocks']:g} from disk)"
         rows.append(
-            f"| {label} | {r['kv_blocks']} | {r['prefill_computed_tokens']} of "
-            f"{r['prompt_tokens']} | {r['prefix_cache_hit_tokens']} | {loaded} | "
-            f"{r['ttft_ms_p50']} / {r['ttft_ms_p99']} | {r['gen_tokens_per_s']} | "
+            f"| {label} | {r['kv_blocks']:g} | {r['prefill_computed_tokens']:g} of "
+            f"{r['prompt_tokens']:g} | {r['prefix_cache_hit_tokens']:g} | {loaded} | "
+            f"{_num(r['ttft_ms_p50'])} / {_num(r['ttft_ms_p99'])} | "
+            f"{_num(r.get('decode_ms_per_token_p50'))} | {_num(r['gen_tokens_per_s'])} | "
             f"{r.get('tokens_equal', '-')} |")
     return "\n".join(rows)
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def plot(result: dict[str, Any], out: Path) -> None:
     ran = {k: v for k, v in result["results"].items() if "error" not in v}
     names = [LABELS.get(k, k) for k in ran]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.6))
     ax = axes[0]
     parts = (("prefill_computed_tokens", "computed", "tab:red"),
              ("prefix_cache_hit_tokens", "vLLM prefix-cache hit", "tab:blue"),
@@ -75,12 +81,18 @@ def plot(result: dict[str, Any], out: Path) -> None:
     ax = axes[2]
     ax.bar(names, [r["gen_tokens_per_s"] or 0 for r in ran.values()], color="tab:olive")
     ax.set_title("generated tokens/s over the run")
+    ax = axes[3]
+    ax.bar(names, [r.get("decode_ms_per_token_p50") or 0 for r in ran.values()],
+           color="tab:brown")
+    ax.set_ylabel("ms")
+    ax.set_title("decode ms per token, returning turns (p50)")
     for a in axes:
         a.tick_params(axis="x", labelsize=7, rotation=15)
     cfg = result["config"]
     failed = ", ".join(LABELS.get(k, k) for k in result["results"] if k not in ran)
     fig.suptitle(f"vLLM (CPU) multi-turn, {cfg['sessions']} sessions x {cfg['turns']} turns, "
-                 f"Llama {cfg['layers']}x{cfg['hidden']} random ({result['date']})"
+                 f"Llama {cfg['layers']}x{cfg['hidden']} random, medians of "
+                 f"{cfg.get('reps', 1)} runs ({result['date']})"
                  + (f"; did not start: {failed}" if failed else ""), fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
