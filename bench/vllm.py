@@ -19,7 +19,10 @@ process (the interpreter of `--python`, `.venv-vllm` by default; `make vllm-venv
 - vllm_offload: vLLM's `kv_offloading_size` (its OffloadingConnector);
 - vllm_simple_offload: the same with VLLM_USE_SIMPLE_KV_OFFLOAD=1 (SimpleCPUOffloadConnector).
 
-A variant that does not run on this build is reported with its error.
+A variant that does not run on this build is reported with its error. Every variant runs the
+model's OpenMP threads on the same cores (`--reserved-cpus`): vLLM's CPU backend reserves one
+more core when a KV connector is set, which on this 2-core machine leaves none reserved and
+puts its busy scheduler beside both compute threads.
 
     .venv-vllm/bin/python bench/vllm.py [--sessions 6] [--turns 4] [--out bench/results/vllm.json]
     /work/main/.venv/bin/python bench/plot_vllm.py   # the PNG, where matplotlib is
@@ -308,7 +311,8 @@ def run_variant(args: argparse.Namespace, variant: str, model_dir: str, max_len:
                 "out": os.path.join(tmp, "out.json")}
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH",
                                                                                 "")]),
-                   TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE="1")
+                   TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE="1",
+                   VLLM_CPU_NUM_OF_RESERVED_CPU=str(args.reserved_cpus))
         if variant == "vllm_simple_offload":
             env["VLLM_USE_SIMPLE_KV_OFFLOAD"] = "1"
         cmd = [args.python, os.path.abspath(__file__), "--child", json.dumps(spec)]
@@ -364,6 +368,10 @@ def main() -> None:
                     help="runs of each variant, alternating; figures are medians over them")
     ap.add_argument("--model-dir", default=None, help="default: a folder in /tmp by shape")
     ap.add_argument("--python", default=None, help="vLLM's interpreter (.venv-vllm)")
+    ap.add_argument("--reserved-cpus", type=int, default=1,
+                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for every variant: cores kept from the "
+                         "model's OpenMP threads (vLLM reserves one more with a KV connector; "
+                         "on 2 cores that leaves none, and the variants would not compare)")
     ap.add_argument("--variant-timeout-s", type=int, default=420)
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "vllm.json"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
