@@ -14,6 +14,19 @@ from tpkv.models.tiered import TieredEngine
 
 pytestmark = pytest.mark.timeout(180)
 
+def reference_and_runtime(model: Any, tmp_path: Path, slots: int) -> tuple[Any, Any, Any]:
+    """An all-L1 reference engine of `slots` blocks, the tiers' config and a runtime on them."""
+    import torch
+
+    from tpkv.models.engine import PagedEngine
+
+    cfg = tiny_tiers(model, str(tmp_path / "l3"))
+    g = cfg.geometry
+    ref = PagedEngine(model, torch.full((slots, g.num_layers, 2, g.block_tokens, g.num_kv_heads,
+                                         g.head_dim), float("nan")), scheduler_seed=3)
+    return ref, cfg, tpkv_init(cfg, controller="local", device="cpu")
+
+
 @pytest.fixture(scope="module")
 def model_and_want() -> tuple[Any, Any]:
     return tiny_model_and_reference()
@@ -73,16 +86,9 @@ def test_a_session_closed_just_before_a_restart_does_not_come_back(tmp_path: Pat
     step), then the controller restarts: the rebuild must not revive it, or a new session of
     the same name would find the old one's blocks."""
     import numpy as np
-    import torch
-
-    from tpkv.models.engine import PagedEngine
 
     model, _ = model_and_want
-    cfg = tiny_tiers(model, str(tmp_path / "l3"))
-    g = cfg.geometry
-    ref = PagedEngine(model, torch.full((64, g.num_layers, 2, g.block_tokens, g.num_kv_heads,
-                                         g.head_dim), float("nan")), scheduler_seed=3)
-    rt = tpkv_init(cfg, controller="local", device="cpu")
+    ref, cfg, rt = reference_and_runtime(model, tmp_path, 64)
     rng = np.random.default_rng(1)
     try:
         engine = TieredEngine(rt, model, report_prefill=False).engine
@@ -136,16 +142,9 @@ def test_a_restart_found_by_a_session_call_while_a_step_awaits_confirmation(
     step's commit must not follow (on the old code it did: PlanOrderError, found by the engine
     soak)."""
     import numpy as np
-    import torch
-
-    from tpkv.models.engine import PagedEngine
 
     model, _ = model_and_want
-    cfg = tiny_tiers(model, str(tmp_path / "l3"))
-    g = cfg.geometry
-    ref = PagedEngine(model, torch.full((256, g.num_layers, 2, g.block_tokens, g.num_kv_heads,
-                                         g.head_dim), float("nan")), scheduler_seed=3)
-    rt = tpkv_init(cfg, controller="local", device="cpu")
+    ref, cfg, rt = reference_and_runtime(model, tmp_path, 256)
     rng = np.random.default_rng(2)
     try:
         engine = TieredEngine(rt, model, report_prefill=False).engine
