@@ -42,9 +42,9 @@ class Returns:
         self._start_read_rate = pol.ssd_read_bytes_per_s
         # turns decoding beside the ones admitted (TieredEngine sets it to the engine's)
         self.num_running: Callable[[], int] = lambda: 0
-        # Rank 0: the turns outside the batch whose read ahead was done when the last step's
-        # forward was launched: the next step lets in those (as the step planned ahead for it
-        # expects), not those done since.
+        # Rank 0: the turns outside the batch that were ready when the last step's forward was
+        # launched (sample()): the next step lets in those (as the step planned ahead for it
+        # expects), not those ready since.
         self._sample: set[str] | None = None
 
     def admit(self, arrived: Sequence[str], returning: Sequence[str], idle: bool) -> list[str]:
@@ -88,15 +88,16 @@ class Returns:
         sample, self._sample = self._sample, None
         if idle:  # nothing runs: no step was planned ahead for a batch
             sample = None
+        back = set(returning)
         for name in [*returning, *arrived]:
             if sample is not None and name in sample:  # the step planned ahead expects it
                 go.append(name)
                 continue
             if worker.read_ahead_done(name):
-                if sample is None or name not in returning:
+                if sample is None or name not in back:
                     go.append(name)
                 continue
-            if name in arrived and self._sooner_recomputed(name):
+            if name not in back and self._sooner_recomputed(name):
                 self.recompute.add(name)
                 self.num_recomputed += 1
                 go.append(name)
@@ -104,7 +105,7 @@ class Returns:
             status = worker.read_ahead(name)
             if status == "started":  # (again, if a change to its records discarded it)
                 read.append(name)
-            elif status in ("none", "too_big") and (sample is None or name not in returning):
+            elif status in ("none", "too_big") and (sample is None or name not in back):
                 go.append(name)  # (one outside the batch goes in once sampled)
         if idle and not go:  # nothing else runs: wait for the first read ahead to end
             self._start_busy([*returning, *arrived], read)

@@ -62,7 +62,6 @@ class ReadAhead:
         self._sessions: dict[str, _Session] = {}
         self._held = 0  # bytes of buffers not yet given back (discarded ones still reading too)
         self.num_served = 0  # blocks served from the buffers so far
-        self.num_started = 0  # sessions read ahead so far
         # bytes and seconds of the read aheads done so far (each from start to its last job)
         self.read_bytes, self.read_s = 0, 0.0
 
@@ -70,6 +69,10 @@ class ReadAhead:
     def held_bytes(self) -> int:
         with self._lock:
             return self._held
+
+    def holds(self, num_blocks: int) -> bool:
+        """Whether the budget holds a read ahead of `num_blocks` blocks at all (when empty)."""
+        return num_blocks * self.block_bytes <= self.budget_bytes
 
     def fits(self, num_blocks: int) -> bool:
         """Whether a read ahead of `num_blocks` blocks fits the budget now."""
@@ -95,7 +98,6 @@ class ReadAhead:
             entry = _Session(self._generation.get(sid, 0), jobs, need, began=time.monotonic())
             self._sessions[sid] = entry
             self._held += need
-            self.num_started += 1
             for job in jobs:
                 job.future = self._pool.submit(read, sid, job.indices, list(job.buffers))
                 job.future.add_done_callback(functools.partial(self._job_done, entry))
@@ -104,10 +106,11 @@ class ReadAhead:
     def _job_done(self, entry: _Session, _: object) -> None:
         with self._lock:
             entry.num_done += 1
-            if entry.num_done == len(entry.jobs):
-                self.read_bytes += entry.num_bytes
-                self.read_s += time.monotonic() - entry.began
-            if entry.discarded and entry.num_done == len(entry.jobs):
+            if entry.num_done < len(entry.jobs):
+                return
+            self.read_bytes += entry.num_bytes
+            self.read_s += time.monotonic() - entry.began
+            if entry.discarded:
                 self._held -= entry.num_bytes
 
     def pending_bytes(self) -> int:

@@ -318,26 +318,29 @@ class Worker:
         read-ahead budget now), "too_big" (they never will), "held" (read or being read
         ahead already: nothing started) or "busy" (a spill of the session is not finished:
         its records are not all readable yet)."""
-        if self.store is None:
-            return "none"
-        logical = self.mirror.session_logical(session, int(Tier.SSD))
-        if not len(logical):
+        logical = self._on_l3(session)
+        if self.store is None or not len(logical):
             return "none"
         if self.store.ahead.done(session) is not None:
             return "held"
         if self.executor.spills.busy(session):
             return "busy"
-        if len(logical) * self.store.block_bytes > self.store.ahead.budget_bytes:
+        if not self.store.ahead.holds(len(logical)):
             return "too_big"
         return "started" if self.store.read_ahead(session, logical) else "full"
 
     def needs_read_ahead(self, session: str) -> bool:
         """Whether read_ahead would read anything of the session: it has blocks on L3 here,
         and they fit the read-ahead budget when it is empty."""
+        n = len(self._on_l3(session))
+        return self.store is not None and 0 < n and self.store.ahead.holds(n)
+
+    def _on_l3(self, session: str) -> np.ndarray:
+        """Logical indices of the session's blocks this rank's map places on L3 (none
+        without L3)."""
         if self.store is None:
-            return False
-        n = len(self.mirror.session_logical(session, int(Tier.SSD)))
-        return 0 < n and n * self.store.block_bytes <= self.store.ahead.budget_bytes
+            return np.zeros(0, dtype=np.int64)
+        return self.mirror.session_logical(session, int(Tier.SSD))
 
     def read_ahead_done(self, session: str) -> bool:
         """Whether this rank holds the session's read ahead, done."""
