@@ -14,6 +14,17 @@ REPO = HERE.parent.parent
 RUN_TIMEOUT_S = 420
 
 
+def skip_without_vllm() -> None:
+    """Skip the calling test module (call it at its top level) where vLLM does not import."""
+    import pytest
+
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # not installed, or its torch does not import beside it
+        pytest.skip(f"vllm is not importable ({exc!r}); `make vllm-test` installs it in "
+                    f".venv-vllm", allow_module_level=True)
+
+
 def run(model_dir: Path, out: Path, mode: str, extra: dict[str, Any] | None = None
         ) -> dict[str, Any]:
     """One vLLM process of `mode` (run_llm.py); its results, with `by_name` added."""

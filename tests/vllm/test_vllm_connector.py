@@ -12,14 +12,10 @@ from typing import Any
 
 import pytest
 
-from tests.vllm.harness import run, tpkv_stats
+from tests.vllm.harness import run, skip_without_vllm, tpkv_stats
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]  # two vLLM start-ups
-try:
-    import vllm  # noqa: F401
-except Exception as exc:  # not installed, or its torch does not import beside it
-    pytest.skip(f"vllm is not importable ({exc!r}); `make vllm-test` installs it in "
-                f".venv-vllm", allow_module_level=True)
+skip_without_vllm()
 
 BLOCK_TOKENS = 32
 MAX_TOKENS = 8

@@ -15,15 +15,11 @@ from typing import Any
 
 import pytest
 
-from tests.vllm.harness import run, tpkv_stats
+from tests.vllm.harness import run, skip_without_vllm, tpkv_stats
 from tpkv.integrations.disk_format import record_bytes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]  # two vLLM start-ups
-try:
-    import vllm  # noqa: F401
-except Exception as exc:  # not installed, or its torch does not import beside it
-    pytest.skip(f"vllm is not importable ({exc!r}); `make vllm-test` installs it in "
-                f".venv-vllm", allow_module_level=True)
+skip_without_vllm()
 
 BLOCK_TOKENS = 32
 # the tiny Llama's block on one rank: 2 layers x (K, V) x 32 tokens x 2 heads x 32 x 4 bytes
