@@ -150,18 +150,18 @@ class Rounds:
             if rnd == 1:  # the measured window (throughput, bound): the turn rounds
                 self.open_window()
             t0 = time.perf_counter()
-            order = rng.permutation(len(names))
-            for first in range(0, len(order), self.engine.max_batch):
-                for i in order[first:first + self.engine.max_batch].tolist():
-                    n = self.contexts[i] if rnd == 0 else sizes.user_tokens
-                    self.add_turn(names[i], rng.integers(0, self.vocab, n).tolist(),
-                                  sizes.gen_tokens if rnd else 1, returning=rnd > 0, turn=rnd)
-                try:
-                    made = self._drain()
-                except (TpkvError, torch.OutOfMemoryError) as exc:
-                    self.failures.append(f"round {rnd}: {type(exc).__name__}: {exc}"[:300])
-                    return self._report(gen_tokens, t_turns)
-                gen_tokens += made if rnd else 0
+            # a round's turns all come at once, in a random order: the engine takes them into
+            # its batch as it has room, and what waits is known (a read ahead can start early)
+            for i in rng.permutation(len(names)).tolist():
+                n = self.contexts[i] if rnd == 0 else sizes.user_tokens
+                self.add_turn(names[i], rng.integers(0, self.vocab, n).tolist(),
+                              sizes.gen_tokens if rnd else 1, returning=rnd > 0, turn=rnd)
+            try:
+                made = self._drain()
+            except (TpkvError, torch.OutOfMemoryError) as exc:
+                self.failures.append(f"round {rnd}: {type(exc).__name__}: {exc}"[:300])
+                return self._report(gen_tokens, t_turns)
+            gen_tokens += made if rnd else 0
             print(f"  round {rnd}: {time.perf_counter() - t0:.1f} s", flush=True)
             if rnd == 0:
                 self.held_after_fill = self._held(names)
@@ -198,14 +198,15 @@ class Rounds:
         it finished."""
         e, st = self.engine, self.tiered.stats
         e.admit_pending()  # whom the step runs, in waiting and running
-        kind = "prefill" if e.waiting else "decode"
-        session = e.waiting[0].session if e.waiting else None
+        prefill = e.prefill_next
+        kind = "prefill" if prefill else "decode"
+        session = e.waiting[0].session if prefill else None
         returning = session is not None and self._returning.get(session, False)
-        fed = e.waiting[0].num_uncached if e.waiting else 0
-        context = e.waiting[0].num_cached if e.waiting else 0
-        batch = 1 if e.waiting else min(len(e.running), e.max_batch)
-        kv_tokens = 0 if e.waiting else sum(len(q.token_ids) for q in e.running[:batch])
-        members = () if e.waiting else tuple(q.session for q in e.running[:batch])
+        fed = e.waiting[0].num_uncached if prefill else 0
+        context = e.waiting[0].num_cached if prefill else 0
+        batch = 1 if prefill else min(len(e.running), e.max_batch)
+        kv_tokens = 0 if prefill else sum(len(q.token_ids) for q in e.running[:batch])
+        members = () if prefill else tuple(q.session for q in e.running[:batch])
         moves0, recompute0 = dict(st.moves), st.recompute_tokens
         loads0 = {t: len(v) for t, v in st.resume_s.items()}
         profiled = self.profile is not None and returning

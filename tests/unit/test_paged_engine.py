@@ -235,8 +235,8 @@ def test_padded_turn_of_the_prefill_graphs_matches_the_turn_run_eagerly(turn):
 
 def test_predict_next_names_the_batch_the_next_step_runs():
     """Inside each step (its `launched` hook) the engine names the next step's batch: prefills
-    of the turns waiting (as many as the token budget takes), then the decoding turns less
-    those this step ends, one token each; and the turns decoding after this step. With no turn
+    of the turns waiting (as many as the token budget and the batch take), then the decoding
+    turns less those this step ends, one token each; and the turns decoding after this step. With no turn
     added in between, every prediction is the batch the next step() runs."""
     model = _model()
     predicted: list[object] = []
@@ -261,6 +261,9 @@ def test_predict_next_names_the_batch_the_next_step_runs():
         assert (ids, new) == nxt and after == now
     last = predicted[-1]
     assert last[0] == [] and last[2] == []  # every turn ends with the last step
-    # prefills first, then the decode steps of those still generating, one token each
-    assert ran[0] == (["s0", "s1"], [7, 4]) and ran[1] == (["s2", "s3"], [9, 3])
-    assert all(n == [1] * len(ids) for ids, n in ran[2:])
+    # prefills first while the batch (3) has room, then the decode steps, one token each;
+    # s3 waits until s0's turn (2 tokens) is over
+    assert ran[0] == (["s0", "s1"], [7, 4]) and ran[1] == (["s2"], [9])
+    assert ran[2] == (["s0", "s1", "s2"], [1, 1, 1]) and ran[3] == (["s3"], [3])
+    assert all(n == [1] * len(ids) for ids, n in ran[4:])
+    assert max(len(r) for r in running) == 3

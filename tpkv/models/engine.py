@@ -248,17 +248,25 @@ class PagedEngine:
         seq.num_cached = max(0, min(seq.num_cached, keep_tokens))
         return seq.num_uncached
 
+    @property
+    def prefill_next(self) -> bool:
+        """Whether the next step() is a prefill: a turn waits and the batch has room for it."""
+        return bool(self.waiting) and len(self.running) < self.max_batch
+
     def _pick(self) -> tuple[Literal["prefill", "decode"], list[Seq]]:
-        """Prefill first (whole prompts, up to max_prefill_tokens, at least one), else decode.
-        Changes nothing: a step whose schedule or forward raises can simply be retried."""
-        if self.waiting:
-            return "prefill", self._prefill_pick(list(self.waiting))
+        """Prefill first while fewer than max_batch turns decode (whole prompts, up to
+        max_prefill_tokens, at least one), else decode: a turn waits in `waiting` until the
+        batch has room for it. Changes nothing: a step whose schedule or forward raises can simply be retried."""
+        if self.prefill_next:
+            return "prefill", self._prefill_pick(list(self.waiting), len(self.running))
         return "decode", self.running[:self.max_batch]
 
-    def _prefill_pick(self, waiting: list[Seq]) -> list[Seq]:
+    def _prefill_pick(self, waiting: list[Seq], running: int) -> list[Seq]:
+        """The turns of `waiting` a prefill takes: the first, then more while their tokens fit
+        max_prefill_tokens and the batch (`running` decoding) stays within max_batch."""
         seqs = [waiting[0]]
         budget = self.max_prefill_tokens - seqs[0].num_uncached
-        for seq in waiting[1:self.max_batch]:
+        for seq in waiting[1:self.max_batch - running]:
             if seq.num_uncached > budget:
                 break
             budget -= seq.num_uncached
@@ -284,8 +292,8 @@ class PagedEngine:
         ending = {id(s) for s in seqs if len(s.generated) + 1 >= s.max_new_tokens}
         running = [s for s in running if id(s) not in ending]
         names = [s.session for s in running]
-        if waiting:
-            picked = self._prefill_pick(waiting)
+        if waiting and len(running) < self.max_batch:
+            picked = self._prefill_pick(waiting, len(running))
             return [s.session for s in picked], [s.num_uncached for s in picked], names
         batch = running[:self.max_batch]
         return [s.session for s in batch], [1] * len(batch), names

@@ -381,7 +381,7 @@ def run_tiered_demo(rt: TpkvRuntime, model: Llama, workload_cfg: Any, seconds: f
             now = max(now, next_s)
             continue
         engine.admit_pending()  # (whom the step runs, in waiting and running)
-        decoding = not engine.waiting
+        decoding = not engine.prefill_next
         t0 = time.perf_counter()
         batch = len(engine.running) if decoding else 0
         finished = engine.step()
