@@ -38,6 +38,14 @@ class Relocation:
         return len(self.block_ids)
 
 
+def _sorted_unique(a: np.ndarray) -> np.ndarray:
+    """np.unique without its hashing pass, by a stable (merge) sort: quick on sorted runs."""
+    a = np.sort(a, kind="stable")
+    keep = np.ones(len(a), dtype=bool)
+    np.not_equal(a[1:], a[:-1], out=keep[1:])
+    return a[keep]
+
+
 class SlotMirror:
     """block id -> (tier, slot, session, logical) as arrays indexed by table row, plus the L1 and
     L2 SlotAllocators of the rank's pools, which it keeps equal to the map, and an index of
@@ -86,8 +94,7 @@ class SlotMirror:
         i = self._name_idx.get(name)
         if i is None:
             return np.zeros(0, dtype=np.int64)
-        rows = self._session_rows(i)
-        # (stable: a merge sort, quick on the runs a session's rows mostly hold)
+        rows = self._session_rows(i)  # (stable sort: see _sorted_unique)
         return np.sort(self.logical[rows[self.tier[rows] == tier]], kind="stable")
 
     def holder(self, tier: int, slots: np.ndarray) -> np.ndarray:
@@ -139,7 +146,7 @@ class SlotMirror:
         rows, known = self.rows(block_ids)
         rows = rows[known]
         self._vacate(rows)
-        gone = np.unique(self.session[rows])
+        gone = _sorted_unique(self.session[rows])
         self.ids[rows], self.tier[rows], self.slot[rows] = -1, NONE, -1
         self.session[rows], self.logical[rows] = -1, -1
         for i in gone[gone >= 0].tolist():  # their index keeps only the rows still theirs
@@ -247,7 +254,7 @@ class SlotMirror:
         for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(rows)], strict=True):
             i = int(sessions[a])
             chunks = self._rows.setdefault(i, [])
-            chunks.append(np.unique(rows[a:b]))
+            chunks.append(_sorted_unique(rows[a:b]))
             if len(chunks) > 16:  # (amortized: a session's many small puts, one at a time)
                 self._session_rows(i)
 
@@ -256,7 +263,7 @@ class SlotMirror:
         chunks = self._rows.get(i)
         if not chunks:
             return np.zeros(0, dtype=np.int64)
-        rows = chunks[0] if len(chunks) == 1 else np.unique(np.concatenate(chunks))
+        rows = chunks[0] if len(chunks) == 1 else _sorted_unique(np.concatenate(chunks))
         # (a row has a session only while it has a block: put sets both, release clears both)
         theirs = self.session[rows] == i
         if len(chunks) == 1 and theirs.all():
