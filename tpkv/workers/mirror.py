@@ -38,9 +38,19 @@ class Relocation:
         return len(self.block_ids)
 
 
+def _sorted_unique(a: np.ndarray) -> np.ndarray:
+    """np.unique without its hashing pass, by a stable (merge) sort: quick on sorted runs."""
+    a = np.sort(a, kind="stable")
+    keep = np.ones(len(a), dtype=bool)
+    np.not_equal(a[1:], a[:-1], out=keep[1:])
+    return a[keep]
+
+
 class SlotMirror:
     """block id -> (tier, slot, session, logical) as arrays indexed by table row, plus the L1 and
-    L2 SlotAllocators of the rank's pools, which it keeps equal to the map.
+    L2 SlotAllocators of the rank's pools, which it keeps equal to the map, and an index of
+    the rows each session was given, so that a lookup of one session's blocks
+    (session_logical) costs its own rows, not a pass over the map.
 
     It never decides: it checks that a plan's moves start where this rank's map says (a move that
     does not is refused and reported), and records what was applied.
@@ -57,6 +67,9 @@ class SlotMirror:
         self.names: list[str] = []
         self._name_idx: dict[str, int] = {}
         self.tokens: dict[str, int] = {}
+        # Per session index: the rows it was placed in (each chunk sorted, unique), a superset
+        # of its rows that lookups narrow to those the map still gives it (_session_rows)
+        self._rows: dict[int, list[np.ndarray]] = {}
         # check()'s scratch: per L1 / L2 slot, zero between calls (the pools never resize)
         self._count = (np.zeros(l1.num_slots, np.int64), np.zeros(l2.num_slots, np.int64))
 
@@ -76,12 +89,13 @@ class SlotMirror:
         return tier, np.where(known, self.slot[rows], -1).astype(np.int64)
 
     def session_logical(self, name: str, tier: int) -> np.ndarray:
-        """Sorted logical indices of the session's blocks this map places on `tier`."""
+        """Sorted logical indices of the session's blocks this map places on `tier` (its own
+        rows only: no pass over the map)."""
         i = self._name_idx.get(name)
         if i is None:
             return np.zeros(0, dtype=np.int64)
-        rows = np.flatnonzero((self.session == i) & (self.tier == tier) & (self.ids >= 0))
-        return np.sort(self.logical[rows])
+        rows = self._session_rows(i)  # (stable sort: see _sorted_unique)
+        return np.sort(self.logical[rows[self.tier[rows] == tier]], kind="stable")
 
     def holder(self, tier: int, slots: np.ndarray) -> np.ndarray:
         """Block ids this map places at (tier, slots[i]), or -1."""
@@ -132,8 +146,11 @@ class SlotMirror:
         rows, known = self.rows(block_ids)
         rows = rows[known]
         self._vacate(rows)
+        gone = _sorted_unique(self.session[rows])
         self.ids[rows], self.tier[rows], self.slot[rows] = -1, NONE, -1
         self.session[rows], self.logical[rows] = -1, -1
+        for i in gone[gone >= 0].tolist():  # their index keeps only the rows still theirs
+            self._session_rows(i)
 
     def add_fresh(self, block_ids: np.ndarray, slots: np.ndarray, sessions: Sequence[str],
                   logical: np.ndarray) -> np.ndarray:
@@ -161,8 +178,10 @@ class SlotMirror:
             self._grow(int(raw.max()) + 1)
         self.ids[raw] = ids
         self._occupy(raw, np.asarray(tiers, dtype=np.int64), np.asarray(slots, dtype=np.int64))
-        self.session[raw] = [self._intern(s) for s in sessions]
+        idx = np.array([self._intern(s) for s in sessions], dtype=np.int32)
+        self.session[raw] = idx
         self.logical[raw] = logical
+        self._index(raw, idx)
 
     # ---- whole-map export and restore ------------------------------------------------------
     def export(self) -> dict[str, Any]:
@@ -199,6 +218,7 @@ class SlotMirror:
             self.owner[t][:] = -1
         self.ids[:], self.tier[:], self.slot[:] = -1, NONE, -1
         self.session[:], self.logical[:] = -1, -1
+        self._rows = {}
         self.put(ids, tiers, slots, sess, logical)
         self.tokens = {str(k): int(v) for k, v in dict(slot_map.get("session_tokens", {})).items()}
         return relocation
@@ -222,6 +242,38 @@ class SlotMirror:
                 self.owner[t][slots[on]] = self.ids[rows[on]]
         self.tier[rows] = tiers
         self.slot[rows] = slots
+
+    def _index(self, rows: np.ndarray, sessions: np.ndarray) -> None:
+        """Note that rows[k] now holds a block of session sessions[k] (put: the only place
+        that gives a row a session, so the index misses none)."""
+        if len(rows) == 0:
+            return
+        order = np.argsort(sessions, kind="stable")
+        sessions, rows = sessions[order], rows[order]
+        cuts = np.flatnonzero(np.diff(sessions)) + 1
+        for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(rows)], strict=True):
+            i = int(sessions[a])
+            chunks = self._rows.setdefault(i, [])
+            chunks.append(_sorted_unique(rows[a:b]))
+            if len(chunks) > 16:  # (amortized: a session's many small puts, one at a time)
+                self._session_rows(i)
+
+    def _session_rows(self, i: int) -> np.ndarray:
+        """Sorted rows whose block the map gives session i; its index is left as just those."""
+        chunks = self._rows.get(i)
+        if not chunks:
+            return np.zeros(0, dtype=np.int64)
+        rows = chunks[0] if len(chunks) == 1 else _sorted_unique(np.concatenate(chunks))
+        # (a row has a session only while it has a block: put sets both, release clears both)
+        theirs = self.session[rows] == i
+        if len(chunks) == 1 and theirs.all():
+            return rows
+        rows = rows[theirs]
+        if len(rows):
+            self._rows[i] = [rows]
+        else:
+            del self._rows[i]
+        return rows
 
     def _intern(self, name: str) -> int:
         i = self._name_idx.get(name)
