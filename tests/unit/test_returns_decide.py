@@ -194,3 +194,44 @@ def test_other_ranks_start_what_rank_0_decided() -> None:
     assert r.admit(["a", "b"], [], idle=False) == ["b"]
     assert w.started == ["a"] and r.reading == {"a"}
     assert r.sample(seqs("a")) == []  # only rank 0 samples
+
+
+def test_a_long_queue_outside_costs_one_look_a_step_while_the_budget_is_full() -> None:
+    """40 turns outside the batch, the budget full after the first: each step asks one read
+    ahead (the first in line), the sample looks at none of those not read ahead, and once
+    room frees the next in line starts."""
+    r, w = returns()
+    names = [f"s{i}" for i in range(40)]
+    w.on3 = {n: 4 for n in names}
+    w.status = {n: "full" for n in names}
+    w.status["s0"] = "started"
+    asked: list[str] = []
+    looked: list[str] = []
+    read_ahead, needs = w.read_ahead, w.needs_read_ahead
+    w.read_ahead = lambda n: asked.append(n) or read_ahead(n)  # type: ignore[method-assign]
+    w.needs_read_ahead = lambda n: looked.append(n) or needs(n)  # type: ignore[method-assign]
+    assert r.admit(names, [], idle=False) == [] and w.started == ["s0"]
+    assert len(asked) == 40  # arriving: each is looked at once
+    asked.clear()
+    for _ in range(3):
+        assert r.sample(seqs(*names)) == []
+        assert r.admit([], names, idle=False) == []
+    assert looked == ["s0"] * 3  # only the one read ahead
+    assert asked == ["s0", "s1"] * 3  # s0 held, s1 full: the rest wait in line
+    w.status["s1"] = "started"
+    w.ahead.done_now.add("s0")
+    assert r.sample(seqs(*names)) == ["s0"]
+    assert r.admit([], names, idle=False) == ["s0"] and w.started == ["s0", "s1"]
+
+
+def test_one_outside_that_needs_no_read_ahead_goes_in_at_the_next_sampled_step() -> None:
+    """Its read ahead was asked while a step planned ahead was in flight and it needs none:
+    the next sample names it."""
+    r, w = returns()
+    w.status, w.on3 = {"a": "full"}, {"a": 4}
+    r.admit(["a"], [], idle=False)
+    r.sample(seqs("a"))
+    w.status, w.on3 = {"a": "too_big"}, {"a": 400}
+    assert r.admit([], ["a"], idle=False) == []  # not in that sample
+    assert r.sample(seqs("a")) == ["a"]
+    assert r.admit([], ["a"], idle=False) == ["a"] and not r._straight

@@ -46,6 +46,8 @@ class Returns:
         # launched (sample()): the next step lets in those (as the step planned ahead for it
         # expects), not those ready since.
         self._sample: set[str] | None = None
+        # Rank 0: turns outside the batch that need no read ahead (any more): sampled next
+        self._straight: set[str] = set()
 
     def admit(self, arrived: Sequence[str], returning: Sequence[str], idle: bool) -> list[str]:
         answer = self.rt.from_rank0(lambda: self._decide(arrived, returning, idle),
@@ -65,8 +67,11 @@ class Returns:
         if self.rt.rank != 0:
             return []
         worker = self.rt.worker
-        ready = [s.session for s in returning if worker.read_ahead_done(s.session)
-                 or not worker.needs_read_ahead(s.session)]
+        # (only the turns whose read ahead started or that need none are looked at: those
+        # that wait for room in the budget cost nothing a step however long the queue)
+        ready = [s.session for s in returning if s.session in self._straight
+                 or worker.read_ahead_done(s.session)
+                 or (s.session in self.reading and not worker.needs_read_ahead(s.session))]
         self._sample = set(ready)
         return ready
 
@@ -89,6 +94,7 @@ class Returns:
         if idle:  # nothing runs: no step was planned ahead for a batch
             sample = None
         back = set(returning)
+        full = False  # the budget took no more: later turns outside wait their turn for it
         for name in [*returning, *arrived]:
             if sample is not None and name in sample:  # the step planned ahead expects it
                 go.append(name)
@@ -102,11 +108,19 @@ class Returns:
                 self.num_recomputed += 1
                 go.append(name)
                 continue
+            if full and name in back and name not in self.reading:
+                continue
             status = worker.read_ahead(name)
             if status == "started":  # (again, if a change to its records discarded it)
                 read.append(name)
-            elif status in ("none", "too_big") and (sample is None or name not in back):
-                go.append(name)  # (one outside the batch goes in once sampled)
+            elif status == "full":
+                full = True
+            elif status in ("none", "too_big"):
+                if sample is None or name not in back:
+                    go.append(name)
+                else:  # (one outside the batch goes in once sampled)
+                    self._straight.add(name)
+        self._straight.difference_update(go)
         if idle and not go:  # nothing else runs: wait for the first read ahead to end
             self._start_busy([*returning, *arrived], read)
             waiting = [n for n in [*returning, *arrived] if n in self.reading or n in read]
