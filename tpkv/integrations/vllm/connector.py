@@ -10,7 +10,8 @@ the blocks an earlier process left in the disk tier; the worker side (a BlockCop
 copies blocks. Loads are synchronous, whole blocks, before the step's forward (a block read
 from disk comes back into host memory); saves after it. Blocks leave host memory for disk
 through a background writer (ConnectorOptions.disk_queue_bytes): the step never waits on a disk
-write, and a block given up because the writer fell behind is reported and forgotten.
+write, and a block given up because the writer fell behind is reported and forgotten (and
+counted, with a warning that names disk_queue_bytes).
 """
 
 from __future__ import annotations

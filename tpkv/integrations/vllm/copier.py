@@ -10,7 +10,7 @@ import torch
 from tpkv.errors import KvLayoutError
 from tpkv.integrations.disk_blocks import DiskBlockStore
 from tpkv.integrations.disk_format import DiskLayout
-from tpkv.integrations.vllm.options import write_queue_blocks
+from tpkv.integrations.vllm.options import queue_bytes_in_effect, write_queue_blocks
 from tpkv.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, StepReport
 from tpkv.integrations.vllm.store import HostBlockStore
 
@@ -82,13 +82,15 @@ class BlockCopier:
         shape = (len(views), int(views[0].shape[1]))
         disk = None
         queue = 0
+        queue_bytes = None
         if self.disk is not None:
             spec = self.disk
             queue = write_queue_blocks(self.capacity_bytes, spec.queue_bytes, shape[0] * shape[1])
+            queue_bytes = queue_bytes_in_effect(self.capacity_bytes, spec.queue_bytes)
             layout = DiskLayout(spec.seed, rank, spec.block_tokens, shape)
             disk = DiskBlockStore(spec.root, spec.capacity_bytes, layout, spec.model_fingerprint)
         try:
-            store = HostBlockStore(self.capacity_bytes, shape, disk, queue)
+            store = HostBlockStore(self.capacity_bytes, shape, disk, queue, queue_bytes)
         except BaseException:
             if disk is not None:
                 disk.close()

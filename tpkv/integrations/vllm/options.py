@@ -75,11 +75,15 @@ class ConnectorOptions:
                    disk_bytes, queue)
 
 
+def queue_bytes_in_effect(host_bytes: int, queue_bytes: int | None) -> int:
+    """disk_queue_bytes as set, or its default: a quarter of host_bytes, at most 1 GiB."""
+    return min(host_bytes // 4, MAX_DEFAULT_QUEUE_BYTES) if queue_bytes is None else queue_bytes
+
+
 def write_queue_blocks(host_bytes: int, queue_bytes: int | None, block_bytes: int) -> int:
     """Blocks of the host budget kept for blocks on their way to disk (0: none, the moves to
     disk are written on the step's path); ConfigError when they leave no block for memory."""
-    if queue_bytes is None:
-        queue_bytes = min(host_bytes // 4, MAX_DEFAULT_QUEUE_BYTES)
+    queue_bytes = queue_bytes_in_effect(host_bytes, queue_bytes)
     blocks = queue_bytes // block_bytes
     if blocks and blocks >= host_bytes // block_bytes:
         raise ConfigError(f"disk_queue_bytes {queue_bytes} ({blocks} blocks of {block_bytes} "
