@@ -11,7 +11,8 @@ from tpkv.errors import KvLayoutError
 from tpkv.integrations.disk_blocks import DiskBlockStore
 from tpkv.integrations.disk_format import DiskLayout
 from tpkv.integrations.vllm.options import queue_bytes_in_effect, write_queue_blocks
-from tpkv.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, StepReport
+from tpkv.integrations.vllm.plan import LoadSpec, RankFigures, SaveSpec, StepPlan, StepReport
+from tpkv.integrations.vllm.stats import rank_figures
 from tpkv.integrations.vllm.store import HostBlockStore
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ class BlockCopier:
         self.num_loaded_blocks = 0
         self.num_disk_loaded_blocks = 0
         self.num_saved_blocks = 0
+        self.rank = 0
+        self._sent: RankFigures | None = None  # the figures last reported
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
                  rank: int = 0) -> None:
@@ -95,7 +98,7 @@ class BlockCopier:
             if disk is not None:
                 disk.close()
             raise
-        self.layer_names, self._views, self.store = names, views, store
+        self.layer_names, self._views, self.store, self.rank = names, views, store, rank
 
     def load(self, loads: list[LoadSpec]) -> None:
         """Copy each load's stored blocks into its vLLM blocks; a miss or a record that does not
@@ -150,8 +153,13 @@ class BlockCopier:
         return failed
 
     def take_report(self) -> StepReport | None:
+        """This step's report (None when nothing happened), with the store's figures when they
+        changed since the last report that carried them."""
         if self.store is not None:
             self._report.lost.update(self.store.take_lost())
+            figures = rank_figures(self.rank, self.store)
+            if figures != self._sent:
+                self._report.figures[self.rank] = self._sent = figures
         report, self._report = self._report, StepReport()
         return report if report else None
 

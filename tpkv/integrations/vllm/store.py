@@ -77,6 +77,11 @@ class HostBlockStore:
         return len(self._records)
 
     @property
+    def lock(self) -> contextlib.AbstractContextManager[Any]:
+        """What every call into the disk tier holds (the writer's lock; none without one)."""
+        return self._lock
+
+    @property
     def num_pending(self) -> int:
         """Blocks queued for disk or being written: in memory, counted in used_bytes."""
         if self.writer is None:
