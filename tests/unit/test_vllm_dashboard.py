@@ -4,9 +4,11 @@ its token, `tpkv status --url`, and the options."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import re
+import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -24,6 +26,7 @@ from tpkv.integrations.vllm.dashboard import ConnectorDashboard, snapshot
 from tpkv.integrations.vllm.options import ConnectorOptions
 from tpkv.integrations.vllm.plan import RankFigures, StepReport
 from tpkv.integrations.vllm.planner import Planner
+from tpkv.launch.status_cli import add_status_commands
 from tpkv.launch.status_url import fetch_snapshot, render_vllm_status
 
 pytestmark = pytest.mark.timeout(60)
@@ -160,6 +163,44 @@ def test_the_dashboard_serves_the_snapshot_on_loopback_behind_its_token(
         assert re.search(r"prefill tokens saved\s+\S\s+16\s", text)
         assert "index 6 of 10 blocks" in text and url in text
     finally:
+        dash.stop()
+
+
+def test_tpkv_status_url_prints_a_vllm_instance(two_turns: Any,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    planner, _, _ = two_turns
+    options = ConnectorOptions.from_extra({"dashboard_port": 0, "dashboard_token": "s3cret"})
+    dash = ConnectorDashboard(planner, options, INFO)
+    url = dash.start()
+    ap = argparse.ArgumentParser(prog="tpkv")
+    add_status_commands(ap.add_subparsers(dest="command", required=True))
+    try:
+        args = ap.parse_args(["status", "--url", url, "--token", "s3cret"])
+        assert args.func(args) == 0
+        out = capsys.readouterr().out
+        assert "tpkv vLLM connector: tiny, 1 ranks" in out and "prefill tokens saved" in out
+        args = ap.parse_args(["status", "--url", url, "--json", "--token", "s3cret"])
+        assert args.func(args) == 0
+        assert json.loads(capsys.readouterr().out)["vllm"]["counters"]["hit_tokens"] == 4 * BT
+        args = ap.parse_args(["status", "--url", url, "--token", "wrong"])
+        assert args.func(args) == 1
+        assert "answered HTTP 401 (set --token or TPKV_DASHBOARD_TOKEN)" in capsys.readouterr().err
+    finally:
+        dash.stop()
+
+
+def test_a_taken_port_is_an_error_that_names_the_option(two_turns: Any) -> None:
+    planner, _, _ = two_turns
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        dash = ConnectorDashboard(planner, ConnectorOptions.from_extra({"dashboard_port": port}),
+                                  INFO)
+        with pytest.raises(OSError, match=f"127.0.0.1:{port}: .*set another dashboard_port"
+                           ) as err:
+            dash.start()
+        assert "TPKV_DASHBOARD_PORT" not in str(err.value)  # the controller's setting
         dash.stop()
 
 

@@ -58,11 +58,12 @@ class ConnectorDashboard:
         """Bind and serve; the URL. OSError when the port is taken (it names the port)."""
         try:
             self.url = self.thread.start()
-        except OSError as exc:
+        except OSError as exc:  # the server's own hint names the controller's settings
+            why = str(exc.strerror or exc).split("; choose another port")[0]
             raise OSError(exc.errno, f"tpkv vLLM dashboard on {self.thread.server.host}:"
-                                     f"{self.thread.server.port}: {exc.strerror or exc}; set "
-                                     f"another dashboard_port in kv_connector_extra_config (0: "
-                                     f"any free port)") from exc
+                                     f"{self.thread.server.port}: {why}; set another "
+                                     f"dashboard_port in kv_connector_extra_config (0: any "
+                                     f"free port)") from exc
         log.info("tpkv dashboard of this vLLM instance at %s%s", self.url,
                  " (bearer token needed)" if self.thread.server.token else "")
         return self.url
