@@ -323,3 +323,47 @@ def test_disk_queue_bytes_is_checked(tmp_path: Path) -> None:
         write_queue_blocks(4 * BLOCK, 4 * BLOCK, BLOCK)
     with pytest.raises(ConfigError, match="a disk write queue of 4 blocks leaves no room"):
         host(tmp_path, capacity_blocks=4, queue_blocks=4)
+
+
+def test_blocks_a_full_queue_gives_up_are_counted_and_logged_at_a_bounded_rate(
+        tmp_path: Path, gate: Gate, caplog: pytest.LogCaptureFixture) -> None:
+    """A queue of 4 blocks behind a stuck disk, 12 blocks into 8 of memory: each of the 4
+    blocks given up is counted; the warning names disk_queue_bytes, its value and the bytes
+    the writer needed, at the first drop, then not again within the interval, then with the
+    running count, and once more at close for the drops since."""
+    disk = DiskBlockStore(str(tmp_path), 20 * RECORD, layout())
+    store = HostBlockStore(8 * BLOCK, SHAPE, disk, queue_blocks=4, queue_bytes=4 * BLOCK)
+    writer = store.writer
+    assert writer is not None
+    now = [100.0]
+    writer.clock = lambda: now[0]
+    bs = blocks(12)
+    for b in bs[:8]:
+        assert store.put(*b)
+    wait_running(store, gate)  # block 0 is being written, 1-3 are queued
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
+                and "disk write queue" in r.getMessage()]
+
+    caplog.set_level("WARNING", logger="tpkv.integrations.vllm.disk_writer")
+    assert store.put(*bs[8])  # block 1 given up: the queue (4 blocks) needed a fifth
+    assert writer.num_dropped == 1 and writer.bytes_dropped == BLOCK
+    first = warnings()
+    assert len(first) == 1
+    assert (f"disk_queue_bytes is {4 * BLOCK} (4 blocks)" in first[0]
+            and f"needed {5 * BLOCK} bytes" in first[0] and f"1 blocks ({BLOCK} bytes)" in first[0])
+    assert store.put(*bs[9])  # within the interval: counted, not logged
+    assert writer.num_dropped == 2 and len(warnings()) == 1
+    now[0] += writer.warn_interval_s
+    assert store.put(*bs[10])
+    assert len(warnings()) == 2
+    assert (f"3 blocks ({3 * BLOCK} bytes)" in warnings()[1]
+            and f"needed {7 * BLOCK} bytes" in warnings()[1])
+    assert store.put(*bs[11])
+    assert writer.num_dropped == 4 == store.num_dropped and writer.bytes_dropped == 4 * BLOCK
+    assert len(warnings()) == 2 and len(store.take_lost()) == 4
+    gate.open.set()
+    assert store.flush(10)
+    store.close()  # the drop since the last warning is said at close
+    assert len(warnings()) == 3 and f"4 blocks ({4 * BLOCK} bytes)" in warnings()[2]

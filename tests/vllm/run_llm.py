@@ -1,11 +1,14 @@
 """Runs offline vLLM on a tiny random Llama with or without tpkv's connector; writes JSON results.
 
-`python tests/vllm/run_llm.py MODEL_DIR OUT_JSON {baseline,tpkv,disk,restart} [EXTRA_JSON]`.
+`python tests/vllm/run_llm.py MODEL_DIR OUT_JSON {baseline,tpkv,disk,restart,dashboard}
+[EXTRA_JSON]`.
 Each round is one LLM.generate call of its prompts (greedy, ignore_eos); rounds run in order in
 one engine, most after emptying vLLM's own prefix cache. "baseline" runs every mode's prompts
 without the connector; "disk" and "restart" run the connector with EXTRA_JSON as its
 kv_connector_extra_config (a disk tier) and report the bytes of the disk tier's record files
-after each round, once its background writes have landed. The entry point stays under
+after each round, once its background writes have landed; "dashboard" runs two turns of one
+conversation with the connector's dashboard on (EXTRA_JSON names its port and token), then
+reads its /api/snapshot over 127.0.0.1 (dashboard_snapshot). The entry point stays under
 __main__: vLLM spawns its engine core and workers.
 """
 
@@ -88,6 +91,40 @@ def restart_rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
     return [("", [("m_restart", disk_rounds()[-2][1][0][1])])]
 
 
+def dashboard_rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
+    """Two turns: the second is the first and 60 more tokens (vLLM's own cache emptied
+    between them, so tpkv serves the first turn's 3 blocks)."""
+    first = [2 + (5 * i) % 490 for i in range(100)]
+    return [("", [("turn1", first)]),
+            ("vllm", [("turn2", first + [2 + (13 * i) % 490 for i in range(60)])])]
+
+
+def dashboard_snapshot(llm: object, params: object, extra: dict, disk_dir: str) -> dict:
+    """Once the disk tier settled, a short prompt (no full block: nothing to save) makes every
+    rank report its store's figures as they are now; then /api/snapshot, without the token
+    (its status) and with it, and the disk tier's record files of rank 0."""
+    import urllib.error
+    import urllib.request
+
+    settled_bytes(disk_dir)
+    llm.generate([{"prompt_token_ids": [2, 3, 4, 5, 6]}], params, use_tqdm=False)  # type: ignore
+    time.sleep(1.0)  # past the dashboard's frame cache
+    url = f"http://127.0.0.1:{extra['dashboard_port']}/api/snapshot"
+    try:
+        urllib.request.urlopen(url, timeout=10)
+        status = 200
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    req = urllib.request.Request(url, headers={
+        "Authorization": f"Bearer {extra['dashboard_token']}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        snap = json.load(r)
+    rank0 = os.path.join(disk_dir, "rank0")
+    files = [e for e in os.scandir(rank0) if e.is_file() and e.name.endswith(".blk")]
+    return {"status_without_token": status, "snapshot": snap,
+            "rank0_files": len(files), "rank0_bytes": sum(e.stat().st_size for e in files)}
+
+
 def dir_bytes(root: str) -> int:
     """Bytes of every file in the rank directories under a disk tier's root."""
     total = 0
@@ -127,14 +164,15 @@ def main() -> None:
 
     kwargs: dict = {}
     plan = {"baseline": rounds() + disk_rounds() + restart_rounds(), "tpkv": rounds(),
-            "disk": disk_rounds(), "restart": restart_rounds()}[mode]
+            "disk": disk_rounds(), "restart": restart_rounds(),
+            "dashboard": dashboard_rounds()}[mode]
     if mode != "baseline":
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="SabotagedTpkvConnector", kv_connector_module_path="sabotage",
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config=extra)
-    disk_dir = extra.get("disk_dir") if mode in ("disk", "restart") else None
+    disk_dir = extra.get("disk_dir") if mode in ("disk", "restart", "dashboard") else None
     began = time.perf_counter()
     llm = LLM(model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
               block_size=BLOCK_TOKENS, enable_prefix_caching=True, enforce_eager=True, seed=0,
@@ -154,9 +192,11 @@ def main() -> None:
                             "kv_transfer_params": out.kv_transfer_params})
         if disk_dir:
             disk_used.append(settled_bytes(disk_dir))
+    dash = dashboard_snapshot(llm, params, extra, disk_dir) if mode == "dashboard" else None
     with open(out_path, "w") as f:
         json.dump({"mode": mode, "start_s": started_s, "disk_used_bytes": disk_used,
-                   "total_s": time.perf_counter() - began, "results": results}, f)
+                   "total_s": time.perf_counter() - began, "results": results,
+                   "dashboard": dash}, f)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,11 @@ def add_status_commands(subparsers: Any) -> None:
     st = subparsers.add_parser("status", help="print the running controller's state as tables")
     st.add_argument("--sessions", type=int, default=20, help="session rows to print (default 20)")
     st.add_argument("--json", action="store_true", help="print the JSON of /api/snapshot instead")
+    st.add_argument("--url", default=None,
+                    help="read a dashboard's /api/snapshot at this URL (e.g. a vLLM instance's, "
+                         "http://127.0.0.1:PORT) instead of finding the controller through Ray")
+    st.add_argument("--token", default=None,
+                    help="bearer token for --url (default: TPKV_DASHBOARD_TOKEN)")
     st.set_defaults(func=status_command)
     db = subparsers.add_parser("dashboard", help="print the URL of the running controller's "
                                                  "dashboard")
@@ -79,7 +84,10 @@ def dashboard_command(args: argparse.Namespace) -> int:
 
 
 def status_command(args: argparse.Namespace) -> int:
-    """Print the controller's snapshot (with the dashboard's series) as tables."""
+    """Print the controller's snapshot (with the dashboard's series) as tables; with --url,
+    the snapshot a dashboard serves there (a controller's or a vLLM instance's)."""
+    if args.url is not None:
+        return _status_from_url(args)
 
     def ask(client: Any) -> tuple[dict[str, Any], str | None]:
         payload = client.dashboard_payload()
@@ -96,6 +104,23 @@ def status_command(args: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=1))
         return 0
     render_status(payload, Console(), max_sessions=args.sessions, url=url)
+    return 0
+
+
+def _status_from_url(args: argparse.Namespace) -> int:
+    from tpkv.launch.status_url import fetch_snapshot, render_vllm_status
+
+    try:
+        payload = fetch_snapshot(args.url, args.token, args.timeout_s)
+    except (OSError, ValueError) as exc:
+        print(f"tpkv status: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(payload, indent=1))
+    elif payload.get("kind") == "vllm":
+        render_vllm_status(payload, Console(), url=args.url)
+    else:
+        render_status(payload, Console(), max_sessions=args.sessions, url=args.url)
     return 0
 
 

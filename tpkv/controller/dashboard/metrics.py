@@ -132,7 +132,31 @@ def collect(payload: Mapping[str, Any]) -> list[MetricSpec]:
               value=cons["mismatches"])
         b.add("tpkv_resyncs", "counter", "Resyncs from the controller's table",
               value=cons["resyncs"])
+    if isinstance(payload.get("vllm"), Mapping):
+        _vllm(b, payload["vllm"])
     return b.specs
+
+
+def _vllm(b: _Builder, v: Mapping[str, Any]) -> None:
+    """A vLLM instance's figures (tpkv.integrations.vllm.dashboard)."""
+    c = v.get("counters") or {}
+    for key, help_text in (("lookups", "Requests vLLM scheduled and asked tpkv about"),
+                           ("prompt_tokens", "Prompt tokens of those requests"),
+                           ("hit_tokens", "Prompt tokens loaded from tpkv"),
+                           ("disk_hit_tokens", "Prompt tokens loaded from tpkv's disk tier"),
+                           ("saved_prefill_tokens", "Prompt tokens loaded and not recomputed"),
+                           ("recomputed_tokens", "Tokens of failed loads, recomputed by vLLM"),
+                           ("disk_queue_dropped_blocks", "Blocks a full disk write queue gave up")):
+        b.add(f"tpkv_vllm_{key}", "counter", help_text, value=c.get(key))
+    b.add("tpkv_vllm_hit_ratio", "gauge", "Hit tokens over prompt tokens", value=c.get("hit_rate"))
+    ranks = [r for r in v.get("ranks") or [] if isinstance(r, Mapping)]
+    rt, names = ("rank", "tier"), ("host", "disk")
+    b.add("tpkv_vllm_tier_blocks", "gauge", "Blocks a rank holds in a tier", rt,
+          [((str(r.get("rank")), t), r.get(f"{t}_blocks")) for r in ranks for t in names])
+    b.add("tpkv_vllm_tier_bytes", "gauge", "Bytes a rank holds in a tier", rt,
+          [((str(r.get("rank")), t), r.get(f"{t}_bytes")) for r in ranks for t in names])
+    b.add("tpkv_vllm_index_blocks", "gauge", "Blocks the scheduler's prefix index holds",
+          value=(v.get("index") or {}).get("blocks"))
 
 
 class _Collector:

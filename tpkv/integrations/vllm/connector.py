@@ -10,7 +10,10 @@ the blocks an earlier process left in the disk tier; the worker side (a BlockCop
 copies blocks. Loads are synchronous, whole blocks, before the step's forward (a block read
 from disk comes back into host memory); saves after it. Blocks leave host memory for disk
 through a background writer (ConnectorOptions.disk_queue_bytes): the step never waits on a disk
-write, and a block given up because the writer fell behind is reported and forgotten.
+write, and a block given up because the writer fell behind is reported and forgotten (and
+counted, with a warning that names disk_queue_bytes). With `dashboard_port` set the scheduler
+side serves tpkv's dashboard of this instance (tpkv.integrations.vllm.dashboard): each rank's
+report carries its store's figures when they changed.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from tpkv.integrations.disk_blocks import check_disk_bytes, prepare_dir, stored_
 from tpkv.integrations.disk_format import record_bytes
 from tpkv.integrations.prefix_index import chain_seed
 from tpkv.integrations.vllm.copier import BlockCopier, DiskSpec
+from tpkv.integrations.vllm.dashboard import ConnectorDashboard
 from tpkv.integrations.vllm.options import (
     ConnectorOptions,
     vllm_fingerprint,
@@ -112,6 +116,7 @@ class TpkvConnector(KVConnectorBase_V1):
                         "the block", self._kv_transfer_config.kv_load_failure_policy)
         self.planner: Planner | None = None
         self.copier: BlockCopier | None = None
+        self.dashboard: ConnectorDashboard | None = None
         fingerprint = vllm_fingerprint(vllm_config, self.options)
         seed = chain_seed(fingerprint, self.block_tokens)
         disk_dir = self.options.disk_dir
@@ -134,6 +139,13 @@ class TpkvConnector(KVConnectorBase_V1):
                 taken = self.planner.index.adopt(found[-disk_blocks:])
                 log.info("TpkvConnector: %d blocks found in the disk tier %s, %d taken",
                          len(found), disk_dir, taken)
+            if self.options.dashboard_port is not None:
+                info = {"model": str(vllm_config.model_config.model),
+                        "block_tokens": self.block_tokens, "block_bytes": block_bytes,
+                        "num_ranks": _num_ranks(vllm_config), "disk_tier": disk_dir is not None,
+                        "host_capacity_blocks": capacity, "disk_capacity_blocks": disk_blocks}
+                self.dashboard = ConnectorDashboard(self.planner, self.options, info)
+                self.dashboard.start()
         else:
             disk = None if disk_dir is None else DiskSpec(
                 disk_dir, self.options.disk_bytes, seed, self.block_tokens, fingerprint,
@@ -148,8 +160,7 @@ class TpkvConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.copier is not None
-        rank = _worker_rank() if self.copier.disk is not None else 0
-        self.copier.register(kv_caches, int(self._kv_cache_config.num_blocks), rank)
+        self.copier.register(kv_caches, int(self._kv_cache_config.num_blocks), _worker_rank())
 
     def _plan(self) -> StepPlan:
         meta = self._get_connector_metadata()
@@ -172,6 +183,8 @@ class TpkvConnector(KVConnectorBase_V1):
         self.copier.apply_after_forward(self._plan())
 
     def shutdown(self) -> None:
+        if self.dashboard is not None:
+            self.dashboard.stop()
         if self.copier is not None and self.copier.store is not None:
             self.copier.store.close()  # gives up the disk tier's directory
         super().shutdown()

@@ -10,8 +10,9 @@ import torch
 from tpkv.errors import KvLayoutError
 from tpkv.integrations.disk_blocks import DiskBlockStore
 from tpkv.integrations.disk_format import DiskLayout
-from tpkv.integrations.vllm.options import write_queue_blocks
-from tpkv.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, StepReport
+from tpkv.integrations.vllm.options import queue_bytes_in_effect, write_queue_blocks
+from tpkv.integrations.vllm.plan import LoadSpec, RankFigures, SaveSpec, StepPlan, StepReport
+from tpkv.integrations.vllm.stats import rank_figures
 from tpkv.integrations.vllm.store import HostBlockStore
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ class BlockCopier:
         self.num_loaded_blocks = 0
         self.num_disk_loaded_blocks = 0
         self.num_saved_blocks = 0
+        self.rank = 0
+        self._sent: RankFigures | None = None  # the figures last reported
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
                  rank: int = 0) -> None:
@@ -82,18 +85,20 @@ class BlockCopier:
         shape = (len(views), int(views[0].shape[1]))
         disk = None
         queue = 0
+        queue_bytes = None
         if self.disk is not None:
             spec = self.disk
             queue = write_queue_blocks(self.capacity_bytes, spec.queue_bytes, shape[0] * shape[1])
+            queue_bytes = queue_bytes_in_effect(self.capacity_bytes, spec.queue_bytes)
             layout = DiskLayout(spec.seed, rank, spec.block_tokens, shape)
             disk = DiskBlockStore(spec.root, spec.capacity_bytes, layout, spec.model_fingerprint)
         try:
-            store = HostBlockStore(self.capacity_bytes, shape, disk, queue)
+            store = HostBlockStore(self.capacity_bytes, shape, disk, queue, queue_bytes)
         except BaseException:
             if disk is not None:
                 disk.close()
             raise
-        self.layer_names, self._views, self.store = names, views, store
+        self.layer_names, self._views, self.store, self.rank = names, views, store, rank
 
     def load(self, loads: list[LoadSpec]) -> None:
         """Copy each load's stored blocks into its vLLM blocks; a miss or a record that does not
@@ -148,8 +153,13 @@ class BlockCopier:
         return failed
 
     def take_report(self) -> StepReport | None:
+        """This step's report (None when nothing happened), with the store's figures when they
+        changed since the last report that carried them."""
         if self.store is not None:
             self._report.lost.update(self.store.take_lost())
+            figures = rank_figures(self.rank, self.store)
+            if figures != self._sent:
+                self._report.figures[self.rank] = self._sent = figures
         report, self._report = self._report, StepReport()
         return report if report else None
 

@@ -7,6 +7,9 @@ step's behalf: when the store needs room the oldest queued write is dropped (`dr
 block the index drops while queued is never written (`cancel`), and one dropped while its
 record is being written is deleted once written, so the disk never keeps a record the index
 gave up. Writes that fail, or whose block no longer checks out, are reported by `take_lost`.
+Blocks given up because the queue was full are counted (`num_dropped`, `bytes_dropped`) and
+logged as a warning naming disk_queue_bytes and the bytes the writer needed: at the first drop,
+then at most every `warn_interval_s` with the running count, and once more at close.
 Every call into the DiskBlockStore, from either thread, holds `lock`; the file write itself
 does not.
 """
@@ -15,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 30.0
+DROP_WARN_INTERVAL_S = 60.0  # at most one warning about dropped blocks this often
 
 
 @dataclass
@@ -38,12 +44,18 @@ class _Job:
 
 
 class DiskWriter:
-    """One background writer of block records into `disk` (see the module docstring)."""
+    """One background writer of block records into `disk` (see the module docstring).
+    `queue_bytes`: the disk_queue_bytes setting in effect, for the drop warning only."""
 
-    def __init__(self, disk: DiskBlockStore, max_jobs: int) -> None:
+    def __init__(self, disk: DiskBlockStore, max_jobs: int, queue_bytes: int | None = None,
+                 warn_interval_s: float = DROP_WARN_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         check_int("max_jobs", max_jobs)
         self.disk = disk
         self.max_jobs = max_jobs
+        self.queue_bytes = queue_bytes
+        self.warn_interval_s = warn_interval_s
+        self.clock = clock
         self.lock = threading.Lock()
         self._changed = threading.Condition(self.lock)
         self._queue: OrderedDict[bytes, _Job] = OrderedDict()  # oldest first
@@ -52,6 +64,12 @@ class DiskWriter:
         self._closing = False
         self.num_written = 0
         self.num_failed = 0
+        self.num_dropped = 0  # blocks given up unwritten because the queue was full
+        self.bytes_dropped = 0
+        self.peak_needed_bytes = 0  # the most the queue would have had to hold to drop none
+        self._burst_dropped = 0  # blocks dropped since the writer was last idle
+        self._warned_at: float | None = None
+        self._unwarned = 0  # drops since the last warning
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"tpkv-disk-writer-rank{disk.layout.rank}")
         self._thread.start()
@@ -87,8 +105,36 @@ class DiskWriter:
         """Give up the oldest queued write; its key (None when nothing is queued)."""
         if not self._queue:
             return None
-        key, _ = self._queue.popitem(last=False)
+        queued = len(self)
+        key, job = self._queue.popitem(last=False)
+        self.count_drop(job.rec.data.nbytes, queued)
         return key
+
+    def count_drop(self, nbytes: int, queued: int | None = None) -> None:
+        """Count a block of `nbytes` given up for room while `queued` blocks (default: those
+        now) waited for the writer, and warn (see the module docstring)."""
+        self.num_dropped += 1
+        self.bytes_dropped += nbytes
+        self._burst_dropped += 1
+        self._unwarned += 1
+        # what the queue would hold had it dropped nothing since it was last empty
+        needed = ((len(self) if queued is None else queued) + self._burst_dropped) * nbytes
+        self.peak_needed_bytes = max(self.peak_needed_bytes, needed)
+        now = self.clock()
+        if self._warned_at is None or now - self._warned_at >= self.warn_interval_s:
+            self._warned_at = now
+            self._warn_drops()
+
+    def _warn_drops(self) -> None:
+        self._unwarned = 0
+        setting = ("disk_queue_bytes is not known" if self.queue_bytes is None
+                   else f"disk_queue_bytes is {self.queue_bytes}")
+        log.warning("tpkv disk tier rank %d: the disk write queue was full: %d blocks (%d bytes) "
+                    "given up unwritten so far (the index forgets them; prompts that need them "
+                    "recompute them). %s (%d blocks); the writer needed %d bytes to keep up: "
+                    "raise disk_queue_bytes (a part of host_bytes) or use a faster disk",
+                    self.disk.layout.rank, self.num_dropped, self.bytes_dropped, setting,
+                    self.max_jobs, self.peak_needed_bytes)
 
     def cancel(self, key: bytes) -> bool:
         """The index dropped the key: a queued write is not made, a running one is deleted
@@ -120,6 +166,8 @@ class DiskWriter:
         with self._changed:
             self._closing = True
             self._changed.notify_all()
+            if self._unwarned:  # drops since the last warning: said once more
+                self._warn_drops()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             log.warning("tpkv disk tier rank %d: the writer did not finish %d queued writes "
@@ -163,4 +211,6 @@ class DiskWriter:
                         self._lost.append(rec.key)
                 finally:
                     self._running = None
+                    if not self._queue:  # idle: a later drop starts a new burst
+                        self._burst_dropped = 0
                     self._changed.notify_all()

@@ -10,13 +10,14 @@ from typing import Any
 from tpkv.checks import check_int
 from tpkv.errors import ConfigError
 from tpkv.models.fingerprint import check_fingerprint, checkpoint_digest
-from tpkv.settings import parse_bytes
+from tpkv.settings import check_host, check_token, parse_bytes
 
 GiB = 1 << 30
 DEFAULT_HOST_BYTES = 4 * GiB
 DEFAULT_DISK_BYTES = 64 * GiB
 MAX_DEFAULT_QUEUE_BYTES = GiB
-KNOWN_KEYS = ("host_bytes", "model_fingerprint", "disk_dir", "disk_bytes", "disk_queue_bytes")
+KNOWN_KEYS = ("host_bytes", "model_fingerprint", "disk_dir", "disk_bytes", "disk_queue_bytes",
+              "dashboard_port", "dashboard_host", "dashboard_token")
 
 
 def _size(name: str, raw: Any) -> int:
@@ -36,13 +37,19 @@ class ConnectorOptions:
     part of host_bytes for blocks on their way to disk, written by a background thread (default
     a quarter of host_bytes, at most 1 GiB; 0: written on the step's path); model_fingerprint:
     what identifies the weights in the block keys (derived from the model's name, revision, dtypes,
-    parallelism and checkpoint files when not set)."""
+    parallelism and checkpoint files when not set); dashboard_port: serve tpkv's dashboard of
+    this vLLM instance from its scheduler process on that port (0: any free port, logged; not
+    set: no dashboard), on dashboard_host (127.0.0.1 unless set), its data behind the bearer
+    token dashboard_token (default: TPKV_DASHBOARD_TOKEN when set, else none)."""
 
     host_bytes: int = DEFAULT_HOST_BYTES
     model_fingerprint: str | None = None
     disk_dir: str | None = None
     disk_bytes: int = DEFAULT_DISK_BYTES
     disk_queue_bytes: int | None = None
+    dashboard_port: int | None = None
+    dashboard_host: str = "127.0.0.1"
+    dashboard_token: str | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -71,15 +78,37 @@ class ConnectorOptions:
                                   f"{host_bytes}: it is the part of it for blocks on their "
                                   f"way to disk")
         fp = extra.get("model_fingerprint")
+        port, host, token = _dashboard(extra)
         return cls(host_bytes, None if fp is None else check_fingerprint(fp), disk_dir,
-                   disk_bytes, queue)
+                   disk_bytes, queue, port, host, token)
+
+
+def _dashboard(extra: Mapping[str, Any]) -> tuple[int | None, str, str | None]:
+    """dashboard_port, dashboard_host, dashboard_token, checked (see ConnectorOptions)."""
+    port = extra.get("dashboard_port")
+    if port is None:
+        given = [k for k in ("dashboard_host", "dashboard_token") if k in extra]
+        if given:
+            raise ConfigError(f"{given[0]} is set but dashboard_port is not; set dashboard_port "
+                              f"(0: any free port) to serve the dashboard")
+        return None, "127.0.0.1", None
+    if type(port) is not int or not 0 <= port <= 65535:
+        raise ConfigError(f"dashboard_port must be an int in 0..65535 (0: any free port), "
+                          f"got {port!r}")
+    host = check_host("dashboard_host", extra.get("dashboard_host", "127.0.0.1"))
+    token = extra.get("dashboard_token", os.environ.get("TPKV_DASHBOARD_TOKEN") or None)
+    return port, host, None if token is None else check_token("dashboard_token", token)
+
+
+def queue_bytes_in_effect(host_bytes: int, queue_bytes: int | None) -> int:
+    """disk_queue_bytes as set, or its default: a quarter of host_bytes, at most 1 GiB."""
+    return min(host_bytes // 4, MAX_DEFAULT_QUEUE_BYTES) if queue_bytes is None else queue_bytes
 
 
 def write_queue_blocks(host_bytes: int, queue_bytes: int | None, block_bytes: int) -> int:
     """Blocks of the host budget kept for blocks on their way to disk (0: none, the moves to
     disk are written on the step's path); ConfigError when they leave no block for memory."""
-    if queue_bytes is None:
-        queue_bytes = min(host_bytes // 4, MAX_DEFAULT_QUEUE_BYTES)
+    queue_bytes = queue_bytes_in_effect(host_bytes, queue_bytes)
     blocks = queue_bytes // block_bytes
     if blocks and blocks >= host_bytes // block_bytes:
         raise ConfigError(f"disk_queue_bytes {queue_bytes} ({blocks} blocks of {block_bytes} "

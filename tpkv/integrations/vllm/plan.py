@@ -37,12 +37,35 @@ class StepPlan:
     drops: list[bytes] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class RankFigures:
+    """What one rank's store holds and gave up, for the dashboard (sent when it changed): blocks
+    and bytes in host memory (blocks queued for disk included, `queued` of them), on disk,
+    their caps, and the blocks and bytes a full disk write queue gave up since start with the
+    bytes the queue needed to give up none. A block read back from disk is in both tiers."""
+
+    rank: int
+    block_bytes: int
+    host_blocks: int
+    host_bytes: int
+    host_capacity_bytes: int
+    queued_blocks: int = 0
+    disk_enabled: bool = False
+    disk_blocks: int = 0
+    disk_bytes: int = 0
+    disk_capacity_bytes: int = 0
+    dropped_blocks: int = 0
+    dropped_bytes: int = 0
+    needed_queue_bytes: int = 0
+
+
 @dataclass
 class StepReport:
     """One step's outcome on one rank (or merged over ranks): keys written, keys whose save or
     load failed, per request the first logical block whose load failed, per request the logical
-    blocks loaded from the disk tier, and keys the rank no longer holds (given up before their
-    disk write landed, or whose write failed)."""
+    blocks loaded from the disk tier, keys the rank no longer holds (given up before their
+    disk write landed, or whose write failed), and by rank its store's figures when they
+    changed."""
 
     saved: set[bytes] = field(default_factory=set)
     failed_saves: set[bytes] = field(default_factory=set)
@@ -50,15 +73,17 @@ class StepReport:
     failed_load_reqs: dict[str, int] = field(default_factory=dict)
     disk_loads: dict[str, set[int]] = field(default_factory=dict)
     lost: set[bytes] = field(default_factory=set)
+    figures: dict[int, RankFigures] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.saved or self.failed_saves or self.failed_loads or self.disk_loads
-                    or self.lost)
+                    or self.lost or self.figures)
 
     def merge(self, other: StepReport) -> StepReport:
         """Ranks merged: a key counts as saved only when no rank failed or lost it (the
         scheduler forgets those), failures and losses are the union, each request's first
-        failed block the lowest, each request's disk-loaded blocks those any rank loaded."""
+        failed block the lowest, each request's disk-loaded blocks those any rank loaded, the
+        figures of every rank that sent them."""
         reqs = dict(self.failed_load_reqs)
         for req_id, first in other.failed_load_reqs.items():
             reqs[req_id] = min(first, reqs.get(req_id, first))
@@ -67,4 +92,4 @@ class StepReport:
             disk.setdefault(req_id, set()).update(blocks)
         return StepReport(self.saved | other.saved, self.failed_saves | other.failed_saves,
                           self.failed_loads | other.failed_loads, reqs, disk,
-                          self.lost | other.lost)
+                          self.lost | other.lost, {**self.figures, **other.figures})

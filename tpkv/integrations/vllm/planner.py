@@ -11,6 +11,7 @@ import xxhash
 from tpkv.checks import check_int
 from tpkv.integrations.prefix_index import PrefixIndex, extend_chain
 from tpkv.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, StepReport
+from tpkv.integrations.vllm.stats import ConnectorCounters
 
 
 @dataclass
@@ -23,6 +24,7 @@ class _Req:
     local_tokens: int = 0  # tokens vLLM's own prefix cache held at the last match
     matched_tokens: int = 0  # tokens the store promised beyond them
     load: LoadSpec | None = None  # to go out in the next plan
+    load_end: int = 0  # the logical block after the last one loaded
     saved_upto: int = 0  # logical blocks before this one were stored or asked to be
     written_blocks: int = 0
     deduplicated_blocks: int = 0
@@ -36,7 +38,8 @@ class Planner:
     blocks that became full and computed (saves of the keys the index did not hold). The last
     token of a prompt is never served: vLLM computes at least one token to sample from. A
     request's chain starts from its own seed (request_seed): LoRA adapters and cache salts
-    never share blocks with plain requests, multimodal ones are not cached."""
+    never share blocks with plain requests, multimodal ones are not cached. `counters` keeps
+    the running figures the dashboard shows."""
 
     def __init__(self, block_tokens: int, seed: bytes, capacity_blocks: int) -> None:
         check_int("block_tokens", block_tokens)
@@ -45,6 +48,7 @@ class Planner:
         self.index = PrefixIndex(capacity_blocks)
         self._reqs: dict[str, _Req] = {}
         self._drops: list[bytes] = []  # keys forgotten by reset, for the next plan
+        self.counters = ConnectorCounters(block_tokens)
 
     def request_seed(self, request: Any) -> bytes | None:
         """The chain seed of a request: the model's, salted by a LoRA adapter and vLLM's
@@ -91,7 +95,10 @@ class Planner:
     def after_alloc(self, request: Any, block_ids: Sequence[int], num_external: int) -> None:
         """vLLM allocated the request's blocks; plan the load of the `num_external` tokens."""
         req = self._reqs.get(request.request_id)
-        if req is None or num_external <= 0:
+        if req is None:
+            return
+        self.counters.allocated(len(request.all_token_ids), req.local_tokens, num_external)
+        if num_external <= 0:
             return
         first = req.local_tokens // self.block_tokens
         count = num_external // self.block_tokens
@@ -101,12 +108,14 @@ class Planner:
                                  f"from block {first} does not fit {len(keys)} keys and "
                                  f"{len(block_ids)} blocks")
         req.load = LoadSpec(request.request_id, first, list(block_ids[first:first + count]), keys)
+        req.load_end = first + count
         self.index.touch(reversed(keys))
 
     def plan(self, scheduled: Iterable[tuple[str, int]],
              block_ids_of: Callable[[str], Sequence[int]]) -> StepPlan:
         """This step's plan: the loads planned since the last one, and for each scheduled
         (request id, tokens computed once this step ran) the saves of its newly full blocks."""
+        self.counters.step()
         plan = StepPlan(drops=self._drops)
         self._drops = []
         loading: list[bytes] = []
@@ -148,17 +157,23 @@ class Planner:
         self.index.confirm(report.saved - failed)
         self.index.forget(failed)
         self._drops.extend(sorted(report.lost))
+        recomputed = failed_blocks = disk_blocks = 0
         for req_id, first in report.failed_load_reqs.items():
             req = self._reqs.get(req_id)
             if req is not None:
                 req.saved_upto = min(req.saved_upto, first)
-                req.failed_load_blocks += len(report.failed_loads & set(req.keys[first:]))
+                num_failed = len(report.failed_loads & set(req.keys[first:]))
+                req.failed_load_blocks += num_failed
+                failed_blocks += num_failed
+                recomputed += max(0, req.load_end - first)
         for req_id, blocks in report.disk_loads.items():
             req = self._reqs.get(req_id)
             if req is not None:
                 first_failed = report.failed_load_reqs.get(req_id)
-                req.disk_loaded_blocks += sum(
-                    1 for b in blocks if first_failed is None or b < first_failed)
+                loaded = sum(1 for b in blocks if first_failed is None or b < first_failed)
+                req.disk_loaded_blocks += loaded
+                disk_blocks += loaded
+        self.counters.reported(report, recomputed, failed_blocks, disk_blocks)
 
     def reset(self) -> None:
         """Forget every stored block (vLLM's reset_prefix_cache(reset_connector=True)): the

@@ -31,7 +31,9 @@ class HostBlockStore:
     memory, the oldest are queued (at most queue_blocks), still counted against the capacity
     and served from memory until written; a put that finds no room gives up the oldest queued
     write (or, with none queued, the oldest block) instead of waiting, and `take_lost` names
-    the keys so given up, for the index to forget. With queue_blocks 0 the move is a write on
+    the keys so given up, for the index to forget (the writer counts and logs them;
+    `queue_bytes`, the disk_queue_bytes in effect, names the setting in its warning). With
+    queue_blocks 0 the move is a write on
     the caller's path. A get that misses in memory reads the disk and brings the block back
     into memory as the most recently used when memory has free room (with a writer it keeps
     queue_blocks free; without, a full memory takes none). Its record stays on disk, marked
@@ -39,7 +41,8 @@ class HostBlockStore:
     first when it needs room (the block then lives in memory only)."""
 
     def __init__(self, capacity_bytes: int, block_shape: tuple[int, int],
-                 disk: DiskBlockStore | None = None, queue_blocks: int = 0) -> None:
+                 disk: DiskBlockStore | None = None, queue_blocks: int = 0,
+                 queue_bytes: int | None = None) -> None:
         check_int("capacity_bytes", capacity_bytes)
         check_int("num_layers", block_shape[0])
         check_int("page_bytes", block_shape[1])
@@ -59,7 +62,8 @@ class HostBlockStore:
                               f"host_bytes {capacity_bytes} ({self.capacity_blocks} blocks of "
                               f"{self.block_bytes} bytes)")
         self.disk = disk
-        self.writer = DiskWriter(disk, queue_blocks) if disk is not None and queue_blocks else None
+        self.writer = (DiskWriter(disk, queue_blocks, queue_bytes)
+                       if disk is not None and queue_blocks else None)
         self._lock: contextlib.AbstractContextManager[Any] = (
             self.writer.lock if self.writer is not None else contextlib.nullcontext())
         self._records: dict[bytes, BlockRecord] = {}  # oldest use first
@@ -71,6 +75,11 @@ class HostBlockStore:
 
     def __len__(self) -> int:
         return len(self._records)
+
+    @property
+    def lock(self) -> contextlib.AbstractContextManager[Any]:
+        """What every call into the disk tier holds (the writer's lock; none without one)."""
+        return self._lock
 
     @property
     def num_pending(self) -> int:
@@ -231,6 +240,7 @@ class HostBlockStore:
                         if self.disk is not None and self.disk.is_cached(key):
                             self.disk.mark_cached(key, False)  # on disk still: not lost
                             continue
+                        self.writer.count_drop(self.block_bytes)  # the writer is still busy
                 if key is None:
                     return False
                 self._lost.append(key)

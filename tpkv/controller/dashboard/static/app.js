@@ -308,10 +308,70 @@
     }));
   }
 
+  // A vLLM instance (TpkvConnector with dashboard_port): each rank's host store and disk tier as
+  // its last report said, and the scheduler's counters; the controller's sections stay hidden.
+  function usage(used, cap, tier, text) {
+    const cell = el("td", { data: { tier } });
+    const bar = el("div", { cls: "bar" }), f = el("div", { cls: "fill " + tier });
+    f.style.width = (cap > 0 ? Math.min((100 * used) / cap, 100) : 0) + "%";
+    bar.append(f);
+    cell.append(bar, el("div", { cls: "cell-label", text }));
+    return cell;
+  }
+
+  function renderVllm(d) {
+    const v = d.vllm || {}, c = v.counters || {}, ix = v.index || {};
+    document.querySelectorAll("main > section").forEach((s) => { s.hidden = s.id !== "vllm"; });
+    $("h-kind").textContent = "vLLM connector";
+    $("h-epoch").textContent = "-";
+    $("h-sessions").textContent = "-";
+    $("h-tick").textContent = String(d.tick);
+    $("h-uptime").textContent = duration(d.uptime_s);
+    $("h-updated").textContent = new Date().toLocaleTimeString();
+    $("vllm-sub").textContent = (v.model ? v.model + ", " : "") + v.num_ranks + " rank" +
+      (v.num_ranks === 1 ? "" : "s") + ", " + v.block_tokens + " tokens and " + bytes(v.block_bytes) +
+      " a block per rank";
+    const ranks = v.ranks || [];
+    fill($("vllm-tier-table").tBodies[0], ranks.length ? ranks.map((r) => el("tr", { data: { rank: r.rank } },
+      td(r.rank, "n"),
+      usage(r.host_bytes, r.host_capacity_bytes, "L2", r.host_blocks + " blocks, " + bytes(r.host_bytes) +
+        " of " + bytes(r.host_capacity_bytes) + (r.queued_blocks ? " (" + r.queued_blocks + " queued for disk)" : "")),
+      r.disk_enabled ? usage(r.disk_bytes, r.disk_capacity_bytes, "L3", r.disk_blocks + " blocks, " +
+        bytes(r.disk_bytes) + " of " + bytes(r.disk_capacity_bytes)) : td("off", "note"),
+      td(r.dropped_blocks ? r.dropped_blocks + " (" + bytes(r.dropped_bytes) + "; the queue needed " +
+        bytes(r.needed_queue_bytes) + ")" : "0", "n" + (r.dropped_blocks ? " drain" : "")),
+      td(r.reported_step, "n"))) : [el("tr", {}, td("no rank has reported yet", "note"))]);
+    $("vllm-note").textContent = "The scheduler's index holds " + int(ix.blocks) + " blocks of " +
+      int(ix.capacity) + (ix.pending ? " (" + ix.pending + " being written)" : "") + "; every rank holds " +
+      "its shard of them. A block read back from disk is in both tiers until memory gives it up.";
+    const pct = isNum(c.hit_rate) ? " (" + fixed(c.hit_rate * 100, 1) + "% of prompt tokens)" : "";
+    kv($("vllm-counters"), [
+      ["requests looked up", int(c.lookups)],
+      ["prompt tokens", int(c.prompt_tokens)],
+      ["in vLLM's own prefix cache", int(c.vllm_cached_tokens) + " tokens"],
+      ["loaded from tpkv (hits)", int(c.hit_tokens) + " tokens" + pct],
+      ["of them from disk", int(c.disk_hit_tokens) + " tokens"],
+      ["prefill saved", int(c.saved_prefill_tokens) + " tokens"],
+      ["loads failed (recomputed)", int(c.failed_load_blocks) + " blocks, " + int(c.recomputed_tokens) +
+        " tokens recomputed", c.failed_load_blocks > 0],
+      ["disk queue drops", int(c.disk_queue_dropped_blocks) + " blocks (" + bytes(c.disk_queue_dropped_bytes) +
+        ")", c.disk_queue_dropped_blocks > 0],
+      ["blocks written", int(ix.written) + " (" + int(ix.deduplicated) + " saves skipped: held already)"],
+      ["blocks evicted / forgotten", int(ix.evicted) + " / " + int(ix.forgotten)],
+    ]);
+  }
+
   function render(d) {
     const act = (d.dashboard && d.dashboard.activity) || {};
     state.idle = act.state === "idle" || act.state === "waiting";
     state.clock = d.dashboard ? d.dashboard.snapshot_unix_s : null;
+    if (d.kind === "vllm") {
+      renderVllm(d);
+      $("footer").textContent = "Read-only; refreshes every " + REFRESH_MS / 1000 + " s. JSON: /api/snapshot, " +
+        "Prometheus: /metrics.";
+      state.renders += 1;
+      return;
+    }
     renderHeader(d); renderTiers(d); renderHealth(d); renderTraffic(d); renderSessions(d);
     renderHeatmap(d); renderConsistency(d); renderEvents(d);
     const info = (d.dashboard && d.dashboard.info) || {};
