@@ -236,8 +236,8 @@ def test_padded_turn_of_the_prefill_graphs_matches_the_turn_run_eagerly(turn):
 def test_predict_next_names_the_batch_the_next_step_runs():
     """Inside each step (its `launched` hook) the engine names the next step's batch: prefills
     of the turns waiting (as many as the token budget and the batch take), then the decoding
-    turns less those this step ends, one token each; and the turns decoding after this step. With no turn
-    added in between, every prediction is the batch the next step() runs."""
+    turns less those this step ends, one token each; and the turns decoding after this step.
+    With no turn added in between, every prediction is the batch the next step() runs."""
     model = _model()
     predicted: list[object] = []
     engine = PagedEngine(model, _pool(model, 64), max_batch=3, max_prefill_tokens=12,

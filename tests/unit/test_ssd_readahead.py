@@ -145,3 +145,31 @@ def test_bad_input_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="read_ahead_bytes"):
         SsdConfig(root=str(tmp_path), read_ahead_bytes=-1)
     store.close()
+
+
+def test_the_read_rate_counts_the_time_reads_run_at_once_once() -> None:
+    """Four sessions read at once on four threads, each job 0.2 s: the rate the read aheads
+    report is their bytes over about 0.2 s (the disk's rate for them together), not over the
+    0.8 s their per-session times add up to."""
+    from tpkv.ssd.readahead import ReadAhead
+
+    block = 1 << 20
+    ahead = ReadAhead(block, 64 * block, threads=4, rank=0)
+    gate = threading.Barrier(4)
+
+    def read(sid: str, idx: np.ndarray, bufs: object) -> np.ndarray:
+        gate.wait(5.0)  # all four in flight together
+        threading.Event().wait(0.2)
+        return np.ones(len(idx), dtype=bool)
+
+    try:
+        for i in range(4):
+            assert ahead.start(f"s{i}", np.arange(4), read)
+        ahead.wait_any([f"s{i}" for i in range(4)], 5.0)
+        for i in range(4):
+            ahead.wait_any([f"s{i}"], 5.0)
+            assert ahead.done(f"s{i}")
+        assert ahead.read_bytes == 16 * block
+        assert 0.19 <= ahead.read_s < 0.5, ahead.read_s  # per session: 0.8 s
+    finally:
+        ahead.close()

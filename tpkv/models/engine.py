@@ -256,7 +256,8 @@ class PagedEngine:
     def _pick(self) -> tuple[Literal["prefill", "decode"], list[Seq]]:
         """Prefill first while fewer than max_batch turns decode (whole prompts, up to
         max_prefill_tokens, at least one), else decode: a turn waits in `waiting` until the
-        batch has room for it. Changes nothing: a step whose schedule or forward raises can simply be retried."""
+        batch has room for it. Changes nothing: a step whose schedule or forward raises can
+        simply be retried."""
         if self.prefill_next:
             return "prefill", self._prefill_pick(list(self.waiting), len(self.running))
         return "decode", self.running[:self.max_batch]

@@ -45,7 +45,6 @@ class _Session:
     num_bytes: int
     discarded: bool = False
     num_done: int = 0  # jobs done
-    began: float = 0.0  # time.monotonic() at start
 
 
 class ReadAhead:
@@ -62,8 +61,11 @@ class ReadAhead:
         self._sessions: dict[str, _Session] = {}
         self._held = 0  # bytes of buffers not yet given back (discarded ones still reading too)
         self.num_served = 0  # blocks served from the buffers so far
-        # bytes and seconds of the read aheads done so far (each from start to its last job)
+        # bytes of the read aheads' jobs done so far, and the seconds in which any job was in
+        # flight: their ratio is the rate the disk gives them together (per session times,
+        # which overlap, would count a busy disk's time once per session read at once)
         self.read_bytes, self.read_s = 0, 0.0
+        self._in_flight, self._mark = 0, 0.0
 
     @property
     def held_bytes(self) -> int:
@@ -95,22 +97,31 @@ class ReadAhead:
             jobs = [_Job(idx[at:at + per_job],
                          np.empty((len(idx[at:at + per_job]), self.block_bytes), np.uint8))
                     for at in range(0, len(idx), per_job)]
-            entry = _Session(self._generation.get(sid, 0), jobs, need, began=time.monotonic())
+            entry = _Session(self._generation.get(sid, 0), jobs, need)
             self._sessions[sid] = entry
             self._held += need
+            self._busy_until_now()
+            self._in_flight += len(jobs)
             for job in jobs:
                 job.future = self._pool.submit(read, sid, job.indices, list(job.buffers))
-                job.future.add_done_callback(functools.partial(self._job_done, entry))
+                job.future.add_done_callback(functools.partial(self._job_done, entry, job))
         return True
 
-    def _job_done(self, entry: _Session, _: object) -> None:
+    def _busy_until_now(self) -> None:
+        """(Under the lock) adds the time since the last start or job end to read_s if a job
+        was in flight all along."""
+        now = time.monotonic()
+        if self._in_flight:
+            self.read_s += now - self._mark
+        self._mark = now
+
+    def _job_done(self, entry: _Session, job: _Job, _: object) -> None:
         with self._lock:
+            self._busy_until_now()
+            self._in_flight -= 1
+            self.read_bytes += job.buffers.nbytes
             entry.num_done += 1
-            if entry.num_done < len(entry.jobs):
-                return
-            self.read_bytes += entry.num_bytes
-            self.read_s += time.monotonic() - entry.began
-            if entry.discarded:
+            if entry.num_done == len(entry.jobs) and entry.discarded:
                 self._held -= entry.num_bytes
 
     def pending_bytes(self) -> int:
