@@ -43,7 +43,7 @@ _LINKS = {"pcie_h2d_s": ("l2_l1", "h2d"), "pcie_d2h_s": ("l1_l2", "d2h"),
           "disk_read_s": ("l3_l2", "disk_read"), "disk_write_s": ("l2_l3", "disk_write")}
 
 
-def _quiet(steps: list[tuple[float, bool, int, int, bool]]) -> np.ndarray:
+def _quiet(steps: list[tuple[float, bool, int, int, bool, bool]]) -> np.ndarray:
     """[n, 3] (batch, KV tokens, ms) of the quiet decode steps (the fastest tenth of all steps
     stands for one where every step moved blocks)."""
     quiet = [(s[2], s[3], s[0]) for s in steps if not s[1]]
@@ -62,7 +62,7 @@ def _quiet_ms(quiet: np.ndarray, batch: int, kv: int, k: int = 9) -> float:
     return float(np.median(pool[near, 2]))
 
 
-def quiet_decode_s(steps: list[tuple[float, bool, int, int, bool]], first: int) -> float:
+def quiet_decode_s(steps: list[tuple[float, bool, int, int, bool, bool]], first: int) -> float:
     """Seconds of decode steps[first:] each at the time of the quiet steps alike (TERMS)."""
     quiet = _quiet(steps)
     return sum(_quiet_ms(quiet, s[2], s[3]) for s in steps[first:]) / 1e3
@@ -78,7 +78,7 @@ def prefill_fit(prefills: list[tuple[int, float, bool, int]]) -> np.ndarray | No
 
 
 def prefill_s(prefills: list[tuple[int, float, bool, int]],
-              steps: list[tuple[float, bool, int, int, bool]], first: int) -> float:
+              steps: list[tuple[float, bool, int, int, bool, bool]], first: int) -> float:
     """Seconds of prefills[first:] on the GPU (TERMS)."""
     fit, quiet = prefill_fit(prefills), _quiet(steps)
     total = 0.0
@@ -90,7 +90,7 @@ def prefill_s(prefills: list[tuple[int, float, bool, int]],
     return total / 1e3
 
 
-def window_work(steps: list[tuple[float, bool, int, int, bool]],
+def window_work(steps: list[tuple[float, bool, int, int, bool, bool]],
                 prefills: list[tuple[int, float, bool, int]], window: dict[str, Any],
                 bytes_now: dict[str, int], measured_s: float, tokens: int) -> dict[str, Any]:
     """What the window did: GPU seconds at quiet rates, bytes by direction, time, tokens."""

@@ -120,7 +120,9 @@ class Rounds:
         self.vocab = tiered.engine.model.config.vocab_size
         # decode: (ms, moved, batch, KV tokens the batch attends over, whether the batch's
         # sessions differ from the last decode step's)
-        self.steps: list[tuple[float, bool, int, int, bool]] = []
+        # decode steps: (ms, tier traffic, batch, KV tokens, batch changed, a CUDA graph was
+        # captured in it: the step's time is the capture's, not the traffic's)
+        self.steps: list[tuple[float, bool, int, int, bool, bool]] = []
         self._members: tuple[str, ...] = ()
         self.resumes: list[dict[str, Any]] = []
         self.failures: list[str] = []
@@ -215,6 +217,7 @@ class Rounds:
         step_prof = (cProfile.Profile() if self.step_stats is not None and kind == "decode"
                      else None)
         l2_before = self._l2_state()
+        captures0 = e.graphs.captures if e.graphs is not None else 0
         t0 = time.perf_counter()
         if step_prof is not None:
             finished = step_prof.runcall(e.step)
@@ -236,8 +239,10 @@ class Rounds:
             self.step_stats[key] = (acc, n + 1)
         if kind == "decode":
             changed, self._members = members != self._members, members
-            self.steps.append((ms, any(moved.values()), batch, kv_tokens, changed))
-            shape = {"batch": batch, "kv_tokens": kv_tokens, "batch_changed": changed}
+            captured = e.graphs is not None and e.graphs.captures > captures0
+            self.steps.append((ms, any(moved.values()), batch, kv_tokens, changed, captured))
+            shape = {"batch": batch, "kv_tokens": kv_tokens, "batch_changed": changed,
+                     "captured_graph": captured}
             if any(moved.values()):
                 self.traffic.append({"step_ms": round(ms, 3), "moved": moved, **shape,
                                      **self._parts(), **l2_before,
@@ -331,8 +336,10 @@ class Rounds:
             else:
                 rec.pop("trace", None)
         ms = [s[0] for s in steps]
-        quiet = [s[0] for s in steps if not s[1]]
-        busy = [s[0] for s in steps if s[1]]
+        # the step times against each other leave out the steps that captured a graph
+        timed = [s for s in steps if not s[5]]
+        quiet = [s[0] for s in timed if not s[1]]
+        busy = [s[0] for s in timed if s[1]]
         out: dict[str, Any] = {
             "sessions": len(self.contexts), "sessions_held": self.held_after_fill,
             "oom_or_failures": len(self.failures), "failures": self.failures,
@@ -343,9 +350,10 @@ class Rounds:
             "step_ms_p50_quiet": pct(quiet, 50), "step_ms_p50_traffic": pct(busy, 50),
             "step_ms_p99_traffic": pct(busy, 99),
             "decode_steps": len(ms), "decode_steps_with_traffic": len(busy),
+            "decode_steps_capturing_a_graph": len(steps) - len(timed),
             "step_ms_traffic_vs_quiet": round(float(np.median(busy) / np.median(quiet)), 3)
             if busy and quiet else None,
-            "step_ms_traffic_vs_matched_quiet": matched_ratio(steps),
+            "step_ms_traffic_vs_matched_quiet": matched_ratio(timed),
             "moves": dict(st.moves), "bytes": dict(st.bytes),
             # L1 -> L2 moves into the L2 copy a block kept since its promotion, and L2 -> L3
             # moves of blocks whose record is on disk since their load: no bytes moved

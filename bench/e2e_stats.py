@@ -83,7 +83,8 @@ def ttft_summary(records: list[dict[str, Any]], missing_returning: int) -> dict[
     return out
 
 
-def matched_ratio(steps: list[tuple[float, bool, int, int, bool]], k: int = 9) -> float | None:
+def matched_ratio(steps: list[tuple[float, bool, int, int, bool, bool]], k: int = 9
+                  ) -> float | None:
     """Median over the decode steps with tier traffic of step time / the median time of the k
     quiet steps alike (the same batch size, the batch changed since the last decode step or
     not) nearest in KV tokens: the same step with and without the traffic beside it. The
@@ -95,7 +96,7 @@ def matched_ratio(steps: list[tuple[float, bool, int, int, bool]], k: int = 9) -
         if q:
             quiet[key] = (np.array([t for t, _ in q]), np.array([m for _, m in q]))
     ratios = []
-    for ms, busy, b, tokens, changed in steps:
+    for ms, busy, b, tokens, changed, _ in steps:
         if not busy or len(quiet.get((b, changed), ((),))[0]) < k:
             continue
         toks, times = quiet[(b, changed)]

@@ -64,6 +64,7 @@ def test_rounds_report_returning_ttft_and_bound(tmp_path: Path) -> None:
     for r in (a, c):
         _check(r, TOY)
         assert r["mode"] == "rounds"
+        assert r["decode_steps_capturing_a_graph"] == 0  # (no CUDA graphs on the CPU)
     assert a["recompute_tokens"] > 0  # (a) recomputes what L1 lost
     assert c["bound"]["work"]["bytes"]["l2_l3"] > 0  # (c) spilled to L3
     assert c["bound"]["disk_write_s"] == pytest.approx(
@@ -121,10 +122,10 @@ def test_bound_is_the_busiest_resource() -> None:
 
 
 def test_quiet_decode_takes_steps_alike() -> None:
-    # (ms, moved, batch, kv tokens, changed): quiet steps of batch 2 take 5 ms, of batch 3
-    # 7 ms; the steps with traffic (20 ms) count at the quiet time of their batch size
-    steps = [(5.0, False, 2, 100, False)] * 4 + [(7.0, False, 3, 150, False)] * 4 + [
-        (20.0, True, 3, 150, True), (20.0, True, 2, 100, True)]
+    # (ms, moved, batch, kv tokens, changed, captured): quiet steps of batch 2 take 5 ms, of
+    # batch 3 7 ms; the steps with traffic (20 ms) count at the quiet time of their batch size
+    steps = [(5.0, False, 2, 100, False, False)] * 4 + [(7.0, False, 3, 150, False, False)] * 4
+    steps += [(20.0, True, 3, 150, True, False), (20.0, True, 2, 100, True, False)]
     assert quiet_decode_s(steps, 8) == pytest.approx(0.012)
     assert quiet_decode_s(steps, 0) == pytest.approx((4 * 5 + 4 * 7 + 12) / 1e3)
 
