@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 TRANSPORTS = ["local", "ray"]
+_made: list[Any] = []  # create_actor's handles: Ray ends an actor once its creator's are gone
 
 
 def kill_actor(timeout_s: float = 30.0) -> None:
@@ -17,6 +18,7 @@ def kill_actor(timeout_s: float = 30.0) -> None:
 
     from tpkv.controller.actor import NAME, NAMESPACE
 
+    _made.clear()
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -87,7 +89,7 @@ def failing_planner(fail_at: int) -> type:
 
 def create_actor(cls: type, config: Any) -> Any:
     """Create the named controller actor from `cls` before tpkv.init, which then finds it (as
-    tpkv.controller.actor.get_or_create makes it)."""
+    tpkv.controller.actor.get_or_create makes it). It lives until kill_actor()."""
     import ray
 
     from tpkv.controller.actor import NAME, NAMESPACE
@@ -95,4 +97,5 @@ def create_actor(cls: type, config: Any) -> Any:
     remote: Any = ray.remote(num_cpus=0, max_restarts=-1)(cls)
     handle = remote.options(name=NAME, namespace=NAMESPACE).remote(config)
     ray.get(handle.ping.remote(), timeout=60)
+    _made.append(handle)
     return handle
