@@ -100,3 +100,43 @@ def test_a_session_id_refused_by_the_runtime_and_the_hf_cache(runtime: Any) -> N
 
     with pytest.raises(InvalidSessionIdError):
         TpkvCache(rt, "a/b")
+
+
+REFUSED_STEPS = [  # (session ids, new tokens, error, words of its message)
+    (["q1", "q2"], [1], "BadRequestError", "needs 2 integers, got 1"),
+    (["q1"], [200], "TierFullError", "needs 52 L1 slots; L1 holds 24"),
+    (["q1", "q1"], [1, 1], "DuplicateSessionError", "'q1' appears twice"),
+    (["q1"], [-1], "ArgumentError", "session 'q1' got -1"),
+    (["nope"], [1], "UnknownSessionError", "unknown session 'nope'"),
+]
+
+
+def test_a_step_the_controller_refuses_is_its_typed_error_and_changes_nothing(
+        runtime: Any) -> None:
+    """The controller's own checks of a schedule (not the runtime's): through the actor the
+    same error class and message as in process, whether the step was planned ahead or at
+    begin_step, and the session's count, the maps and the next step as before."""
+    from tpkv import errors
+
+    rt, _ = runtime
+    for name in ("q1", "q2"):
+        rt.open_session(name)
+    rt.run_step(["q1"], [5], lambda step: step)
+    before = session_tokens(rt)
+    for ids, tokens, error, words in REFUSED_STEPS:
+        for ahead in (False, True):
+            if ahead and min(tokens) < 0:  # the runtime's own check refuses this one
+                with pytest.raises(errors.ArgumentError, match="negative"):
+                    rt.schedule_ahead(ids, tokens)
+            elif ahead:  # refused there too: the step then asks again and gets the error
+                rt.schedule_ahead(ids, tokens)
+            with pytest.raises(getattr(errors, error), match=words):
+                rt.run_step(ids, tokens, lambda step: step)
+    assert session_tokens(rt) == before and before["q1"] == 5
+    rt.run_step(["q1", "q2"], [2, 3], lambda step: step)
+    assert {s: n for s, n in session_tokens(rt).items() if s in ("q1", "q2")} == {"q1": 7,
+                                                                                 "q2": 3}
+    rt.settle_ahead()
+    assert rt.worker.slot_map()["digest"] == rt.controller_slot_map()["digest"]
+    for name in ("q1", "q2"):
+        rt.close_session(name)
