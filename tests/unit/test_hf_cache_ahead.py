@@ -222,3 +222,27 @@ def test_close_and_reset_with_a_step_planned_ahead(tmp_path, transport):
         chat.turn("x", 7, 3)
         chat.turn("x", 2, 2)
         assert chat.check() == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_controller_restart_with_a_step_planned_ahead_stays_exact(tmp_path, transport):
+    """The controller restarts (in process: a fresh one; through Ray: the actor killed and
+    restarted) while a turn's next block is planned ahead, and again after a session's turn
+    left a credit; the runtime rebuilds it from the rank's map, and tokens, K/V and the
+    controller's counts stay DynamicCache's and the cache's."""
+    from tests.transport import restart
+
+    model = tiny_llama()
+    with attach(model, str(tmp_path / "l3"), transport) as tiers:
+        chat, rt = Chat(model, tiers, seed=2), tiers.rt
+        chat.turn("x", 11, 4, eos=True)  # stops after a pass that ends a block
+        assert rt._ahead is not None  # the next one planned ahead: the restart loses it
+        restart(rt, 1)
+        chat.turn("x", 2, 4, eos=True)
+        chat.turn("y", 11, 3)
+        assert rt.credits.tokens.get("y", 0) > 0
+        restart(rt, 2)
+        chat.turn("y", 2, 2)
+        chat.turn("x", 3, 2)
+        assert rt.num_rebuilds == 2
+        assert chat.check() == 2
