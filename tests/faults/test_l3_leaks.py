@@ -155,13 +155,13 @@ def test_a_new_run_on_a_root_full_of_an_earlier_runs_files_can_spill(
 
 
 def test_closing_sessions_in_the_engine_deletes_their_l3_files_before_close_returns(
-        tmp_path: Path, transport: str) -> None:
+        tmp_path: Path) -> None:
     """TP 1, the tiny model on tiers too small for six sessions: some reach L3. Each
     close_session (the last calls of the workload; no step follows) leaves none of that
     session's files, and neither does leaving the runtime."""
     root = tmp_path / "l3"
     model = build_model("tiny", seed=0, device="cpu")
-    rt = tpkv_init(tiny_tiers(model, str(root)), controller=transport, device="cpu")
+    rt = tpkv_init(tiny_tiers(model, str(root)), controller="local", device="cpu")
     had_files: list[str] = []
     try:
         tiered = TieredEngine(rt, model, report_prefill=False)

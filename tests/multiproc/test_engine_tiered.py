@@ -187,12 +187,9 @@ def check(out: dict[str, Any], mode: str = "load") -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("mode,controller", [("load", "local"), ("miss", "local"),
-                                             ("stagger", "local"), ("miss", "ray")])
-def test_tp2_tiered_engine_gives_the_tokens_of_a_large_l1(tmp_path, mode, controller):
-    """"ray": rank 0 starts a Ray head of its own and the controller actor, rank 1 joins it."""
-    results = run_ranks(tiered_rank, 2, str(tmp_path / "l3"), mode, "cpu", controller,
-                        timeout_s=80)
+@pytest.mark.parametrize("mode", ["load", "miss", "stagger"])
+def test_tp2_tiered_engine_gives_the_tokens_of_a_large_l1(tmp_path, mode):
+    results = run_ranks(tiered_rank, 2, str(tmp_path / "l3"), mode, "cpu", timeout_s=80)
     assert sorted(results) == [0, 1], results
     for r in (0, 1):
         assert results[r]["ok"], results[r].get("trace")

@@ -188,11 +188,11 @@ def _placed(m: dict[str, Any]) -> dict[int, tuple[int, int]]:
                     zip(np.asarray(m["tiers"]).tolist(), np.asarray(m["slots"]).tolist())))
 
 
-def engine_run(root: Path, controller: str = "local") -> tuple[Any, Any]:
+def engine_run(root: Path) -> tuple[Any, Any]:
     """The tiered engine test's workload and tiers, returns always loaded from L3: its tokens
     and the rank's PlanExecutor (its counters). Checks the rank's map against the
     controller's before the first close (both whole then), and that blocks came back from L3
-    with no mismatch. `controller`: as tpkv.init takes it."""
+    with no mismatch."""
     import tpkv
     from tests.multiproc.test_engine_tiered import BT, L1_BLOCKS, L2_BLOCKS, drive
     from tpkv.config import PolicyConfig
@@ -203,7 +203,7 @@ def engine_run(root: Path, controller: str = "local") -> tuple[Any, Any]:
     cfg = tiered_config(model, 1, block_tokens=BT, l1_blocks=L1_BLOCKS, l2_blocks=L2_BLOCKS,
                         ssd_root=str(root), policy=PolicyConfig(cooldown_s=0.0,
                                                                 prefill_tokens_per_s=10.0))
-    rt = tpkv.init(cfg, controller=controller, device="cpu")
+    rt = tpkv.init(cfg, controller="local", device="cpu")
     try:
         tiered = TieredEngine(rt, model, report_prefill=False)
         maps: list[tuple[Any, Any]] = []
@@ -223,14 +223,13 @@ def engine_run(root: Path, controller: str = "local") -> tuple[Any, Any]:
         rt.close()
 
 
-def test_the_engine_gives_the_tokens_of_a_large_l1_with_chained_loads(tmp_path: Path,
-                                                                       transport: str) -> None:
+def test_the_engine_gives_the_tokens_of_a_large_l1_with_chained_loads(tmp_path: Path) -> None:
     """The tiered engine's workload with returns loaded from L3: the tokens of a large L1
     where nothing moves, moves chained, and the rank's map the controller's."""
     from tests.multiproc.test_engine_tiered import reference
     from tpkv.models.llama import build_model
 
-    on, ex_on = engine_run(tmp_path / "on", transport)
+    on, ex_on = engine_run(tmp_path / "on")
     assert ex_on.num_chained > 0
     assert on == reference(build_model("tiny", seed=0, device="cpu"))
 
