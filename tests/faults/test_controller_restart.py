@@ -1,4 +1,5 @@
-"""The controller lost mid-run, rebuilt from the slot map and the L3 manifests: the same tokens."""
+"""The controller lost mid-run, rebuilt from the slot map and the L3 manifests: the same tokens;
+and a new runtime after a close starts with a controller of its own."""
 
 from __future__ import annotations
 
@@ -164,3 +165,35 @@ def test_a_restart_found_by_a_session_call_while_a_step_awaits_confirmation(
         assert restarted and rt.num_rebuilds == 1, (restarted, rt.num_rebuilds)
     finally:
         rt.close()
+
+
+def test_a_second_init_after_close_gets_a_fresh_controller_with_its_config(
+        transport: str) -> None:
+    """Each tpkv.init gets a controller of its own, made from its config: one runtime's close
+    ends the controller its init made, so the next init in the same process and Ray cluster
+    (a notebook, a service restarting its engine) starts afresh. On d963d29 the second init
+    through Ray (in a cluster the caller started) found the first runtime's actor by name: L1
+    of 24 blocks instead of the 40 asked for, and session s0 still open there
+    (DuplicateSessionError at its turn)."""
+    import tpkv
+    from tpkv.config import PolicyConfig
+    from tpkv.models.llama import build_model, dense_generate
+    from tpkv.models.tiered import TieredEngine, tiered_config
+
+    model = build_model("tiny", seed=0, device="cpu")
+    prompt = list(range(5, 30))
+    want = [tuple(dense_generate(model, prompt, 4)[0])]
+    runtimes: list[Any] = []  # kept: the first runtime's objects outlive its close
+    for l1 in (24, 40):
+        cfg = tiered_config(model, 1, block_tokens=4, l1_blocks=l1, l2_blocks=64,
+                            policy=PolicyConfig(cooldown_s=0.0))
+        rt = tpkv.init(cfg, controller=transport, device="cpu")
+        runtimes.append(rt)
+        try:
+            snap = rt.controller.snapshot()
+            assert snap["tiers"]["L1"]["slots"] == l1 and snap["sessions"] == []
+            engine = TieredEngine(rt, model, report_prefill=False).engine
+            engine.add_turn("s0", prompt, 4)  # left open at close
+            assert [f.token_ids for f in engine.run()] == want
+        finally:
+            rt.close()

@@ -236,7 +236,7 @@ def test_a_controller_restart_with_a_step_planned_ahead_stays_exact(tmp_path, tr
     with attach(model, str(tmp_path / "l3"), transport) as tiers:
         chat, rt = Chat(model, tiers, seed=2), tiers.rt
         chat.turn("x", 11, 4, eos=True)  # stops after a pass that ends a block
-        assert rt._ahead is not None  # the next one planned ahead: the restart loses it
+        assert rt._ahead is not None  # the next one planned ahead when the controller goes
         restart(rt, 1)
         chat.turn("x", 2, 4, eos=True)
         chat.turn("y", 11, 3)
