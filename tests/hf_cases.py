@@ -132,14 +132,15 @@ def tiers_config(model: Any, l1: int, l2: int, ssd_root: str | None) -> dict[str
 
 
 def run_tiered(model: Any, l1: int, l2: int, ssd_root: str | None,
-               miss: bool = False) -> dict[str, Any]:
+               miss: bool = False, controller: str = "local") -> dict[str, Any]:
     """The chat through tpkv.attach at TP 1 on the model's device (L1 there; L2 pinned when
     CUDA is present), then the DynamicCache chat on the same model, and every session's K/V
-    of both compared. miss: the first L3 read fails its checks."""
+    of both compared. miss: the first L3 read fails its checks. controller: as tpkv.attach
+    takes it."""
     import tpkv
 
     with tpkv.attach(model, tiers_config(model, l1, l2, ssd_root), block_tokens=BT,
-                     controller="local", device=model.device) as tiers:
+                     controller=controller, device=model.device) as tiers:
         if miss:
             tiers.rt.worker.fault_miss_from = 1
         got, losses = tiered_chat(model, tiers)

@@ -1,4 +1,5 @@
-"""The controller lost mid-run, rebuilt from the slot map and the L3 manifests: the same tokens."""
+"""The controller lost mid-run, rebuilt from the slot map and the L3 manifests: the same tokens;
+and a new runtime after a close starts with a controller of its own."""
 
 from __future__ import annotations
 
@@ -8,14 +9,17 @@ from typing import Any
 import pytest
 
 from tests.faults.engine_run import drive, tiny_model_and_reference, tiny_tiers
+from tests.transport import restart
 from tpkv.controller.controller import Controller
 from tpkv.launch.join import init as tpkv_init
 from tpkv.models.tiered import TieredEngine
 
 pytestmark = pytest.mark.timeout(180)
 
-def reference_and_runtime(model: Any, tmp_path: Path, slots: int) -> tuple[Any, Any, Any]:
-    """An all-L1 reference engine of `slots` blocks, the tiers' config and a runtime on them."""
+def reference_and_runtime(model: Any, tmp_path: Path, slots: int,
+                          controller: str = "local") -> tuple[Any, Any, Any]:
+    """An all-L1 reference engine of `slots` blocks, the tiers' config and a runtime on them
+    (`controller`: as tpkv.init takes it)."""
     import torch
 
     from tpkv.models.engine import PagedEngine
@@ -24,7 +28,7 @@ def reference_and_runtime(model: Any, tmp_path: Path, slots: int) -> tuple[Any, 
     g = cfg.geometry
     ref = PagedEngine(model, torch.full((slots, g.num_layers, 2, g.block_tokens, g.num_kv_heads,
                                          g.head_dim), float("nan")), scheduler_seed=3)
-    return ref, cfg, tpkv_init(cfg, controller="local", device="cpu")
+    return ref, cfg, tpkv_init(cfg, controller=controller, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +84,15 @@ def test_tokens_after_controller_restarts_equal_a_run_without_fault(
           f"rebuilt L3 blocks {[s['l3'] for s in summaries]}, tokens equal")
 
 
-def test_a_session_closed_just_before_a_restart_does_not_come_back(tmp_path: Path,
-                                                                   model_and_want: Any) -> None:
+def test_a_session_closed_just_before_a_restart_does_not_come_back(
+        tmp_path: Path, model_and_want: Any, transport: str) -> None:
     """Closed at the controller, its blocks still in the rank's map (they go with the next
     step), then the controller restarts: the rebuild must not revive it, or a new session of
     the same name would find the old one's blocks."""
     import numpy as np
 
     model, _ = model_and_want
-    ref, cfg, rt = reference_and_runtime(model, tmp_path, 64)
+    ref, _, rt = reference_and_runtime(model, tmp_path, 64, transport)
     rng = np.random.default_rng(1)
     try:
         engine = TieredEngine(rt, model, report_prefill=False).engine
@@ -102,40 +106,35 @@ def test_a_session_closed_just_before_a_restart_does_not_come_back(tmp_path: Pat
             if turn == 1:  # s0 ends; the controller dies before the next step
                 engine.close_session("s0")
                 ref.close_session("s0")
-                rt.controller = Controller(cfg, restarts=1, awaiting_rebuild=True)
+                restart(rt, 1)
         assert rt.num_rebuilds == 1
     finally:
         rt.close()
 
 
-def test_explicit_pins_survive_a_controller_restart(tmp_path: Path, model_and_want: Any) -> None:
+def test_explicit_pins_survive_a_controller_restart(tmp_path: Path, model_and_want: Any,
+                                                    transport: str) -> None:
     """Pins live only in the controller's table; the runtime sets them again after a rebuild."""
-    import numpy as np
-
-    from tpkv.controller.table import PIN_EXPLICIT
-
     model, _ = model_and_want
-    rt = tpkv_init(tiny_tiers(model, str(tmp_path / "l3")), controller="local", device="cpu")
+    rt = tpkv_init(tiny_tiers(model, str(tmp_path / "l3")), controller=transport, device="cpu")
     try:
         engine = TieredEngine(rt, model, report_prefill=False).engine
         engine.add_turn("sys", list(range(40)), 4)
         engine.run()
         assert rt.pin("sys", 0, 5) == 5
-        cfg = rt.config
-        rt.controller = Controller(cfg, restarts=1, awaiting_rebuild=True)
+        restart(rt, 1)
         engine.add_turn("sys", [7, 8, 9], 4)
         engine.run()
         assert rt.num_rebuilds == 1
-        S, T = rt.controller.sessions, rt.controller.table
-        rows = S.rows(S.lookup("sys"))
-        pinned = (T.pinned[rows] & PIN_EXPLICIT) != 0
-        assert pinned[:5].all() and not pinned[5:].any(), np.flatnonzero(pinned)
+        blocks = rt.controller.session_blocks(session_id="sys")
+        pinned = blocks["pinned"]
+        assert len(pinned) > 5 and all(pinned[:5]) and not any(pinned[5:]), pinned
     finally:
         rt.close()
 
 
 def test_a_restart_found_by_a_session_call_while_a_step_awaits_confirmation(
-        tmp_path: Path, model_and_want: Any) -> None:
+        tmp_path: Path, model_and_want: Any, transport: str) -> None:
     """A step whose plans were applied once its forward was launched is confirmed at the next
     step; the controller restarts before that, and the first call to find it is a session call
     (a new session opened): the rebuild takes the rank's map with those plans in it, so the
@@ -144,7 +143,7 @@ def test_a_restart_found_by_a_session_call_while_a_step_awaits_confirmation(
     import numpy as np
 
     model, _ = model_and_want
-    ref, cfg, rt = reference_and_runtime(model, tmp_path, 256)
+    ref, _, rt = reference_and_runtime(model, tmp_path, 256, transport)
     rng = np.random.default_rng(2)
     try:
         engine = TieredEngine(rt, model, report_prefill=False).engine
@@ -152,7 +151,7 @@ def test_a_restart_found_by_a_session_call_while_a_step_awaits_confirmation(
         for i in range(40):
             names = [f"s{i % 6}", f"new{i}"] if restarted == 0 and i > 0 else [f"s{i % 6}"]
             if rt._applied is not None and rt._applied.late and not restarted:
-                rt.controller = Controller(cfg, restarts=1, awaiting_rebuild=True)
+                restart(rt, 1)
                 restarted = i
                 names = [f"new{i}"]  # its open_session finds the restart first
             for name in names:
@@ -166,3 +165,35 @@ def test_a_restart_found_by_a_session_call_while_a_step_awaits_confirmation(
         assert restarted and rt.num_rebuilds == 1, (restarted, rt.num_rebuilds)
     finally:
         rt.close()
+
+
+def test_a_second_init_after_close_gets_a_fresh_controller_with_its_config(
+        transport: str) -> None:
+    """Each tpkv.init gets a controller of its own, made from its config: one runtime's close
+    ends the controller its init made, so the next init in the same process and Ray cluster
+    (a notebook, a service restarting its engine) starts afresh. On d963d29 the second init
+    through Ray (in a cluster the caller started) found the first runtime's actor by name: L1
+    of 24 blocks instead of the 40 asked for, and session s0 still open there
+    (DuplicateSessionError at its turn)."""
+    import tpkv
+    from tpkv.config import PolicyConfig
+    from tpkv.models.llama import build_model, dense_generate
+    from tpkv.models.tiered import TieredEngine, tiered_config
+
+    model = build_model("tiny", seed=0, device="cpu")
+    prompt = list(range(5, 30))
+    want = [tuple(dense_generate(model, prompt, 4)[0])]
+    runtimes: list[Any] = []  # kept: the first runtime's objects outlive its close
+    for l1 in (24, 40):
+        cfg = tiered_config(model, 1, block_tokens=4, l1_blocks=l1, l2_blocks=64,
+                            policy=PolicyConfig(cooldown_s=0.0))
+        rt = tpkv.init(cfg, controller=transport, device="cpu")
+        runtimes.append(rt)
+        try:
+            snap = rt.controller.snapshot()
+            assert snap["tiers"]["L1"]["slots"] == l1 and snap["sessions"] == []
+            engine = TieredEngine(rt, model, report_prefill=False).engine
+            engine.add_turn("s0", prompt, 4)  # left open at close
+            assert [f.token_ids for f in engine.run()] == want
+        finally:
+            rt.close()

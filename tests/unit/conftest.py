@@ -14,12 +14,15 @@ from tpkv.config import HbmConfig, HostConfig, KvGeometry, PolicyConfig, SsdConf
 
 @pytest.fixture(autouse=True, scope="module")
 def _forbid_ray_init() -> Iterator[None]:
-    """Unit tests run without Ray: any ray.init() fails loudly (tests/ray has the real thing)."""
+    """Unit tests start no Ray of their own: any ray.init() fails loudly (tests/ray has the
+    real thing), but for the one cluster of the `transport` fixture (tests/conftest.py), which
+    calls `ray.init.real_init`."""
     import ray  # imported here so that collecting unit tests never needs it
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise RuntimeError("ray.init() called from a unit test; put it under tests/ray")
 
+    refuse.real_init = ray.init  # type: ignore[attr-defined]
     patcher = pytest.MonkeyPatch()
     patcher.setattr(ray, "init", refuse)
     yield

@@ -32,9 +32,9 @@ def _one_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_tiers_give_dynamic_cache_tokens_through_l2_and_l3(tmp_path):
+def test_tiers_give_dynamic_cache_tokens_through_l2_and_l3(tmp_path, transport):
     model = tiny_llama()
-    out = run_tiered(model, L1_BLOCKS, L2_BLOCKS, str(tmp_path / "l3"))
+    out = run_tiered(model, L1_BLOCKS, L2_BLOCKS, str(tmp_path / "l3"), controller=transport)
     check_through_l2_and_l3(out, model.config.num_hidden_layers)
     assert out["l1_device"] == "cpu"
 
@@ -51,9 +51,10 @@ def test_all_l1_run_gives_the_same_tokens_without_moves(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_an_l3_miss_feeds_the_lost_tokens_again(tmp_path):
+def test_an_l3_miss_feeds_the_lost_tokens_again(tmp_path, transport):
     model = tiny_llama()
-    out = run_tiered(model, L1_BLOCKS, L2_BLOCKS, str(tmp_path / "l3"), miss=True)
+    out = run_tiered(model, L1_BLOCKS, L2_BLOCKS, str(tmp_path / "l3"), miss=True,
+                     controller=transport)
     check_l3_miss_refed(out, model.config.num_hidden_layers)
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.hf_cases import BT, L1_BLOCKS, L2_BLOCKS, VOCAB, one_process, tiers_config, tiny_llama
+from tests.transport import session_tokens
 
 pytest.importorskip("transformers")
 
@@ -107,27 +108,27 @@ class Chat:
             for (k, v), layer in zip(self.tiers.cache(s).read_kv(), ref.layers, strict=True):
                 assert torch.equal(k, layer.keys) and torch.equal(v, layer.values), s
         rt.settle_ahead()
-        S = rt.controller.sessions
+        tokens = session_tokens(rt)
         for s in self.refs:
-            counted = int(S.tokens[S.lookup(s)]) + int(S.pending[S.lookup(s)])
+            counted = tokens[s]
             want = self.tiers.cache(s).num_tokens + rt.credits.tokens.get(s, 0)
             assert counted == want, (s, counted, want)
         return len(self.refs)
 
 
-def attach(model: Any, ssd_root: str | None) -> Any:
+def attach(model: Any, ssd_root: str | None, controller: str) -> Any:
     import tpkv
 
     return tpkv.attach(model, tiers_config(model, L1_BLOCKS, L2_BLOCKS, ssd_root),
-                       block_tokens=BT, controller="local", device="cpu")
+                       block_tokens=BT, controller=controller, device="cpu")
 
 
 @pytest.mark.timeout(120)
-def test_decode_steps_are_planned_ahead_and_early_stops_stay_exact(tmp_path):
+def test_decode_steps_are_planned_ahead_and_early_stops_stay_exact(tmp_path, transport):
     """Four sessions in turn (each goes down to L2 or L3 between its turns), turns that end
     after 1 or 2 tokens, at an EOS, or run on; one session runs turns back to back."""
     model = tiny_llama()
-    with attach(model, str(tmp_path / "l3")) as tiers:
+    with attach(model, str(tmp_path / "l3"), transport) as tiers:
         chat, rt = Chat(model, tiers), tiers.rt
         plan = [("s0", 12, 6, False), ("s1", 14, 1, False), ("s2", 17, 5, True),
                 ("s3", 13, 2, False), ("s0", 3, 5, True), ("s0", 4, 1, False),
@@ -149,7 +150,7 @@ def test_decode_steps_are_planned_ahead_and_early_stops_stay_exact(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_credited_token_that_fills_its_block_stays_exact(tmp_path):
+def test_a_credited_token_that_fills_its_block_stays_exact(tmp_path, transport):
     """A turn ends with its next token, the last of its block, counted by the turn's last step
     (to the block's end) and never fed; the session goes down to L2 and L3 and comes back for a
     turn that starts with that token, then goes down and back again. The controller counted the
@@ -157,7 +158,7 @@ def test_a_credited_token_that_fills_its_block_stays_exact(tmp_path):
     voided when the token is written (schedule's `rewrite`), or the next resume brings back
     stale K/V."""
     model = tiny_llama()
-    with attach(model, str(tmp_path / "l3")) as tiers:
+    with attach(model, str(tmp_path / "l3"), transport) as tiers:
         chat = Chat(model, tiers, seed=1)
         chat.turn("x", 10, 6)  # 15 tokens fed; the unfed 16th fills block 3 (bt 4)
         assert tiers.rt.credits.tokens == {"x": 1}
@@ -173,7 +174,7 @@ def test_a_credited_token_that_fills_its_block_stays_exact(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_credited_token_fed_alone_stays_exact(tmp_path):
+def test_a_credited_token_fed_alone_stays_exact(tmp_path, transport):
     """A turn ends with its next two tokens (the 15th and 16th, the rest of its block) counted
     by its last step and never fed. The session goes down to L2 and comes back for a turn that
     feeds only the 15th and generates one (the controller already counts it: the step adds
@@ -181,7 +182,7 @@ def test_a_credited_token_fed_alone_stays_exact(tmp_path):
     appends to it. The step that feeds the token names it (`rewrite`), so the block's copies
     are voided."""
     model = tiny_llama()
-    with attach(model, str(tmp_path / "l3")) as tiers:
+    with attach(model, str(tmp_path / "l3"), transport) as tiers:
         chat = Chat(model, tiers)
         chat.turn("x", 10, 5)  # 14 tokens fed; the 15th and 16th counted
         assert tiers.rt.credits.tokens == {"x": 2}
@@ -195,7 +196,7 @@ def test_a_credited_token_fed_alone_stays_exact(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_close_and_reset_with_a_step_planned_ahead(tmp_path):
+def test_close_and_reset_with_a_step_planned_ahead(tmp_path, transport):
     """A session closed (or reset) right after its turn, with its next block planned ahead:
     the step is applied first and the session's credit goes with it; the cache starts empty
     and gives a fresh DynamicCache's tokens. Closing another session leaves the guess unused
@@ -203,7 +204,7 @@ def test_close_and_reset_with_a_step_planned_ahead(tmp_path):
     from transformers import DynamicCache
 
     model = tiny_llama()
-    with attach(model, str(tmp_path / "l3")) as tiers:
+    with attach(model, str(tmp_path / "l3"), transport) as tiers:
         chat, rt = Chat(model, tiers, seed=2), tiers.rt
         # a turn that stops (EOS) after a pass that ends a block leaves the next one planned
         chat.turn("x", 11, 4, eos=True)
@@ -221,3 +222,27 @@ def test_close_and_reset_with_a_step_planned_ahead(tmp_path):
         chat.turn("x", 7, 3)
         chat.turn("x", 2, 2)
         assert chat.check() == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_controller_restart_with_a_step_planned_ahead_stays_exact(tmp_path, transport):
+    """The controller restarts (in process: a fresh one; through Ray: the actor killed and
+    restarted) while a turn's next block is planned ahead, and again after a session's turn
+    left a credit; the runtime rebuilds it from the rank's map, and tokens, K/V and the
+    controller's counts stay DynamicCache's and the cache's."""
+    from tests.transport import restart
+
+    model = tiny_llama()
+    with attach(model, str(tmp_path / "l3"), transport) as tiers:
+        chat, rt = Chat(model, tiers, seed=2), tiers.rt
+        chat.turn("x", 11, 4, eos=True)  # stops after a pass that ends a block
+        assert rt._ahead is not None  # the next one planned ahead when the controller goes
+        restart(rt, 1)
+        chat.turn("x", 2, 4, eos=True)
+        chat.turn("y", 11, 3)
+        assert rt.credits.tokens.get("y", 0) > 0
+        restart(rt, 2)
+        chat.turn("y", 2, 2)
+        chat.turn("x", 3, 2)
+        assert rt.num_rebuilds == 2
+        assert chat.check() == 2

@@ -212,11 +212,13 @@ def test_a_shrink_over_used_slots_is_refused(make_config: Any) -> None:
     T.check_integrity()
 
 
-def test_engine_tokens_are_exact_while_l2_comes_online(fake: FakePinning, tmp_path: Path
-                                                       ) -> None:
+def test_engine_tokens_are_exact_while_l2_comes_online(fake: FakePinning, tmp_path: Path,
+                                                       transport: str) -> None:
     """TP 1 tiered engine whose L2 arenas (2 blocks each) are pinned slowly in the background:
     the controller's L2 grows step by step, every L2 slot a plan names is pinned on the rank
-    when its copy runs (await_pinned would raise otherwise), and the tokens equal a large L1."""
+    when its copy runs (await_pinned would raise otherwise), and the tokens equal a large L1.
+    Through the actor (where the news of L2 goes with the commits, through another client)
+    the controller's L2 is read after each step's plans, from its snapshot."""
     import tpkv
     from tpkv.models.tiered import TieredEngine
 
@@ -226,24 +228,36 @@ def test_engine_tokens_are_exact_while_l2_comes_online(fake: FakePinning, tmp_pa
     cfg = tiny_tiers(model, str(tmp_path / "l3"))
     cfg = dataclasses.replace(cfg, l2=dataclasses.replace(
         cfg.l2, arena_bytes=2 * cfg.geometry.block_bytes, pin="always"))
-    rt = tpkv.init(cfg, controller="local", device="cpu")
+    rt = tpkv.init(cfg, controller=transport, device="cpu")
     try:
         host, ctl = rt.worker.host, rt.controller
         seen: list[int] = []
-        schedule = ctl.schedule
+        if transport == "local":
+            schedule = ctl.schedule
 
-        def watched(*args: Any, **kwargs: Any) -> Any:
-            seen.append(ctl.table.slots(Tier.DRAM))
-            fake.gate.set()
-            return schedule(*args, **kwargs)
+            def watched(*args: Any, **kwargs: Any) -> Any:
+                seen.append(ctl.table.slots(Tier.DRAM))
+                fake.gate.set()
+                return schedule(*args, **kwargs)
 
-        ctl.schedule = watched  # type: ignore[method-assign]
+            ctl.schedule = watched  # type: ignore[method-assign]
+        else:
+            begin = rt.begin_step
+
+            def begin_watched(*args: Any, **kwargs: Any) -> Any:
+                fake.gate.set()
+                step = begin(*args, **kwargs)
+                seen.append(int(rt.link.call("snapshot")["tiers"]["L2"]["slots"]))
+                return step
+
+            rt.begin_step = begin_watched  # type: ignore[method-assign]
         assert host.ready_slots < host.num_slots  # the run starts with L2 still being pinned
         out = drive(TieredEngine(rt, model, report_prefill=False).engine)
         assert out == ref
         assert seen[0] < host.num_slots and seen == sorted(seen)  # grew, never shrank
         assert seen[-1] == host.num_slots == host.ready_slots
-        ctl.check_integrity()
+        rt.settle_ahead()
+        rt.link.call("check_integrity")
     finally:
         rt.close()
     assert sorted(fake.unregistered) == sorted(fake.registered)

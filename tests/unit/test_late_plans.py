@@ -23,10 +23,11 @@ def _whole() -> Any:
     return reference(build_model("tiny", seed=0, device="cpu"))
 
 
-def _run(root: str, skip: bool = False) -> dict[str, Any]:
+def _run(root: str, skip: bool = False, controller: str = "local") -> dict[str, Any]:
     """The tiered engine test's workload and tiers (L1 of 32 blocks, L2 of 16, L3), returns
     always loaded; a check of every step's application and of the maps at the end. `skip`:
-    the first late plan's first move is skipped on the rank (a bug)."""
+    the first late plan's first move is skipped on the rank (a bug). `controller`: as tpkv.init
+    takes it."""
     import tpkv
     from tests.multiproc.test_engine_tiered import BT, L1_BLOCKS, L2_BLOCKS, drive
     from tpkv.config import PolicyConfig
@@ -37,7 +38,7 @@ def _run(root: str, skip: bool = False) -> dict[str, Any]:
     cfg = tiered_config(model, 1, block_tokens=BT, l1_blocks=L1_BLOCKS, l2_blocks=L2_BLOCKS,
                         ssd_root=root, policy=PolicyConfig(cooldown_s=0.0,
                                                            prefill_tokens_per_s=10.0))
-    rt = tpkv.init(cfg, controller="local", device="cpu")
+    rt = tpkv.init(cfg, controller=controller, device="cpu")
     try:
         tiered = TieredEngine(rt, model, report_prefill=False)
         worker = rt.worker
@@ -93,8 +94,8 @@ def _run(root: str, skip: bool = False) -> dict[str, Any]:
         rt.close()
 
 
-def test_late_plans_give_the_tokens_of_a_large_l1(tmp_path) -> None:
-    late = _run(str(tmp_path / "b"))
+def test_late_plans_give_the_tokens_of_a_large_l1(tmp_path, transport) -> None:
+    late = _run(str(tmp_path / "b"), controller=transport)
     assert late["late"] > 0 and late["ahead"] > 0
     assert late["moves"]["l1_l2"] > 0 and late["moves"]["l2_l1"] > 0
     assert late["late_spills"] > 0 and late["moves"]["l3_l2"] > 0  # spills waited too
@@ -102,7 +103,8 @@ def test_late_plans_give_the_tokens_of_a_large_l1(tmp_path) -> None:
     assert late["mismatches"] == 0
 
 
-def test_a_late_plan_the_rank_got_wrong_is_resynced_and_the_tokens_stay(tmp_path) -> None:
-    bad = _run(str(tmp_path / "b"), skip=True)
+def test_a_late_plan_the_rank_got_wrong_is_resynced_and_the_tokens_stay(tmp_path,
+                                                                        transport) -> None:
+    bad = _run(str(tmp_path / "b"), skip=True, controller=transport)
     assert bad["late"] > 0 and bad["mismatches"] == 1
     assert bad["tokens"] == _whole()

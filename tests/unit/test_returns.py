@@ -14,7 +14,7 @@ SLOW_S = 1.0  # each read job on the slowed disk
 PROMPTS = {f"s{i}": list(range(7 * i, 7 * i + 40)) for i in range(6)}
 
 
-def _open(ssd_root: str | None, **policy: Any) -> tuple[Any, Any]:
+def _open(ssd_root: str | None, controller: str = "local", **policy: Any) -> tuple[Any, Any]:
     import tpkv
     from tpkv.config import PolicyConfig
     from tpkv.models.llama import build_model
@@ -26,7 +26,7 @@ def _open(ssd_root: str | None, **policy: Any) -> tuple[Any, Any]:
                         ssd_root=ssd_root,
                         policy=PolicyConfig(cooldown_s=0.0, **{"prefill_tokens_per_s": 10.0,
                                                                **policy}))
-    return tpkv.init(cfg, controller="local", device="cpu"), model
+    return tpkv.init(cfg, controller=controller, device="cpu"), model
 
 
 def _script(engine: Any, between: Any = None) -> dict[str, list[tuple[int, ...]]]:
@@ -50,7 +50,7 @@ def _script(engine: Any, between: Any = None) -> dict[str, list[tuple[int, ...]]
     return got
 
 
-def test_a_turn_back_from_l3_never_stalls_the_batch(tmp_path: Any) -> None:
+def test_a_turn_back_from_l3_never_stalls_the_batch(tmp_path: Any, transport: str) -> None:
     from tpkv.models.engine import PagedEngine
     from tpkv.models.tiered import TieredEngine
     from tpkv.protocol.plan import Tier
@@ -60,7 +60,7 @@ def test_a_turn_back_from_l3_never_stalls_the_batch(tmp_path: Any) -> None:
     big = torch.zeros(256, *rt_ref.worker.hbm.tensor.shape[1:])
     want = _script(PagedEngine(model, big))
 
-    rt, model = _open(str(tmp_path))
+    rt, model = _open(str(tmp_path), transport)
     try:
         tiered = TieredEngine(rt, model, report_prefill=False)
         store = rt.worker.store

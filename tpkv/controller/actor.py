@@ -267,6 +267,20 @@ def get_existing(timeout_s: float = 30.0) -> ray.actor.ActorHandle:
             time.sleep(0.1)
 
 
+def end(handle: ray.actor.ActorHandle, timeout_s: float = 30.0) -> None:
+    """Kill the controller for good and wait (up to timeout_s) until its name is free, so the
+    next get_or_create makes a fresh one from its own config."""
+    ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(NAME, namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.05)
+    log.warning("controller actor %s still listed %g s after it was killed", NAME, timeout_s)
+
+
 def attach(address: str | None = None, timeout_s: float = 10.0) -> tuple[ControllerClient, bool]:
     """Join a running cluster (`address`, default "auto") and find its controller by name.
     Returns the client and whether this call connected to Ray (then `detach(True)` after)."""

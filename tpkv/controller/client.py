@@ -130,11 +130,14 @@ class Sent:
 
 class ControllerClient:
     """Typed calls on the actor. `send` returns at once (a Sent); `call` and the typed methods
-    wait for the answer. The calls of one client reach the controller in the order sent."""
+    wait for the answer. The calls of one client reach the controller in the order sent.
+    `owned`: this process made the actor for its runtime (rank 0's tpkv.init), whose close
+    then ends it (launch.link.RayLink.close), as an in-process controller ends with it."""
 
     def __init__(self, handle: ray.actor.ActorHandle, timeout_s: float = 30.0) -> None:
         self.handle = handle
         self.timeout_s = timeout_s
+        self.owned = False
         self.client_id = uuid.uuid4().hex
         self._seq = 0
 

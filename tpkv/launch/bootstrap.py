@@ -128,7 +128,8 @@ def init_groups(config: TpkvConfig, device: torch.device) -> RankContext:
 def connect_ray(config: TpkvConfig, ctx: RankContext) -> tuple[Any, bool, int]:
     """Rank 0 starts a local Ray head (or joins config.ray_address, or the Ray it runs in) and
     creates the named controller; the others join the same cluster and find it by name.
-    Rank 0 prints the dashboard's URL when it created the controller (once per controller).
+    Rank 0 prints the dashboard's URL when it created the controller (once per controller);
+    a controller rank 0 created ends with its runtime (the client is `owned`).
     Returns (ControllerClient, whether this process called ray.init, the next epoch)."""
     import ray
 
@@ -159,6 +160,7 @@ def connect_ray(config: TpkvConfig, ctx: RankContext) -> tuple[Any, bool, int]:
             ray.init(address=info["gcs"], namespace=actor.NAMESPACE, log_to_driver=False)
         handle = actor.get_existing(timeout_s=config.wait_timeout_s)
     client = actor.ControllerClient(handle, timeout_s=config.wait_timeout_s)
+    client.owned = ctx.rank == 0 and created
     if ctx.rank == 0 and created:
         print(f"tpkv: {dashboard_line(client)}", file=sys.stderr, flush=True)
     answer = client.register_rank(rank=ctx.rank, geometry=dataclasses.asdict(config.geometry),

@@ -133,7 +133,9 @@ class RayLink:
     ready. Commits and reports (`post`) are sent from a thread of their own through a second
     client, in order among themselves; the step does not wait to send them. (The controller
     takes a step's schedule before or after the commits of earlier plans alike; a caller
-    that needs them in first waits for their answers.)"""
+    that needs them in first waits for their answers.) `close` ends the actor when this
+    process made it for its runtime (ControllerClient.owned): the next tpkv.init in the same
+    Ray cluster gets a fresh controller from its own config, as in process."""
 
     def __init__(self, client: Any) -> None:
         self.target = client
@@ -178,6 +180,14 @@ class RayLink:
             if pool is not None:
                 pool.shutdown(wait=True)
         self._fetcher = self._poster = self._collector = None
+        if getattr(self.target, "owned", False):
+            self.target.owned = False
+            import ray
+
+            from tpkv.controller import actor
+
+            if ray.is_initialized():  # (else it ended with the Ray this runtime started)
+                actor.end(self.target.handle, self.target.timeout_s)
 
 
 def _settle(sent: Any, answer: Future[Any]) -> None:
