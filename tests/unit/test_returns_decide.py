@@ -235,3 +235,13 @@ def test_one_outside_that_needs_no_read_ahead_goes_in_at_the_next_sampled_step()
     assert r.admit([], ["a"], idle=False) == []  # not in that sample
     assert r.sample(seqs("a")) == ["a"]
     assert r.admit([], ["a"], idle=False) == ["a"] and not r._straight
+
+
+def test_a_read_ahead_in_flight_with_no_job_done_prices_at_the_start_rate() -> None:
+    """The busy time counts from the first start: before any job ends the measured rate is
+    no rate (0 bytes), and the start value stands."""
+    r, w = returns(prefill=1e5, read=1e9)
+    w.status, w.on3, w.on2 = {"a": "started"}, {"a": 4}, {"a": 4}
+    w.ahead.read_s, w.ahead.read_bytes = 0.5, 0
+    r.num_running = lambda: 2
+    assert r.admit(["a"], [], idle=False) == ["a"] and r.recompute == {"a"}

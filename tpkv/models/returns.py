@@ -157,7 +157,9 @@ class Returns:
         weight = 1.0 + self.rt.config.policy.gpu_share_weight * self.num_running()
         recompute_s = off * g.block_tokens / self.prefill_tokens_per_s * weight
         ahead = store.ahead
-        rate = ahead.read_bytes / ahead.read_s if ahead.read_s > 0 else self._start_read_rate
+        # (the measured rate once a job is done: the busy time counts from the first start)
+        rate = (ahead.read_bytes / ahead.read_s if ahead.read_bytes and ahead.read_s > 0
+                else self._start_read_rate)
         read_s = (ahead.pending_bytes() + on3 * store.block_bytes) / rate
         return recompute_s < read_s
 
