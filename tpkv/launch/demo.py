@@ -19,14 +19,15 @@ MAX_BATCH = 4
 
 
 def demo_config(model_name: str, world: int, ssd_root: str, sessions: int) -> TpkvConfig:
-    """The demo's tiers: sessions reach 12 blocks; L1 fits a full batch plus a little, L2 about
-    a quarter of all sessions: the rest must spill to L3 between turns. The weights are
+    """The demo's tiers: sessions reach 12 blocks; L1 fits a full batch plus a little, L2 one
+    block a session (an eighth or less of their blocks): the rest must spill to L3 between
+    turns (with twice that L2, the engine's batch bound left L3 unused in some runs). The weights are
     `build_model(model_name, seed=0)`'s: the fingerprint names them."""
     from tpkv.models.llama import ModelConfig
     from tpkv.models.tiered import tiered_config
 
     return tiered_config(ModelConfig.preset(model_name), world, block_tokens=16,
-                         l1_blocks=12 * MAX_BATCH + 8, l2_blocks=2 * sessions,
+                         l1_blocks=12 * MAX_BATCH + 8, l2_blocks=sessions,
                          ssd_root=os.path.join(ssd_root, "l3"), l3_blocks=64 * sessions,
                          wait_timeout_s=60.0, policy=PolicyConfig(cooldown_s=0.0),
                          model_fingerprint=f"tpkv-{model_name}-seed0")

@@ -24,7 +24,8 @@ def add_status_commands(subparsers: Any) -> None:
     st.add_argument("--json", action="store_true", help="print the JSON of /api/snapshot instead")
     st.add_argument("--url", default=None,
                     help="read a dashboard's /api/snapshot at this URL (e.g. a vLLM instance's, "
-                         "http://127.0.0.1:PORT) instead of finding the controller through Ray")
+                         "http://127.0.0.1:PORT) instead of finding the controller through Ray "
+                         "(default: through Ray)")
     st.add_argument("--token", default=None,
                     help="bearer token for --url (default: TPKV_DASHBOARD_TOKEN)")
     st.set_defaults(func=status_command)
