@@ -3,12 +3,15 @@ rank with its own shard of the KV cache, their reports merged as vLLM merges the
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+from tpkv.integrations.disk_blocks import stored_keys
 from tpkv.integrations.prefix_index import chain_seed
-from tpkv.integrations.vllm.copier import BlockCopier
+from tpkv.integrations.vllm.copier import BlockCopier, DiskSpec
 from tpkv.integrations.vllm.plan import StepReport
 from tpkv.integrations.vllm.planner import Planner
 from tpkv.integrations.vllm.rank_check import unconfirmed_saves
@@ -28,13 +31,13 @@ def request(req_id: str, tokens: list[int]) -> SimpleNamespace:
     return SimpleNamespace(request_id=req_id, all_token_ids=tokens)
 
 
-def two_ranks(capacity: list[int] | None = None
+def two_ranks(capacity: list[int] | None = None, disk: DiskSpec | None = None
               ) -> tuple[Planner, list[BlockCopier], list[dict[str, torch.Tensor]]]:
     caps = capacity or [1 << 20, 1 << 20]
     caches = [shard(rank) for rank in range(2)]
     copiers = []
     for rank, cap in enumerate(caps):
-        copier = BlockCopier(cap)
+        copier = BlockCopier(cap, disk)
         copier.register(caches[rank], NUM_BLOCKS, rank)
         copiers.append(copier)
     return Planner(BT, SEED, capacity_blocks=64, num_ranks=2), copiers, caches
@@ -173,3 +176,33 @@ def test_merge_keeps_the_ranks_and_unconfirmed_saves_need_all_of_them() -> None:
     assert unconfirmed_saves(a, 2) == {b"k1", b"k2"} and unconfirmed_saves(a, 1) == set()
     assert unconfirmed_saves(StepReport(ranks={0}), 2) == set()  # nothing saved: nothing held
     assert not StepReport(ranks={0})  # a rank that did nothing sends no report
+
+
+def test_a_restart_adopts_only_the_disk_blocks_every_rank_holds(tmp_path: Path) -> None:
+    one_block = 2 * shard(0)["layer0"][0].numel() * 4
+    disk = DiskSpec(str(tmp_path), 1 << 20, SEED, BT, "test-model|tp=2", queue_bytes=0)
+    planner, copiers, caches = two_ranks([one_block, one_block], disk)
+    prompt = list(range(80, 93))  # 3 full blocks: the oldest two go to each rank's disk
+    planner.matched_tokens(request("a", prompt), 0)
+    step(planner, copiers, [("a", 13)], {"a": [0, 1, 2, 3]})
+    keys = planner._reqs["a"].keys
+    for copier in copiers:
+        assert copier.store is not None and copier.store.disk is not None
+        assert copier.store.disk.keys() == keys[:2]
+        copier.store.close()  # the process ends: host memory is gone, the disk stays
+    os.remove(copiers[1].store.disk.path(keys[1]))  # type: ignore[union-attr]
+    # rank 0 alone holds block 1: it is no hit after a restart, block 0 is
+    assert stored_keys(str(tmp_path), SEED, BT, 2) == keys[:1]
+    planner2, copiers2, caches2 = two_ranks([one_block, one_block], disk)
+    assert planner2.index.adopt(stored_keys(str(tmp_path), SEED, BT, 2)) == 1
+    again = request("b", list(prompt))
+    assert planner2.matched_tokens(again, 0) == 4
+    planner2.after_alloc(again, [5, 6, 7, 8], 4)
+    _, failed = step(planner2, copiers2, [("b", 13)], {"b": [5, 6, 7, 8]})
+    assert failed == set()
+    for rank in range(2):  # each rank's own shard of block 0, from its own directory
+        for name, layer in caches2[rank].items():
+            assert torch.equal(layer[5], caches[rank][name][0]), (rank, name)
+    for copier in copiers2:
+        assert copier.store is not None
+        copier.store.close()
