@@ -25,11 +25,23 @@ def skip_without_vllm() -> None:
                     f".venv-vllm", allow_module_level=True)
 
 
-def run(model_dir: Path, out: Path, mode: str, extra: dict[str, Any] | None = None
-        ) -> dict[str, Any]:
-    """One vLLM process of `mode` (run_llm.py); its results, with `by_name` added."""
+def tp2_cpu_bind() -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for two CPU workers, one core each ("0|1"): vLLM's automatic
+    binding wants a NUMA node per worker. Skips the calling test below two usable cores."""
+    import pytest
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip(f"tensor parallel 2 on the CPU needs 2 cores, this process may use {cpus}")
+    return f"{cpus[0]}|{cpus[1]}"
+
+
+def run(model_dir: Path, out: Path, mode: str, extra: dict[str, Any] | None = None,
+        env_extra: dict[str, str] | None = None) -> dict[str, Any]:
+    """One vLLM process of `mode` (run_llm.py), with `env_extra` in its environment; its
+    results, with `by_name` added."""
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+               VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", **(env_extra or {}))
     args = [sys.executable, str(HERE / "run_llm.py"), str(model_dir), str(out), mode]
     if extra is not None:
         args.append(json.dumps(extra))

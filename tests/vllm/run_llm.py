@@ -1,14 +1,16 @@
 """Runs offline vLLM on a tiny random Llama with or without tpkv's connector; writes JSON results.
 
-`python tests/vllm/run_llm.py MODEL_DIR OUT_JSON {baseline,tpkv,disk,restart,dashboard}
-[EXTRA_JSON]`.
+`python tests/vllm/run_llm.py MODEL_DIR OUT_JSON
+{baseline,tpkv,disk,restart,dashboard,tp2_baseline,tp2} [EXTRA_JSON]`.
 Each round is one LLM.generate call of its prompts (greedy, ignore_eos); rounds run in order in
 one engine, most after emptying vLLM's own prefix cache. "baseline" runs every mode's prompts
 without the connector; "disk" and "restart" run the connector with EXTRA_JSON as its
 kv_connector_extra_config (a disk tier) and report the bytes of the disk tier's record files
 after each round, once its background writes have landed; "dashboard" runs two turns of one
 conversation with the connector's dashboard on (EXTRA_JSON names its port and token), then
-reads its /api/snapshot over 127.0.0.1 (dashboard_snapshot). The entry point stays under
+reads its /api/snapshot over 127.0.0.1 (dashboard_snapshot); "tp2_baseline" and "tp2" run
+tp2_rounds at tensor parallel 2, without and with the connector (its disk tier in EXTRA_JSON,
+one rank's records damaged: sabotage.SabotagedRankConnector). The entry point stays under
 __main__: vLLM spawns its engine core and workers.
 """
 
@@ -99,6 +101,32 @@ def dashboard_rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
             ("vllm", [("turn2", first + [2 + (13 * i) % 490 for i in range(60)])])]
 
 
+def tp2_rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
+    """Tensor parallel 2, 2 blocks of host memory a rank, disk writes on the step's path: a
+    two-turn conversation; then "k" (block 1 starts with 499), pushed out to disk by "filler";
+    "k2" extends k by two blocks: rank 1's record of k's block 1 is damaged (once), so both
+    ranks compute k2's blocks 3 and 4 over a block rank 1 did not load; vLLM recomputes from
+    block 1; "k3" extends k2 and loads its five blocks, 3 and 4 included, on both ranks."""
+    def seq(start: int, n: int) -> list[int]:
+        return [2 + (start + 13 * i) % 490 for i in range(n)]
+
+    turn1 = seq(0, 100)
+    k = seq(200, 32) + [499] + seq(240, 31) + seq(280, 40)
+    k2 = k + seq(400, 64)
+    return [("", [("turn1", turn1)]),
+            ("vllm", [("turn2", turn1 + seq(100, 60))]),
+            ("vllm", [("k", k)]),
+            ("vllm", [("filler", seq(320, 100))]),
+            ("vllm", [("k2", k2)]),
+            ("vllm", [("k3", k2 + seq(450, 40))])]
+
+
+def rank_files(root: str) -> dict[str, list[str]]:
+    """The record files of each rank directory under a disk tier's root, by directory."""
+    return {sub: sorted(e.name for e in os.scandir(os.path.join(root, sub)) if e.is_file())
+            for sub in sorted(os.listdir(root)) if sub.startswith("rank")}
+
+
 def dashboard_snapshot(llm: object, params: object, extra: dict, disk_dir: str) -> dict:
     """Once the disk tier settled, a short prompt (no full block: nothing to save) makes every
     rank report its store's figures as they are now; then /api/snapshot, without the token
@@ -165,14 +193,18 @@ def main() -> None:
     kwargs: dict = {}
     plan = {"baseline": rounds() + disk_rounds() + restart_rounds(), "tpkv": rounds(),
             "disk": disk_rounds(), "restart": restart_rounds(),
-            "dashboard": dashboard_rounds()}[mode]
-    if mode != "baseline":
+            "dashboard": dashboard_rounds(), "tp2_baseline": tp2_rounds(),
+            "tp2": tp2_rounds()}[mode]
+    if mode.startswith("tp2"):
+        kwargs["tensor_parallel_size"] = 2
+    if mode not in ("baseline", "tp2_baseline"):
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="SabotagedTpkvConnector", kv_connector_module_path="sabotage",
-            kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config=extra)
-    disk_dir = extra.get("disk_dir") if mode in ("disk", "restart", "dashboard") else None
+            kv_connector="SabotagedRankConnector" if mode == "tp2" else "SabotagedTpkvConnector",
+            kv_connector_module_path="sabotage", kv_role="kv_both",
+            kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+    disk_dir = (extra.get("disk_dir") if mode in ("disk", "restart", "dashboard", "tp2")
+                else None)
     began = time.perf_counter()
     llm = LLM(model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
               block_size=BLOCK_TOKENS, enable_prefix_caching=True, enforce_eager=True, seed=0,
@@ -196,7 +228,8 @@ def main() -> None:
     with open(out_path, "w") as f:
         json.dump({"mode": mode, "start_s": started_s, "disk_used_bytes": disk_used,
                    "total_s": time.perf_counter() - began, "results": results,
-                   "dashboard": dash}, f)
+                   "dashboard": dash, "rank_files": rank_files(disk_dir) if disk_dir else None},
+                  f)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,13 @@ write, and a block given up because the writer fell behind is reported and forgo
 counted, with a warning that names disk_queue_bytes). With `dashboard_port` set the scheduler
 side serves tpkv's dashboard of this instance (tpkv.integrations.vllm.dashboard): each rank's
 report carries its store's figures when they changed.
+
+With tensor or pipeline parallelism every rank keeps its own shard of each block (its own host
+store and disk tier directory, `rank<N>`) and gets the same plan; vLLM merges the ranks'
+reports, and the index holds a block only once every rank stored it. A block one rank failed
+to save or load, or lost, is forgotten and dropped on every rank (a rank's save that went
+through may hold KV another rank's failed load made wrong), and a load that fails on any rank
+is a failed block that vLLM recomputes on all of them.
 """
 
 from __future__ import annotations
@@ -133,7 +140,8 @@ class TpkvConnector(KVConnectorBase_V1):
                                                self.options.disk_queue_bytes, block_bytes)
                 for rank in range(_num_ranks(vllm_config)):
                     prepare_dir(disk_dir, rank)
-            self.planner = Planner(self.block_tokens, seed, capacity + disk_blocks)
+            self.planner = Planner(self.block_tokens, seed, capacity + disk_blocks,
+                                   _num_ranks(vllm_config))
             if disk_dir is not None:
                 found = stored_keys(disk_dir, seed, self.block_tokens, _num_ranks(vllm_config))
                 taken = self.planner.index.adopt(found[-disk_blocks:])

@@ -154,13 +154,14 @@ class BlockCopier:
 
     def take_report(self) -> StepReport | None:
         """This step's report (None when nothing happened), with the store's figures when they
-        changed since the last report that carried them."""
+        changed since the last report that carried them, naming this rank."""
         if self.store is not None:
             self._report.lost.update(self.store.take_lost())
             figures = rank_figures(self.rank, self.store)
             if figures != self._sent:
                 self._report.figures[self.rank] = self._sent = figures
         report, self._report = self._report, StepReport()
+        report.ranks = {self.rank}
         return report if report else None
 
     def _fail_load(self, spec: LoadSpec, pos: int, block_id: int, key: bytes) -> None:

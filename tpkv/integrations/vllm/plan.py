@@ -64,8 +64,8 @@ class StepReport:
     """One step's outcome on one rank (or merged over ranks): keys written, keys whose save or
     load failed, per request the first logical block whose load failed, per request the logical
     blocks loaded from the disk tier, keys the rank no longer holds (given up before their
-    disk write landed, or whose write failed), and by rank its store's figures when they
-    changed."""
+    disk write landed, or whose write failed), by rank its store's figures when they changed,
+    and the ranks whose reports it holds."""
 
     saved: set[bytes] = field(default_factory=set)
     failed_saves: set[bytes] = field(default_factory=set)
@@ -74,6 +74,7 @@ class StepReport:
     disk_loads: dict[str, set[int]] = field(default_factory=dict)
     lost: set[bytes] = field(default_factory=set)
     figures: dict[int, RankFigures] = field(default_factory=dict)
+    ranks: set[int] = field(default_factory=set)
 
     def __bool__(self) -> bool:
         return bool(self.saved or self.failed_saves or self.failed_loads or self.disk_loads
@@ -83,7 +84,7 @@ class StepReport:
         """Ranks merged: a key counts as saved only when no rank failed or lost it (the
         scheduler forgets those), failures and losses are the union, each request's first
         failed block the lowest, each request's disk-loaded blocks those any rank loaded, the
-        figures of every rank that sent them."""
+        figures of every rank that sent them, the ranks of both."""
         reqs = dict(self.failed_load_reqs)
         for req_id, first in other.failed_load_reqs.items():
             reqs[req_id] = min(first, reqs.get(req_id, first))
@@ -92,4 +93,5 @@ class StepReport:
             disk.setdefault(req_id, set()).update(blocks)
         return StepReport(self.saved | other.saved, self.failed_saves | other.failed_saves,
                           self.failed_loads | other.failed_loads, reqs, disk,
-                          self.lost | other.lost, {**self.figures, **other.figures})
+                          self.lost | other.lost, {**self.figures, **other.figures},
+                          self.ranks | other.ranks)

@@ -11,6 +11,7 @@ import xxhash
 from tpkv.checks import check_int
 from tpkv.integrations.prefix_index import PrefixIndex, extend_chain
 from tpkv.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, StepReport
+from tpkv.integrations.vllm.rank_check import unconfirmed_saves
 from tpkv.integrations.vllm.stats import ConnectorCounters
 
 
@@ -39,10 +40,14 @@ class Planner:
     token of a prompt is never served: vLLM computes at least one token to sample from. A
     request's chain starts from its own seed (request_seed): LoRA adapters and cache salts
     never share blocks with plain requests, multimodal ones are not cached. `counters` keeps
-    the running figures the dashboard shows."""
+    the running figures the dashboard shows. With `num_ranks` ranks (tensor x pipeline
+    parallel) the index holds a key only once every rank stored it (rank_check)."""
 
-    def __init__(self, block_tokens: int, seed: bytes, capacity_blocks: int) -> None:
+    def __init__(self, block_tokens: int, seed: bytes, capacity_blocks: int,
+                 num_ranks: int = 1) -> None:
         check_int("block_tokens", block_tokens)
+        check_int("num_ranks", num_ranks)
+        self.num_ranks = num_ranks
         self.block_tokens = block_tokens
         self.seed = seed
         self.index = PrefixIndex(capacity_blocks)
@@ -149,14 +154,18 @@ class Planner:
         return plan
 
     def report(self, report: StepReport) -> None:
-        """The workers' report of a step: keep what every rank wrote, forget what failed or a
-        rank lost (and have every rank drop what a rank lost), save again from a request's
-        first block whose load failed (vLLM recomputes it), and count the blocks loaded from
-        disk before that block (vLLM recomputes the rest)."""
+        """The workers' report of a step (merged over ranks): keep what every rank wrote,
+        forget what a rank failed to save or load or lost, or what a rank did not report on,
+        and have every rank drop those keys (a rank whose save went through may hold KV that
+        another rank's failed load made wrong: vLLM recomputes it, and it is saved again from
+        there), save again from a request's first block whose load failed (vLLM recomputes
+        it), and count the blocks loaded from disk before that block (vLLM recomputes the
+        rest)."""
         failed = report.failed_saves | report.failed_loads | report.lost
+        failed |= unconfirmed_saves(report, self.num_ranks)
         self.index.confirm(report.saved - failed)
         self.index.forget(failed)
-        self._drops.extend(sorted(report.lost))
+        self._drops.extend(sorted(failed))
         recomputed = failed_blocks = disk_blocks = 0
         for req_id, first in report.failed_load_reqs.items():
             req = self._reqs.get(req_id)
