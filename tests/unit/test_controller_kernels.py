@@ -14,9 +14,11 @@ from tpkv.controller.plankernels import (
     LRUK,
     candidates,
     coldest_candidates,
+    count_either,
     not_on,
     record_choices,
     split_by_tier,
+    uncopied_running,
     unit_keys,
     walk_prepared,
 )
@@ -117,6 +119,24 @@ def test_tier_filters_match_numpy_masks() -> None:
         assert np.array_equal(on3, rows[tier[rows] == 2])
         assert np.array_equal(not_on(rows, tier, 0), rows[tier[rows] != 0])
         assert on2.dtype == on3.dtype == np.int64
+
+
+
+def test_l3_room_counts_match_the_numpy_they_replace() -> None:
+    """count_either is np.count_nonzero(a | b) (sessions with blocks or records in L3) and
+    uncopied_running np.cumsum(l3copy[rows] == 0) (records a spill of rows[:i + 1] writes),
+    dtype included, for the arrays the planner passes (int64 counts, int32 records, uint8
+    copies, int32 rows), empty ones too."""
+    rng = np.random.default_rng(12)
+    for n in (0, 1, 999):
+        a = rng.integers(0, 3, n) * rng.integers(0, 2, n)
+        b = (rng.integers(0, 2, n) * rng.integers(1, 50, n)).astype(np.int32)
+        assert count_either(a, b) == np.count_nonzero(a | b)
+    l3copy = rng.integers(0, 2, 1000).astype(np.uint8)
+    for n in (0, 1, 300):
+        rows = rng.permutation(1000)[:n].astype(np.int32)
+        got, want = uncopied_running(rows, l3copy), np.cumsum(l3copy[rows] == 0)
+        assert np.array_equal(got, want) and got.dtype == want.dtype
 
 
 @pytest.mark.parametrize("mark_clean", [True, False])

@@ -26,6 +26,7 @@ def test_slot_stack_hands_out_spilled_slots_last_and_the_oldest_spills_first(reu
     s = SlotStack(24, "L2", reuse=reuse)
     model = list(range(23, -1, -1))
     spills: list[list[int]] = []  # [epoch, its slots still free], oldest first
+    flights: list[tuple[int, int]] = []  # (epoch, blocks) of every spill not reported written
     used: list[int] = []
     epoch = 0
     for _ in range(3000):
@@ -60,10 +61,12 @@ def test_slot_stack_hands_out_spilled_slots_last_and_the_oldest_spills_first(reu
             s.push_cooling(np.array(back, dtype=np.int32), epoch)
             model = sorted(back, reverse=True) + model
             spills.append([epoch, len(back)])
+            flights.append((epoch, len(back)))
         elif op == 10 and spills:
             below = int(rng.integers(spills[0][0], epoch + 2))
             s.cooled_below(below)
             spills = [sp for sp in spills if sp[0] >= below]
+            flights = [f for f in flights if f[0] >= below]
         elif op == 11 and s.size < 200:
             old = s.size
             s.grow(old + int(rng.integers(1, 6)))
@@ -71,6 +74,29 @@ def test_slot_stack_hands_out_spilled_slots_last_and_the_oldest_spills_first(reu
         cool = sum(n for _, n in spills)
         assert s.top == len(model) and s.stack[:s.top].tolist() == model
         assert s.cool == cool and s.clean == len(model) - cool
+        assert s.in_flight() == sum(n for _, n in flights)
+
+
+
+def test_slot_stack_forgets_spent_spills_past_max_cooling(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """Ranks that never report spills written: past MAX_COOLING entries the oldest spills
+    whose slots were all handed out are forgotten, and in_flight() no longer counts them;
+    spills with free slots left stay, and slots are still handed out oldest spill first."""
+    monkeypatch.setattr("tpkv.controller.slotstack.MAX_COOLING", 3)
+    s = SlotStack(40, "L2")
+    s.pop(40)
+    for e in range(4):  # 4 spills of 5 slots: 20 free, all cooling
+        s.push_cooling(np.arange(5 * e, 5 * e + 5, dtype=np.int32), epoch=e)
+    assert s.in_flight() == 20 and s.cool == 20 and len(s.cooling) == 4
+    s.pop(12)  # the newest spills' slots lie lowest: the oldest spill's go first
+    assert [c[1] for c in s.cooling] == [0, 0, 3, 5] and s.cool == 8
+    s.push_cooling(np.arange(20, 26, dtype=np.int32), epoch=4)  # 5 entries: the 2 spent go
+    assert [c[0] for c in s.cooling] == [2, 3, 4] and s.in_flight() == 16 and s.cool == 14
+    s.pop(10)  # spill 2's 3 slots, spill 3's 5, then 2 of spill 4's
+    assert [c[1] for c in s.cooling] == [0, 0, 4] and s.cool == 4 and s.clean == 0
+    s.cooled_below(4)
+    assert s.in_flight() == 6 and s.cool == 4 and len(s.cooling) == 1
 
 
 def _pacer(**policy: Any) -> tuple[SpillPacer, SlotStack]:

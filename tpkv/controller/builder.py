@@ -266,7 +266,8 @@ class PlanBuilder:
          order) = plan_arrays(self._n, b_rows, b_sess, b_src_slot, b_dst_slot, b_src_tier,
                               b_dst_tier, self.t.gen, self.t.logical, self.t.in_flight,
                               self.s.plan_local)  # in_flight until the plan is confirmed
-        kept = b_kept[:self._n].copy() if b_kept[:self._n].any() else None
+        kept_now = b_kept[:self._n]  # (count_nonzero: a C call; .any() goes through Python)
+        kept = kept_now.copy() if np.count_nonzero(kept_now) else None
         self._n = 0
         names = self.s.names
         # Built here, so trusted (MovePlan.trusted); with checks on, validated as a plan from

@@ -20,7 +20,7 @@ from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.capture import Capture, capture
 from tpkv.controller.cost import RateMeter
 from tpkv.controller.epochs import Epochs, PendingPlan
-from tpkv.controller.orders import prepare_orders
+from tpkv.controller.orders import l1_likely, prepare_orders
 from tpkv.controller.planstate import PlanContext, PreparedOrders
 from tpkv.controller.policy import fold_access
 from tpkv.controller.sessions import SessionTable
@@ -82,6 +82,7 @@ class Controller:
         self.eviction_orders: dict[int, tuple[int, np.ndarray]] = {}  # planner cache, per tier
         self.order_asks: dict[int, tuple[int, int]] = {}  # per tier: tick, blocks (planner)
         self.prepared: PreparedOrders | None = None  # by prepare(), for the next step
+        self.l1_seen = (-1, 0)  # (tick, L1 blocks) at the last prepare()
         self.order_rebuilds: dict[str, int] = {}  # rebuilds from a prepared order, scanned
         self.autopin = AutoPin(pol)
         self.ranks: dict[int, str] = {}
@@ -251,7 +252,11 @@ class Controller:
             return
         ctx = PlanContext(self.config.policy, self.marks, self.l3_enabled, self.tick + 1, 0.0,
                           self.pin_threshold, orders=self.eviction_orders, asked=self.order_asks)
-        self.prepared = prepare_orders(ctx, self.sessions, self.prepared, force)
+        t = self.table
+        l1, self.l1_seen = l1_likely(t.used(Tier.HBM), t.slots(Tier.HBM),
+                                     self.marks[Tier.HBM][0], self.l1_seen, self.tick)
+        self.prepared = prepare_orders(ctx, self.sessions, self.prepared, force,
+                                       (Tier.HBM,) if l1 else ())
 
     def _changed(self, s: int) -> None:
         """Session s's eviction key or blocks may have changed outside a step."""

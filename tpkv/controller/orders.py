@@ -102,23 +102,36 @@ def _prepared_walk(ctx: PlanContext, b: PlanBuilder, tier: int, keys: _Keys,
     return walk_prepared(units, primary, secondary, complete, stale, prep.mark, *keys, want)
 
 
+def l1_likely(used: int, slots: int, high: float, seen: tuple[int, int], tick: int
+              ) -> tuple[bool, tuple[int, int]]:
+    """Whether the step at `tick` will likely ask L1 for victims though the last did not: L1
+    holds `used` blocks now, and grew by as many in the last step as it did since `seen` (tick,
+    used at the last call); a step that asked nothing of L1 demoted nothing, so it grew by what
+    it brought in, and the next step brings in about as much. -> (likely, the new `seen`)."""
+    grew = used - seen[1] if seen[0] == tick - 1 else 0
+    return used + max(grew, 0) > high * slots, (tick, used)
+
+
 def prepare_orders(ctx: PlanContext, s: SessionTable, prepared: PreparedOrders | None,
-                   force: Mapping[int, int] | None = None) -> PreparedOrders:
+                   force: Mapping[int, int] | None = None,
+                   likely: tuple[int, ...] = ()) -> PreparedOrders:
     """The orders the step at ctx.tick is likely to rebuild (see PreparedOrders): a tier's,
     where the step before it asked that tier for victims (ctx.asked: they come in runs of
     steps, while a tier drains) and its cached order will be past ORDER_TTL then, or what is
     left of it (sessions with blocks there that did not run since) is under twice the blocks
     that step asked for. Each prefix holds 2 * ORDER_TTL times those blocks, twice what a
-    rebuild for as many wants. Keeps what `prepared` holds for this tick already. `force`
-    (tests): prepare these tiers, prefixes of at least this many blocks, whatever the step
-    before asked."""
+    rebuild for as many wants; also a tier in `likely` (predicted to be asked though the step
+    before did not ask it: l1_likely), sized by what it was asked last. Keeps what `prepared`
+    holds for this tick already. `force` (tests): prepare these tiers, prefixes of at least
+    this many blocks, whatever the step before asked."""
     p = ctx.policy
     params = _params(p)
     if prepared is None or prepared.tick != ctx.tick or prepared.params != params:
         prepared = PreparedOrders(ctx.tick, params, {})
     first, kth = s.run_hist[0], s.run_hist[-1]
     todo = ({t: (ctx.tick - 1, n) for t, n in force.items()} if force is not None
-            else ctx.asked)
+            else {**ctx.asked, **{t: (ctx.tick - 1, ctx.asked[t][1]) for t in likely
+                                  if t in ctx.asked}})
     for tier, (asked, need) in todo.items():
         if tier in prepared.tiers or asked != ctx.tick - 1 or need <= 0:
             continue

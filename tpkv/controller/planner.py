@@ -8,7 +8,13 @@ import numpy as np
 
 from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.orders import NOTHING, Picked, allowed, coldest
-from tpkv.controller.plankernels import not_on, prefetch_rows, split_by_tier
+from tpkv.controller.plankernels import (
+    count_either,
+    not_on,
+    prefetch_rows,
+    split_by_tier,
+    uncopied_running,
+)
 from tpkv.controller.planstate import PlanContext, StepNeeds
 from tpkv.controller.policy import watermark_excess
 from tpkv.controller.table import DRAM, HBM, SSD
@@ -162,7 +168,7 @@ def _make_l2_room(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, short: i
     cap3 = t.slots(SSD)
     headers = _l3_headers(b, units)
     # Blocks whose records are on disk already (L3 copies) take no room
-    written = np.cumsum(t.l3copy[rows] == 0) if t.keep_l3 else np.arange(1, len(rows) + 1)
+    written = uncopied_running(rows, t.l3copy) if t.keep_l3 else np.arange(1, len(rows) + 1)
     new3 = int(written[-1]) if len(rows) else 0
     room3 = max(0, new3 - t.num_free(SSD) + headers)
     if t.keep_l3:
@@ -191,9 +197,9 @@ def _l3_headers(b: PlanBuilder, units: np.ndarray) -> int:
     files stay until this step is applied (dropped, or moved out of L3, in it; those of the last
     step are in BlockTable.l3_held). An upper bound: with sessions of hundreds of blocks it
     keeps well under 1% of L3."""
-    on_disk = b.s.counts[SSD + 1] if not b.t.keep_l3 else b.s.counts[SSD + 1] | b.s.l3_other
-    return (int(np.count_nonzero(on_disk)) + len(units) + len(b.ssd_dropped)
-            + len(b.left_l3_sessions()))
+    in_l3 = b.s.counts[SSD + 1]
+    on_disk = count_either(in_l3, b.s.l3_other) if b.t.keep_l3 else np.count_nonzero(in_l3)
+    return int(on_disk) + len(units) + len(b.ssd_dropped) + len(b.left_l3_sessions())
 
 
 def _drop_l3(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, need: int) -> None:

@@ -34,9 +34,12 @@ class SlotStack:
         self.name = name
         self.reuse_oldest = reuse == "oldest"
         # Spills whose slots are cooling, oldest first: [epoch, slots still free here, blocks
-        # it spilled, step it was pushed at]; `cool`: the second column's sum
+        # it spilled, step it was pushed at]; `cool`: the second column's sum, `flying`: the
+        # third's; `_spent`: how many entries lead with no slot free here (only those do)
         self.cooling: deque[list[int]] = deque()
         self.cool = 0
+        self.flying = 0
+        self._spent = 0
         self._place(np.arange(size - 1, -1, -1, dtype=np.int32), size)
 
     def _place(self, content: np.ndarray, top: int) -> None:
@@ -68,14 +71,16 @@ class SlotStack:
         """The top `n` free slots were handed out: past the clean ones, those of the oldest
         cooling spills."""
         self.top -= n
-        over, i = self.cool - self.top, 0
+        over, i = self.cool - self.top, self._spent
         while over > 0:  # (the entries stay until written: they count blocks in flight)
             head = self.cooling[i]
             k = min(over, head[1])
             head[1] -= k
             self.cool -= k
             over -= k
-            i += 1
+            if head[1] == 0:
+                i += 1
+        self._spent = i
 
     def push(self, slots: np.ndarray) -> None:
         n = len(slots)
@@ -84,6 +89,7 @@ class SlotStack:
             for c in self.cooling:
                 c[1] = 0
             self.cool = 0
+            self._spent = len(self.cooling)
         # Highest first, so that a later pop hands the group back in ascending order: slots a
         # session gave up together come back as runs, and copies of runs merge into fewer,
         # larger DMAs (256 KiB blocks both ways: 0.82 of the ceiling random, 0.91 in runs).
@@ -103,9 +109,11 @@ class SlotStack:
         self._under(np.sort(slots)[::-1] if n > 1 else slots, 0)
         self.top += n
         self.cool += n
+        self.flying += n
         self.cooling.append([epoch, n, n, step])
         while len(self.cooling) > MAX_COOLING and self.cooling[0][1] == 0:
-            self.cooling.popleft()  # no reports come (ranks that do not send them)
+            self.flying -= self.cooling.popleft()[2]  # no reports come (ranks that send none)
+            self._spent -= 1
 
     def cooled_below(self, epoch: int) -> list[list[int]]:
         """The spills of plans before `epoch` are written: their free slots are clean now.
@@ -114,12 +122,15 @@ class SlotStack:
         while self.cooling and self.cooling[0][0] < epoch:
             head = self.cooling.popleft()
             self.cool -= head[1]
+            self.flying -= head[2]
+            if head[1] == 0:
+                self._spent -= 1
             done.append(head)
         return done
 
     def in_flight(self) -> int:
         """Blocks of the spills not known written (free here or refilled since)."""
-        return sum(c[2] for c in self.cooling)
+        return self.flying
 
     def _under(self, group: np.ndarray, above: int) -> None:
         """Put `group` under the free slots, with the lowest `above` of them still under it."""
@@ -157,5 +168,5 @@ class SlotStack:
         self._place(np.concatenate([keep, np.zeros(size - len(keep), dtype=np.int32)]),
                     len(keep))
         self.cooling.clear()
-        self.cool = 0
+        self.cool = self.flying = self._spent = 0
         return True
