@@ -21,8 +21,8 @@ MAX_BATCH = 4
 def demo_config(model_name: str, world: int, ssd_root: str, sessions: int) -> TpkvConfig:
     """The demo's tiers: sessions reach 12 blocks; L1 fits a full batch plus a little, L2 one
     block a session (an eighth or less of their blocks): the rest must spill to L3 between
-    turns (with twice that L2, the engine's batch bound left L3 unused in some runs). The weights are
-    `build_model(model_name, seed=0)`'s: the fingerprint names them."""
+    turns (with twice that L2, the engine's batch bound left L3 unused in some runs).
+    The weights are `build_model(model_name, seed=0)`'s: the fingerprint names them."""
     from tpkv.models.llama import ModelConfig
     from tpkv.models.tiered import tiered_config
 
