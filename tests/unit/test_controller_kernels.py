@@ -7,18 +7,16 @@ import numpy as np
 import pytest
 
 from tpkv.controller.cost import resume_costs
-from tpkv.controller.kernels import gave_up
+from tpkv.controller.kernels import count_either, gave_up, uncopied_running
 from tpkv.controller.plankernels import (
     HEAT,
     LRU,
     LRUK,
     candidates,
     coldest_candidates,
-    count_either,
     not_on,
     record_choices,
     split_by_tier,
-    uncopied_running,
     unit_keys,
     walk_prepared,
 )

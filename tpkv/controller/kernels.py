@@ -278,3 +278,24 @@ def batch_slots(batch: A, lens: A, prev_batch: A, prev_offsets: A, prev_lens: A,
         dirty[batch[i]] = False
     return 0
 
+
+@_jit
+def count_either(a: A, b: A) -> int:
+    """np.count_nonzero(a | b) in one pass and no temporary: entries where a or b is nonzero
+    (two arrays over every session, in each step that spills)."""
+    n = 0
+    for i in range(len(a)):
+        n += (a[i] != 0) | (b[i] != 0)
+    return n
+
+
+@_jit
+def uncopied_running(rows: A, l3copy: A) -> A:
+    """np.cumsum(l3copy[rows] == 0) in one pass: after each of `rows`, how many so far have
+    no L3 copy (whose spill writes a record)."""
+    out = np.empty(len(rows), dtype=np.int64)
+    n = 0
+    for i in range(len(rows)):
+        n += l3copy[rows[i]] == 0
+        out[i] = n
+    return out

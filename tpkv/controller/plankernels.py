@@ -306,28 +306,6 @@ def prefetch_rows(sessions: A, arena: A, start: A, length: A, tier: A, demoted_a
 
 
 @_jit
-def count_either(a: A, b: A) -> int:
-    """np.count_nonzero(a | b) in one pass and no temporary: entries where a or b is nonzero
-    (two arrays over every session, in each step that spills)."""
-    n = 0
-    for i in range(len(a)):
-        n += (a[i] != 0) | (b[i] != 0)
-    return n
-
-
-@_jit
-def uncopied_running(rows: A, l3copy: A) -> A:
-    """np.cumsum(l3copy[rows] == 0) in one pass: after each of `rows`, how many so far have
-    no L3 copy (whose spill writes a record)."""
-    out = np.empty(len(rows), dtype=np.int64)
-    n = 0
-    for i in range(len(rows)):
-        n += l3copy[rows[i]] == 0
-        out[i] = n
-    return out
-
-
-@_jit
 def split_by_tier(rows: A, tier: A) -> tuple[A, A]:
     """The rows (in order) on L2 and those on L3: one pass over their tiers instead of a gather
     and a mask per tier."""

@@ -7,14 +7,9 @@ import math
 import numpy as np
 
 from tpkv.controller.builder import PlanBuilder
+from tpkv.controller.kernels import count_either, uncopied_running
 from tpkv.controller.orders import NOTHING, Picked, allowed, coldest
-from tpkv.controller.plankernels import (
-    count_either,
-    not_on,
-    prefetch_rows,
-    split_by_tier,
-    uncopied_running,
-)
+from tpkv.controller.plankernels import not_on, prefetch_rows, split_by_tier
 from tpkv.controller.planstate import PlanContext, StepNeeds
 from tpkv.controller.policy import watermark_excess
 from tpkv.controller.table import DRAM, HBM, SSD
