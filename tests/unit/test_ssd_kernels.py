@@ -69,3 +69,17 @@ def test_a_round_trip_is_bit_exact_with_and_without_the_kernels(
         np.testing.assert_array_equal(got, want)
     assert crc_many(blocks) == [crc32c.crc32c(b.data) for b in blocks]
     store.close()
+
+
+def test_copy_many_copies_bit_exact_and_refuses_what_it_cannot_copy() -> None:
+    rng = np.random.default_rng(3)
+    srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 4097, 1 << 19)]
+    dsts = [np.zeros_like(s) for s in srcs]
+    assert kernels.copy_many(dsts, srcs)
+    for d, s in zip(dsts, srcs):
+        np.testing.assert_array_equal(d, s)
+    frozen = np.zeros(8, np.uint8)
+    frozen.flags.writeable = False
+    assert not kernels.copy_many([frozen], [np.ones(8, np.uint8)])
+    assert not kernels.copy_many([np.zeros(8, np.uint8)], [np.ones(9, np.uint8)])
+    assert not frozen.any()

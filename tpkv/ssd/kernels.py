@@ -1,5 +1,6 @@
 """Compiled record checks without the GIL (x86-64 SSE4.2): CRC32C of many buffers in one
-call, and a write's record headers filled in (payload CRCs and seals) in one call.
+call, a write's record headers filled in (payload CRCs and seals) in one call, and the copies
+of a read ahead's blocks served in one call.
 
 Why: the crc32c package computes one buffer a call and drops and takes the GIL around each
 one. A read job of 64 records, or a write piece, so took the GIL back dozens of times, and
@@ -90,6 +91,25 @@ crc_u8: Any = intrinsic(_crc_u8)
 
 
 
+def _memcpy(typingctx: Any, dst: Any, src: Any, n: Any) -> tuple[Any, Any]:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i8p = ir.IntType(8).as_pointer()
+        cgutils.raw_memcpy(builder, builder.inttoptr(args[0], i8p),
+                           builder.inttoptr(args[1], i8p), args[2], 1)
+        return context.get_dummy_value()
+    return types.void(types.uint64, types.uint64, types.uint64), codegen
+
+
+memcpy: Any = intrinsic(_memcpy)
+
+
+@_jit
+def _copy_many(dsts: np.ndarray, srcs: np.ndarray, lens: np.ndarray) -> None:
+    """lens[i] bytes from srcs[i] to dsts[i] (addresses), for each i."""
+    for i in range(len(dsts)):
+        memcpy(dsts[i], srcs[i], lens[i])
+
+
 @_jit
 def _raw_one(crc: np.uint64, addr: np.uint64, n: np.uint64) -> np.uint64:
     """The raw (unconditioned) register after n bytes at addr, one stream."""
@@ -168,19 +188,22 @@ def _build() -> dict[str, Any]:
     they cannot run."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise RuntimeError(f"no SSE4.2 crc32 on {platform.machine()}")
-    zeros = np.zeros(2 * _LANE, dtype=np.uint8)
     tables = np.zeros((2, 4, 256), dtype=np.uint64)
+    mask = 0xFFFFFFFF
     for which, length in enumerate((_LANE, 2 * _LANE)):
-        bit = np.array([_raw_one(np.uint64(1 << k), np.uint64(zeros.ctypes.data),
-                                np.uint64(length)) for k in range(32)], dtype=np.uint64)
+        # the raw register r after `length` zero bytes is linear in r; through the package,
+        # whose value is the register inverted before and after: ~crc32c(zeros, ~r)
+        zeros = bytes(length)
+        bit = [~crc32c.crc32c(zeros, ~(1 << k) & mask) & mask for k in range(32)]
         for byte in range(4):
             for value in range(256):
                 acc = 0
                 for k in range(8):
                     if value >> k & 1:
-                        acc ^= int(bit[8 * byte + k])
+                        acc ^= bit[8 * byte + k]
                 tables[which, byte, value] = acc
-    return {"crc_many": _crc_many, "fill_headers": _fill_headers, "tables": tables}
+    return {"crc_many": _crc_many, "fill_headers": _fill_headers, "copy_many": _copy_many,
+            "tables": tables}
 
 
 def _kernel() -> dict[str, Any] | None:
@@ -201,6 +224,12 @@ def _kernel() -> dict[str, Any] | None:
                                       found["tables"])
                 if int.from_bytes(header[0, 24:28].tobytes(), "little") != want:
                     raise RuntimeError("self-check of the header fill failed")
+                copy = np.zeros_like(probe)
+                found["copy_many"](np.array([copy.ctypes.data], np.uint64),
+                                   np.array([probe.ctypes.data], np.uint64),
+                                   np.array([probe.nbytes], np.uint64))
+                if not np.array_equal(copy, probe):
+                    raise RuntimeError("self-check of the copy failed")
                 _state["kernel"] = found
             except Exception as exc:  # any doubt: the crc32c package, one call a buffer
                 log.info("L3: compiled record kernels unavailable (%s); using crc32c calls",
@@ -251,4 +280,19 @@ def fill_headers(headers: np.ndarray, template: np.ndarray, indices: np.ndarray,
     addrs, _ = addresses(payloads)
     found["fill_headers"](headers, template, np.ascontiguousarray(indices, dtype=np.int64),
                           first_record_no, addrs, payloads[0].nbytes, found["tables"])
+    return True
+
+
+def copy_many(dsts: Sequence[np.ndarray], srcs: Sequence[np.ndarray]) -> bool:
+    """Copy each srcs[i] into dsts[i] (same sizes), in one call without the GIL. False
+    (nothing copied) where the kernels do not run or a buffer is strided, read-only or of
+    another size than its pair."""
+    found = _kernel()
+    if found is None or len(dsts) != len(srcs) or not all(
+            d.flags.c_contiguous and d.flags.writeable and s.flags.c_contiguous
+            and d.nbytes == s.nbytes for d, s in zip(dsts, srcs)):
+        return False
+    dst, lens = addresses(dsts)
+    src, _ = addresses(srcs)
+    found["copy_many"](dst, src, lens)
     return True

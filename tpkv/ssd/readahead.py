@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tpkv.errors import ArgumentError
+from tpkv.ssd import kernels
 from tpkv.ssd.backend import aligned_empty
 
 # A session's records are read in jobs of about this size across the read-ahead threads.
@@ -235,12 +236,15 @@ class ReadAhead:
             inside = pos < len(job.indices)
             found = np.zeros(len(want), dtype=bool)
             found[inside] = job.indices[pos[inside]] == want[inside]
-            for i in np.flatnonzero(found & ~hits).tolist():
-                j = int(pos[i])
-                if good[j]:
-                    np.copyto(out[i].reshape(-1).view(np.uint8), job.buffers[j])
-                    hits[i] = True
-                    served += 1
+            serve = [i for i in np.flatnonzero(found & ~hits).tolist() if good[int(pos[i])]]
+            dsts = [out[i].reshape(-1).view(np.uint8) for i in serve]
+            srcs = [job.buffers[int(pos[i])] for i in serve]
+            # one compiled call for the job's blocks (one GIL round trip, kernels), else each
+            if not kernels.copy_many(dsts, srcs):
+                for dst, src in zip(dsts, srcs):
+                    np.copyto(dst, src)
+            hits[serve] = True
+            served += len(serve)
         return served
 
     def close(self) -> None:
