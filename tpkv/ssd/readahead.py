@@ -14,7 +14,8 @@ a read ahead that does not fit is refused (the caller loads the session the usua
 The jobs' buffers are page-aligned (O_DIRECT reads land in them without a staging copy) and kept
 for the next read ahead once given back, at most the budget's worth: the kernel faulted a fresh
 buffer's pages in one by one while it copied into them (bench/l3_path.py on the CPU VM: a read
-ahead into fresh buffers ran at 0.16 GB/s, 97% of it inside preadv).
+ahead into fresh buffers ran at 0.16 GB/s, 97% of it inside preadv). A new one is mapped on the
+job's thread with its pages made present at once (MAP_POPULATE).
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ from tpkv.ssd.backend import aligned_empty
 AHEAD_JOB_BYTES = 32 << 20
 
 ReadFn = Callable[[str, np.ndarray, Sequence[np.ndarray]], np.ndarray]
+_NO_BUFFER = np.empty((0, 0), np.uint8)  # a job's until its thread maps one (none was free)
 
 
 @dataclass
 class _Job:
     indices: np.ndarray  # sorted logical indices it reads
-    base: np.ndarray  # [rows per job, block_bytes] uint8: the pooled buffer
+    base: np.ndarray  # [rows per job, block_bytes] uint8: the pooled buffer (or _NO_BUFFER)
     buffers: np.ndarray  # [len(indices), block_bytes] uint8: its first rows
     future: Future[np.ndarray] | None = None  # the hit mask when done
 
@@ -110,7 +112,7 @@ class ReadAhead:
             per_job = self._job_rows
             jobs = []
             for at in range(0, len(idx), per_job):
-                base = self._buffer()
+                base = self._free.pop() if self._free else _NO_BUFFER
                 jobs.append(_Job(idx[at:at + per_job], base,
                                  base[:len(idx[at:at + per_job])]))
             entry = _Session(self._generation.get(sid, 0), jobs, need)
@@ -119,16 +121,18 @@ class ReadAhead:
             self._busy_until_now()
             self._in_flight += len(jobs)
             for job in jobs:
-                job.future = self._pool.submit(read, sid, job.indices, list(job.buffers))
+                job.future = self._pool.submit(self._run, job, sid, read)
                 job.future.add_done_callback(functools.partial(self._job_done, entry, job))
         return True
 
-    def _buffer(self) -> np.ndarray:
-        """(Under the lock) a job buffer from the pool, else a new one."""
-        if self._free:
-            return self._free.pop()
-        return aligned_empty(self._job_rows * self.block_bytes).reshape(self._job_rows,
-                                                                         self.block_bytes)
+    def _run(self, job: _Job, sid: str, read: ReadFn) -> np.ndarray:
+        """A job, on a read-ahead thread: a new buffer (none was free) is mapped here, its
+        pages made present at once, not on the caller's thread."""
+        if not job.base.size:
+            job.base = aligned_empty(self._job_rows * self.block_bytes, populate=True).reshape(
+                self._job_rows, self.block_bytes)
+            job.buffers = job.base[:len(job.indices)]
+        return read(sid, job.indices, list(job.buffers))
 
     def _release(self, entry: _Session) -> None:
         """(Under the lock) once a discarded session's jobs are done and nothing copies out of
@@ -139,7 +143,7 @@ class ReadAhead:
         entry.freed = True
         self._held -= entry.num_bytes
         for job in entry.jobs:
-            if len(self._free) < self._free_cap:
+            if job.base.size and len(self._free) < self._free_cap:
                 self._free.append(job.base)
 
     def _busy_until_now(self) -> None:
@@ -154,7 +158,7 @@ class ReadAhead:
         with self._lock:
             self._busy_until_now()
             self._in_flight -= 1
-            self.read_bytes += job.buffers.nbytes
+            self.read_bytes += len(job.indices) * self.block_bytes
             entry.num_done += 1
             self._release(entry)
 
