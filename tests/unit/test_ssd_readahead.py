@@ -173,3 +173,75 @@ def test_the_read_rate_counts_the_time_reads_run_at_once_once() -> None:
         assert 0.19 <= ahead.read_s < 0.5, ahead.read_s  # per session: 0.8 s
     finally:
         ahead.close()
+
+
+def _filling(value: int):  # type: ignore[no-untyped-def]
+    """A read function that fills every buffer with `value` and reports all hits."""
+    def read(sid: str, idx: np.ndarray, bufs: list[np.ndarray]) -> np.ndarray:
+        for buf in bufs:
+            buf.fill(value)
+        return np.ones(len(idx), dtype=bool)
+    return read
+
+
+def test_buffers_given_back_are_reused_page_aligned() -> None:
+    """A read ahead given back leaves its buffers (page-aligned, so O_DIRECT needs no staging
+    copy) to the next one: their pages are not faulted in again."""
+    from tpkv.ssd.backend import is_direct_capable
+    from tpkv.ssd.readahead import ReadAhead
+
+    block = 1 << 16
+    ahead = ReadAhead(block, 64 * block, threads=1, rank=0)
+    try:
+        assert ahead.start("a", np.arange(8), _filling(1))
+        ahead.wait_any(["a"], 5.0)
+        first = [job.base for job in ahead._sessions["a"].jobs]
+        assert all(is_direct_capable(b) for job in ahead._sessions["a"].jobs
+                   for b in job.buffers)
+        ahead.drop("a")
+        assert ahead.held_bytes == 0
+        assert ahead.start("b", np.arange(8), _filling(2))
+        ahead.wait_any(["b"], 5.0)
+        assert [job.base for job in ahead._sessions["b"].jobs] == first
+        out = [np.zeros(block, np.uint8) for _ in range(8)]
+        hits = np.zeros(8, dtype=bool)
+        ahead.take("b", np.arange(8), out, hits)
+        assert hits.all() and all((o == 2).all() for o in out)
+    finally:
+        ahead.close()
+
+
+def test_a_buffer_being_copied_out_is_not_reused_until_the_copy_ends() -> None:
+    """drop() while take() copies: the buffers stay the dropped session's until the copy ends,
+    so a read ahead started meanwhile never overwrites the bytes being served."""
+    from tpkv.ssd.readahead import ReadAhead
+
+    block = 1 << 16
+    ahead = ReadAhead(block, 8 * block, threads=1, rank=0)
+    copying, go_on = threading.Event(), threading.Event()
+
+    class SlowOut(list):  # type: ignore[type-arg]
+        def __getitem__(self, i):  # type: ignore[no-untyped-def]
+            copying.set()
+            go_on.wait(5.0)
+            return super().__getitem__(i)
+
+    try:
+        assert ahead.start("a", np.arange(8), _filling(1))
+        ahead.wait_any(["a"], 5.0)
+        out = SlowOut(np.zeros(block, np.uint8) for _ in range(8))
+        hits = np.zeros(8, dtype=bool)
+        taker = threading.Thread(target=ahead.take, args=("a", np.arange(8), out, hits))
+        taker.start()
+        assert copying.wait(5.0)
+        ahead.drop("a")
+        assert ahead.held_bytes == 8 * block  # still copied out of
+        assert not ahead.start("b", np.arange(8), _filling(9))  # no room: not reused
+        go_on.set()
+        taker.join(5.0)
+        assert hits.all() and all((list.__getitem__(out, i) == 1).all() for i in range(8))
+        assert ahead.held_bytes == 0
+        assert ahead.start("b", np.arange(8), _filling(9))
+    finally:
+        go_on.set()
+        ahead.close()

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from tpkv.errors import SsdFormatError
+from tpkv.ssd import kernels
 from tpkv.ssd.backend import (
     IOV_MAX,
     BlockFile,
@@ -20,6 +21,7 @@ from tpkv.ssd.backend import (
 )
 from tpkv.ssd.format import (
     ALIGN_BYTES,
+    HEADER_CRC_BYTES,
     SegmentIdentity,
     check_record_header,
     check_segment_header,
@@ -81,6 +83,13 @@ class SegmentIo:
             buf = aligned_empty(round_up(max(num_bytes, 1), 1 << 20))
             setattr(self._tls, name, buf)
         return buf[:num_bytes]
+
+    def _template(self, ident: SegmentIdentity) -> np.ndarray:
+        """A record header of `ident` whose index, payload CRC, number and seal the write
+        kernel fills in."""
+        header = self.buffer("template", ALIGN_BYTES)
+        pack_record_header(ident, header, 0, 0, 0)
+        return header
 
     def write_header(self, f: BlockFile, ident: SegmentIdentity) -> None:
         header = self.buffer("header", ALIGN_BYTES)
@@ -153,25 +162,30 @@ class SegmentIo:
                 pause()
             num = end - start
             scratch = self.buffer("scratch", num * ALIGN_BYTES + num_staged * self.padded_bytes)
-            crcs = crc_many(blocks[start:end])
+            headers = scratch[:num * ALIGN_BYTES].reshape(num, ALIGN_BYTES)
+            chunk = [blocks[k] for k in range(start, end)]
             bufs: list[np.ndarray] = []
             stage_at = num * ALIGN_BYTES
             for k in range(start, end):
-                block = blocks[k]
-                header = scratch[(k - start) * ALIGN_BYTES:(k - start + 1) * ALIGN_BYTES]
-                pack_record_header(ident, header, int(indices[k]), crcs[k - start],
-                                   first_record_no + k)
-                bufs.append(header)
+                bufs.append(headers[k - start])
                 if staged[k]:
                     slot = scratch[stage_at:stage_at + self.padded_bytes]
                     stage_at += self.padded_bytes
-                    slot[:self.block_bytes] = block
+                    slot[:self.block_bytes] = chunk[k - start]
                     slot[self.block_bytes:] = 0
                     bufs.append(slot)
                 else:
-                    bufs.append(block)
+                    bufs.append(chunk[k - start])
                     if len(self._zero_pad):
                         bufs.append(self._zero_pad)
+            # payload CRCs and sealed headers in one compiled call, which takes the GIL back
+            # once (kernels); where it does not run, crc_many and the headers here
+            if not kernels.fill_headers(headers, self._template(ident), indices[start:end],
+                                        first_record_no + start, chunk):
+                crcs = crc_many(chunk)
+                for k in range(num):
+                    pack_record_header(ident, headers[k], int(indices[start + k]), crcs[k],
+                                       first_record_no + start + k)
             f.write_at(bufs, offset_bytes + start * self.record_bytes)
             start = end
 
@@ -236,12 +250,15 @@ class SegmentIo:
         with self._stats_lock:
             self.read_syscall_ns += took
         num_read = min(num, got // self.record_bytes)
-        actuals = crc_many(payloads[:num_read])
+        headers = [scratch[k * ALIGN_BYTES:(k + 1) * ALIGN_BYTES] for k in range(num_read)]
+        # every payload's and header's CRC in one call (crc_many: one GIL release for all)
+        crcs = crc_many(payloads[:num_read] + [h[:HEADER_CRC_BYTES] for h in headers])
+        actuals, header_crcs = crcs[:num_read], crcs[num_read:]
         for k, req in enumerate(reqs[:num_read]):
             record_no = first + k
             try:
-                crc = check_record_header(scratch[k * ALIGN_BYTES:(k + 1) * ALIGN_BYTES], ident,
-                                          int(stored[record_no]), record_no)
+                crc = check_record_header(headers[k], ident, int(stored[record_no]), record_no,
+                                          header_crcs[k])
                 actual = actuals[k]
                 if actual != crc:
                     raise SsdFormatError(f"record {record_no} payload crc32c {actual:#010x} != "

@@ -14,6 +14,7 @@ import numpy as np
 
 from tpkv.config import KvGeometry, SsdConfig
 from tpkv.errors import ConfigError, SsdError, SsdIoError
+from tpkv.ssd import kernels
 from tpkv.ssd.backend import fsync_dir, unlink_missing_ok
 from tpkv.ssd.budget import Budget
 from tpkv.ssd.checks import check_buffers, check_indices
@@ -86,6 +87,7 @@ class SsdStore:
         self._stripes = [threading.Lock() for _ in range(_NUM_LOCK_STRIPES)]
         self._budget = Budget(rank, self.budget_bytes)
         self._reads = ReadMeter()
+        kernels.available()  # compile or load the CRC kernel now, not in the first read
         self.ahead = ReadAhead(self.block_bytes, config.read_ahead_bytes // self.geometry.tp_size,
                                config.io_threads, rank)
         self._scan()
