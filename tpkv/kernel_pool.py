@@ -94,6 +94,11 @@ def is_cached(d: Any) -> bool:
     return bool(d._cache._cache_file._load_index())
 
 
+def cpus() -> int:
+    """Cores this process may run on: at most this many pool processes."""
+    return len(os.sched_getaffinity(0))
+
+
 def _cold(disps: dict[str, Any]) -> bool:
     """Most kernels have no current cache entry (a few never run in the warm-ups: they compile
     when first used, and may stay uncached in a warm cache)."""
@@ -138,7 +143,7 @@ def _run(config: TpkvConfig | None) -> None:
         if not _cold(disps):  # another process of this host filled it meanwhile
             return
         cold = [g for g in groups(disps) if not all(is_cached(disps[n]) for n in g)]
-        n = min(len(cold), MAX_PROCESSES, len(os.sched_getaffinity(0)))
+        n = min(len(cold), MAX_PROCESSES, cpus())
         if n < 2:
             return
         work = Path(tempfile.mkdtemp(prefix="tpkv-kernel-pool-"))

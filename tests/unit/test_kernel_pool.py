@@ -1,0 +1,122 @@
+"""A cold numba cache compiled in parallel processes (tpkv.kernel_pool): the first start loads
+every kernel its warm-ups need from what the pool stored and compiles none of them itself; a
+second start compiles nothing and starts no pool; where no process can be started, or the pool's
+processes die, the kernels compile in the process as before, with no error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = r"""
+import json, sys
+from numba.core import event
+
+compiled = []
+
+class Compiles(event.Listener):
+    def on_start(self, ev):
+        compiled.append(ev.data["dispatcher"].py_func.__qualname__)
+    def on_end(self, ev):
+        pass
+
+event.register("numba:compile", Compiles())
+spawned = []
+try:
+    from tpkv import kernel_pool
+except ImportError:  # the code before the pool: it compiles everything here
+    kernel_pool = None
+else:
+    kernel_pool.cpus = lambda: 2  # a pool also on a one-core machine
+    popen = kernel_pool.subprocess.Popen
+
+    def counted(*a, **kw):
+        spawned.append(1)
+        if sys.argv[1] == "no-processes":
+            raise PermissionError("simulated: no processes here")
+        if sys.argv[1] == "children-die":
+            a = ([sys.executable, "-c", "raise SystemExit(3)"],)
+        return popen(*a, **kw)
+
+    kernel_pool.subprocess.Popen = counted
+
+import tpkv
+from tpkv.config import HbmConfig, HostConfig, KvGeometry, TpkvConfig
+
+g = KvGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", block_tokens=4)
+cfg = TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=8),
+                 l2=HostConfig(budget_bytes=16 * g.block_bytes))
+rt = tpkv.init(cfg, controller="local", device="cpu")
+in_init = list(compiled)
+for i in range(4):
+    rt.open_session(f"s{i}", num_tokens=9)
+for step in range(12):  # outgrows L1: demotions to L2 and promotions back
+    rt.run_step([f"s{step % 4}"], [1], lambda step: None)
+rt.close()
+report = kernel_pool.report() if kernel_pool else {}
+print(json.dumps({"in_init": in_init, "compiled": compiled, "spawned": len(spawned),
+                  "pool": report}))
+"""
+
+# Kernels of the start-up's warm-ups (tpkv's own; numba's library helpers have other names)
+WARMED = {"merged_copies", "check_moves", "batch_slots", "alloc_blocks", "coldest_candidates",
+          "plan_arrays", "move_rows", "walk_prepared", "record_choices", "demand_rows"}
+
+
+def _start(cache: Path, mode: str = "pool") -> dict[str, object]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0",
+           "NUMBA_CACHE_DIR": str(cache)}
+    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=580)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.timeout(1200)
+def test_a_cold_cache_compiles_in_the_pool_and_a_second_start_compiles_nothing(
+        tmp_path: Path) -> None:
+    cache = tmp_path / "numba"
+    first = _start(cache)
+    pool = first["pool"]
+    assert isinstance(pool, dict) and pool.get("processes") == 2, first
+    done = {n.split(":")[1] for grp in pool["groups"] for n in grp["group"]}
+    assert WARMED <= done, pool
+    assert not WARMED & set(first["in_init"]), first  # type: ignore[arg-type]
+    assert len(first["in_init"]) <= 2, first  # type: ignore[arg-type]
+    second = _start(cache)
+    assert second["compiled"] == [] and second["spawned"] == 0 and second["pool"] == {}, second
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("mode", ["no-processes", "children-die"])
+def test_without_a_pool_the_kernels_compile_here(tmp_path: Path, mode: str) -> None:
+    first = _start(tmp_path / "numba", mode)
+    assert first["spawned"], first
+    assert WARMED <= set(first["in_init"]), first  # type: ignore[arg-type]
+
+
+def test_groups_keep_each_caller_with_its_callees() -> None:
+    """numba saves a callee's overloads with its caller's compile: two processes must never
+    write one function's cache index at once."""
+    from tpkv import kernel_pool
+
+    disps = kernel_pool.dispatchers(kernel_pool.WORKER_MODULES + kernel_pool.CONTROLLER_MODULES)
+    where = {n: i for i, grp in enumerate(kernel_pool.groups(disps)) for n in grp}
+    assert set(where) == set(disps) and len(disps) >= 25
+    by_id = {id(d): n for n, d in disps.items()}
+    calls = 0
+    for n, d in disps.items():
+        for name in d.py_func.__code__.co_names:
+            callee = by_id.get(id(d.py_func.__globals__.get(name)))
+            if callee is not None:
+                calls += 1
+                assert where[callee] == where[n], (n, callee)
+    assert calls >= 3  # plankernels' helpers
