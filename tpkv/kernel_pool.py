@@ -7,13 +7,13 @@ current it returns at once and spawns nothing. Otherwise it starts up to `MAX_PR
 interpreters (`subprocess`, so a daemonic process such as a Ray actor may too). Each imports the
 kernels, finds the argument types of every kernel with a dry run of the very warm-ups the process
 runs next (workers.kernels.warm, controller.warm's script) on the kernels' pure-Python bodies,
-and then claims groups of kernels (atomic file creation, longest code first) and compiles them
-into numba's cache directory. A group is the kernels that call each other: numba writes a
-function's overloads through one index file (read, add, write back), so two processes must never
-save overloads of one function at once. The caller then loads everything from the cache. What
+and then claims kernels one by one (atomic file creation, longest code first) and compiles them
+into numba's cache directory; a caller compiles (and saves) its callees too, which numba does
+through one index file per function (read, add, write back), so the pool's processes save under
+one lock (`_lock_saves`). The caller then loads everything from the cache. What
 fails here (no process can be started, a child dies or times out) is logged; the in-process
 warm-up compiles whatever is still missing, as without the pool. `report()` says how long each
-group took, for bench/startup.py.
+kernel took, for bench/startup.py.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ _REPORT: dict[str, Any] = {}
 
 def report() -> dict[str, Any]:
     """What this process's pool did: {} when none ran, else processes, wall_s, the seconds each
-    child took to be ready (imports and dry run) and per group: seconds (wall and CPU),
+    child took to be ready (imports and dry run) and per kernel: seconds (wall and CPU),
     signatures, child."""
     return dict(_REPORT)
 
@@ -105,31 +105,19 @@ def _cold(disps: dict[str, Any]) -> bool:
     return 2 * sum(not is_cached(d) for d in disps.values()) > len(disps)
 
 
-def groups(disps: dict[str, Any]) -> list[list[str]]:
-    """The kernels split into groups closed under calls (a caller compiles its callees),
-    largest code first."""
+def callees(disps: dict[str, Any], name: str) -> list[str]:
+    """The kernels of `disps` that kernel `name` calls (compiled, and cached, with it)."""
     by_id = {id(d): n for n, d in disps.items()}
-    parent = {n: n for n in disps}
+    f = disps[name].py_func
+    return [c for c in (by_id.get(id(f.__globals__.get(g))) for g in f.__code__.co_names) if c]
 
-    def root(n: str) -> str:
-        while parent[n] != n:
-            n = parent[n]
-        return n
 
-    for n, d in disps.items():
-        g = d.py_func.__globals__
-        for name in d.py_func.__code__.co_names:
-            callee = by_id.get(id(g.get(name)))
-            if callee is not None:
-                parent[root(callee)] = root(n)
-    out: dict[str, list[str]] = {}
-    for n in disps:
-        out.setdefault(root(n), []).append(n)
+def order(disps: dict[str, Any]) -> list[str]:
+    """The kernels, longest code first (with their callees'): the order the pool takes them."""
+    def size(n: str) -> int:
+        return sum(len(disps[c].py_func.__code__.co_code) for c in [n, *callees(disps, n)])
 
-    def size(names: list[str]) -> int:
-        return sum(len(disps[n].py_func.__code__.co_code) for n in names)
-
-    return sorted(out.values(), key=size, reverse=True)
+    return sorted(disps, key=size, reverse=True)
 
 
 def _run(config: TpkvConfig | None) -> None:
@@ -142,8 +130,7 @@ def _run(config: TpkvConfig | None) -> None:
     with _cache_lock(cache_dir):  # other ranks of this host: one pool, the rest load its work
         if not _cold(disps):  # another process of this host filled it meanwhile
             return
-        cold = [g for g in groups(disps) if not all(is_cached(disps[n]) for n in g)]
-        n = min(len(cold), MAX_PROCESSES, cpus())
+        n = min(sum(not is_cached(d) for d in disps.values()), MAX_PROCESSES, cpus())
         if n < 2:
             return
         work = Path(tempfile.mkdtemp(prefix="tpkv-kernel-pool-"))
@@ -194,7 +181,7 @@ def _spawn_and_wait(config: TpkvConfig | None, modules: tuple[str, ...], n: int,
             log.warning("kernel pool process %d exited with %s: %s", i, rc,
                         (work / f"err{i}").read_text()[-2000:])
     _REPORT.update(processes=len(procs), wall_s=time.perf_counter() - started,
-                   ready_s=ready, groups=tasks)
+                   ready_s=ready, kernels=tasks)
     from tpkv import startup
 
     startup.add("kernel_pool", time.perf_counter() - started)
@@ -225,7 +212,7 @@ class _cache_lock:
 
 
 def _child(work_dir: str, index: str) -> None:
-    """A pool process: dry run, then claim and compile groups until none is left."""
+    """A pool process: dry run, then claim and compile kernels until none is left."""
     global _STARTED
     started = time.perf_counter()
     from tpkv.startup import gc_paused
@@ -238,19 +225,38 @@ def _child(work_dir: str, index: str) -> None:
         disps = dispatchers(modules)
         sigs = signatures(config, disps)
     print(json.dumps({"ready_s": time.perf_counter() - started}), flush=True)  # from its start
-    for g in groups(disps):
-        todo = [(n, s) for n in g for s in sigs.get(n, ())]
-        if not todo:
+    _lock_saves(work / "save.lock")
+    for name in order(disps):
+        if not sigs.get(name):
             continue
         try:
-            os.close(os.open(work / "claims" / g[0], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(os.open(work / "claims" / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             continue
         t, cpu = time.perf_counter(), time.process_time()
-        for n, s in todo:
-            disps[n].compile(s)
-        print(json.dumps({"group": g, "signatures": len(todo), "s": time.perf_counter() - t,
-                          "cpu_s": time.process_time() - cpu}), flush=True)
+        for sig in sigs[name]:
+            disps[name].compile(sig)
+        print(json.dumps({"kernel": name, "signatures": len(sigs[name]),
+                          "s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu}),
+              flush=True)
+
+
+def _lock_saves(path: Path) -> None:
+    """Make this process's numba save cache entries under an flock of `path`, which all the
+    pool's processes share. numba saves an overload by reading the function's index, picking
+    the first free data file name, and writing both back: two processes saving overloads of
+    one function at once (a callee that two callers compile) would both pick the same name
+    and one index would lose the other's entry, or point at the other's code."""
+    from numba.core.caching import IndexDataCacheFile
+
+    unlocked = IndexDataCacheFile.save
+
+    def save(self: Any, key: Any, data: Any) -> None:
+        with open(path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            unlocked(self, key, data)
+
+    setattr(IndexDataCacheFile, "save", save)  # noqa: B010 (mypy: no method assignment)
 
 
 def signatures(config: TpkvConfig | None, disps: dict[str, Any]) -> dict[str, list[tuple]]:

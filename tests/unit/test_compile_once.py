@@ -55,7 +55,7 @@ for m in (arena, batchtable, kernels, planner, plankernels, stepkernels, worker_
             hits += sum(v.stats.cache_hits.values())
             misses += sum(v.stats.cache_misses.values())
 from tpkv import kernel_pool  # on a cold cache, most kernels compile in its processes
-pooled = sum(len(g["group"]) for g in kernel_pool.report().get("groups", []))
+pooled = len(kernel_pool.report().get("kernels", []))
 print(json.dumps({"compiled": compiled, "pooled": pooled, "cache_hits": hits,
                   "cache_misses": misses}))
 """

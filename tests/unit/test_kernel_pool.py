@@ -1,7 +1,8 @@
 """A cold numba cache compiled in parallel processes (tpkv.kernel_pool): the first start loads
 every kernel its warm-ups need from what the pool stored and compiles none of them itself; a
 second start compiles nothing and starts no pool; where no process can be started, or the pool's
-processes die, the kernels compile in the process as before, with no error."""
+processes die, the kernels compile in the process as before, with no error; the pool's processes
+save into numba's cache under a lock."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def test_a_cold_cache_compiles_in_the_pool_and_a_second_start_compiles_nothing(
     first = _start(cache)
     pool = first["pool"]
     assert isinstance(pool, dict) and pool.get("processes") == 2, first
-    done = {n.split(":")[1] for grp in pool["groups"] for n in grp["group"]}
+    done = {k["kernel"].split(":")[1] for k in pool["kernels"]}
     assert WARMED <= done, pool
     assert not WARMED & set(first["in_init"]), first  # type: ignore[arg-type]
     assert len(first["in_init"]) <= 2, first  # type: ignore[arg-type]
@@ -103,20 +104,39 @@ def test_without_a_pool_the_kernels_compile_here(tmp_path: Path, mode: str) -> N
     assert WARMED <= set(first["in_init"]), first  # type: ignore[arg-type]
 
 
-def test_groups_keep_each_caller_with_its_callees() -> None:
-    """numba saves a callee's overloads with its caller's compile: two processes must never
-    write one function's cache index at once."""
+def test_the_pools_saves_lose_no_overload(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes of the pool save overloads of one function (a callee two callers compile)
+    at the same moment: numba reads the index, picks the first free data file and writes both
+    back, so unlocked both would take data file 1 and one entry would be lost or point at the
+    other's code. Forced here with two threads that both read the index before either writes:
+    under the pool's lock each key keeps its own entry and data."""
+    import threading
+    import time
+
+    from numba.core.caching import IndexDataCacheFile
+
     from tpkv import kernel_pool
 
-    disps = kernel_pool.dispatchers(kernel_pool.WORKER_MODULES + kernel_pool.CONTROLLER_MODULES)
-    where = {n: i for i, grp in enumerate(kernel_pool.groups(disps)) for n in grp}
-    assert set(where) == set(disps) and len(disps) >= 25
-    by_id = {id(d): n for n, d in disps.items()}
-    calls = 0
-    for n, d in disps.items():
-        for name in d.py_func.__code__.co_names:
-            callee = by_id.get(id(d.py_func.__globals__.get(name)))
-            if callee is not None:
-                calls += 1
-                assert where[callee] == where[n], (n, callee)
-    assert calls >= 3  # plankernels' helpers
+    monkeypatch.setattr(IndexDataCacheFile, "save", IndexDataCacheFile.save)  # undone after
+    load = IndexDataCacheFile._load_index
+
+    def slow_load(self: IndexDataCacheFile) -> dict[object, str]:
+        got: dict[object, str] = load(self)
+        time.sleep(0.3)  # the other thread reads the same index meanwhile, if it may
+        return got
+
+    monkeypatch.setattr(IndexDataCacheFile, "_load_index", slow_load)
+    kernel_pool._lock_saves(tmp_path / "save.lock")
+
+    def one(key: str) -> None:
+        IndexDataCacheFile(str(tmp_path), "f", ("stamp", 1)).save(key, f"code of {key}")
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in ("sig-a", "sig-b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    cache = IndexDataCacheFile(str(tmp_path), "f", ("stamp", 1))
+    assert {k: cache.load(k) for k in ("sig-a", "sig-b")} == {"sig-a": "code of sig-a",
+                                                             "sig-b": "code of sig-b"}
