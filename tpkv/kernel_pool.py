@@ -51,9 +51,9 @@ _REPORT: dict[str, Any] = {}
 
 
 def report() -> dict[str, Any]:
-    """What this process's pool did: {} when none ran, else processes, wall_s, the seconds each
-    child took to be ready (imports and dry run) and per kernel: seconds (wall and CPU),
-    signatures, child."""
+    """What this process's pool did: {} when none ran, else processes, wall_s, the seconds
+    (wall and CPU) each child took to be ready (imports and dry run) and per kernel: seconds
+    (wall and CPU), signatures, child."""
     return dict(_REPORT)
 
 
@@ -63,8 +63,8 @@ def ensure(config: TpkvConfig | None) -> None:
     global _STARTED
     with _LOCK:
         first, _STARTED = not _STARTED, True
-    if not first:
-        _DONE.wait(TIMEOUT_S + 30)
+    if not first:  # bounded: the first one's lock and pool each give up after TIMEOUT_S
+        _DONE.wait()
         return
     try:
         _run(config)
@@ -147,41 +147,52 @@ def _spawn_and_wait(config: TpkvConfig | None, modules: tuple[str, ...], n: int,
     (work / "job").write_bytes(pickle.dumps((config, modules)))
     (work / "claims").mkdir()
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[1])  # the same tpkv as this process's
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     chosen = getattr(numba.config, "CACHE_DIR", "")  # also one tpkv.numba_cache set at run time
     if chosen:
         env["NUMBA_CACHE_DIR"] = str(chosen)
-    code = "import sys; from tpkv.kernel_pool import _child; _child(sys.argv[1], sys.argv[2])"
+    root = str(Path(__file__).resolve().parents[1])  # the same tpkv as this process's
+    code = (f"import sys; sys.path.insert(0, {root!r}); from tpkv.kernel_pool import _child; "
+            "_child(sys.argv[1])")
     procs = []
     try:
         for i in range(n):
             with open(work / f"out{i}", "wb") as out, open(work / f"err{i}", "wb") as err:
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-c", code, str(work), str(i)], env=env,
+                    [sys.executable, "-c", code, str(work)], env=env,
                     stdin=subprocess.DEVNULL, stdout=out, stderr=err))
     except OSError as exc:  # no processes here (a sandbox, limits): those started still help
         log.info("kernel pool: started %d of %d processes (%s)", len(procs), n, exc)
     deadline = time.monotonic() + TIMEOUT_S
     tasks: list[dict[str, Any]] = []
     ready: list[float] = []
-    for i, p in enumerate(procs):
-        try:
-            rc = p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            rc = p.wait()
-        for line in (work / f"out{i}").read_text().splitlines():
-            rec = json.loads(line)
-            if "ready_s" in rec:
-                ready.append(rec["ready_s"])
-            else:
-                tasks.append({**rec, "child": i})
-        if rc != 0:
-            log.warning("kernel pool process %d exited with %s: %s", i, rc,
-                        (work / f"err{i}").read_text()[-2000:])
+    ready_cpu: list[float] = []
+    try:
+        for i, p in enumerate(procs):
+            try:
+                rc = p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                rc = p.wait()
+            for line in (work / f"out{i}").read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:  # cut short by a kill
+                    continue
+                if "ready_s" in rec:
+                    ready.append(rec["ready_s"])
+                    ready_cpu.append(rec["ready_cpu_s"])
+                else:
+                    tasks.append({**rec, "child": i})
+            if rc != 0:
+                log.warning("kernel pool process %d exited with %s: %s", i, rc,
+                            (work / f"err{i}").read_text()[-2000:])
+    finally:  # none outlives this call: what compiles after it must not race their saves
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     _REPORT.update(processes=len(procs), wall_s=time.perf_counter() - started,
-                   ready_s=ready, kernels=tasks)
+                   ready_s=ready, ready_cpu_s=ready_cpu, kernels=tasks)
     from tpkv import startup
 
     startup.add("kernel_pool", time.perf_counter() - started)
@@ -211,7 +222,7 @@ class _cache_lock:
         os.close(self.fd)  # releases the lock
 
 
-def _child(work_dir: str, index: str) -> None:
+def _child(work_dir: str) -> None:
     """A pool process: dry run, then claim and compile kernels until none is left."""
     global _STARTED
     started = time.perf_counter()
@@ -224,7 +235,8 @@ def _child(work_dir: str, index: str) -> None:
         config, modules = pickle.loads((work / "job").read_bytes())
         disps = dispatchers(modules)
         sigs = signatures(config, disps)
-    print(json.dumps({"ready_s": time.perf_counter() - started}), flush=True)  # from its start
+    print(json.dumps({"ready_s": time.perf_counter() - started,  # from its start
+                      "ready_cpu_s": time.process_time()}), flush=True)
     _lock_saves(work / "save.lock")
     for name in order(disps):
         if not sigs.get(name):
