@@ -1,19 +1,19 @@
 """On a cold numba cache, compile tpkv's kernels in several short-lived processes at once.
 
-Compiled one after another, tpkv's ~30 kernels take 15 s of one core on a fresh install (or after
-a numba upgrade, which makes numba ignore its old cache). `ensure` (the first caller of a process
-decides; later ones wait for it) looks at numba's index files first: when they are there and
-current it returns at once and spawns nothing. Otherwise it starts up to `MAX_PROCESSES`
-interpreters (`subprocess`, so a daemonic process such as a Ray actor may too). Each imports the
-kernels, finds the argument types of every kernel with a dry run of the very warm-ups the process
-runs next (workers.kernels.warm, controller.warm's script) on the kernels' pure-Python bodies,
-and then claims kernels one by one (atomic file creation, longest code first) and compiles them
-into numba's cache directory; a caller compiles (and saves) its callees too, which numba does
-through one index file per function (read, add, write back), so the pool's processes save under
-one lock (`_lock_saves`). The caller then loads everything from the cache. What
-fails here (no process can be started, a child dies or times out) is logged; the in-process
-warm-up compiles whatever is still missing, as without the pool. `report()` says how long each
-kernel took, for bench/startup.py.
+Compiled one after another, tpkv's ~25 kernels take 11-15 s of one core on a fresh install (or
+after a numba upgrade, which makes numba ignore its old cache). `ensure` (the first caller of a
+process decides; later ones wait for it) looks at numba's index files first: when they are there
+and current it returns at once and spawns nothing. Otherwise, given at least `MIN_PROCESSES`
+cores, it starts up to `MAX_PROCESSES` interpreters (`subprocess`: a daemonic process such as a
+Ray actor may start them too). Each imports the kernels, finds the argument types of every
+kernel with a dry run of the very warm-ups the process runs next (workers.kernels.warm,
+controller.warm's script) on the kernels' pure-Python bodies, then claims kernels one by one
+(atomic file creation, longest code first) and compiles them into numba's cache directory. A
+caller compiles (and saves) its callees too, and numba saves a function's overloads through one
+index file (read, add, write back), so the pool's processes save under one lock (`_lock_saves`).
+The caller then loads everything from the cache. What fails here (no process can be started, a
+child dies or times out) is logged; the in-process warm-up compiles whatever is still missing,
+as without the pool. `report()` says how long each kernel took, for bench/startup.py.
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ WORKER_MODULES = ("tpkv.workers.kernels",)
 CONTROLLER_MODULES = ("tpkv.controller.kernels", "tpkv.controller.arena",
                       "tpkv.controller.stepkernels", "tpkv.controller.plankernels")
 MAX_PROCESSES = 12
+# Fewer cores than this: no pool. In CPU seconds on a 2-core VM, 23 kernels with their callees:
+# 11-12 s compiled in the process; in 12 processes 2.7 s until the last is done but 26 s in all
+# (each spends ~0.6 s before it compiles, and a callee compiles again in every process that
+# compiles one of its callers). With 2 processes: 9 s (on a busy machine, slower than one).
+MIN_PROCESSES = 3
 TIMEOUT_S = 300.0
 
 _LOCK = threading.Lock()
@@ -131,7 +136,7 @@ def _run(config: TpkvConfig | None) -> None:
         if not _cold(disps):  # another process of this host filled it meanwhile
             return
         n = min(sum(not is_cached(d) for d in disps.values()), MAX_PROCESSES, cpus())
-        if n < 2:
+        if cpus() < MIN_PROCESSES or n < 2:
             return
         work = Path(tempfile.mkdtemp(prefix="tpkv-kernel-pool-"))
         try:

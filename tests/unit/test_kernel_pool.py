@@ -35,7 +35,8 @@ try:
 except ImportError:  # the code before the pool: it compiles everything here
     kernel_pool = None
 else:
-    kernel_pool.cpus = lambda: 2  # a pool also on a one-core machine
+    kernel_pool.cpus = lambda: 2  # a pool of 2, also where fewer cores would start none
+    kernel_pool.MIN_PROCESSES = 2
     popen = kernel_pool.subprocess.Popen
 
     def counted(*a, **kw):
@@ -140,3 +141,45 @@ def test_the_pools_saves_lose_no_overload(tmp_path: Path,
     cache = IndexDataCacheFile(str(tmp_path), "f", ("stamp", 1))
     assert {k: cache.load(k) for k in ("sig-a", "sig-b")} == {"sig-a": "code of sig-a",
                                                              "sig-b": "code of sig-b"}
+
+
+class _Done:
+    """A pool process that has finished at once, compiling nothing."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+    def poll(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize(("cached", "cores", "can_start", "spawns"),
+                         [(True, 16, True, 0), (False, 2, True, 0), (False, 16, True, 2),
+                          (False, 16, False, 1)])
+def test_a_pool_only_for_a_cold_cache_and_enough_cores(
+        monkeypatch: pytest.MonkeyPatch, cached: bool, cores: int, can_start: bool,
+        spawns: int) -> None:
+    """A warm cache spawns nothing (a start as fast as without the pool), nor do fewer cores
+    than MIN_PROCESSES (3); otherwise one process per uncached kernel, at most one per core
+    (here the worker's two kernels). A process that cannot start ends the spawning, no error."""
+    import contextlib
+
+    from tpkv import kernel_pool
+
+    started: list[object] = []
+
+    def popen(*args: object, **kwargs: object) -> _Done:
+        started.append(args)
+        if not can_start:
+            raise PermissionError("simulated: no processes here")
+        return _Done()
+
+    monkeypatch.setattr(kernel_pool, "is_cached", lambda d: cached)
+    monkeypatch.setattr(kernel_pool, "cpus", lambda: cores)
+    monkeypatch.setattr(kernel_pool, "_cache_lock", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(kernel_pool.subprocess, "Popen", popen)
+    monkeypatch.setattr(kernel_pool, "_REPORT", {})
+    kernel_pool._run(None)
+    assert len(started) == spawns
+    assert kernel_pool.report().get("processes") == (
+        None if spawns == 0 else spawns if can_start else 0), kernel_pool.report()
