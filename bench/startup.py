@@ -15,7 +15,9 @@ also reports where its time went: imports (torch, the CUDA driver, numba, tpkv),
 init (`tpkv.startup`: CUDA context, process groups, L1 allocation, L2 mapping and first arena,
 the worker's and the controller's numba kernels, which load on a thread beside the others, the
 controller, the runtime) and the first step, and how many numba kernels it compiled (none in a
-second process: `--fresh-cache` starts both from an empty cache to show it). Writes
+second process: `--fresh-cache` starts both from an empty cache to show it); on a cold cache,
+the kernels compile in parallel processes (tpkv.kernel_pool): their count, wall time, time until
+each was ready and each kernel's CPU seconds. Writes
 bench/results/startup.json and a PNG. Goals (#34): first step <= 5 s after init at 96 GiB,
 <= 3 s in the second process, whole L2 pinned at >= 0.9 of the raw speed, steps while pinning
 as fast as after (p50 within 1.1x).
@@ -126,7 +128,10 @@ def one_process(l1_gib: float, l2_gib: float, device: str = "cuda") -> dict[str,
     def ms(xs: list[float], q: float) -> float | None:
         return float(np.percentile(xs, q) * 1e3) if xs else None
 
+    from tpkv import kernel_pool
+
     return {"import_s": imported_s, "import_breakdown_s": imports, "init_breakdown_s": phases,
+            "kernel_pool": kernel_pool.report(),
             "numba_compiled_in_init": compiled_in_init, "numba_compiled": len(compiled),
             "numba_compiled_kernels": sorted(set(compiled)),
             "numba_cache_dir": numba.config.CACHE_DIR or None, "init_s": init_s,
@@ -197,6 +202,12 @@ def main() -> None:
         print("  import " + ", ".join(f"{k} {v:.2f}" for k, v in r["import_breakdown_s"].items())
               + " s; init " + ", ".join(f"{k} {v:.2f}" for k, v in r["init_breakdown_s"].items())
               + f" s; numba compiled {r['numba_compiled']} kernels", flush=True)
+        if r["kernel_pool"]:  # a cold cache: the kernels compiled in parallel processes
+            kp = r["kernel_pool"]
+            print(f"  kernel pool: {kp['processes']} processes, {kp['wall_s']:.2f} s; ready "
+                  + ", ".join(f"{x:.2f}" for x in kp["ready_s"]) + " s; kernels (CPU s) "
+                  + ", ".join(f"{k['kernel'].split(':')[1]} {k['cpu_s']:.2f}"
+                              for k in kp["kernels"]), flush=True)
     raw = raw_register(a.raw_gib) if a.device == "cuda" else {"gib": 0, "seconds": 0.0,
                                                                 "gb_per_s": float("nan")}
     for r in runs:

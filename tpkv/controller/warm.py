@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tpkv import startup
+from tpkv import kernel_pool, startup
 from tpkv.config import HbmConfig, HostConfig, SsdConfig, TpkvConfig
 from tpkv.errors import TpkvError
 from tpkv.protocol.digest import plan_digest
@@ -60,6 +60,7 @@ def warm_kernels(config: TpkvConfig, make: MakeController) -> float:
         done.wait()
         return 0.0
     started = time.perf_counter()
+    kernel_pool.ensure(config)  # on a cold cache: compiled in parallel processes first
     try:
         _script(config, make)
     except TpkvError as exc:  # a workload the tiny tiers refuse: warm what ran

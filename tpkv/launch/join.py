@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tpkv import startup
+from tpkv import kernel_pool, startup
 from tpkv.config import TpkvConfig, from_env
 from tpkv.launch.bootstrap import connect_ray, init_groups
 from tpkv.launch.runtime import TpkvRuntime
@@ -101,6 +101,7 @@ def _warm_in_background(config: TpkvConfig, local_controller: bool) -> threading
 
     def run() -> None:
         try:
+            kernel_pool.ensure(config if local_controller else None)  # cold cache: in parallel
             try:
                 kernels.warm()
             except Exception:

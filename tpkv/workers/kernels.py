@@ -9,7 +9,7 @@ import threading
 import numpy as np
 from numba import njit
 
-from tpkv import startup
+from tpkv import kernel_pool, startup
 from tpkv.numba_cache import ensure_cache_dir
 from tpkv.protocol.plan import Tier
 
@@ -114,6 +114,7 @@ def warm() -> None:
     with _WARM_LOCK, startup.phase("worker_kernels"):
         if _WARM:
             return
+        kernel_pool.ensure(None)  # on a cold cache: compiled in parallel processes first
         i64, i8 = np.int64, np.int8
         slots = np.arange(2, dtype=i64)
         merged_copies(1 << 30, 64, np.array([1 << 40], dtype=i64), 4, slots, slots, True, True)
