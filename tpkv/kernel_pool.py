@@ -10,7 +10,8 @@ kernel with a dry run of the very warm-ups the process runs next (workers.kernel
 controller.warm's script) on the kernels' pure-Python bodies, then claims kernels one by one
 (atomic file creation, longest code first) and compiles them into numba's cache directory. A
 caller compiles (and saves) its callees too, and numba saves a function's overloads through one
-index file (read, add, write back), so the pool's processes save under one lock (`_lock_saves`).
+index file (read, add, write back), so the pool's processes save under one lock
+(`kernel_pool_child.lock_saves`).
 The caller then loads everything from the cache. What fails here (no process can be started, a
 child dies or times out) is logged; the in-process warm-up compiles whatever is still missing,
 as without the pool. `report()` says how long each kernel took, for bench/startup.py.
@@ -19,7 +20,6 @@ as without the pool. `report()` says how long each kernel took, for bench/startu
 from __future__ import annotations
 
 import fcntl
-import inspect
 import json
 import logging
 import os
@@ -156,8 +156,8 @@ def _spawn_and_wait(config: TpkvConfig | None, modules: tuple[str, ...], n: int,
     if chosen:
         env["NUMBA_CACHE_DIR"] = str(chosen)
     root = str(Path(__file__).resolve().parents[1])  # the same tpkv as this process's
-    code = (f"import sys; sys.path.insert(0, {root!r}); from tpkv.kernel_pool import _child; "
-            "_child(sys.argv[1])")
+    code = (f"import sys; sys.path.insert(0, {root!r}); "
+            "from tpkv.kernel_pool_child import child; child(sys.argv[1])")
     procs = []
     try:
         for i in range(n):
@@ -225,110 +225,3 @@ class _cache_lock:
 
     def __exit__(self, *exc: object) -> None:
         os.close(self.fd)  # releases the lock
-
-
-def _child(work_dir: str) -> None:
-    """A pool process: dry run, then claim and compile kernels until none is left."""
-    global _STARTED
-    started = time.perf_counter()
-    from tpkv.startup import gc_paused
-
-    _STARTED = True  # the warm-ups it runs never start a pool of their own
-    _DONE.set()
-    work = Path(work_dir)
-    with gc_paused():
-        config, modules = pickle.loads((work / "job").read_bytes())
-        disps = dispatchers(modules)
-        sigs = signatures(config, disps)
-    print(json.dumps({"ready_s": time.perf_counter() - started,  # from its start
-                      "ready_cpu_s": time.process_time()}), flush=True)
-    _lock_saves(work / "save.lock")
-    for name in order(disps):
-        if not sigs.get(name):
-            continue
-        try:
-            os.close(os.open(work / "claims" / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            continue
-        t, cpu = time.perf_counter(), time.process_time()
-        for sig in sigs[name]:
-            disps[name].compile(sig)
-        print(json.dumps({"kernel": name, "signatures": len(sigs[name]),
-                          "s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu}),
-              flush=True)
-
-
-def _lock_saves(path: Path) -> None:
-    """Make this process's numba save cache entries under an flock of `path`, which all the
-    pool's processes share. numba saves an overload by reading the function's index, picking
-    the first free data file name, and writing both back: two processes saving overloads of
-    one function at once (a callee that two callers compile) would both pick the same name
-    and one index would lose the other's entry, or point at the other's code."""
-    from numba.core.caching import IndexDataCacheFile
-
-    unlocked = IndexDataCacheFile.save
-
-    def save(self: Any, key: Any, data: Any) -> None:
-        with open(path, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            unlocked(self, key, data)
-
-    setattr(IndexDataCacheFile, "save", save)  # noqa: B010 (mypy: no method assignment)
-
-
-def signatures(config: TpkvConfig | None, disps: dict[str, Any]) -> dict[str, list[tuple]]:
-    """The argument types each kernel in `disps` is called with from Python by the warm-ups
-    (the worker's, and the controller's for `config`), found by running the warm-ups on the
-    kernels' Python bodies (nothing is compiled). Patches every tpkv module for the run: only
-    for a pool process."""
-    import functools
-
-    from numba import types
-    from numba.extending import _Intrinsic
-
-    from tpkv.controller import warm
-    from tpkv.controller.controller import Controller
-    from tpkv.errors import TpkvError
-    from tpkv.workers import kernels
-
-    found: dict[str, list[tuple]] = {}
-    depth = [0]
-
-    def recorder(name: str, d: Any) -> Any:
-        params = list(inspect.signature(d.py_func).parameters.values())
-
-        def call(*args: Any, **kws: Any) -> Any:
-            if depth[0] == 0:
-                bound = inspect.signature(d.py_func).bind(*args, **kws).arguments
-                sig = tuple(d.typeof_pyval(bound[p.name]) if p.name in bound
-                            else types.Omitted(p.default) for p in params)
-                if sig not in found.setdefault(name, []):
-                    found[name].append(sig)
-            depth[0] += 1
-            try:
-                return d.py_func(*args, **kws)
-            finally:
-                depth[0] -= 1
-        return call
-
-    def nothing(*args: Any) -> None:
-        return None
-
-    wrappers = {id(d): recorder(n, d) for n, d in disps.items()}
-    undo: list[tuple[Any, str, Any]] = []
-    for mod in [m for k, m in sys.modules.items() if k.startswith("tpkv.")]:
-        for k, v in list(vars(mod).items()):
-            if id(v) in wrappers or isinstance(v, _Intrinsic):  # prefetch: no Python body
-                undo.append((mod, k, v))
-                setattr(mod, k, wrappers.get(id(v), nothing))
-    try:
-        kernels.warm()
-        if config is not None:
-            try:
-                warm._script(config, functools.partial(Controller, warm=False))
-            except TpkvError:  # as warm_kernels: the tiny tiers refused a step; what ran is typed
-                pass
-    finally:  # numba compiles a kernel against its module's globals: the dispatchers again
-        for mod, k, v in undo:
-            setattr(mod, k, v)
-    return found

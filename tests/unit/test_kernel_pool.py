@@ -117,7 +117,7 @@ def test_the_pools_saves_lose_no_overload(tmp_path: Path,
 
     from numba.core.caching import IndexDataCacheFile
 
-    from tpkv import kernel_pool
+    from tpkv import kernel_pool_child
 
     monkeypatch.setattr(IndexDataCacheFile, "save", IndexDataCacheFile.save)  # undone after
     load = IndexDataCacheFile._load_index
@@ -128,7 +128,7 @@ def test_the_pools_saves_lose_no_overload(tmp_path: Path,
         return got
 
     monkeypatch.setattr(IndexDataCacheFile, "_load_index", slow_load)
-    kernel_pool._lock_saves(tmp_path / "save.lock")
+    kernel_pool_child.lock_saves(tmp_path / "save.lock")
 
     def one(key: str) -> None:
         IndexDataCacheFile(str(tmp_path), "f", ("stamp", 1)).save(key, f"code of {key}")
