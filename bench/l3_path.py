@@ -13,7 +13,7 @@ directory's raw pwrite / pread speed. A record is moved once and checked once, s
 thread's path can at best run at 1 / (1/raw + 1/crc32c): each phase's `ceiling_gbps` and
 `vs_ceiling` (the reads served from memory are held against memcpy).
 
-    python bench/l3_path.py --out bench/results/l3_path_cpu.json
+    python bench/l3_path.py --out bench/results/l3_path.json
 
 `--contend N` runs N pure-Python threads beside it (a serving process's busy main thread, which
 holds the GIL while the store's threads wait for it after each system call).
