@@ -191,3 +191,32 @@ def test_a_spills_l2_slots_are_handed_out_last_until_the_ranks_report_it_written
         assert c.commit(results).committed
     assert stack.cool == 0 and c.table.pace.rate == 5e6 and c.table.pace.samples > 0
     c.check_integrity()
+
+
+def test_a_watermark_drain_queues_no_more_spills_than_the_disk_writes_in_the_queue_time(
+        make_config: Any, fake_clock: Any) -> None:
+    """L2 past its high mark drains to its low mark by spilling to L3; paced, a step spills
+    beyond its need only what the queue has room for (the disk's spill_queue_s, or the
+    largest recent intake), so a later copy into L2 that finds no clean slot waits for a
+    short queue. Here one session's 4 blocks a step, where before (b2ac436) a drain queued
+    12 blocks at once every third step, whatever was still in flight."""
+    # L2 of 64 blocks (high 0.85: 54, low 0.70: 44); the disk writes 4 blocks in the queue
+    # time; the replicas never report a spill written, so every spill stays in flight
+    bb = make_config(l1=8, l2=64, l3=256).geometry.block_bytes
+    cfg = make_config(l1=8, l2=64, l3=256, spill="always", spill_queue_s=1.0,
+                      ssd_write_bytes_per_s=4 * bb // 2)  # (per rank: TP 2 halves a block)
+    c = Controller(cfg, fake_clock, check_invariants=True)
+    reps = [SlotMapReplica(r, 8, 64, 4) for r in range(2)]
+    spills = []
+    for i in range(30):
+        n = f"s{i}"
+        c.open_session(n, 16)  # 4 blocks each: one session demoted into L2 a step
+        res = c.schedule([n], [0])
+        spills.append(sum(int(p.mask(Tier.DRAM, Tier.SSD).sum()) for p in res.plans))
+        outs = [rep.apply_step(res) for rep in reps]
+        for k in range(len(res.plans)):
+            assert c.commit([o[k] for o in outs]).committed
+    assert sum(spills) >= 40  # L2 overflowed: it spills what it takes in
+    assert max(spills) == 4, spills
+    assert max(c.table.pace.recent) == 4
+    c.check_integrity()

@@ -58,6 +58,9 @@ def _plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray
             pressed = short2 > 0 or extra2 > 0 or t.used(SSD) > 0
             extra2 = max(0, extra2 - short2)
             if not ctx.l3_load_s_per_block > ctx.recompute_s_per_block > 0:  # (else dropped)
+                # a drain spills no faster than the disk writes: a copy into L2 that finds no
+                # clean slot waits for the spills queued before its slot's
+                extra2 = min(extra2, t.pace.room(t.free[DRAM], short2))
                 # ahead of need: the slots this frees are clean by the time steps need them
                 # but never into L3 room a session there would have to give up
                 l3_room = t.num_free(SSD) - short2 - int(np.count_nonzero(s.counts[SSD + 1])) - 1

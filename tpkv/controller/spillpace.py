@@ -24,7 +24,9 @@ class SpillPacer:
     the next steps copy into L2 their slots are clean (no spill reads them, so no copy waits
     for the disk): L2 keeps free the largest recent intake plus the mean intake over the
     steps a spill takes, as long as the spills in flight stay within what the disk writes in
-    `spill_queue_s` (PolicyConfig) at its measured rate. Off (`enabled` False): spilled slots
+    `spill_queue_s` (PolicyConfig) at its measured rate, or the largest recent intake (room()).
+    A watermark's drain spills within the same room, so the writes queued before a copy into
+    L2 never outgrow it. Off (`enabled` False): spilled slots
     are freed like others (PlanBuilder) and nothing is spilled ahead."""
 
     def __init__(self, policy: PolicyConfig | None = None, block_bytes: int = 1) -> None:
@@ -76,8 +78,17 @@ class SpillPacer:
         # clean by the next step's copies: the largest intake; and as many again as the
         # steps a spill takes will copy in on average, cooling meanwhile
         want = max(peak, intake) + math.ceil(mean * self.lag)
-        room = int(self.rate * self.queue_s / self.block_bytes) - stack.in_flight() - short
-        return max(0, min(want - (free - intake + short), room))
+        return max(0, min(want - (free - intake + short), self.room(stack, short)))
+
+    def room(self, stack: SlotStack, short: int) -> int:
+        """Blocks a step may spill beyond its need (`short`, spilled whatever the queue):
+        spills in flight stay within what the disk writes in `spill_queue_s`, or the largest
+        recent intake if that is more (else a demotion larger than the queue never finds its
+        slots clean); a large number when pacing is off."""
+        if not self.enabled:
+            return 1 << 62
+        cap = max(int(self.rate * self.queue_s / self.block_bytes), max(self.recent, default=0))
+        return max(0, cap - stack.in_flight() - short)
 
     def as_dict(self) -> dict[str, float | int]:
         return {"enabled": int(self.enabled), "write_bytes_per_s": self.rate,
