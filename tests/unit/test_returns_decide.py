@@ -245,3 +245,21 @@ def test_a_read_ahead_in_flight_with_no_job_done_prices_at_the_start_rate() -> N
     w.ahead.read_s, w.ahead.read_bytes = 0.5, 0
     r.num_running = lambda: 2
     assert r.admit(["a"], [], idle=False) == ["a"] and r.recompute == {"a"}
+
+
+def test_a_round_of_returns_is_split_between_the_gpu_and_the_disk() -> None:
+    """Six sessions of 8 blocks off L1 (4 of 1 MiB on L3) come back at once. Alone, each
+    recomputes in 1.3 ms (128 tokens at 1e5 tokens/s) against a 4.2 ms read at 1 GB/s; but
+    the recomputes queue on the GPU: the first three end by 3.8 ms, a fourth would end at
+    5.1 ms, so the rest are read ahead. Before (b2ac436) all six were recomputed and the
+    disk idled (bench/e2e.py (c) on the H200: 104 recomputed, 0 read)."""
+    r, w = returns(prefill=1e5, read=1e9)
+    names = list("abcdef")
+    w.status = {n: "started" for n in names}
+    w.on3 = {n: 4 for n in names}
+    w.on2 = {n: 4 for n in names}
+    assert r.admit(names, [], idle=False) == ["a", "b", "c"]
+    assert r.recompute == {"a", "b", "c"} and w.started == ["d", "e", "f"]
+    r.loaded(["a", "b"])  # two ran: their recomputes leave the GPU's queue
+    w.status["g"], w.on3["g"], w.on2["g"] = "started", 4, 4
+    assert r.admit(["g"], ["d", "e", "f"], idle=False) == ["g"] and "g" in r.recompute

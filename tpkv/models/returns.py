@@ -31,6 +31,7 @@ class Returns:
         self.rt = rt
         self.reading: set[str] = set()  # sessions read ahead (or waiting to be), every rank
         self.recompute: set[str] = set()  # sessions sent in to be recomputed (rank 0)
+        self._recompute_tokens: dict[str, int] = {}  # theirs to recompute, until they ran
         self.num_read_ahead = 0  # read aheads started (a turn waited outside the batch)
         self.num_recomputed = 0  # turns sent in to recompute instead
         # With nothing else to run, rank 0 waits this long at most for a read ahead before it
@@ -105,6 +106,7 @@ class Returns:
                 continue
             if name not in back and self._sooner_recomputed(name):
                 self.recompute.add(name)
+                self._recompute_tokens[name] = self._off_tokens(name)
                 self.num_recomputed += 1
                 go.append(name)
                 continue
@@ -142,9 +144,10 @@ class Returns:
                 read.append(name)
 
     def _sooner_recomputed(self, name: str) -> bool:
-        """Rank 0: the session has blocks on L3, and recomputing its blocks off L1 (weighed by
-        the turns decoding, whom it delays) takes less than reading its L3 blocks after the
-        read aheads queued."""
+        """Rank 0: the session has blocks on L3, and recomputing its blocks off L1 after the
+        recomputes sent in before it (weighed by the turns decoding, whom they delay) ends
+        sooner than reading its L3 blocks after the read aheads queued: each queue counts,
+        so a round of returns is split between the GPU and the disk."""
         worker = self.rt.worker
         store = worker.store
         if store is None:
@@ -152,16 +155,21 @@ class Returns:
         on3 = len(worker.mirror.session_logical(name, int(Tier.SSD)))
         if not on3:
             return False
-        off = on3 + len(worker.mirror.session_logical(name, int(Tier.DRAM)))
-        g = self.rt.config.geometry
         weight = 1.0 + self.rt.config.policy.gpu_share_weight * self.num_running()
-        recompute_s = off * g.block_tokens / self.prefill_tokens_per_s * weight
+        queued = sum(self._recompute_tokens.values())
+        recompute_s = (queued + self._off_tokens(name)) / self.prefill_tokens_per_s * weight
         ahead = store.ahead
         # (the measured rate once a job is done: the busy time counts from the first start)
         rate = (ahead.read_bytes / ahead.read_s if ahead.read_bytes and ahead.read_s > 0
                 else self._start_read_rate)
         read_s = (ahead.pending_bytes() + on3 * store.block_bytes) / rate
         return recompute_s < read_s
+
+    def _off_tokens(self, name: str) -> int:
+        """Tokens of the session's blocks off L1 (in L2 and L3): what a recompute computes."""
+        mirror = self.rt.worker.mirror
+        off = sum(len(mirror.session_logical(name, int(t))) for t in (Tier.SSD, Tier.DRAM))
+        return off * self.rt.config.geometry.block_tokens
 
     def prefilled(self, num_tokens: int, seconds: float) -> None:
         """A prefill's speed (tokens a second), averaged into the estimate."""
@@ -176,6 +184,7 @@ class Returns:
             return
         for name in session_ids:
             self.recompute.discard(name)
+            self._recompute_tokens.pop(name, None)
             if name in self.reading:
                 self.reading.discard(name)
                 self.rt.worker.drop_read_ahead(name)
