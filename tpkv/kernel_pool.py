@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -140,13 +141,13 @@ def _run(config: TpkvConfig | None) -> None:
             return
         work = Path(tempfile.mkdtemp(prefix="tpkv-kernel-pool-"))
         try:
-            _spawn_and_wait(config, modules, n, work, started)
+            _spawn_and_wait(config, modules, n, work, started, disps)
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
 
 def _spawn_and_wait(config: TpkvConfig | None, modules: tuple[str, ...], n: int, work: Path,
-                    started: float) -> None:
+                    started: float, disps: dict[str, Any]) -> None:
     import numba
 
     (work / "job").write_bytes(pickle.dumps((config, modules)))
@@ -157,50 +158,138 @@ def _spawn_and_wait(config: TpkvConfig | None, modules: tuple[str, ...], n: int,
         env["NUMBA_CACHE_DIR"] = str(chosen)
     root = str(Path(__file__).resolve().parents[1])  # the same tpkv as this process's
     code = (f"import sys; sys.path.insert(0, {root!r}); "
-            "from tpkv.kernel_pool_child import child; child(sys.argv[1])")
+            "from tpkv.kernel_pool_child import child; child(sys.argv[1], int(sys.argv[2]))")
     procs = []
     try:
         for i in range(n):
             with open(work / f"out{i}", "wb") as out, open(work / f"err{i}", "wb") as err:
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-c", code, str(work)], env=env,
+                    [sys.executable, "-c", code, str(work), str(i)], env=env,
                     stdin=subprocess.DEVNULL, stdout=out, stderr=err))
     except OSError as exc:  # no processes here (a sandbox, limits): those started still help
         log.info("kernel pool: started %d of %d processes (%s)", len(procs), n, exc)
-    deadline = time.monotonic() + TIMEOUT_S
-    tasks: list[dict[str, Any]] = []
-    ready: list[float] = []
-    ready_cpu: list[float] = []
+    undo = lock_saves(work / "save.lock")  # what this process compiles meanwhile: as theirs
     try:
-        for i, p in enumerate(procs):
-            try:
-                rc = p.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                rc = p.wait()
-            for line in (work / f"out{i}").read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:  # cut short by a kill
-                    continue
-                if "ready_s" in rec:
-                    ready.append(rec["ready_s"])
-                    ready_cpu.append(rec["ready_cpu_s"])
-                else:
-                    tasks.append({**rec, "child": i})
-            if rc != 0:
-                log.warning("kernel pool process %d exited with %s: %s", i, rc,
-                            (work / f"err{i}").read_text()[-2000:])
+        pool = _Watch(work, procs, started, disps)
+        pool.run(time.monotonic() + TIMEOUT_S)
     finally:  # none outlives this call: what compiles after it must not race their saves
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    _REPORT.update(processes=len(procs), wall_s=time.perf_counter() - started,
-                   ready_s=ready, ready_cpu_s=ready_cpu, kernels=tasks)
+        undo()
+    _REPORT.update(processes=len(procs), wall_s=time.perf_counter() - started, **pool.report())
     from tpkv import startup
 
     startup.add("kernel_pool", time.perf_counter() - started)
+
+
+class _Watch:
+    """Follows the pool's processes until all have ended: reads the line each prints per
+    kernel it compiled and loads that kernel here from numba's cache at once (with the
+    signatures the dry run left in the work directory), so that little is left to load when
+    the last one ends. Only kernels a process reported: their cache entries are written."""
+
+    def __init__(self, work: Path, procs: list[Any], started: float,
+                 disps: dict[str, Any]) -> None:
+        self.work, self.procs, self.started, self.disps = work, procs, started, disps
+        self.seen = [0] * len(procs)  # bytes of each one's output read
+        self.ready: dict[int, dict[str, float]] = {}
+        self.tasks: list[dict[str, Any]] = []
+        self.ends: dict[int, float] = {}
+        self.sigs: dict[str, list[tuple]] | None = None
+        self.sigs_s: float | None = None
+        self.waiting: list[str] = []  # reported before the signatures were read
+        self.loaded = 0
+        self.load_s = 0.0
+
+    def run(self, deadline: float) -> None:
+        live = dict(enumerate(self.procs))
+        while live:
+            for i, p in list(live.items()):
+                rc = p.poll()
+                if rc is None and time.monotonic() > deadline:
+                    p.kill()
+                    rc = p.wait()
+                if rc is not None:
+                    del live[i]
+                    self.ends[i] = time.perf_counter() - self.started
+                    if rc != 0:
+                        log.warning("kernel pool process %d exited with %s: %s", i, rc,
+                                    (self.work / f"err{i}").read_text()[-2000:])
+                self._read(i, final=rc is not None)
+            if live:
+                time.sleep(0.01)
+
+    def _read(self, i: int, final: bool) -> None:
+        try:
+            with open(self.work / f"out{i}", "rb") as f:
+                f.seek(self.seen[i])
+                chunk = f.read()
+        except OSError:
+            return
+        end = len(chunk) if final else chunk.rfind(b"\n") + 1  # whole lines only
+        self.seen[i] += end
+        for line in chunk[:end].decode(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:  # cut short by a kill
+                continue
+            if "ready_s" in rec:
+                self.ready[i] = rec
+            elif "kernel" in rec:
+                self.tasks.append({**rec, "child": i})
+                self._load(rec["kernel"])
+
+    def _load(self, name: str) -> None:
+        if self.sigs is None:
+            try:
+                self.sigs = pickle.loads((self.work / "sigs").read_bytes())
+                self.sigs_s = time.perf_counter() - self.started
+            except (OSError, ValueError, EOFError, pickle.UnpicklingError):
+                self.waiting.append(name)
+                return
+        t = time.perf_counter()
+        for n in [*self.waiting, name]:
+            for sig in self.sigs.get(n, []):
+                try:
+                    self.disps[n].compile(sig)  # numba's cache holds it: a load
+                    self.loaded += 1
+                except Exception:  # the warm-ups compile it later, as without the pool
+                    log.debug("loading %s%s after the pool compiled it failed", n, sig,
+                              exc_info=True)
+        self.waiting.clear()
+        self.load_s += time.perf_counter() - t
+
+    def report(self) -> dict[str, Any]:
+        order = sorted(self.ready)
+        return {"ready_s": [self.ready[i]["ready_s"] for i in order],
+                "ready_cpu_s": [self.ready[i]["ready_cpu_s"] for i in order],
+                "ready_parts_s": [{k: v for k, v in self.ready[i].items()
+                                   if k not in ("ready_s", "ready_cpu_s")} for i in order],
+                "kernels": self.tasks, "ends_s": [self.ends.get(i) for i in range(len(
+                    self.procs))], "signatures_read_s": self.sigs_s,
+                "loaded_during": self.loaded, "load_during_s": self.load_s}
+
+
+def lock_saves(path: Path) -> Callable[[], None]:
+    """Make this process's numba save cache entries under an flock of `path`, which all the
+    pool's processes share; returns what undoes it. numba saves an overload by reading the
+    function's index, picking the first free data file name, and writing both back: two
+    processes saving overloads of one function at once (a callee that two callers compile)
+    would both pick the same name and one index would lose the other's entry, or point at the
+    other's code."""
+    from numba.core.caching import IndexDataCacheFile
+
+    unlocked = IndexDataCacheFile.save
+
+    def save(self: Any, key: Any, data: Any) -> None:
+        with open(path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            unlocked(self, key, data)
+
+    setattr(IndexDataCacheFile, "save", save)  # noqa: B010 (mypy: no method assignment)
+    return lambda: setattr(IndexDataCacheFile, "save", unlocked)  # noqa: B010
 
 
 class _cache_lock:

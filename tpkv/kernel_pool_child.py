@@ -1,10 +1,10 @@
-"""A kernel pool process (see tpkv.kernel_pool): dry-runs the warm-ups to learn each kernel's
-argument types, then claims and compiles kernels into numba's cache. Started by the pool by
-module name only, so the pool imports nothing above it."""
+"""A kernel pool process (see tpkv.kernel_pool): the first dry-runs the warm-ups to learn each
+kernel's argument types and leaves them in the work directory; meanwhile the others warm numba's
+compiler; then all claim and compile kernels into numba's cache. Started by the pool by module
+name only, so the pool imports nothing above it."""
 
 from __future__ import annotations
 
-import fcntl
 import inspect
 import json
 import os
@@ -15,26 +15,41 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpkv import kernel_pool
-from tpkv.kernel_pool import dispatchers, order
+from tpkv.kernel_pool import dispatchers, lock_saves, order
 
 if TYPE_CHECKING:
     from tpkv.config import TpkvConfig
 
+__all__ = ["child", "lock_saves", "signatures", "warm_compiler"]
 
-def child(work_dir: str) -> None:
-    """A pool process: dry run, then claim and compile kernels until none is left."""
+SIGNATURES_WAIT_S = 60.0  # then a process dry-runs the warm-ups itself
+
+
+def child(work_dir: str, index: int = 0) -> None:
+    """A pool process: process 0 runs the dry run and writes its signatures, the others warm
+    numba's compiler while they wait for them; then each claims and compiles kernels until
+    none is left."""
     started = time.perf_counter()
     from tpkv.startup import gc_paused
 
     kernel_pool._STARTED = True  # the warm-ups it runs never start a pool of their own
     kernel_pool._DONE.set()
     work = Path(work_dir)
+    parts: dict[str, float] = {}
     with gc_paused():
         config, modules = pickle.loads((work / "job").read_bytes())
         disps = dispatchers(modules)
-        sigs = signatures(config, disps)
+        parts["imported_s"] = time.perf_counter() - started
+        if index == 0:
+            sigs = _dry_run(config, disps, work)
+            parts["dry_run_s"] = time.perf_counter() - started
+        t = time.perf_counter()
+        warm_compiler()
+        parts["warm_compiler_s"] = time.perf_counter() - t
+        if index != 0:
+            sigs = _wait_for_signatures(config, disps, work)
     print(json.dumps({"ready_s": time.perf_counter() - started,  # from its start
-                      "ready_cpu_s": time.process_time()}), flush=True)
+                      "ready_cpu_s": time.process_time(), **parts}), flush=True)
     lock_saves(work / "save.lock")
     for name in order(disps):
         if not sigs.get(name):
@@ -47,26 +62,57 @@ def child(work_dir: str) -> None:
         for sig in sigs[name]:
             disps[name].compile(sig)
         print(json.dumps({"kernel": name, "signatures": len(sigs[name]),
-                          "s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu}),
-              flush=True)
+                          "s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu,
+                          "end_s": time.perf_counter() - started}), flush=True)
 
 
-def lock_saves(path: Path) -> None:
-    """Make this process's numba save cache entries under an flock of `path`, which all the
-    pool's processes share. numba saves an overload by reading the function's index, picking
-    the first free data file name, and writing both back: two processes saving overloads of
-    one function at once (a callee that two callers compile) would both pick the same name
-    and one index would lose the other's entry, or point at the other's code."""
-    from numba.core.caching import IndexDataCacheFile
+def _dry_run(config: TpkvConfig | None, disps: dict[str, Any],
+             work: Path) -> dict[str, list[tuple]]:
+    """signatures(), written to work/sigs for the others (an empty dict if the dry run
+    fails: they then compile nothing, and the caller's warm-ups compile in its process)."""
+    sigs: dict[str, list[tuple]] = {}
+    try:
+        sigs = signatures(config, disps)
+    finally:
+        tmp = work / "sigs.tmp"
+        tmp.write_bytes(pickle.dumps(sigs))
+        os.replace(tmp, work / "sigs")  # whole or absent to a reader
+    return sigs
 
-    unlocked = IndexDataCacheFile.save
 
-    def save(self: Any, key: Any, data: Any) -> None:
-        with open(path, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            unlocked(self, key, data)
+def _wait_for_signatures(config: TpkvConfig | None, disps: dict[str, Any],
+                         work: Path) -> dict[str, list[tuple]]:
+    """Process 0's signatures once written; its own dry run if none came in
+    SIGNATURES_WAIT_S (process 0 was killed, or never started)."""
+    deadline = time.monotonic() + SIGNATURES_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            found: dict[str, list[tuple]] = pickle.loads((work / "sigs").read_bytes())
+            return found
+        except FileNotFoundError:
+            time.sleep(0.005)
+    return signatures(config, disps)
 
-    setattr(IndexDataCacheFile, "save", save)  # noqa: B010 (mypy: no method assignment)
+
+def warm_compiler() -> None:
+    """Compile (not cached) a small function of the features the kernels use (arrays made,
+    indexed, sliced and copied, loops, floats, a tuple returned), so that numba's compiler has
+    set itself up (about a second of a pool process's first compile) before the signatures
+    are there: a process's first kernel then compiles as fast as its later ones."""
+    import numpy as np
+    from numba import njit
+
+    @njit(nogil=True, boundscheck=False)
+    def sample(a: np.ndarray, n: int) -> tuple[np.ndarray, bool]:
+        out = np.empty(n, dtype=np.int64)
+        k = 0
+        for i in range(min(n, len(a))):
+            if a[i] > 0.5 or a[i] != a[i]:
+                out[k] = i
+                k += 1
+        return out[:k].copy(), k > 0
+
+    sample(np.zeros(3), 3)
 
 
 def signatures(config: TpkvConfig | None, disps: dict[str, Any]) -> dict[str, list[tuple]]:
