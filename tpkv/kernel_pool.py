@@ -4,17 +4,20 @@ Compiled one after another, tpkv's ~25 kernels take 11-15 s of one core on a fre
 after a numba upgrade, which makes numba ignore its old cache). `ensure` (the first caller of a
 process decides; later ones wait for it) looks at numba's index files first: when they are there
 and current it returns at once and spawns nothing. Otherwise, given at least `MIN_PROCESSES`
-cores, it starts up to `MAX_PROCESSES` interpreters (`subprocess`: a daemonic process such as a
-Ray actor may start them too). Each imports the kernels, finds the argument types of every
-kernel with a dry run of the very warm-ups the process runs next (workers.kernels.warm,
-controller.warm's script) on the kernels' pure-Python bodies, then claims kernels one by one
-(atomic file creation, longest code first) and compiles them into numba's cache directory. A
-caller compiles (and saves) its callees too, and numba saves a function's overloads through one
-index file (read, add, write back), so the pool's processes save under one lock
-(`kernel_pool_child.lock_saves`).
-The caller then loads everything from the cache. What fails here (no process can be started, a
-child dies or times out) is logged; the in-process warm-up compiles whatever is still missing,
-as without the pool. `report()` says how long each kernel took, for bench/startup.py.
+cores, it starts one interpreter (`subprocess`: a daemonic process such as a Ray actor may start
+it too; tpkv.kernel_pool_child), which imports the kernels and forks up to `MAX_PROCESSES`
+processes from itself, so that the imports and the set-up of numba's compiler (~1 s of CPU each)
+are paid once, not once per process: process 0 right after the imports, to find the argument
+types of every kernel with a dry run of the very warm-ups the caller runs next
+(workers.kernels.warm, controller.warm's script) on the kernels' pure-Python bodies; the others
+once the compiler is warm. They claim kernels one by one (atomic file creation, longest code
+first) and compile them into numba's cache directory. A caller compiles (and saves) its callees
+too, and numba saves a function's overloads through one index file (read, add, write back), so
+the pool's processes save under one lock (`lock_saves`). Meanwhile the caller loads each kernel
+from the cache as soon as a process reports it compiled, so that almost nothing is left to load
+when the last one ends. What fails here (no process can be started, one dies or times out) is
+logged; the in-process warm-up compiles whatever is still missing, as without the pool.
+`report()` says how long each kernel took, for bench/startup.py.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import logging
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,8 +62,11 @@ _REPORT: dict[str, Any] = {}
 
 def report() -> dict[str, Any]:
     """What this process's pool did: {} when none ran, else processes, wall_s, the seconds
-    (wall and CPU) each child took to be ready (imports and dry run) and per kernel: seconds
-    (wall and CPU), signatures, child."""
+    (wall from the pool's start, and CPU) until each process could compile (ready_s,
+    ready_cpu_s; ready_parts_s: until imported, dry run, compiler warmed), per kernel: seconds
+    (wall and CPU), signatures, child and end_s (from the pool's start), each process's end
+    (ends_s, from the caller's start of ensure), when the caller read the signatures and how
+    many overloads it loaded while the pool ran (loaded_during, load_during_s)."""
     return dict(_REPORT)
 
 
@@ -156,44 +163,49 @@ def _spawn_and_wait(config: TpkvConfig | None, modules: tuple[str, ...], n: int,
     chosen = getattr(numba.config, "CACHE_DIR", "")  # also one tpkv.numba_cache set at run time
     if chosen:
         env["NUMBA_CACHE_DIR"] = str(chosen)
+    env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # no BLAS
     root = str(Path(__file__).resolve().parents[1])  # the same tpkv as this process's
     code = (f"import sys; sys.path.insert(0, {root!r}); "
-            "from tpkv.kernel_pool_child import child; child(sys.argv[1], int(sys.argv[2]))")
+            "from tpkv.kernel_pool_child import start; start(sys.argv[1], int(sys.argv[2]))")
     procs = []
-    try:
-        for i in range(n):
-            with open(work / f"out{i}", "wb") as out, open(work / f"err{i}", "wb") as err:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-c", code, str(work), str(i)], env=env,
-                    stdin=subprocess.DEVNULL, stdout=out, stderr=err))
-    except OSError as exc:  # no processes here (a sandbox, limits): those started still help
-        log.info("kernel pool: started %d of %d processes (%s)", len(procs), n, exc)
+    try:  # its own process group: what it forks ends with it (os.killpg)
+        with open(work / "out", "wb") as out, open(work / "err", "wb") as err:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", code, str(work), str(n)], env=env,
+                stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True))
+    except OSError as exc:  # no processes here (a sandbox, limits)
+        log.info("kernel pool: no process started (%s)", exc)
     undo = lock_saves(work / "save.lock")  # what this process compiles meanwhile: as theirs
+    pool = _Watch(work, n, started, disps)
     try:
-        pool = _Watch(work, procs, started, disps)
-        pool.run(time.monotonic() + TIMEOUT_S)
+        for p in procs:
+            pool.run(p, time.monotonic() + TIMEOUT_S)
     finally:  # none outlives this call: what compiles after it must not race their saves
         for p in procs:
-            if p.poll() is None:
-                p.kill()
+            if p.poll() != 0:  # killed, failed or still running: its children too
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
                 p.wait()
         undo()
-    _REPORT.update(processes=len(procs), wall_s=time.perf_counter() - started, **pool.report())
+    _REPORT.update(processes=n if procs else 0, wall_s=time.perf_counter() - started,
+                   **pool.report())
     from tpkv import startup
 
     startup.add("kernel_pool", time.perf_counter() - started)
 
 
 class _Watch:
-    """Follows the pool's processes until all have ended: reads the line each prints per
-    kernel it compiled and loads that kernel here from numba's cache at once (with the
-    signatures the dry run left in the work directory), so that little is left to load when
-    the last one ends. Only kernels a process reported: their cache entries are written."""
+    """Follows the pool until its first process has ended (it waits for those it forked):
+    reads the line each process prints per kernel it compiled and loads that kernel here from
+    numba's cache at once (with the signatures the dry run left in the work directory), so
+    that little is left to load when the last one ends. Only kernels a process reported: their
+    cache entries are written."""
 
-    def __init__(self, work: Path, procs: list[Any], started: float,
-                 disps: dict[str, Any]) -> None:
-        self.work, self.procs, self.started, self.disps = work, procs, started, disps
-        self.seen = [0] * len(procs)  # bytes of each one's output read
+    def __init__(self, work: Path, n: int, started: float, disps: dict[str, Any]) -> None:
+        self.work, self.n, self.started, self.disps = work, n, started, disps
+        self.seen = [0] * n  # bytes of each one's output read
         self.ready: dict[int, dict[str, float]] = {}
         self.tasks: list[dict[str, Any]] = []
         self.ends: dict[int, float] = {}
@@ -203,23 +215,21 @@ class _Watch:
         self.loaded = 0
         self.load_s = 0.0
 
-    def run(self, deadline: float) -> None:
-        live = dict(enumerate(self.procs))
-        while live:
-            for i, p in list(live.items()):
-                rc = p.poll()
-                if rc is None and time.monotonic() > deadline:
-                    p.kill()
-                    rc = p.wait()
-                if rc is not None:
-                    del live[i]
-                    self.ends[i] = time.perf_counter() - self.started
-                    if rc != 0:
-                        log.warning("kernel pool process %d exited with %s: %s", i, rc,
-                                    (self.work / f"err{i}").read_text()[-2000:])
+    def run(self, p: Any, deadline: float) -> None:
+        while True:
+            rc = p.poll()
+            if rc is None and time.monotonic() > deadline:
+                os.killpg(p.pid, signal.SIGKILL)
+                rc = p.wait()
+            for i in range(self.n):
                 self._read(i, final=rc is not None)
-            if live:
-                time.sleep(0.01)
+            if rc is not None:
+                break
+            time.sleep(0.01)
+        if rc != 0:
+            errs = [self.work / f for f in ["err", *(f"err{i}" for i in range(self.n))]]
+            log.warning("kernel pool exited with %s: %s", rc, "\n".join(
+                f.read_text()[-2000:] for f in errs if f.exists() and f.stat().st_size))
 
     def _read(self, i: int, final: bool) -> None:
         try:
@@ -235,11 +245,13 @@ class _Watch:
                 rec = json.loads(line)
             except ValueError:  # cut short by a kill
                 continue
-            if "ready_s" in rec:
-                self.ready[i] = rec
-            elif "kernel" in rec:
+            if "kernel" in rec:
                 self.tasks.append({**rec, "child": i})
                 self._load(rec["kernel"])
+            elif "ready_s" in rec:
+                self.ready[i] = rec
+            elif "exit_s" in rec:
+                self.ends[i] = time.perf_counter() - self.started
 
     def _load(self, name: str) -> None:
         if self.sigs is None:
@@ -267,8 +279,8 @@ class _Watch:
                 "ready_cpu_s": [self.ready[i]["ready_cpu_s"] for i in order],
                 "ready_parts_s": [{k: v for k, v in self.ready[i].items()
                                    if k not in ("ready_s", "ready_cpu_s")} for i in order],
-                "kernels": self.tasks, "ends_s": [self.ends.get(i) for i in range(len(
-                    self.procs))], "signatures_read_s": self.sigs_s,
+                "kernels": self.tasks, "ends_s": [self.ends.get(i) for i in range(self.n)],
+                "signatures_read_s": self.sigs_s,
                 "loaded_during": self.loaded, "load_during_s": self.load_s}
 
 

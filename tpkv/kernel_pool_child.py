@@ -1,16 +1,22 @@
-"""A kernel pool process (see tpkv.kernel_pool): the first dry-runs the warm-ups to learn each
-kernel's argument types and leaves them in the work directory; meanwhile the others warm numba's
-compiler; then all claim and compile kernels into numba's cache. Started by the pool by module
-name only, so the pool imports nothing above it."""
+"""The kernel pool's processes (see tpkv.kernel_pool). One interpreter imports the kernels and
+forks the others from itself, so that they neither import nor set up numba's compiler again:
+process 0 right after the imports, to dry-run the warm-ups (the argument types of each kernel),
+which it leaves in the work directory; the rest once numba's compiler is warm. Each then claims
+and compiles kernels into numba's cache. Started by the pool by module name only, so the pool
+imports nothing above it."""
 
 from __future__ import annotations
 
+import functools
+import gc
 import inspect
 import json
 import os
 import pickle
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,36 +26,80 @@ from tpkv.kernel_pool import dispatchers, lock_saves, order
 if TYPE_CHECKING:
     from tpkv.config import TpkvConfig
 
-__all__ = ["child", "lock_saves", "signatures", "warm_compiler"]
+__all__ = ["lock_saves", "signatures", "start", "warm_compiler"]
 
 SIGNATURES_WAIT_S = 60.0  # then a process dry-runs the warm-ups itself
 
 
-def child(work_dir: str, index: int = 0) -> None:
-    """A pool process: process 0 runs the dry run and writes its signatures, the others warm
-    numba's compiler while they wait for them; then each claims and compiles kernels until
-    none is left."""
+def start(work_dir: str, n: int) -> None:
+    """The pool's first process: imports, forks process 0 (the dry run), warms numba's
+    compiler, forks processes 1..n-1, compiles nothing itself and waits for all of them; exits
+    with 1 if one failed (its traceback in work/err<i>)."""
     started = time.perf_counter()
     from tpkv.startup import gc_paused
 
     kernel_pool._STARTED = True  # the warm-ups it runs never start a pool of their own
     kernel_pool._DONE.set()
     work = Path(work_dir)
-    parts: dict[str, float] = {}
     with gc_paused():
         config, modules = pickle.loads((work / "job").read_bytes())
         disps = dispatchers(modules)
-        parts["imported_s"] = time.perf_counter() - started
-        if index == 0:
-            sigs = _dry_run(config, disps, work)
-            parts["dry_run_s"] = time.perf_counter() - started
-        t = time.perf_counter()
+    parts = {"imported_s": time.perf_counter() - started}
+    gc.freeze()  # what exists now stays shared with the forks (no collection touches it)
+    parts["start_cpu_s"] = time.process_time()  # of this process, before the fork
+    pids = [_fork(work, 0, functools.partial(_compile, work, 0, config, disps, started,
+                                             dict(parts)))]
+    t = time.perf_counter()
+    with gc_paused():
         warm_compiler()
-        parts["warm_compiler_s"] = time.perf_counter() - t
-        if index != 0:
-            sigs = _wait_for_signatures(config, disps, work)
-    print(json.dumps({"ready_s": time.perf_counter() - started,  # from its start
-                      "ready_cpu_s": time.process_time(), **parts}), flush=True)
+    parts["warm_compiler_s"] = time.perf_counter() - t
+    parts["start_cpu_s"] = time.process_time()
+    gc.freeze()
+    pids += [_fork(work, i, functools.partial(_compile, work, i, config, disps, started, parts))
+             for i in range(1, n)]
+    failed = 0
+    for pid in pids:
+        _, status = os.waitpid(pid, 0)
+        failed += status != 0
+    sys.exit(1 if failed else 0)
+
+
+def _fork(work: Path, i: int, body: Callable[[], None]) -> int:
+    """Run body in a forked process with stdout and stderr in work/out<i>, work/err<i>."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    rc = 1
+    try:
+        for fd, name in ((1, f"out{i}"), (2, f"err{i}")):
+            f = os.open(work / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(f, fd)
+            os.close(f)
+        body()
+        rc = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)  # not the parent's exit path
+
+
+def _compile(work: Path, index: int, config: TpkvConfig | None, disps: dict[str, Any],
+             started: float, parts: dict[str, float]) -> None:
+    """A forked pool process: process 0 runs the dry run (and then warms the compiler), the
+    others wait for its signatures; then each claims and compiles kernels until none is left."""
+    if index == 0:
+        sigs = _dry_run(config, disps, work)
+        parts = {**parts, "dry_run_s": time.perf_counter() - started}
+        warm_compiler()
+    else:
+        sigs = _wait_for_signatures(config, disps, work)
+    print(json.dumps({"ready_s": time.perf_counter() - started,  # from the pool's start
+                      "ready_cpu_s": parts["start_cpu_s"] + time.process_time(), **parts}),
+          flush=True)
     lock_saves(work / "save.lock")
     for name in order(disps):
         if not sigs.get(name):
@@ -64,6 +114,7 @@ def child(work_dir: str, index: int = 0) -> None:
         print(json.dumps({"kernel": name, "signatures": len(sigs[name]),
                           "s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu,
                           "end_s": time.perf_counter() - started}), flush=True)
+    print(json.dumps({"exit_s": time.perf_counter() - started}), flush=True)
 
 
 def _dry_run(config: TpkvConfig | None, disps: dict[str, Any],
@@ -120,7 +171,6 @@ def signatures(config: TpkvConfig | None, disps: dict[str, Any]) -> dict[str, li
     (the worker's, and the controller's for `config`), found by running the warm-ups on the
     kernels' Python bodies (nothing is compiled). Patches every tpkv module for the run: only
     for a pool process."""
-    import functools
 
     from numba import types
     from numba.extending import _Intrinsic
