@@ -148,8 +148,9 @@ def _wait_for_signatures(config: TpkvConfig | None, disps: dict[str, Any],
 def warm_compiler() -> None:
     """Compile (not cached) a small function of the features the kernels use (arrays made,
     indexed, sliced and copied, loops, floats, a tuple returned), so that numba's compiler has
-    set itself up (about a second of a pool process's first compile) before the signatures
-    are there: a process's first kernel then compiles as fast as its later ones."""
+    set itself up (~0.5 s of CPU on the 2-core VM, 1-1.5 s of a pool process's first compile
+    on the GPU host) once, in the pool's first process, before it forks the others: their
+    first kernel then compiles about as fast as a later one."""
     import numpy as np
     from numba import njit
 
