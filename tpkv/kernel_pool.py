@@ -53,6 +53,11 @@ MAX_PROCESSES = 12
 # compiles one of its callers). With 2 processes: 9 s (on a busy machine, slower than one).
 MIN_PROCESSES = 3
 TIMEOUT_S = 300.0
+# numba compiles its sort for each caller: ~1.1 s of CPU, what ~1500 bytes of a kernel's own
+# code take (merged_copies, 918 bytes with its argsort, compiled in 1.5-1.7 s, longer than
+# walk_prepared's 2326 bytes in 0.9-1.3 s)
+SORT_BYTES = 1500
+_SORTS = frozenset({"sort", "argsort", "lexsort"})
 
 _LOCK = threading.Lock()
 _DONE = threading.Event()
@@ -126,9 +131,11 @@ def callees(disps: dict[str, Any], name: str) -> list[str]:
 
 
 def order(disps: dict[str, Any]) -> list[str]:
-    """The kernels, longest code first (with their callees'): the order the pool takes them."""
+    """The kernels, longest code first (with their callees'; a numpy sort counts as
+    SORT_BYTES more): the order the pool takes them."""
     def size(n: str) -> int:
-        return sum(len(disps[c].py_func.__code__.co_code) for c in [n, *callees(disps, n)])
+        codes = [disps[c].py_func.__code__ for c in [n, *callees(disps, n)]]
+        return sum(len(c.co_code) + SORT_BYTES * len(_SORTS & set(c.co_names)) for c in codes)
 
     return sorted(disps, key=size, reverse=True)
 
