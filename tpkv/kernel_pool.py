@@ -49,8 +49,9 @@ CONTROLLER_MODULES = ("tpkv.controller.kernels", "tpkv.controller.arena",
 MAX_PROCESSES = 12
 # Fewer cores than this: no pool. In CPU seconds on a 2-core VM, 23 kernels with their callees:
 # 11-12 s compiled in the process; in 12 processes 2.7 s until the last is done but 26 s in all
-# (each spends ~0.6 s before it compiles, and a callee compiles again in every process that
-# compiles one of its callers). With 2 processes: 9 s (on a busy machine, slower than one).
+# (each spent ~0.6 s before it compiled, before they were forked from one interpreter: now
+# ~19 s in all; and a callee compiles again in every process that compiles one of its
+# callers). With 2 processes: 9 s (on a busy machine, slower than one).
 MIN_PROCESSES = 3
 TIMEOUT_S = 300.0
 # numba compiles its sort for each caller: ~1.1 s of CPU, what ~1500 bytes of a kernel's own
