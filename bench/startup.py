@@ -208,6 +208,15 @@ def main() -> None:
                   + ", ".join(f"{x:.2f}" for x in kp["ready_s"]) + " s; kernels (CPU s) "
                   + ", ".join(f"{k['kernel'].split(':')[1]} {k['cpu_s']:.2f}"
                               for k in kp["kernels"]), flush=True)
+            if "loaded_during" in kp:  # the critical path's pieces
+                longest = max(kp["kernels"], key=lambda k: k["s"], default=None)
+                print("  pool: imported and compiler warm "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in (kp["ready_parts_s"] or [{}])[-1]
+                                  .items() if k != "start_cpu_s")
+                      + " s; longest kernel " + (f"{longest['kernel'].split(':')[1]} "
+                                                  f"{longest['s']:.2f} s" if longest else "-")
+                      + f"; {kp['loaded_during']} loaded here during the pool "
+                      f"({kp['load_during_s']:.2f} s)", flush=True)
     raw = raw_register(a.raw_gib) if a.device == "cuda" else {"gib": 0, "seconds": 0.0,
                                                                 "gb_per_s": float("nan")}
     for r in runs:

@@ -1,28 +1,40 @@
-"""A kernel pool process (see tpkv.kernel_pool): dry-runs the warm-ups to learn each kernel's
-argument types, then claims and compiles kernels into numba's cache. Started by the pool by
-module name only, so the pool imports nothing above it."""
+"""The kernel pool's processes (see tpkv.kernel_pool). One interpreter imports the kernels and
+forks the others from itself, so that they neither import nor set up numba's compiler again:
+process 0 right after the imports, to dry-run the warm-ups (the argument types of each kernel),
+which it leaves in the work directory; the rest once numba's compiler is warm. Each then claims
+and compiles kernels into numba's cache. Started by the pool by module name only, so the pool
+imports nothing above it."""
 
 from __future__ import annotations
 
-import fcntl
+import functools
+import gc
 import inspect
 import json
 import os
 import pickle
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpkv import kernel_pool
-from tpkv.kernel_pool import dispatchers, order
+from tpkv.kernel_pool import dispatchers, lock_saves, order
 
 if TYPE_CHECKING:
     from tpkv.config import TpkvConfig
 
+__all__ = ["lock_saves", "signatures", "start", "warm_compiler"]
 
-def child(work_dir: str) -> None:
-    """A pool process: dry run, then claim and compile kernels until none is left."""
+SIGNATURES_WAIT_S = 60.0  # then a process dry-runs the warm-ups itself
+
+
+def start(work_dir: str, n: int) -> None:
+    """The pool's first process: imports, forks process 0 (the dry run), warms numba's
+    compiler, forks processes 1..n-1, compiles nothing itself and waits for all of them; exits
+    with 1 if one failed (its traceback in work/err<i>)."""
     started = time.perf_counter()
     from tpkv.startup import gc_paused
 
@@ -32,9 +44,62 @@ def child(work_dir: str) -> None:
     with gc_paused():
         config, modules = pickle.loads((work / "job").read_bytes())
         disps = dispatchers(modules)
-        sigs = signatures(config, disps)
-    print(json.dumps({"ready_s": time.perf_counter() - started,  # from its start
-                      "ready_cpu_s": time.process_time()}), flush=True)
+    parts = {"imported_s": time.perf_counter() - started}
+    gc.freeze()  # what exists now stays shared with the forks (no collection touches it)
+    parts["start_cpu_s"] = time.process_time()  # of this process, before the fork
+    pids = [_fork(work, 0, functools.partial(_compile, work, 0, config, disps, started,
+                                             dict(parts)))]
+    t = time.perf_counter()
+    with gc_paused():
+        warm_compiler()
+    parts["warm_compiler_s"] = time.perf_counter() - t
+    parts["start_cpu_s"] = time.process_time()
+    gc.freeze()
+    pids += [_fork(work, i, functools.partial(_compile, work, i, config, disps, started, parts))
+             for i in range(1, n)]
+    failed = 0
+    for pid in pids:
+        _, status = os.waitpid(pid, 0)
+        failed += status != 0
+    sys.exit(1 if failed else 0)
+
+
+def _fork(work: Path, i: int, body: Callable[[], None]) -> int:
+    """Run body in a forked process with stdout and stderr in work/out<i>, work/err<i>."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    rc = 1
+    try:
+        for fd, name in ((1, f"out{i}"), (2, f"err{i}")):
+            f = os.open(work / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(f, fd)
+            os.close(f)
+        body()
+        rc = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)  # not the parent's exit path
+
+
+def _compile(work: Path, index: int, config: TpkvConfig | None, disps: dict[str, Any],
+             started: float, parts: dict[str, float]) -> None:
+    """A forked pool process: process 0 runs the dry run (and then warms the compiler), the
+    others wait for its signatures; then each claims and compiles kernels until none is left."""
+    if index == 0:
+        sigs = _dry_run(config, disps, work)
+        parts = {**parts, "dry_run_s": time.perf_counter() - started}
+        warm_compiler()
+    else:
+        sigs = _wait_for_signatures(config, disps, work)
+    print(json.dumps({"ready_s": time.perf_counter() - started,  # from the pool's start
+                      "ready_cpu_s": parts["start_cpu_s"] + time.process_time(), **parts}),
+          flush=True)
     lock_saves(work / "save.lock")
     for name in order(disps):
         if not sigs.get(name):
@@ -47,26 +112,59 @@ def child(work_dir: str) -> None:
         for sig in sigs[name]:
             disps[name].compile(sig)
         print(json.dumps({"kernel": name, "signatures": len(sigs[name]),
-                          "s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu}),
-              flush=True)
+                          "s": time.perf_counter() - t, "cpu_s": time.process_time() - cpu,
+                          "end_s": time.perf_counter() - started}), flush=True)
+    print(json.dumps({"exit_s": time.perf_counter() - started}), flush=True)
 
 
-def lock_saves(path: Path) -> None:
-    """Make this process's numba save cache entries under an flock of `path`, which all the
-    pool's processes share. numba saves an overload by reading the function's index, picking
-    the first free data file name, and writing both back: two processes saving overloads of
-    one function at once (a callee that two callers compile) would both pick the same name
-    and one index would lose the other's entry, or point at the other's code."""
-    from numba.core.caching import IndexDataCacheFile
+def _dry_run(config: TpkvConfig | None, disps: dict[str, Any],
+             work: Path) -> dict[str, list[tuple]]:
+    """signatures(), written to work/sigs for the others (an empty dict if the dry run
+    fails: they then compile nothing, and the caller's warm-ups compile in its process)."""
+    sigs: dict[str, list[tuple]] = {}
+    try:
+        sigs = signatures(config, disps)
+    finally:
+        tmp = work / "sigs.tmp"
+        tmp.write_bytes(pickle.dumps(sigs))
+        os.replace(tmp, work / "sigs")  # whole or absent to a reader
+    return sigs
 
-    unlocked = IndexDataCacheFile.save
 
-    def save(self: Any, key: Any, data: Any) -> None:
-        with open(path, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            unlocked(self, key, data)
+def _wait_for_signatures(config: TpkvConfig | None, disps: dict[str, Any],
+                         work: Path) -> dict[str, list[tuple]]:
+    """Process 0's signatures once written; its own dry run if none came in
+    SIGNATURES_WAIT_S (process 0 was killed, or never started)."""
+    deadline = time.monotonic() + SIGNATURES_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            found: dict[str, list[tuple]] = pickle.loads((work / "sigs").read_bytes())
+            return found
+        except FileNotFoundError:
+            time.sleep(0.005)
+    return signatures(config, disps)
 
-    setattr(IndexDataCacheFile, "save", save)  # noqa: B010 (mypy: no method assignment)
+
+def warm_compiler() -> None:
+    """Compile (not cached) a small function of the features the kernels use (arrays made,
+    indexed, sliced and copied, loops, floats, a tuple returned), so that numba's compiler has
+    set itself up (~0.5 s of CPU on the 2-core VM, 1-1.5 s of a pool process's first compile
+    on the GPU host) once, in the pool's first process, before it forks the others: their
+    first kernel then compiles about as fast as a later one."""
+    import numpy as np
+    from numba import njit
+
+    @njit(nogil=True, boundscheck=False)
+    def sample(a: np.ndarray, n: int) -> tuple[np.ndarray, bool]:
+        out = np.empty(n, dtype=np.int64)
+        k = 0
+        for i in range(min(n, len(a))):
+            if a[i] > 0.5 or a[i] != a[i]:
+                out[k] = i
+                k += 1
+        return out[:k].copy(), k > 0
+
+    sample(np.zeros(3), 3)
 
 
 def signatures(config: TpkvConfig | None, disps: dict[str, Any]) -> dict[str, list[tuple]]:
@@ -74,7 +172,6 @@ def signatures(config: TpkvConfig | None, disps: dict[str, Any]) -> dict[str, li
     (the worker's, and the controller's for `config`), found by running the warm-ups on the
     kernels' Python bodies (nothing is compiled). Patches every tpkv module for the run: only
     for a pool process."""
-    import functools
 
     from numba import types
     from numba.extending import _Intrinsic
