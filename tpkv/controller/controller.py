@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from tpkv.config import KvGeometry, TpkvConfig
-from tpkv.controller import recovery
+from tpkv.controller import gcpause, recovery
 from tpkv.controller import sessioncalls as calls
 from tpkv.controller.autopin import AutoPin
 from tpkv.controller.batchtable import BatchTable
@@ -210,12 +210,14 @@ class Controller:
         has read ahead). Returns block tables, fresh slots and 0..4 plans."""
         started = time.perf_counter_ns()
         self.require_ready()
+        gc_on = gcpause.pause()  # no GC pass in the step: prepare() runs the one due
         try:
             if self.tick >= _TICK_LIMIT:
                 self._rebase_ticks()
             result = self._changing(lambda: self._step(session_ids, num_new_tokens, upcoming,
                                                        rewrite, resume))
         finally:
+            gcpause.resume(gc_on)
             self.prepared = None  # for this step only (or a refused one: made again)
         self.latency_us.append((time.perf_counter_ns() - started) / 1e3)
         return result
@@ -247,7 +249,9 @@ class Controller:
         wants, anything changed since), so its result is exactly what it would be without
         this call, however often it is called; calls after the first before the next step do
         nothing new. Optional: without it, schedule() scans as before. `force` (tests): tiers
-        to prepare whatever the prediction, each with a prefix of at least that many blocks."""
+        to prepare whatever the prediction, each with a prefix of at least that many blocks.
+        Also runs the young GC collection due soon (gcpause.collect_due)."""
+        gcpause.collect_due()
         if self.awaiting_rebuild or not (self.order_asks or force):
             return
         ctx = PlanContext(self.config.policy, self.marks, self.l3_enabled, self.tick + 1, 0.0,
