@@ -112,6 +112,19 @@ def l1_likely(used: int, slots: int, high: float, seen: tuple[int, int], tick: i
     return used + max(grew, 0) > high * slots, (tick, used)
 
 
+def likely_tiers(l1: bool, used1: int, slots1: int, high1: float, asked: Mapping[int, tuple[
+        int, int]], tick: int, budget: int) -> tuple[int, ...]:
+    """The tiers the step after `tick` will likely ask for victims though the step at `tick`
+    did not, for prepare_orders: L1 where l1_likely says so (`l1`) or where L1 is within a
+    step's move `budget` of its high mark (a step that brings in more than it did the step
+    before crosses it all the same); L2 where L1 was asked at `tick` or is likely now: what L1
+    demotes lands in L2, which then spills (bench/controller.py at 1M blocks: 3 of 1000 steps
+    scanned every session for their first L1 or L2 order of a cycle)."""
+    l1 = l1 or used1 + budget > high1 * slots1
+    l2 = l1 or asked.get(HBM, (-1, 0))[0] == tick
+    return tuple(t for t, on in ((HBM, l1), (DRAM, l2)) if on)
+
+
 def prepare_orders(ctx: PlanContext, s: SessionTable, prepared: PreparedOrders | None,
                    force: Mapping[int, int] | None = None,
                    likely: tuple[int, ...] = ()) -> PreparedOrders:
@@ -121,21 +134,27 @@ def prepare_orders(ctx: PlanContext, s: SessionTable, prepared: PreparedOrders |
     left of it (sessions with blocks there that did not run since) is under twice the blocks
     that step asked for. Each prefix holds 2 * ORDER_TTL times those blocks, twice what a
     rebuild for as many wants; also a tier in `likely` (predicted to be asked though the step
-    before did not ask it: l1_likely), sized by what it was asked last. Keeps what `prepared`
-    holds for this tick already. `force` (tests): prepare these tiers, prefixes of at least
-    this many blocks, whatever the step before asked."""
+    before did not ask it: likely_tiers; it was asked before). A tier is sized (and a cached
+    order judged) by at least policy.max_moves_per_step blocks, what a step asks while a tier
+    drains, even where the last ask was smaller (a step asking more than its cache holds
+    scans); a likely tier by that many (its last ask may be a bulk drain's, long ago). Keeps
+    what `prepared` holds for this tick already. `force` (tests):
+    prepare these tiers, prefixes of at least this many blocks, whatever the step before
+    asked."""
     p = ctx.policy
     params = _params(p)
     if prepared is None or prepared.tick != ctx.tick or prepared.params != params:
         prepared = PreparedOrders(ctx.tick, params, {})
     first, kth = s.run_hist[0], s.run_hist[-1]
     todo = ({t: (ctx.tick - 1, n) for t, n in force.items()} if force is not None
-            else {**ctx.asked, **{t: (ctx.tick - 1, ctx.asked[t][1]) for t in likely
+            else {**ctx.asked, **{t: (ctx.tick - 1, p.max_moves_per_step) for t in likely
                                   if t in ctx.asked}})
     for tier, (asked, need) in todo.items():
         if tier in prepared.tiers or asked != ctx.tick - 1 or need <= 0:
             continue
         count = s.counts[_TIER_COL[tier]]
+        if force is None:
+            need = max(need, p.max_moves_per_step)
         size = 2 * need * ORDER_TTL if force is None else need
         if tier in ctx.orders and force is None:
             built, units = ctx.orders[tier]
