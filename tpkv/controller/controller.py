@@ -20,7 +20,7 @@ from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.capture import Capture, capture
 from tpkv.controller.cost import RateMeter
 from tpkv.controller.epochs import Epochs, PendingPlan
-from tpkv.controller.orders import l1_likely, likely_tiers, prepare_orders
+from tpkv.controller.orders import likely_tiers, prepare_orders
 from tpkv.controller.planstate import PlanContext, PreparedOrders
 from tpkv.controller.policy import fold_access
 from tpkv.controller.sessions import SessionTable
@@ -257,10 +257,9 @@ class Controller:
         ctx = PlanContext(self.config.policy, self.marks, self.l3_enabled, self.tick + 1, 0.0,
                           self.pin_threshold, orders=self.eviction_orders, asked=self.order_asks)
         t = self.table
-        used, slots, high = t.used(Tier.HBM), t.slots(Tier.HBM), self.marks[Tier.HBM][0]
-        l1, self.l1_seen = l1_likely(used, slots, high, self.l1_seen, self.tick)
-        likely = likely_tiers(l1, used, slots, high, self.order_asks, self.tick,
-                              self.config.policy.max_moves_per_step)
+        l1, l2 = ((t.used(k), t.slots(k), self.marks[k][0]) for k in (Tier.HBM, Tier.DRAM))
+        likely, self.l1_seen = likely_tiers(l1, l2, self.l1_seen, self.order_asks, self.tick,
+                                            self.config.policy.max_moves_per_step)
         self.prepared = prepare_orders(ctx, self.sessions, self.prepared, force, likely)
 
     def _changed(self, s: int) -> None:

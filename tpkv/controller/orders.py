@@ -112,17 +112,25 @@ def l1_likely(used: int, slots: int, high: float, seen: tuple[int, int], tick: i
     return used + max(grew, 0) > high * slots, (tick, used)
 
 
-def likely_tiers(l1: bool, used1: int, slots1: int, high1: float, asked: Mapping[int, tuple[
-        int, int]], tick: int, budget: int) -> tuple[int, ...]:
+def likely_tiers(l1: tuple[int, int, float], l2: tuple[int, int, float],
+                 seen: tuple[int, int], asked: Mapping[int, tuple[int, int]], tick: int,
+                 budget: int) -> tuple[tuple[int, ...], tuple[int, int]]:
     """The tiers the step after `tick` will likely ask for victims though the step at `tick`
-    did not, for prepare_orders: L1 where l1_likely says so (`l1`) or where L1 is within a
-    step's move `budget` of its high mark (a step that brings in more than it did the step
-    before crosses it all the same); L2 where L1 was asked at `tick` or is likely now: what L1
-    demotes lands in L2, which then spills (bench/controller.py at 1M blocks: 3 of 1000 steps
-    scanned every session for their first L1 or L2 order of a cycle)."""
-    l1 = l1 or used1 + budget > high1 * slots1
-    l2 = l1 or asked.get(HBM, (-1, 0))[0] == tick
-    return tuple(t for t, on in ((HBM, l1), (DRAM, l2)) if on)
+    did not, for prepare_orders; `l1`, `l2`: (blocks used, slots, high mark) of each. L1 where
+    l1_likely says so, or where twice its growth in the last step would cross its mark (a
+    step's growth varies by half: in bench/controller.py at 1M blocks one cycle's first
+    demotion came 17 blocks short of l1_likely's estimate); L2 where L1 was asked at `tick`
+    or is likely now and twice a step's move `budget` (what L1 demotes into it, and what L3
+    stages in it besides) would take L2 over its mark (the first L2 spill of 2 cycles in
+    1000 steps scanned every session).
+    -> (tiers, the new `seen` of l1_likely)."""
+    (used1, slots1, high1), (used2, slots2, high2) = l1, l2
+    likely1, now = l1_likely(used1, slots1, high1, seen, tick)
+    grew = used1 - seen[1] if seen[0] == tick - 1 else 0
+    likely1 = likely1 or used1 + 2 * max(grew, 0) > high1 * slots1
+    likely2 = ((likely1 or asked.get(HBM, (-1, 0))[0] == tick)
+               and used2 + 2 * budget > high2 * slots2)
+    return tuple(t for t, on in ((HBM, likely1), (DRAM, likely2)) if on), now
 
 
 def prepare_orders(ctx: PlanContext, s: SessionTable, prepared: PreparedOrders | None,
@@ -153,14 +161,16 @@ def prepare_orders(ctx: PlanContext, s: SessionTable, prepared: PreparedOrders |
         if tier in prepared.tiers or asked != ctx.tick - 1 or need <= 0:
             continue
         count = s.counts[_TIER_COL[tier]]
-        if force is None:
+        enough = 2 * need  # held by the cached order: the step most likely takes it from there
+        if force is None:  # a step asks up to the move budget while a tier drains
+            enough = max(enough, p.max_moves_per_step)
             need = max(need, p.max_moves_per_step)
         size = 2 * need * ORDER_TTL if force is None else need
         if tier in ctx.orders and force is None:
             built, units = ctx.orders[tier]
             if ctx.tick - built <= ORDER_TTL:
                 _, held = still_cold(units, _NO_FLAGS, _NO_FLAGS, _NO_FLAGS, count, first, built)
-                if held >= 2 * need:
+                if held >= enough:
                     continue  # the step will most likely take its victims from the cache
         units, ok = coldest_candidates(_NO_FLAGS, _NO_FLAGS, _NO_FLAGS, count, params[0],
                                        s.attn_sum, s.arena.length, first, kth, ctx.tick,
