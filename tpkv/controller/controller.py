@@ -250,9 +250,13 @@ class Controller:
         this call, however often it is called; calls after the first before the next step do
         nothing new. Optional: without it, schedule() scans as before. `force` (tests): tiers
         to prepare whatever the prediction, each with a prefix of at least that many blocks.
-        Also runs the young GC collection due soon (gcpause.collect_due)."""
+        Also runs the young GC collection due soon (gcpause.collect_due) and the compaction
+        of the sessions' row arena due soon (RowArena.make_room)."""
         gcpause.collect_due()
-        if self.awaiting_rebuild or not (self.order_asks or force):
+        if self.awaiting_rebuild:
+            return
+        self.sessions.arena.make_room()
+        if not (self.order_asks or force):
             return
         ctx = PlanContext(self.config.policy, self.marks, self.l3_enabled, self.tick + 1, 0.0,
                           self.pin_threshold, orders=self.eviction_orders, asked=self.order_asks)
