@@ -142,13 +142,13 @@ def prepare_orders(ctx: PlanContext, s: SessionTable, prepared: PreparedOrders |
     left of it (sessions with blocks there that did not run since) is under twice the blocks
     that step asked for. Each prefix holds 2 * ORDER_TTL times those blocks, twice what a
     rebuild for as many wants; also a tier in `likely` (predicted to be asked though the step
-    before did not ask it: likely_tiers; it was asked before). A tier is sized (and a cached
-    order judged) by at least policy.max_moves_per_step blocks, what a step asks while a tier
-    drains, even where the last ask was smaller (a step asking more than its cache holds
-    scans); a likely tier by that many (its last ask may be a bulk drain's, long ago). Keeps
-    what `prepared` holds for this tick already. `force` (tests):
-    prepare these tiers, prefixes of at least this many blocks, whatever the step before
-    asked."""
+    before did not ask it: likely_tiers; it was asked before), sized by
+    policy.max_moves_per_step (its last ask may be a bulk drain's, long ago). As a step asks
+    up to that budget while a tier drains, even where its last ask was smaller (and a step
+    asking more than its cached order holds scans), a cached order is enough only if it holds
+    that many blocks too, and a prefix is sized by at least that many. Keeps what `prepared`
+    holds for this tick already. `force` (tests): prepare these tiers, prefixes of at least
+    this many blocks, whatever the step before asked."""
     p = ctx.policy
     params = _params(p)
     if prepared is None or prepared.tick != ctx.tick or prepared.params != params:
