@@ -58,3 +58,31 @@ def test_the_first_l1_demotion_of_a_cycle_walks_a_prepared_order(make_config) ->
     assert demotions >= 3
     assert c.order_rebuilds.get("scanned", 0) == 1
     assert c.order_rebuilds.get("prepared", 0) >= 2
+
+
+def test_the_first_l2_spill_of_a_cycle_walks_a_prepared_order(make_config) -> None:
+    """The same workload over 300 steps with L3, an L2 of 400 slots draining from 90% to 50%
+    and 64 moves a step: L1 demotes every ~40 steps, and every few demotions L2 spills. With
+    prepare() between steps only the first L1 and the first L2 order scan: L2's is prepared
+    in the step after an L1 demotion (orders.likely_tiers), and the larger ask of a later
+    step finds a prefix sized by the move budget. (Before, every L2 cycle's first spill
+    scanned, as did an ask larger than the last: 4 scans.)"""
+    c = Controller(make_config(l1=200, l2=400, l3=4000, l1_marks=(0.9, 0.5),
+                               l2_marks=(0.9, 0.5), max_moves_per_step=64), FakeClock())
+    cold = [f"c{i}" for i in range(40)]
+    for n in cold:
+        c.open_session(n, 16)
+    _confirm(c, c.schedule(cold, np.zeros(len(cold), dtype=np.int64)))
+    spills = 0
+    for step in range(300):
+        if step % 20 == 0:
+            hot = [f"h{step}a", f"h{step}b"]
+            for n in hot:
+                c.open_session(n, 4)
+        c.prepare()
+        res = c.schedule(hot, np.full(2, 4, dtype=np.int64))
+        _confirm(c, res)
+        spills += any((p.dst_tier == Tier.SSD).any() for p in res.plans)
+    assert spills >= 3
+    assert c.order_rebuilds.get("scanned", 0) == 2
+    assert c.order_rebuilds.get("prepared", 0) >= 8

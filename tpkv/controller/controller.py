@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from tpkv.config import KvGeometry, TpkvConfig
-from tpkv.controller import recovery
+from tpkv.controller import gcpause, recovery
 from tpkv.controller import sessioncalls as calls
 from tpkv.controller.autopin import AutoPin
 from tpkv.controller.batchtable import BatchTable
@@ -20,7 +20,7 @@ from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.capture import Capture, capture
 from tpkv.controller.cost import RateMeter
 from tpkv.controller.epochs import Epochs, PendingPlan
-from tpkv.controller.orders import l1_likely, prepare_orders
+from tpkv.controller.orders import likely_tiers, prepare_orders
 from tpkv.controller.planstate import PlanContext, PreparedOrders
 from tpkv.controller.policy import fold_access
 from tpkv.controller.sessions import SessionTable
@@ -210,12 +210,14 @@ class Controller:
         has read ahead). Returns block tables, fresh slots and 0..4 plans."""
         started = time.perf_counter_ns()
         self.require_ready()
+        gc_on = gcpause.pause()  # no GC pass in the step: prepare() runs the one due
         try:
             if self.tick >= _TICK_LIMIT:
                 self._rebase_ticks()
             result = self._changing(lambda: self._step(session_ids, num_new_tokens, upcoming,
                                                        rewrite, resume))
         finally:
+            gcpause.resume(gc_on)
             self.prepared = None  # for this step only (or a refused one: made again)
         self.latency_us.append((time.perf_counter_ns() - started) / 1e3)
         return result
@@ -247,16 +249,22 @@ class Controller:
         wants, anything changed since), so its result is exactly what it would be without
         this call, however often it is called; calls after the first before the next step do
         nothing new. Optional: without it, schedule() scans as before. `force` (tests): tiers
-        to prepare whatever the prediction, each with a prefix of at least that many blocks."""
-        if self.awaiting_rebuild or not (self.order_asks or force):
+        to prepare whatever the prediction, each with a prefix of at least that many blocks.
+        Also runs the young GC collection due soon (gcpause.collect_due) and the compaction
+        of the sessions' row arena due soon (RowArena.make_room)."""
+        gcpause.collect_due()
+        if self.awaiting_rebuild:
+            return
+        self.sessions.arena.make_room()
+        if not (self.order_asks or force):
             return
         ctx = PlanContext(self.config.policy, self.marks, self.l3_enabled, self.tick + 1, 0.0,
                           self.pin_threshold, orders=self.eviction_orders, asked=self.order_asks)
         t = self.table
-        l1, self.l1_seen = l1_likely(t.used(Tier.HBM), t.slots(Tier.HBM),
-                                     self.marks[Tier.HBM][0], self.l1_seen, self.tick)
-        self.prepared = prepare_orders(ctx, self.sessions, self.prepared, force,
-                                       (Tier.HBM,) if l1 else ())
+        l1, l2 = ((t.used(k), t.slots(k), self.marks[k][0]) for k in (Tier.HBM, Tier.DRAM))
+        likely, self.l1_seen = likely_tiers(l1, l2, self.l1_seen, self.order_asks, self.tick,
+                                            self.config.policy.max_moves_per_step)
+        self.prepared = prepare_orders(ctx, self.sessions, self.prepared, force, likely)
 
     def _changed(self, s: int) -> None:
         """Session s's eviction key or blocks may have changed outside a step."""

@@ -299,3 +299,49 @@ def uncopied_running(rows: A, l3copy: A) -> A:
         n += l3copy[rows[i]] == 0
         out[i] = n
     return out
+
+
+@_jit
+def pin_mass(owner: A, attn: A, bits: A, fraction: float, cap: int, vals: A, high: A,
+             low: A) -> tuple[int, int]:
+    """policy.auto_pin_threshold over the attention of the blocks L1 holds (`attn[owner[s]]`
+    for every owned slot s), without gathering it or sorting: the count-th largest positive
+    mass found by its float32 bits (`bits`: attn viewed as int32; positive floats order as
+    their bits), top 16 bits first (a count per value in `high`, 32768), then the low 16 of
+    those in the bucket it falls in (`low`, 65536). `vals` (len(owner)) holds the positive
+    masses' bits. -> (bits of the count-th largest, 1 if more than `count` masses are at
+    least that (ties at the edge)); (-1, 0) where nothing qualifies (+inf)."""
+    n = 0
+    m = 0
+    high[:] = 0
+    low[:] = 0
+    for i in range(len(owner)):
+        if i + PREFETCH_AHEAD < len(owner) and owner[i + PREFETCH_AHEAD] >= 0:
+            prefetch(attn, owner[i + PREFETCH_AHEAD])
+        r = owner[i]
+        if r < 0:
+            continue
+        n += 1
+        if attn[r] > 0:  # (NaN is not)
+            b = bits[r]
+            vals[m] = b
+            m += 1
+            high[b >> 16] += 1
+    count = min(int(np.floor(fraction * n)), cap, m)
+    if count <= 0:
+        return -1, 0
+    above = 0  # masses in buckets higher than the one found
+    h = len(high) - 1
+    while above + high[h] < count:
+        above += high[h]
+        h -= 1
+    for i in range(m):
+        if vals[i] >> 16 == h:
+            low[vals[i] & 0xFFFF] += 1
+    at_least = above  # masses >= the value found, once found
+    v = len(low) - 1
+    while at_least + low[v] < count:
+        at_least += low[v]
+        v -= 1
+    at_least += low[v]
+    return (h << 16) | v, int(at_least > count)

@@ -112,6 +112,27 @@ def l1_likely(used: int, slots: int, high: float, seen: tuple[int, int], tick: i
     return used + max(grew, 0) > high * slots, (tick, used)
 
 
+def likely_tiers(l1: tuple[int, int, float], l2: tuple[int, int, float],
+                 seen: tuple[int, int], asked: Mapping[int, tuple[int, int]], tick: int,
+                 budget: int) -> tuple[tuple[int, ...], tuple[int, int]]:
+    """The tiers the step after `tick` will likely ask for victims though the step at `tick`
+    did not, for prepare_orders; `l1`, `l2`: (blocks used, slots, high mark) of each. L1 where
+    l1_likely says so, or where twice its growth in the last step would cross its mark (a
+    step's growth varies by half: in bench/controller.py at 1M blocks one cycle's first
+    demotion came 17 blocks short of l1_likely's estimate); L2 where L1 was asked at `tick`
+    or is likely now and twice a step's move `budget` (what L1 demotes into it, and what L3
+    stages in it besides) would take L2 over its mark (the first L2 spill of 2 cycles in
+    1000 steps scanned every session).
+    -> (tiers, the new `seen` of l1_likely)."""
+    (used1, slots1, high1), (used2, slots2, high2) = l1, l2
+    likely1, now = l1_likely(used1, slots1, high1, seen, tick)
+    grew = used1 - seen[1] if seen[0] == tick - 1 else 0
+    likely1 = likely1 or used1 + 2 * max(grew, 0) > high1 * slots1
+    likely2 = ((likely1 or asked.get(HBM, (-1, 0))[0] == tick)
+               and used2 + 2 * budget > high2 * slots2)
+    return tuple(t for t, on in ((HBM, likely1), (DRAM, likely2)) if on), now
+
+
 def prepare_orders(ctx: PlanContext, s: SessionTable, prepared: PreparedOrders | None,
                    force: Mapping[int, int] | None = None,
                    likely: tuple[int, ...] = ()) -> PreparedOrders:
@@ -121,7 +142,11 @@ def prepare_orders(ctx: PlanContext, s: SessionTable, prepared: PreparedOrders |
     left of it (sessions with blocks there that did not run since) is under twice the blocks
     that step asked for. Each prefix holds 2 * ORDER_TTL times those blocks, twice what a
     rebuild for as many wants; also a tier in `likely` (predicted to be asked though the step
-    before did not ask it: l1_likely), sized by what it was asked last. Keeps what `prepared`
+    before did not ask it: likely_tiers; it was asked before), sized by
+    policy.max_moves_per_step (its last ask may be a bulk drain's, long ago). As a step asks
+    up to that budget while a tier drains, even where its last ask was smaller (and a step
+    asking more than its cached order holds scans), a cached order is enough only if it holds
+    that many blocks too, and a prefix is sized by at least that many. Keeps what `prepared`
     holds for this tick already. `force` (tests): prepare these tiers, prefixes of at least
     this many blocks, whatever the step before asked."""
     p = ctx.policy
@@ -130,18 +155,22 @@ def prepare_orders(ctx: PlanContext, s: SessionTable, prepared: PreparedOrders |
         prepared = PreparedOrders(ctx.tick, params, {})
     first, kth = s.run_hist[0], s.run_hist[-1]
     todo = ({t: (ctx.tick - 1, n) for t, n in force.items()} if force is not None
-            else {**ctx.asked, **{t: (ctx.tick - 1, ctx.asked[t][1]) for t in likely
+            else {**ctx.asked, **{t: (ctx.tick - 1, p.max_moves_per_step) for t in likely
                                   if t in ctx.asked}})
     for tier, (asked, need) in todo.items():
         if tier in prepared.tiers or asked != ctx.tick - 1 or need <= 0:
             continue
         count = s.counts[_TIER_COL[tier]]
+        enough = 2 * need  # held by the cached order: the step most likely takes it from there
+        if force is None:  # a step asks up to the move budget while a tier drains
+            enough = max(enough, p.max_moves_per_step)
+            need = max(need, p.max_moves_per_step)
         size = 2 * need * ORDER_TTL if force is None else need
         if tier in ctx.orders and force is None:
             built, units = ctx.orders[tier]
             if ctx.tick - built <= ORDER_TTL:
                 _, held = still_cold(units, _NO_FLAGS, _NO_FLAGS, _NO_FLAGS, count, first, built)
-                if held >= 2 * need:
+                if held >= enough:
                     continue  # the step will most likely take its victims from the cache
         units, ok = coldest_candidates(_NO_FLAGS, _NO_FLAGS, _NO_FLAGS, count, params[0],
                                        s.attn_sum, s.arena.length, first, kth, ctx.tick,
