@@ -181,8 +181,6 @@ def settings(sizes: Sizes, ssd_root: str) -> dict[str, Setting]:
         # tpkv's default policy: no spill of what the cost model would recompute anyway.
         "c2": Setting("c2", "L1+L2+L3, cost-aware spills", l1, int(sizes.l2_gib * GiB), ssd_root,
                       int(sizes.l3_gib * GiB), spill="cost"),
-        "c2w": Setting("c2w", "L1+L2+L3, weighed spills", l1, int(sizes.l2_gib * GiB), ssd_root,
-                       int(sizes.l3_gib * GiB), spill="weighed"),  # AB
         # (c) with every return loaded, however slow the disk, and an L3 that holds every
         # session: times resumes from L3 against their ceiling (not in the default list: it
         # adds about two minutes to --full).
@@ -201,7 +199,7 @@ def main() -> None:
     started = time.time()
     rates = [float(g) for g in args.emulate_l3_gbps.split(",") if g.strip()]
     emulate = [k for k in args.emulate_configs.split(",") if k] if rates else []
-    if any(g <= 0 for g in rates) or not set(emulate) <= {"c", "c2", "c2w", "c3"}:
+    if any(g <= 0 for g in rates) or not set(emulate) <= {"c", "c2", "c3"}:
         raise SystemExit(f"--emulate-l3-gbps needs rates > 0 ({rates}) and --emulate-configs "
                          f"a subset of c,c2,c3 ({emulate})")
     sizing = fit(model_config(sizes.model), sizes, wanted, emulate)

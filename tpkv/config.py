@@ -249,14 +249,11 @@ class PolicyConfig:
     auto_pin_fraction: float = 0.10
     max_auto_pin_blocks: int = 4096
     prefetch_steps: int = 2
-    # "cost": L2 spills to L3 ahead of need as fast as the disk writes (spill pacing below);
-    # blocks a step must free for its own copies into L2 are dropped instead of spilled when
-    # the copies would wait longer than spill_queue_s for the disk (their sessions are
-    # recomputed when they return); whether a return loads or recomputes is decided then,
-    # with the GPU's and the disk's queues (models/returns.py). "always": spill whatever must
-    # leave L2, the step waiting for the disk if it must (keeps the most).
-    # "weighed" (A/B, to go): no spill of what a load would bring back slower than a recompute.
-    spill: Literal["cost", "always", "weighed"] = "cost"
+    # "cost": no spill to L3 of blocks the cost model would recompute rather than load back
+    # under the step's load (the sessions a recompute delays: the batch and those named
+    # upcoming), dropped from L2 instead; "always": spill whatever must leave L2 (keeps the
+    # most).
+    spill: Literal["cost", "always"] = "cost"
     # Which free L1 slot a move into L1 or a new block gets: "newest" (the one given back last,
     # as before the option; the controller's golden plans are recorded with it) or "oldest"
     # (given back longest ago: its demotion copy is done, so a resume's copies and new K/V do
@@ -294,7 +291,7 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         check_choice("policy kind", self.kind, ("heat", "lru", "lruk"))
-        check_choice("policy spill", self.spill, ("cost", "always", "weighed"))
+        check_choice("policy spill", self.spill, ("cost", "always"))
         for name in ("l1_reuse", "l2_reuse"):
             check_choice(f"policy {name}", getattr(self, name), ("newest", "oldest"))
         try:

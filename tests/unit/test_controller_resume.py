@@ -66,7 +66,7 @@ def test_spill_cost_weighs_the_recompute_by_the_sessions_it_delays(make_config, 
     named upcoming the recompute would delay them, so it is spilled (the load is cheaper)."""
     kept = {}
     for upcoming in ([], ["z1", "z2"]):
-        rig = small_l2_rig(make_config, fake_clock, spill="weighed")  # AB
+        rig = small_l2_rig(make_config, fake_clock)
         rig.open("z1", "z2", tokens=0)
         g = rig.c.config.geometry
         rig.c.rates.h2d_bytes_per_s = 1e15

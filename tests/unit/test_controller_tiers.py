@@ -189,7 +189,7 @@ def test_a_session_that_would_be_recomputed_is_dropped_not_spilled(make_config, 
     """Loading it back from this disk takes longer than a prefill that delays nobody: writing
     it to L3 would cost disk bandwidth for a load the cost model will never choose."""
     rig = small_l2_rig(make_config, fake_clock, ssd_read_bytes_per_s=1.0,
-                       prefill_tokens_per_s=1e9, spill="weighed")  # AB
+                       prefill_tokens_per_s=1e9)
     rig.open("a", "b", "c", "d", "e")
     for n in "abcde":
         rig.step([n])

@@ -57,19 +57,18 @@ def _plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray
             # L2 spills now, or did: blocks live in L3 (L1 and L2 do not hold the sessions)
             pressed = short2 > 0 or extra2 > 0 or t.used(SSD) > 0
             extra2 = max(0, extra2 - short2)
-            spilled = 0 if _drops_at_need(ctx, b) else short2  # (at need: see _make_l2_room)
-            if not _weighed_drop(ctx):  # AB
+            if not ctx.l3_load_s_per_block > ctx.recompute_s_per_block > 0:  # (else dropped)
                 # a drain spills no faster than the disk writes: a copy into L2 that finds no
                 # clean slot waits for the spills queued before its slot's
-                extra2 = min(extra2, t.pace.room(t.free[DRAM], spilled))
+                extra2 = min(extra2, t.pace.room(t.free[DRAM], short2))
                 # ahead of need: the slots this frees are clean by the time steps need them
                 # but never into L3 room a session there would have to give up
                 l3_room = t.num_free(SSD) - short2 - int(np.count_nonzero(s.counts[SSD + 1])) - 1
                 extra2 = max(extra2, min(max(0, l3_room),
                                          t.pace.ahead(t.free[DRAM], free2, len(in3) + len(victims),
-                                                      spilled, pressed)))
+                                                      short2, pressed)))
             extra2 = min(extra2, max(budget - extra1, budget // 4))
-        _make_l2_room(ctx, b, shield, short2, extra2, budget, len(in3) + len(victims))
+        _make_l2_room(ctx, b, shield, short2, extra2, budget)
         free2 = t.num_free(DRAM)
         stage = in3[:free2]
         b.move(stage, SSD, DRAM)
@@ -138,26 +137,10 @@ def _pick_l1(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, protect: np.n
     return rows, units, sizes
 
 
-def _weighed_drop(ctx: PlanContext) -> bool:  # AB
-    return ctx.policy.spill == "weighed" and ctx.l3_load_s_per_block > ctx.recompute_s_per_block > 0
-
-
-def _drops_at_need(ctx: PlanContext, b: PlanBuilder) -> bool:
-    """spill="cost", paced: L2 blocks a step must free for its own copies are dropped (their
-    sessions recomputed when they come back) rather than spilled while the step waits longer
-    than spill_queue_s for the disk; L2 reaches L3 through the spills ahead of need, as fast
-    as the disk writes, and through spills at need the disk writes in that time."""
-    return ctx.policy.spill == "cost" and b.t.pace.enabled
-
-
 def _make_l2_room(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, short: int, extra: int,
-                  budget: int, intake: int) -> None:
-    """Free L2 for `intake` blocks copied in this phase (`short` more than its free slots) and
-    `extra` ahead: without L3, drop the coldest sessions' L2 blocks now; with L3, spill whole
-    sessions (their slots free at the end of this phase), dropping L3 sessions if it is full.
-    With spill="cost" and pacing, what the copies would otherwise wait for (`intake` beyond
-    the free slots no spill reads) is dropped instead when that wait, behind the spills in
-    flight, would pass spill_queue_s."""
+                  budget: int) -> None:
+    """Free L2: without L3, drop the coldest sessions' L2 blocks now; with L3, spill whole
+    sessions (their slots free at the end of this phase), dropping L3 sessions if it is full."""
     t = b.t
     want = short + extra
     if want <= 0:
@@ -165,31 +148,21 @@ def _make_l2_room(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, short: i
     # Sessions whose L1 blocks go down in this phase may still spill their older L2 blocks:
     # those are other rows, and nothing has moved yet in this phase.
     forbid = allowed(shield) if len(b.segment_gone) == 0 else allowed(shield, b.segment_gone)
-    rows, units, sizes = coldest(ctx, b, DRAM, want if ctx.l3_enabled else short, forbid,
-                                 cache=True)
+    rows, units, _ = coldest(ctx, b, DRAM, want if ctx.l3_enabled else short, forbid,
+                              cache=True)
     if not ctx.l3_enabled:
         b.drop(rows)
         if len(rows):
             b.events.append({"kind": "drop_l2", "blocks": len(rows), "sessions": len(units)})
         return
-    if _weighed_drop(ctx) and len(rows):  # AB
+    if ctx.l3_load_s_per_block > ctx.recompute_s_per_block > 0 and len(rows):
+        # Loading these blocks back from L3 would take longer than a prefill, weighed by the
+        # sessions it delays now: the cost model would recompute them, so writing them costs
+        # disk for nothing.
         b.drop(rows)
         b.events.append({"kind": "drop_l2", "blocks": len(rows), "sessions": len(units),
-                         "why": "recompute beats a load from L3"})
+                         "why": "recompute beats a load from L3"})  # (as weighed now)
         return
-    must = max(0, intake - t.free[DRAM].clean) if _drops_at_need(ctx, b) else 0
-    if not t.pace.would_hold(t.free[DRAM], must):
-        must = 0  # a short wait: spilled, as the disk writes them before long
-    if must and len(rows):
-        # whole sessions, coldest first, until the copies find clean slots
-        k = min(int(np.searchsorted(np.cumsum(sizes), must)) + 1, len(units))
-        n = int(np.sum(sizes[:k]))
-        b.drop(rows[:n])
-        b.events.append({"kind": "drop_l2", "blocks": n, "sessions": k,
-                         "why": "the disk is behind: a spill would hold the step"})
-        rows, units = rows[n:], units[k:]
-        if not len(rows):
-            return
     cap3 = t.slots(SSD)
     headers = _l3_headers(b, units)
     # Blocks whose records are on disk already (L3 copies) take no room

@@ -210,7 +210,7 @@ def _plan(ctx: StepContext, b: PlanBuilder, needs: StepNeeds, tick: int) -> np.n
     weight = 1.0 + pol.gpu_share_weight * max(len(needs.batch) + len(needs.upcoming) - 1, 0)
     plan = PlanContext(pol, ctx.marks, ctx.l3_enabled, tick, ctx.now_s(), threshold,
                        ctx.draining, ctx.eviction_orders,
-                       load_s if pol.spill == "weighed" else 0.0, recompute_s * weight,
+                       load_s if pol.spill == "cost" else 0.0, recompute_s * weight,
                        prep, stale, ctx.order_asks, ctx.order_rebuilds)
     return plan_step(plan, b, needs).astype(np.int64)
 
