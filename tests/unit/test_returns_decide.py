@@ -245,3 +245,158 @@ def test_a_read_ahead_in_flight_with_no_job_done_prices_at_the_start_rate() -> N
     w.ahead.read_s, w.ahead.read_bytes = 0.5, 0
     r.num_running = lambda: 2
     assert r.admit(["a"], [], idle=False) == ["a"] and r.recompute == {"a"}
+
+
+def test_a_finished_read_ahead_takes_the_free_place_before_straight_turns() -> None:
+    """Outside the batch: x and y (nothing on L3) arrived before a, whose read ahead is done.
+    The next step has one place: a takes it (its buffers hold the budget until its step),
+    then x and y in arrival order; with nothing running, the same."""
+    for idle in (False, True):
+        r, w = returns()
+        w.status, w.on3 = {"a": "started"}, {"a": 4}
+        r.room = lambda: 0  # the batch is full: nobody goes in
+        assert r.admit(["x", "y", "a"], [], idle=False) == [] and w.started == ["a"]
+        w.ahead.done_now.add("a")
+        r.room = lambda: 1
+        if not idle:
+            assert r.sample(seqs("x", "y", "a")) == ["a"]
+        assert r.admit([], ["x", "y", "a"], idle=idle) == ["a"]
+        r.room = lambda: 2
+        assert r.sample(seqs("x", "y")) == ["x", "y"]
+        assert r.admit([], ["x", "y"], idle=False) == ["x", "y"]
+
+
+def test_turns_that_arrive_take_only_the_places_the_sample_left() -> None:
+    r, w = returns()
+    w.status, w.on3 = {"a": "started"}, {"a": 4}
+    r.room = lambda: 0
+    r.admit(["a"], [], idle=False)
+    w.ahead.done_now.add("a")
+    r.room = lambda: 1
+    assert r.sample(seqs("a")) == ["a"]
+    assert r.admit(["x", "y"], ["a"], idle=False) == ["a"]  # one place: the sampled a's
+    r.room = lambda: 1
+    assert r.sample(seqs("x", "y")) == ["x"]
+    assert r.admit([], ["x", "y"], idle=False) == ["x"]
+
+
+def test_a_straight_turn_passed_over_max_passed_times_goes_next() -> None:
+    """x needs no read; a, b, c arrived after it, read ahead. One place a step: a and b pass
+    x (twice, max_passed), then x goes before c."""
+    r, w = returns()
+    r.max_passed = 2
+    w.status, w.on3 = {n: "started" for n in "abc"}, {n: 4 for n in "abc"}
+    r.room = lambda: 0
+    assert r.admit(["x", "a", "b", "c"], [], idle=False) == []
+    w.ahead.done_now |= {"a", "b", "c"}
+    r.room = lambda: 1
+    outside, order = ["x", "a", "b", "c"], []
+    while outside:
+        picked = r.sample(seqs(*outside))
+        went = r.admit([], outside, idle=False)
+        assert went == picked and len(went) == 1
+        order += went
+        outside = [n for n in outside if n not in went]
+    assert order == ["a", "b", "x", "c"] and not r._passed
+
+
+def test_a_turn_sent_in_to_recompute_waits_for_a_place_and_reads_nothing() -> None:
+    r, w = returns(prefill=1e5, read=1e9)  # (as in the recompute test above)
+    w.status, w.on3, w.on2 = {"a": "started"}, {"a": 4}, {"a": 4}
+    w.ahead.pending = 8 << 20
+    r.num_running = lambda: 2
+    r.room = lambda: 0
+    assert r.admit(["a"], [], idle=False) == [] and r.recompute == {"a"}
+    assert r.admit([], ["a"], idle=False) == [] and not w.started  # no sample yet
+    r.room = lambda: 1
+    assert r.sample(seqs("a")) == ["a"]
+    assert r.admit([], ["a"], idle=False) == ["a"] and not w.started
+    assert r.hints(["a"]) == {"a": "recompute"} and r.num_recomputed == 1
+
+
+class BudgetWorker(FakeWorker):
+    """Read aheads of sessions with blocks on L3, at most `budget` held at once."""
+
+    def __init__(self, budget: int) -> None:
+        super().__init__()
+        self.budget = budget
+        self.started_at: dict[str, int] = {}
+        self.step = 0
+
+    def read_ahead(self, name: str) -> str:
+        if name in self.ahead.held:
+            return "held"
+        if not self.on3.get(name):
+            return "none"
+        if len(self.ahead.held) >= self.budget:
+            return "full"
+        self.ahead.held.add(name)
+        self.started.append(name)
+        self.started_at[name] = self.step
+        return "started"
+
+
+def _run_engine(turns: list[str], r: Returns | None, w: BudgetWorker | None
+                ) -> tuple[dict[str, tuple[int, ...]], list[list[str]], list[Any]]:
+    """The tiny model's paged engine, one turn in the batch at a time, runs a 3-token prompt
+    and 2 new tokens for each of `turns` (all added at once), its admit hook `r` wired as
+    TieredEngine wires Returns (each read ahead done by the next forward's launch): (tokens of
+    every turn, the sessions of each step, the batch predicted at each launch)."""
+    import torch
+
+    from tpkv.models.engine import PagedEngine
+    from tpkv.models.llama import build_model
+
+    model = build_model("tiny", seed=0, device="cpu")
+    kv = model.kv_geometry(tp_size=1, block_tokens=4)
+    pool = torch.zeros(64, kv.num_layers, 2, 4, kv.num_kv_heads, kv.head_dim)
+    ran: list[list[str]] = []
+    predicted: list[Any] = []
+
+    def launched() -> None:
+        if r is None or w is None:
+            return
+        w.ahead.done_now |= w.ahead.held
+        predicted.append(engine.predict_next(r.sample(engine.returning)))
+
+    engine = PagedEngine(model, pool, max_batch=1, launched=launched,
+                         admit=None if r is None else r.admit)
+    schedule = engine.schedule
+
+    def spy(ids: Any, new: Any) -> Any:
+        ran.append(list(ids))
+        if w is not None:
+            w.step = len(ran)
+        if r is not None:
+            r.loaded(ids)
+        return schedule(ids, new)
+    engine.schedule = spy
+    if r is not None:
+        r.room = engine.room
+    for i, name in enumerate(turns):
+        engine.add_turn(name, [5 * i + 1, 5 * i + 2, 5 * i + 3], 2)
+    got = {f.session: f.token_ids for f in engine.run()}
+    return got, ran, predicted
+
+
+def test_reads_done_go_first_so_the_next_reads_start_while_straight_turns_wait() -> None:
+    """Four straight turns, then four with blocks on L3, a budget of two read aheads, one
+    turn in the batch. a and b, read ahead, run right after s1; their steps give the budget
+    back, so c and d are read (and run) before s2 runs: the disk is kept busy. Every step
+    runs the batch predicted at the last launch, and the tokens are an engine's without the
+    hook."""
+    turns = ["s1", "s2", "s3", "s4", "a", "b", "c", "d"]
+    want, _, _ = _run_engine(turns, None, None)
+    r, _ = returns()
+    w = BudgetWorker(budget=2)
+    w.on3 = {n: 4 for n in "abcd"}
+    r.rt.worker = w  # type: ignore[attr-defined]
+    got, ran, predicted = _run_engine(turns, r, w)
+    assert got == want
+    first = [ids[0] for i, ids in enumerate(ran) if ids[0] not in {s[0] for s in ran[:i]}]
+    assert first == ["s1", "a", "b", "c", "d", "s2", "s3", "s4"], ran
+    s2_at = next(i for i, ids in enumerate(ran, 1) if ids == ["s2"])
+    assert w.started == ["a", "b", "c", "d"] and w.started_at["d"] < s2_at, w.started_at
+    for nxt, ids in zip(predicted, ran[1:]):
+        assert nxt[0] == ids
+    assert not r.reading and not w.ahead.held

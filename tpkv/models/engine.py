@@ -80,7 +80,8 @@ ReportFn = Callable[[StepReport], None]
 ReleaseFn = Callable[[str], object]
 # admit(arrived, returning, idle): of the turns added since the last step (arrived) and those
 # waiting outside the batch (returning), the sessions whose turns may queue for the batch now;
-# `idle`: nothing else would run this step (the hook may wait for one to be ready).
+# `idle`: nothing else would run this step (the hook may wait for one to be ready); `room()`
+# says how many the batch has places for.
 AdmitFn = Callable[[Sequence[str], Sequence[str], bool], Sequence[str]]
 
 
