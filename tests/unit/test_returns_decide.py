@@ -400,3 +400,20 @@ def test_reads_done_go_first_so_the_next_reads_start_while_straight_turns_wait()
     for nxt, ids in zip(predicted, ran[1:]):
         assert nxt[0] == ids
     assert not r.reading and not w.ahead.held
+
+
+def test_with_the_batch_ended_the_sampled_turns_still_go_in_as_planned() -> None:
+    """The turns decoding all ended at the step whose launch sampled a and b: the step
+    planned ahead for them stands. b's records went back to L3 since (a new read ahead):
+    a and b go in as sampled, one place each, and nothing is waited for."""
+    r, w = returns()
+    w.status, w.on3 = {"a": "started", "b": "started"}, {"a": 4, "b": 4}
+    r.room = lambda: 0
+    r.admit(["a", "b"], [], idle=False)
+    w.ahead.done_now |= {"a", "b"}
+    r.room = lambda: 2
+    assert r.sample(seqs("a", "b")) == ["a", "b"]
+    w.ahead.done_now.discard("b")
+    w.ahead.held.discard("b")  # (its buffers discarded: b is on L3 again)
+    assert sorted(r.admit([], ["a", "b"], idle=True)) == ["a", "b"]
+    assert not w.ahead.waited and w.started == ["a", "b"]

@@ -128,8 +128,8 @@ class Returns:
         read: list[str] = []
         ready: list[str] = []  # ready to go in now, as the batch has room (arrival order)
         sample, self._sample = self._sample, None
-        if idle:  # nothing runs: no step was planned ahead for a batch
-            sample = None
+        if idle and not sample:  # nothing runs: no step was planned ahead for a batch (one
+            sample = None  # the sample names was, for them, though the batch ended meanwhile)
         back = set(returning)
         full = False  # the budget took no more: later turns outside wait their turn for it
         for name in [*returning, *arrived]:
