@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -336,12 +337,16 @@ class BudgetWorker(FakeWorker):
         return "started"
 
 
-def _run_engine(turns: list[str], r: Returns | None, w: BudgetWorker | None
+def _run_engine(turns: list[str], r: Returns | None, w: BudgetWorker | None, *,
+                max_batch: int = 1, gen: int = 2, read_steps: int = 0,
+                check: Callable[[Any], None] | None = None
                 ) -> tuple[dict[str, tuple[int, ...]], list[list[str]], list[Any]]:
-    """The tiny model's paged engine, one turn in the batch at a time, runs a 3-token prompt
-    and 2 new tokens for each of `turns` (all added at once), its admit hook `r` wired as
-    TieredEngine wires Returns (each read ahead done by the next forward's launch): (tokens of
-    every turn, the sessions of each step, the batch predicted at each launch)."""
+    """The tiny model's paged engine, `max_batch` turns in the batch, runs a 3-token prompt
+    and `gen` new tokens for each of `turns` (all added at once), its admit hook `r` wired as
+    TieredEngine wires Returns; a read ahead is done at the first launch `read_steps` steps
+    after it started (an idle wait for one takes a step); `check(engine)` runs as each step
+    starts. Returns (tokens of every turn, the sessions of each step, the batch predicted at
+    each launch)."""
     import torch
 
     from tpkv.models.engine import PagedEngine
@@ -349,21 +354,33 @@ def _run_engine(turns: list[str], r: Returns | None, w: BudgetWorker | None
 
     model = build_model("tiny", seed=0, device="cpu")
     kv = model.kv_geometry(tp_size=1, block_tokens=4)
-    pool = torch.zeros(64, kv.num_layers, 2, 4, kv.num_kv_heads, kv.head_dim)
+    pool = torch.zeros(128, kv.num_layers, 2, 4, kv.num_kv_heads, kv.head_dim)
     ran: list[list[str]] = []
     predicted: list[Any] = []
+
+    def finish_reads() -> None:
+        assert w is not None
+        w.ahead.done_now |= {n for n in w.ahead.held if w.step >= w.started_at[n] + read_steps}
 
     def launched() -> None:
         if r is None or w is None:
             return
-        w.ahead.done_now |= w.ahead.held
+        finish_reads()
         predicted.append(engine.predict_next(r.sample(engine.returning)))
 
-    engine = PagedEngine(model, pool, max_batch=1, launched=launched,
+    def idle_wait(names: list[str], timeout_s: float) -> None:
+        assert w is not None
+        w.step += 1
+        ran.append([])  # a step the batch waited, empty
+        finish_reads()
+
+    engine = PagedEngine(model, pool, max_batch=max_batch, launched=launched,
                          admit=None if r is None else r.admit)
     schedule = engine.schedule
 
     def spy(ids: Any, new: Any) -> Any:
+        if check is not None:
+            check(engine)
         ran.append(list(ids))
         if w is not None:
             w.step = len(ran)
@@ -371,10 +388,11 @@ def _run_engine(turns: list[str], r: Returns | None, w: BudgetWorker | None
             r.loaded(ids)
         return schedule(ids, new)
     engine.schedule = spy
-    if r is not None:
+    if r is not None and w is not None:
         r.room = engine.room
+        w.ahead.wait_any = idle_wait  # type: ignore[method-assign]
     for i, name in enumerate(turns):
-        engine.add_turn(name, [5 * i + 1, 5 * i + 2, 5 * i + 3], 2)
+        engine.add_turn(name, [5 * i + 1, 5 * i + 2, 5 * i + 3], gen)
     got = {f.session: f.token_ids for f in engine.run()}
     return got, ran, predicted
 
@@ -417,3 +435,35 @@ def test_with_the_batch_ended_the_sampled_turns_still_go_in_as_planned() -> None
     w.ahead.held.discard("b")  # (its buffers discarded: b is on L3 again)
     assert sorted(r.admit([], ["a", "b"], idle=True)) == ["a", "b"]
     assert not w.ahead.waited and w.started == ["a", "b"]
+
+
+def test_finished_reads_go_in_first_so_the_disk_rarely_idles_and_no_step_waits() -> None:
+    """24 straight turns and 12 with blocks on L3 in a random order, 3 in the batch, a budget
+    of 3 read aheads of 6 steps each, 4 tokens a turn. Finished reads go in at the first
+    places, so the next reads start: the disk idles (no read in flight while one waits for
+    the budget) in fewer than a quarter of the steps (7 of 48 when written; before, with
+    straight turns queued ahead of finished reads, 29 of 57), and the batch never waits
+    empty for a read (before: 9 steps at the end). The tokens are an engine's without the
+    hook."""
+    import random
+
+    l3 = [f"r{i}" for i in range(12)]
+    turns = [f"s{i}" for i in range(24)] + l3
+    random.Random(0).shuffle(turns)
+    r, _ = returns()
+    w = BudgetWorker(budget=3)
+    w.on3 = {n: 4 for n in l3}
+    r.rt.worker = w  # type: ignore[attr-defined]
+    idle_disk: list[int] = []
+
+    def check(engine: Any) -> None:
+        outside = {s.session for s in engine.returning}
+        in_flight = w.ahead.held - w.ahead.done_now
+        if not in_flight and any(n in outside and n not in w.ahead.held for n in l3):
+            idle_disk.append(w.step)
+
+    got, ran, _ = _run_engine(turns, r, w, max_batch=3, gen=4, read_steps=6, check=check)
+    want, _, _ = _run_engine(turns, None, None, max_batch=3, gen=4)
+    assert got == want
+    assert [] not in ran
+    assert 0 < len(idle_disk) < len(ran) // 4, (len(ran), idle_disk)  # (the budget runs full)
