@@ -267,3 +267,25 @@ def test_predict_next_names_the_batch_the_next_step_runs():
     assert ran[2] == (["s0", "s1", "s2"], [1, 1, 1]) and ran[3] == (["s3"], [3])
     assert all(n == [1] * len(ids) for ids, n in ran[4:])
     assert max(len(r) for r in running) == 3
+
+
+def test_room_counts_the_places_the_next_step_has_for_turns_outside():
+    """Outside a step: max_batch less the turns decoding and waiting (turns the admit hook
+    keeps outside take none); at a launch: those after this step (prefilled turns decode,
+    ended ones leave). One prefill a step, max_batch 2: s0 (3 tokens), s1 and s2 (2 each)."""
+    model = _model()
+    rooms: list[int] = []
+    engine = PagedEngine(model, _pool(model, 64), max_batch=2, max_prefill_tokens=1,
+                         launched=lambda: rooms.append(engine.room()),
+                         admit=lambda new, back, idle: [])
+    engine.add_turn("s0", [1, 2, 3], 3)
+    assert engine.room() == 2 and engine.step() == [] and engine.room() == 2
+    engine.admit = lambda new, back, idle: [*back, *new]
+    engine.add_turn("s1", [4, 5], 2)
+    engine.add_turn("s2", [6], 2)
+    engine.step()  # s0's prefill; s1 and s2 queue
+    assert rooms == [0] and engine.room() == 0  # s0 decodes, s1 and s2 wait: 2 - 1 - 2 < 0
+    engine.run()
+    # s1's prefill (2 decode, s2 waits), both decode (s1 ends, s2 waits), s2's prefill (2
+    # decode), both decode and end
+    assert rooms == [0, 0, 0, 0, 2] and engine.room() == 2

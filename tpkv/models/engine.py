@@ -80,7 +80,8 @@ ReportFn = Callable[[StepReport], None]
 ReleaseFn = Callable[[str], object]
 # admit(arrived, returning, idle): of the turns added since the last step (arrived) and those
 # waiting outside the batch (returning), the sessions whose turns may queue for the batch now;
-# `idle`: nothing else would run this step (the hook may wait for one to be ready).
+# `idle`: nothing else would run this step (the hook may wait for one to be ready); `room()`
+# says how many the batch has places for.
 AdmitFn = Callable[[Sequence[str], Sequence[str], bool], Sequence[str]]
 
 
@@ -283,21 +284,34 @@ class PagedEngine:
         step). None outside step()."""
         if self._step is None:
             return None
-        kind, seqs = self._step
         join = set(joining)
-        waiting, running = list(self.waiting), list(self.running)
-        if kind == "prefill":  # (as _postprocess will move them)
-            waiting, running = waiting[len(seqs):], running + seqs
+        waiting, running = self._after_step(*self._step)
         waiting += [s for s in self.returning if s.session in join]
-        # this step adds one generated token to each of its sessions
-        ending = {id(s) for s in seqs if len(s.generated) + 1 >= s.max_new_tokens}
-        running = [s for s in running if id(s) not in ending]
         names = [s.session for s in running]
         if waiting and len(running) < self.max_batch:
             picked = self._prefill_pick(waiting, len(running))
             return [s.session for s in picked], [s.num_uncached for s in picked], names
         batch = running[:self.max_batch]
         return [s.session for s in batch], [1] * len(batch), names
+
+    def room(self) -> int:
+        """Places in the batch for turns outside it (those the admit hook keeps out): max_batch
+        less the turns decoding and those queued for it (`waiting`); during step(), once its
+        forward is launched, those the next step has if none of this step's sessions samples
+        its EOS token and no turn joins (as predict_next counts them)."""
+        waiting, running = (self._after_step(*self._step) if self._step is not None
+                            else (self.waiting, self.running))
+        return max(0, self.max_batch - len(running) - len(waiting))
+
+    def _after_step(self, kind: str, seqs: list[Seq]) -> tuple[list[Seq], list[Seq]]:
+        """During step() (a `kind` step of `seqs`): `waiting` and `running` as this step
+        leaves them, if none of its sessions samples its EOS token."""
+        waiting, running = list(self.waiting), list(self.running)
+        if kind == "prefill":  # (as _postprocess will move them)
+            waiting, running = waiting[len(seqs):], running + seqs
+        # this step adds one generated token to each of its sessions
+        ending = {id(s) for s in seqs if len(s.generated) + 1 >= s.max_new_tokens}
+        return waiting, [s for s in running if id(s) not in ending]
 
     def _postprocess(self, kind: str, seqs: list[Seq]) -> list[Finished]:
         if kind == "prefill":  # the prefilled turns move from waiting to running

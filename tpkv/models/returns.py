@@ -25,6 +25,14 @@ class Returns:
     than the disk would read them, with the read aheads queued before it (at the speeds
     measured, the recompute weighed by the sessions it delays), goes straight in and is
     recomputed. Rank 0 decides; every rank starts the same reads and admits the same turns.
+
+    With `room` (TieredEngine: PagedEngine.room) the turns ready to go in queue for the batch
+    only as it has places for them, and those read ahead take them first: a finished read
+    ahead holds its buffers (the budget) until its turn's step, so behind turns that need no
+    read (straight, or sent in to be recomputed) it would keep the next reads from starting
+    while the disk idles. Within each class the turns go in arrival order; a straight turn
+    passed over `max_passed` times (a later turn let in before it) goes in with the first
+    class, so none waits without bound. The memory read ahead stays bounded by the budget.
     """
 
     def __init__(self, rt: TpkvRuntime) -> None:
@@ -47,8 +55,17 @@ class Returns:
         # launched (sample()): the next step lets in those (as the step planned ahead for it
         # expects), not those ready since.
         self._sample: set[str] | None = None
-        # Rank 0: turns outside the batch that need no read ahead (any more): sampled next
+        # Rank 0: turns outside the batch that need no read ahead (any more, or are sent in to
+        # be recomputed): sampled next
         self._straight: set[str] = set()
+        # places in the batch for turns outside it (None: no limit): TieredEngine sets it to
+        # PagedEngine.room (during a step: the next step's)
+        self.room: Callable[[], int | None] = lambda: None
+        # Rank 0: a straight turn let in after this many later turns went in before it goes
+        # in with those read ahead (about a budget's worth of finished read aheads, ~5, and a
+        # batch or two more)
+        self.max_passed = 8
+        self._passed: dict[str, int] = {}  # rank 0: straight turn -> times passed over
 
     def admit(self, arrived: Sequence[str], returning: Sequence[str], idle: bool) -> list[str]:
         answer = self.rt.from_rank0(lambda: self._decide(arrived, returning, idle),
@@ -64,7 +81,8 @@ class Returns:
     def sample(self, returning: Sequence[Any]) -> list[str]:
         """Rank 0, once a step's forward is launched: the sessions of these turns outside the
         batch (Seqs) that the next step lets in: their read ahead is done now, or they need
-        none (nothing of theirs is on L3 any more)."""
+        none (nothing of theirs is on L3 any more), as many as the next step has room for
+        (`_pick`)."""
         if self.rt.rank != 0:
             return []
         worker = self.rt.worker
@@ -73,8 +91,25 @@ class Returns:
         ready = [s.session for s in returning if s.session in self._straight
                  or worker.read_ahead_done(s.session)
                  or (s.session in self.reading and not worker.needs_read_ahead(s.session))]
+        ready = self._pick(ready, self.room())
         self._sample = set(ready)
         return ready
+
+    def _pick(self, ready: Sequence[str], room: int | None) -> list[str]:
+        """Rank 0: of the turns ready to go in (arrival order), those `room` places take (all
+        without a limit): first those read ahead and the straight ones passed over
+        max_passed times, then the other straight ones, each in arrival order. A straight
+        turn left out while a later one is taken is passed over once more."""
+        if room is None or len(ready) <= room:
+            return list(ready)
+        late = [n in self._straight and self._passed.get(n, 0) < self.max_passed
+                for n in ready]
+        take = set(sorted(range(len(ready)), key=lambda i: (late[i], i))[:room])
+        last = max(take, default=-1)
+        for i, name in enumerate(ready):
+            if i not in take and i < last and name in self._straight:
+                self._passed[name] = self._passed.get(name, 0) + 1
+        return [n for i, n in enumerate(ready) if i in take]
 
     def hints(self, session_ids: Sequence[str]) -> dict[str, str] | None:
         """Schedule's `resume` for a batch: "load" for sessions read ahead, "recompute" for
@@ -87,48 +122,62 @@ class Returns:
 
     def _decide(self, arrived: Sequence[str], returning: Sequence[str],
                 idle: bool) -> dict[str, Any]:
-        """Rank 0: which sessions start a read ahead now, and which turns go in."""
+        """Rank 0: which sessions start a read ahead now, and which turns go in: those the
+        last sample named, then of the others ready the ones the batch has room for."""
         worker = self.rt.worker
         go: list[str] = []
         read: list[str] = []
+        ready: list[str] = []  # ready to go in now, as the batch has room (arrival order)
         sample, self._sample = self._sample, None
-        if idle:  # nothing runs: no step was planned ahead for a batch
-            sample = None
+        if idle and not sample:  # nothing runs: no step was planned ahead for a batch (one
+            sample = None  # the sample names was, for them, though the batch ended meanwhile)
         back = set(returning)
         full = False  # the budget took no more: later turns outside wait their turn for it
         for name in [*returning, *arrived]:
             if sample is not None and name in sample:  # the step planned ahead expects it
                 go.append(name)
                 continue
+            # one outside the batch the sample did not name waits for the next sample
+            waits = sample is not None and name in back
             if worker.read_ahead_done(name):
-                if sample is None or name not in back:
-                    go.append(name)
+                if not waits:
+                    ready.append(name)
                 continue
             if name not in back and self._sooner_recomputed(name):
                 self.recompute.add(name)
                 self._recompute_tokens[name] = self._off_tokens(name)
                 self.num_recomputed += 1
-                go.append(name)
+                self._straight.add(name)
+                ready.append(name)
                 continue
-            if full and name in back and name not in self.reading:
+            if name in self.recompute:  # sent in to be recomputed: waits for a place
+                if not waits:
+                    ready.append(name)
+                continue
+            if full and name in back and name not in self.reading | self._straight:
                 continue
             status = worker.read_ahead(name)
             if status == "started":  # (again, if a change to its records discarded it)
                 read.append(name)
+                self._straight.discard(name)
             elif status == "full":
                 full = True
+                self._straight.discard(name)  # (on L3 again: it waits in line for a read)
             elif status in ("none", "too_big"):
-                if sample is None or name not in back:
-                    go.append(name)
-                else:  # (one outside the batch goes in once sampled)
-                    self._straight.add(name)
-        self._straight.difference_update(go)
+                self._straight.add(name)  # (one outside the batch goes in once sampled)
+                if not waits:
+                    ready.append(name)
+        room = self.room()
+        go += self._pick(ready, None if room is None else max(0, room - len(go)))
         if idle and not go:  # nothing else runs: wait for the first read ahead to end
             self._start_busy([*returning, *arrived], read)
             waiting = [n for n in [*returning, *arrived] if n in self.reading or n in read]
             if waiting and worker.store is not None:
                 worker.store.ahead.wait_any(waiting, self.wait_s)
-                go = [n for n in waiting if worker.read_ahead_done(n)]
+                go = self._pick([n for n in waiting if worker.read_ahead_done(n)], room)
+        self._straight.difference_update(go)
+        for name in go:
+            self._passed.pop(name, None)
         return {"go": go, "read": read}
 
     def _start_busy(self, names: Sequence[str], read: list[str]) -> None:

@@ -138,6 +138,7 @@ class TieredEngine:
                                   launched=self.launched, admit=self.returns.admit,
                                   **engine_kwargs)
         self.returns.num_running = lambda: len(self.engine.running)
+        self.returns.room = self.engine.room  # turns outside go in as the batch has places
         self.block_tokens = self.engine.block_tokens
 
     def launched(self) -> None:
