@@ -82,9 +82,11 @@ def make_config(num_blocks: int, ssd_dir: str) -> TpkvConfig:
 
 
 def confirm(c: Controller, res: StepResult) -> None:
+    """Every rank applied the plans, and wrote every spill so far (a disk that keeps up)."""
     for plan in res.plans:
         d = plan_digest(plan)
-        c.commit([MoveResult(plan.epoch, r, plan.num_moves, d) for r in range(GEOMETRY.tp_size)])
+        c.commit([MoveResult(plan.epoch, r, plan.num_moves, d, spills_written_below=plan.epoch + 1)
+                  for r in range(GEOMETRY.tp_size)])
 
 
 def populate(num_blocks: int, ssd_dir: str) -> tuple[Controller, list[str]]:
