@@ -86,7 +86,10 @@ class BackgroundLoader:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
-        stream: Any = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        stream: Any = None
+        if self.device.type == "cuda":  # a new thread's current device is the first one
+            torch.cuda.set_device(self.device)
+            stream = torch.cuda.Stream(self.device)
         while True:
             job = self._jobs.get()
             if job is None:
@@ -97,7 +100,9 @@ class BackgroundLoader:
                 else:
                     with torch.cuda.stream(stream):
                         self._load(job)
+                    job.pos = 0  # no block is known to be in place before the copies end
                     stream.synchronize()
+                    job.pos = len(job.spec.keys)
             except Exception:  # a block not known to be in place is a failed one
                 log.exception("tpkv vLLM connector: background load of request %s failed",
                               job.spec.req_id)
