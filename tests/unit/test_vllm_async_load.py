@@ -221,3 +221,31 @@ def test_a_background_load_reads_the_disk_tier_and_releases_its_pins(tmp_path: P
     planner.report(report)
     assert planner.finished("r")["disk_loaded_blocks"] == 2
     copier.close()
+
+
+def test_a_load_that_raises_fails_its_remaining_blocks_and_still_finishes() -> None:
+    kv = caches(3)
+    copier = BlockCopier(1 << 20)
+    copier.register(kv, NUM_BLOCKS)
+    planner = Planner(BT, SEED, 64, policy=LoadPolicy("always", 0, BLOCK_BYTES, 64))
+    prompt = list(range(700, 713))  # 3 full blocks
+    store_prompt(planner, copier, prompt, [1, 2, 3, 4])
+    req = request("r", list(prompt))
+    assert planner.matched_tokens(req, 0) == 12
+    planner.after_alloc(req, [5, 6, 7, 8], 12)
+    plan = planner.plan([], lambda r: [])
+    loader = copier._loader()
+    copy_in = loader.copy_in
+
+    def flaky(block_id: int, data: np.ndarray) -> None:
+        if block_id == 6:
+            raise RuntimeError("copy engine gone")
+        copy_in(block_id, data)
+
+    loader.copy_in = flaky
+    copier.load(plan.loads)
+    assert wait_finished(copier) == {"r"}  # vLLM must hear of it to recompute
+    assert copier.take_failed_block_ids() == {6, 7}
+    report = copier.take_report()
+    assert report is not None and report.failed_load_reqs == {"r": 1}
+    copier.close()
