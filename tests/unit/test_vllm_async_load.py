@@ -249,3 +249,30 @@ def test_a_load_that_raises_fails_its_remaining_blocks_and_still_finishes() -> N
     report = copier.take_report()
     assert report is not None and report.failed_load_reqs == {"r": 1}
     copier.close()
+
+
+def test_a_small_background_load_in_a_step_without_forward_runs_inline() -> None:
+    kv = caches(4)
+    copier = BlockCopier(1 << 20)
+    copier.register(kv, NUM_BLOCKS)
+    policy = LoadPolicy("always", 3 * BLOCK_BYTES, BLOCK_BYTES, 64)
+    planner = Planner(BT, SEED, 64, policy=policy)
+    prompt = list(range(800, 813))  # 3 full blocks
+    store_prompt(planner, copier, prompt, [1, 2, 3, 4])
+    for req_id, tokens, idle, inline in (("a", 9, True, True), ("b", 9, False, False),
+                                         ("c", 13, True, False)):  # c: 3 blocks, not small
+        req = request(req_id, prompt[:tokens])
+        assert planner.matched_tokens(req, 0) == (tokens - 1) // BT * BT
+        planner.after_alloc(req, [5, 6, 7, 8], (tokens - 1) // BT * BT)
+        plan = planner.plan([], lambda r: [], idle=idle)
+        assert [(s.background, s.inline) for s in plan.loads] == [(True, inline)]
+        copier.load(plan.loads)
+        if inline:
+            assert copier.take_finished() == {req_id}  # done before load returned
+        else:
+            assert wait_finished(copier) == {req_id}
+        assert torch.equal(kv["layer1"][5], kv["layer1"][1])
+        assert torch.equal(kv["layer1"][6], kv["layer1"][2])
+        kv["layer1"][5:9].zero_()
+    assert copier.take_failed_block_ids() == set()
+    copier.close()

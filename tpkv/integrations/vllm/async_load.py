@@ -9,6 +9,8 @@ the blocks into the request's vLLM blocks (those are the request's alone, and vL
 reads nor frees them before every rank named the request finished). A job is done once every
 block is in the KV cache (on a GPU, once its copy stream is synchronized); `take_done` hands
 finished jobs back to the worker thread, which reports them to vLLM with their failed blocks.
+A job submitted `inline` (the scheduler's plan says so in a step without a forward) runs the
+same way on the caller's thread instead, done when submit returns.
 """
 
 from __future__ import annotations
@@ -67,12 +69,18 @@ class BackgroundLoader:
                                         name=f"tpkv-loader-rank{rank}")
         self._thread.start()
 
-    def submit(self, spec: LoadSpec) -> None:
+    def submit(self, spec: LoadSpec, inline: bool = False) -> None:
+        """Start the load of `spec` on the thread, or with `inline` run it now on the
+        caller's (done when this returns)."""
         held: list[tuple[BlockRecord | None, bool]] = [(None, False)] * len(spec.keys)
         if self.store is not None:
             with self.lock:
                 held = [self.store.hold_for_load(key) for key in spec.keys]
-        self._jobs.put(LoadJob(spec, held))
+        job = LoadJob(spec, held)
+        if inline:
+            self._run_job(job, None)
+        else:
+            self._jobs.put(job)
 
     def take_done(self) -> list[LoadJob]:
         with self._done_lock:
@@ -94,21 +102,26 @@ class BackgroundLoader:
             job = self._jobs.get()
             if job is None:
                 return
-            try:
-                if stream is None:
+            self._run_job(job, stream)
+
+    def _run_job(self, job: LoadJob, stream: Any) -> None:
+        """Load `job` (on `stream` when the KV cache is on a GPU; the caller's copies are
+        synchronous without one) and hand it to take_done, failed blocks and all."""
+        try:
+            if stream is None:
+                self._load(job)
+            else:
+                with torch.cuda.stream(stream):
                     self._load(job)
-                else:
-                    with torch.cuda.stream(stream):
-                        self._load(job)
-                    job.pos = 0  # no block is known to be in place before the copies end
-                    stream.synchronize()
-                    job.pos = len(job.spec.keys)
-            except Exception:  # a block not known to be in place is a failed one
-                log.exception("tpkv vLLM connector: background load of request %s failed",
-                              job.spec.req_id)
-                self._give_up(job)
-            with self._done_lock:
-                self._done.append(job)
+                job.pos = 0  # no block is known to be in place before the copies end
+                stream.synchronize()
+                job.pos = len(job.spec.keys)
+        except Exception:  # a block not known to be in place is a failed one
+            log.exception("tpkv vLLM connector: background load of request %s failed",
+                          job.spec.req_id)
+            self._give_up(job)
+        with self._done_lock:
+            self._done.append(job)
 
     def _load(self, job: LoadJob) -> None:
         """Check or read each block, copy it in; a miss or a record that does not check out

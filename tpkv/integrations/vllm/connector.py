@@ -244,7 +244,8 @@ class TpkvConnector(KVConnectorBase_V1):
         scheduled += [(req_id, cached.num_computed_tokens[i] + counts.get(req_id, 0))
                       for i, req_id in enumerate(cached.req_ids)]
         manager = self._kv_cache_manager
-        plan = self.planner.plan(scheduled, lambda req_id: manager.get_block_ids(req_id)[0])
+        plan = self.planner.plan(scheduled, lambda req_id: manager.get_block_ids(req_id)[0],
+                                 idle=scheduler_output.total_num_scheduled_tokens == 0)
         return TpkvConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

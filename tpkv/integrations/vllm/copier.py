@@ -122,7 +122,7 @@ class BlockCopier:
         for spec in loads:
             if spec.background:
                 self.num_async_loads += 1
-                self._loader().submit(spec)
+                self._loader().submit(spec, inline=spec.inline)
                 continue
             with self.lock:
                 self._load_now(spec)

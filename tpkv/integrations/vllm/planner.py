@@ -138,9 +138,11 @@ class Planner:
         self.index.touch(reversed(keys))
 
     def plan(self, scheduled: Iterable[tuple[str, int]],
-             block_ids_of: Callable[[str], Sequence[int]]) -> StepPlan:
+             block_ids_of: Callable[[str], Sequence[int]], idle: bool = False) -> StepPlan:
         """This step's plan: the loads planned since the last one, and for each scheduled
-        (request id, tokens computed once this step ran) the saves of its newly full blocks."""
+        (request id, tokens computed once this step ran) the saves of its newly full blocks.
+        In an `idle` step (no forward) a background load under the policy's min_bytes runs
+        inline: nothing would run beside it, and a thread only adds hand-offs."""
         self.counters.step()
         plan = StepPlan(drops=self._drops)
         self._drops = []
@@ -151,6 +153,9 @@ class Planner:
                 loading.extend(pending.load.keys)
                 if pending.load.background:
                     self._inflight[pending.load.req_id] = pending.load.keys
+                    pending.load.inline = idle and self.policy is not None and (
+                        len(pending.load.keys) * self.policy.block_bytes
+                        < self.policy.min_bytes)
                 if self.policy is not None:
                     self.policy.used(pending.load.keys)
                 pending.load = None
