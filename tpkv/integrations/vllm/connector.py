@@ -11,8 +11,9 @@ copies blocks, whole blocks (a block read from disk comes back into host memory)
 either before the step's forward or, as vLLM's asynchronous load, in the background
 (`async_loads`, see load_policy.LoadPolicy: by default a load that reads the disk tier or is
 64 MiB or more a rank): the request waits in vLLM's WAITING_FOR_REMOTE_KVS state, each rank's
-loader thread copies its blocks into the KV cache and get_finished names the request once they
-are all in; its failed blocks go out no later than that, in get_block_ids_with_load_errors,
+loader thread copies its blocks into the KV cache (in a step without a forward, a load under
+that size is copied at once on the worker's thread) and get_finished names the request once
+they are all in; its failed blocks go out no later than that, in get_block_ids_with_load_errors,
 and vLLM recomputes from the first. The blocks of a background load are kept from eviction
 until it is done: in the index until every rank named it finished, in a rank's store by taking
 the record in memory or pinning it on disk when the load starts. Saves come after the
