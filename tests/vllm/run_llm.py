@@ -106,9 +106,11 @@ def dashboard_rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
 def tp2_rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
     """Tensor parallel 2, 2 blocks of host memory a rank, disk writes on the step's path: a
     two-turn conversation; then "k" (block 1 starts with 499), pushed out to disk by "filler";
-    "k2" extends k by two blocks: rank 1's record of k's block 1 is damaged (once), so both
-    ranks compute k2's blocks 3 and 4 over a block rank 1 did not load; vLLM recomputes from
-    block 1; "k3" extends k2 and loads its five blocks, 3 and 4 included, on both ranks."""
+    "k2" extends k by two blocks: rank 1's record of k's block 1 is damaged (once), so its load
+    fails there (with a load before the forward, both ranks compute k2's blocks 3 and 4 over a
+    block rank 1 did not load; a background load, what the disk tier gets by default, has vLLM
+    recompute before anything runs over it); vLLM recomputes from block 1; "k3" extends k2 and
+    loads its five blocks, 3 and 4 included, on both ranks."""
     def seq(start: int, n: int) -> list[int]:
         return [2 + (start + 13 * i) % 490 for i in range(n)]
 
