@@ -1,7 +1,7 @@
 """Runs offline vLLM on a tiny random Llama with or without tpkv's connector; writes JSON results.
 
 `python tests/vllm/run_llm.py MODEL_DIR OUT_JSON
-{baseline,tpkv,disk,restart,dashboard,tp2_baseline,tp2} [EXTRA_JSON]`.
+{baseline,tpkv,disk,restart,dashboard,tp2_baseline,tp2,async} [EXTRA_JSON]`.
 Each round is one LLM.generate call of its prompts (greedy, ignore_eos); rounds run in order in
 one engine, most after emptying vLLM's own prefix cache. "baseline" runs every mode's prompts
 without the connector; "disk" and "restart" run the connector with EXTRA_JSON as its
@@ -10,7 +10,9 @@ after each round, once its background writes have landed; "dashboard" runs two t
 conversation with the connector's dashboard on (EXTRA_JSON names its port and token), then
 reads its /api/snapshot over 127.0.0.1 (dashboard_snapshot); "tp2_baseline" and "tp2" run
 tp2_rounds at tensor parallel 2, without and with the connector (its disk tier in EXTRA_JSON,
-one rank's records damaged: sabotage.SabotagedRankConnector). The entry point stays under
+one rank's records damaged: sabotage.SabotagedRankConnector); "async" runs async_rounds with
+EXTRA_JSON as the connector's config (a disk tier; its async_loads decides which loads run in
+the background). Each result carries the seconds its round took. The entry point stays under
 __main__: vLLM spawns its engine core and workers.
 """
 
@@ -104,9 +106,11 @@ def dashboard_rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
 def tp2_rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
     """Tensor parallel 2, 2 blocks of host memory a rank, disk writes on the step's path: a
     two-turn conversation; then "k" (block 1 starts with 499), pushed out to disk by "filler";
-    "k2" extends k by two blocks: rank 1's record of k's block 1 is damaged (once), so both
-    ranks compute k2's blocks 3 and 4 over a block rank 1 did not load; vLLM recomputes from
-    block 1; "k3" extends k2 and loads its five blocks, 3 and 4 included, on both ranks."""
+    "k2" extends k by two blocks: rank 1's record of k's block 1 is damaged (once), so its load
+    fails there (with a load before the forward, both ranks compute k2's blocks 3 and 4 over a
+    block rank 1 did not load; a background load, what the disk tier gets by default, has vLLM
+    recompute before anything runs over it); vLLM recomputes from block 1; "k3" extends k2 and
+    loads its five blocks, 3 and 4 included, on both ranks."""
     def seq(start: int, n: int) -> list[int]:
         return [2 + (start + 13 * i) % 490 for i in range(n)]
 
@@ -119,6 +123,25 @@ def tp2_rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
             ("vllm", [("filler", seq(320, 100))]),
             ("vllm", [("k2", k2)]),
             ("vllm", [("k3", k2 + seq(450, 40))])]
+
+
+def async_rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
+    """With 2 blocks of host memory, disk writes on the step's path: a conversation whose
+    first turn is pushed out to disk before the second asks for it; a record damaged on disk
+    ("q", block 1 starts with 499) under the load of "q_again"; then a returning turn loaded
+    in the same step as a new prompt is computed."""
+    def seq(start: int, n: int) -> list[int]:
+        return [2 + (start + 17 * i) % 490 for i in range(n)]
+
+    turn1 = seq(0, 100)
+    q = seq(60, 32) + [499] + seq(95, 31) + seq(130, 40)
+    return [("", [("s1", turn1)]),
+            ("vllm", [("s_filler", seq(300, 100))]),  # turn 1's 3 blocks go to disk
+            ("vllm", [("s2", turn1 + seq(100, 60))]),
+            ("vllm", [("q", q)]),
+            ("vllm", [("q_filler", seq(330, 100))]),
+            ("vllm", [("q_again", q)]),
+            ("vllm", [("s_new", seq(410, 90)), ("s3", turn1 + seq(100, 60) + seq(200, 40))])]
 
 
 def rank_files(root: str) -> dict[str, list[str]]:
@@ -191,7 +214,8 @@ def main() -> None:
     from vllm.config import KVTransferConfig
 
     kwargs: dict = {}
-    plan = {"baseline": rounds() + disk_rounds() + restart_rounds(), "tpkv": rounds(),
+    plan = {"baseline": rounds() + disk_rounds() + restart_rounds() + async_rounds(),
+            "tpkv": rounds(), "async": async_rounds(),
             "disk": disk_rounds(), "restart": restart_rounds(),
             "dashboard": dashboard_rounds(), "tp2_baseline": tp2_rounds(),
             "tp2": tp2_rounds()}[mode]
@@ -203,7 +227,7 @@ def main() -> None:
             kv_connector="SabotagedRankConnector" if mode == "tp2" else "SabotagedTpkvConnector",
             kv_connector_module_path="sabotage", kv_role="kv_both",
             kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
-    disk_dir = (extra.get("disk_dir") if mode in ("disk", "restart", "dashboard", "tp2")
+    disk_dir = (extra.get("disk_dir") if mode in ("disk", "restart", "dashboard", "tp2", "async")
                 else None)
     began = time.perf_counter()
     llm = LLM(model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
@@ -216,12 +240,15 @@ def main() -> None:
     for reset, batch in plan:
         if reset and not llm.reset_prefix_cache(reset_connector=reset == "all"):
             raise RuntimeError(f"vLLM refused to empty its prefix cache ({reset})")
+        round_began = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for _, p in batch], params, use_tqdm=False)
+        round_s = time.perf_counter() - round_began
         for (name, prompt), out in zip(batch, outs):
             results.append({"name": name, "prompt": prompt,
                             "tokens": list(out.outputs[0].token_ids),
                             "num_cached_tokens": out.num_cached_tokens,
-                            "kv_transfer_params": out.kv_transfer_params})
+                            "kv_transfer_params": out.kv_transfer_params,
+                            "round_s": round_s})
         if disk_dir:
             disk_used.append(settled_bytes(disk_dir))
     dash = dashboard_snapshot(llm, params, extra, disk_dir) if mode == "dashboard" else None

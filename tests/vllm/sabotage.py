@@ -6,7 +6,9 @@ recomputes them) and the tokens must stay equal to a run without the connector. 
 are served as usual. SabotagedRankConnector damages only the disk records of one rank
 (tensor parallel runs), each once, and fills that rank's vLLM blocks whose load failed with
 large noise (standard deviation 50), so that the KV every rank computes over them in the failed
-step is far from right: a copy of it served later changes the greedy tokens.
+step is far from right: a copy of it served later changes the greedy tokens. A background
+load's failed blocks get the noise when the rank reports them (the request has not run over
+them: vLLM must recompute them before it does).
 """
 
 from __future__ import annotations
@@ -61,6 +63,17 @@ class SabotagedRankConnector(TpkvConnector):
             return
         damage(self, in_memory=False, once=self.damaged)
         super().start_load_kv(forward_context, **kwargs)
-        for block_id in copier._failed_block_ids:  # what the failed step computes over
-            for view in copier._views:
-                view[block_id].view(torch.float32).normal_(0.0, 50.0)
+        noise(self, copier._failed_block_ids)  # what the failed step computes over
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed = super().get_block_ids_with_load_errors()
+        if self.copier is not None and self.copier.rank == DAMAGED_RANK:
+            noise(self, failed)
+        return failed
+
+
+def noise(connector: TpkvConnector, block_ids: set[int]) -> None:
+    assert connector.copier is not None
+    for block_id in block_ids:
+        for view in connector.copier._views:
+            view[block_id].view(torch.float32).normal_(0.0, 50.0)

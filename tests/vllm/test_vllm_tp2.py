@@ -53,6 +53,7 @@ def test_the_second_turn_is_served_from_both_ranks_stores(tp2_runs: Any) -> None
     assert first["matched_tokens"] == 0 and first["written_blocks"] == 3
     # turn 1's three blocks, from host memory and disk of each rank; the last token computed
     assert second["matched_tokens"] == 96 and second["failed_load_blocks"] == 0
+    assert second["async_load_blocks"] == 3  # block 0 was on disk: loaded in the background
     assert second["written_blocks"] == 2 and second["deduplicated_blocks"] == 3
     assert tpkv["by_name"]["turn2"]["num_cached_tokens"] >= 96
     files = tpkv["rank_files"]
@@ -67,10 +68,11 @@ def test_a_record_damaged_on_one_rank_is_recomputed_on_both(tp2_runs: Any) -> No
     # rank 1's record of block 1 failed its check: one failed block over both ranks, vLLM
     # recomputed from it; block 0 came from disk on both; blocks 1, 3 and 4 written again
     assert k2["matched_tokens"] == 96 and k2["failed_load_blocks"] == 1
+    assert k2["async_load_blocks"] == 3  # a background load, finished once both ranks did
     assert k2["disk_loaded_blocks"] == 1
     assert tpkv["by_name"]["k2"]["tokens"] == base["by_name"]["k2"]["tokens"]
     k3 = tpkv_stats(tpkv["by_name"]["k3"])
-    # k2's five blocks load on both ranks, 3 and 4 as recomputed (rank 0 made them first over
-    # rank 1's failed block: that copy was dropped, never served)
+    # k2's five blocks load on both ranks, 3 and 4 as computed after vLLM recomputed block 1
+    # (no copy made over rank 1's failed block is ever served)
     assert k3["matched_tokens"] == 160 and k3["failed_load_blocks"] == 0
     assert tpkv["by_name"]["k3"]["tokens"] == base["by_name"]["k3"]["tokens"]

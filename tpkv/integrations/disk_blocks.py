@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -166,7 +166,8 @@ class DiskBlockStore:
     makes room first: records of other models or formats, then those host memory holds too
     (mark_cached), then the least recently used). `get` serves a block only when its whole
     record checks out (disk_format.check_record); a damaged record is deleted and is a miss.
-    The lock is held until close()."""
+    A pinned key (a background load is to read it) is never deleted for room; `drop` still
+    deletes it. The lock is held until close()."""
 
     def __init__(self, root: str, capacity_bytes: int, layout: DiskLayout,
                  model_fingerprint: str = "") -> None:
@@ -181,6 +182,7 @@ class DiskBlockStore:
         # held keys whose block host memory holds too (mark_cached): the first to go for room
         self._cached: OrderedDict[bytes, None] = OrderedDict()
         self._others: OrderedDict[str, int] = OrderedDict()  # path -> size, oldest first
+        self._pins: Counter[bytes] = Counter()
         self.used_bytes = 0
         self.num_bad_reads = 0
         self.num_evicted = 0
@@ -311,6 +313,16 @@ class DiskBlockStore:
         else:
             self._cached.pop(key, None)
 
+    def pin(self, key: bytes) -> None:
+        """Keep `key` from being deleted for room until as many unpin calls."""
+        self._pins[key] += 1
+
+    def unpin(self, key: bytes) -> None:
+        if self._pins.get(key, 0) <= 1:
+            self._pins.pop(key, None)
+        else:
+            self._pins[key] -= 1
+
     def is_cached(self, key: bytes) -> bool:
         return key in self._cached
 
@@ -346,7 +358,9 @@ class DiskBlockStore:
                 if not self._remove(path, size):
                     return False
             elif self._lru:
-                key, _ = (self._cached or self._lru).popitem(last=False)
+                key = self._victim()
+                if key is None:
+                    return False
                 self._lru.pop(key, None)
                 self._cached.pop(key, None)
                 self.num_evicted += 1
@@ -355,3 +369,12 @@ class DiskBlockStore:
             else:
                 return False
         return True
+
+    def _victim(self) -> bytes | None:
+        """The record to delete for room: the least recently used one host memory holds too,
+        else the least recently used one; never a pinned one (None when all are)."""
+        for keys in (self._cached, self._lru):
+            for key in keys:
+                if key not in self._pins:
+                    return key
+        return None

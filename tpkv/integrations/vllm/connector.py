@@ -7,11 +7,20 @@ kv_role="kv_both", kv_load_failure_policy="recompute")` (or the same as JSON in 
 of failing the request. `kv_connector_extra_config={"disk_dir": DIR}` adds the disk tier (see
 ConnectorOptions). The scheduler side (a Planner) keeps the prefix index, which at start takes
 the blocks an earlier process left in the disk tier; the worker side (a BlockCopier per rank)
-copies blocks. Loads are synchronous, whole blocks, before the step's forward (a block read
-from disk comes back into host memory); saves after it. Blocks leave host memory for disk
-through a background writer (ConnectorOptions.disk_queue_bytes): the step never waits on a disk
-write, and a block given up because the writer fell behind is reported and forgotten (and
-counted, with a warning that names disk_queue_bytes). With `dashboard_port` set the scheduler
+copies blocks, whole blocks (a block read from disk comes back into host memory). A load runs
+either before the step's forward or, as vLLM's asynchronous load, in the background
+(`async_loads`, see load_policy.LoadPolicy: by default a load that reads the disk tier or is
+64 MiB or more a rank): the request waits in vLLM's WAITING_FOR_REMOTE_KVS state, each rank's
+loader thread copies its blocks into the KV cache (in a step without a forward, a load under
+that size is copied at once on the worker's thread) and get_finished names the request once
+they are all in; its failed blocks go out no later than that, in get_block_ids_with_load_errors,
+and vLLM recomputes from the first. The blocks of a background load are kept from eviction
+until it is done: in the index until every rank named it finished, in a rank's store by taking
+the record in memory or pinning it on disk when the load starts. Saves come after the
+forward. Blocks leave host memory for disk through a background writer
+(ConnectorOptions.disk_queue_bytes): the step never waits on a disk write, and a block given
+up because the writer fell behind is reported and forgotten (and counted, with a warning that
+names disk_queue_bytes). With `dashboard_port` set the scheduler
 side serves tpkv's dashboard of this instance (tpkv.integrations.vllm.dashboard): each rank's
 report carries its store's figures when they changed.
 
@@ -20,7 +29,9 @@ store and disk tier directory, `rank<N>`) and gets the same plan; vLLM merges th
 reports, and the index holds a block only once every rank stored it. A block one rank failed
 to save or load, or lost, is forgotten and dropped on every rank (a rank's save that went
 through may hold KV another rank's failed load made wrong), and a load that fails on any rank
-is a failed block that vLLM recomputes on all of them.
+is a failed block that vLLM recomputes on all of them. vLLM takes a background load as
+finished once every rank named it; a block any rank failed is recomputed on all (vLLM merges
+their failed blocks), and the index forgets and drops it on all.
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ from tpkv.integrations.disk_format import record_bytes
 from tpkv.integrations.prefix_index import chain_seed
 from tpkv.integrations.vllm.copier import BlockCopier, DiskSpec
 from tpkv.integrations.vllm.dashboard import ConnectorDashboard
+from tpkv.integrations.vllm.load_policy import LoadPolicy
 from tpkv.integrations.vllm.options import (
     ConnectorOptions,
     vllm_fingerprint,
@@ -140,8 +152,10 @@ class TpkvConnector(KVConnectorBase_V1):
                                                self.options.disk_queue_bytes, block_bytes)
                 for rank in range(_num_ranks(vllm_config)):
                     prepare_dir(disk_dir, rank)
+            policy = LoadPolicy(self.options.async_loads, self.options.async_load_bytes,
+                                block_bytes, capacity)
             self.planner = Planner(self.block_tokens, seed, capacity + disk_blocks,
-                                   _num_ranks(vllm_config))
+                                   _num_ranks(vllm_config), policy)
             if disk_dir is not None:
                 found = stored_keys(disk_dir, seed, self.block_tokens, _num_ranks(vllm_config))
                 taken = self.planner.index.adopt(found[-disk_blocks:])
@@ -180,7 +194,12 @@ class TpkvConnector(KVConnectorBase_V1):
         self.copier.load(self._plan().loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # every load is done in start_load_kv
+        return  # a load for this step is done in start_load_kv, the others in the background
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        assert self.copier is not None
+        return None, self.copier.take_finished() or None
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
@@ -193,8 +212,8 @@ class TpkvConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.dashboard is not None:
             self.dashboard.stop()
-        if self.copier is not None and self.copier.store is not None:
-            self.copier.store.close()  # gives up the disk tier's directory
+        if self.copier is not None:
+            self.copier.close()  # background loads end, the disk tier's directory is given up
         super().shutdown()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -209,7 +228,8 @@ class TpkvConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         assert self.planner is not None
-        return self.planner.matched_tokens(request, num_computed_tokens), False
+        tokens = self.planner.matched_tokens(request, num_computed_tokens)
+        return tokens, self.planner.loads_async(request.request_id)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -225,13 +245,16 @@ class TpkvConnector(KVConnectorBase_V1):
         scheduled += [(req_id, cached.num_computed_tokens[i] + counts.get(req_id, 0))
                       for i, req_id in enumerate(cached.req_ids)]
         manager = self._kv_cache_manager
-        plan = self.planner.plan(scheduled, lambda req_id: manager.get_block_ids(req_id)[0])
+        plan = self.planner.plan(scheduled, lambda req_id: manager.get_block_ids(req_id)[0],
+                                 idle=scheduler_output.total_num_scheduled_tokens == 0)
         return TpkvConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if self.planner is not None and isinstance(meta, TpkvWorkerMetadata):
             self.planner.report(meta.report)
+        if self.planner is not None and connector_output.finished_recving:
+            self.planner.loads_finished(connector_output.finished_recving)
 
     def reset_cache(self) -> bool | None:
         if self.planner is None:

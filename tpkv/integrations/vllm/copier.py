@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tpkv.errors import KvLayoutError
 from tpkv.integrations.disk_blocks import DiskBlockStore
 from tpkv.integrations.disk_format import DiskLayout
+from tpkv.integrations.vllm.async_load import BackgroundLoader, LoadJob
 from tpkv.integrations.vllm.options import queue_bytes_in_effect, write_queue_blocks
 from tpkv.integrations.vllm.plan import LoadSpec, RankFigures, SaveSpec, StepPlan, StepReport
 from tpkv.integrations.vllm.stats import rank_figures
@@ -61,7 +64,9 @@ class BlockCopier:
     """A rank's half of the connector: applies each step's plan to vLLM's KV cache and the
     block store, and reports what happened. A block that cannot be served exactly is reported
     as a failed load (vLLM recomputes it); a save of a request whose load failed this step is
-    not made (its KV was computed over blocks that were not loaded)."""
+    not made (its KV was computed over blocks that were not loaded). Loads marked `background`
+    run on a BackgroundLoader; take_finished names the requests whose loads are done and adds
+    their failed blocks and report to this step's. Every call into the store holds `lock`."""
 
     def __init__(self, capacity_bytes: int, disk: DiskSpec | None = None) -> None:
         self.capacity_bytes = capacity_bytes
@@ -76,6 +81,9 @@ class BlockCopier:
         self.num_saved_blocks = 0
         self.rank = 0
         self._sent: RankFigures | None = None  # the figures last reported
+        self.lock = threading.RLock()
+        self.loader: BackgroundLoader | None = None
+        self.num_async_loads = 0
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
                  rank: int = 0) -> None:
@@ -100,30 +108,80 @@ class BlockCopier:
             raise
         self.layer_names, self._views, self.store, self.rank = names, views, store, rank
 
+    def _loader(self) -> BackgroundLoader:
+        if self.loader is None:
+            device = self._views[0].device if self._views else torch.device("cpu")
+            self.loader = BackgroundLoader(self.store, self.lock, self._copy_in,
+                                           self._fail_job_block, device, self.rank)
+        return self.loader
+
     def load(self, loads: list[LoadSpec]) -> None:
-        """Copy each load's stored blocks into its vLLM blocks; a miss or a record that does not
+        """Copy each load's stored blocks into its vLLM blocks, the background ones on the
+        loader's thread (see take_finished), the others now; a miss or a record that does not
         check out is a failed block (reported by take_failed_block_ids)."""
         for spec in loads:
-            for pos, (block_id, key) in enumerate(zip(spec.block_ids, spec.keys)):
-                if self.store is None:
-                    self._fail_load(spec, pos, block_id, key)
-                    continue
-                from_disk = not self.store.in_memory(key)
-                data = self.store.get(key)
-                if data is None:
-                    self._fail_load(spec, pos, block_id, key)
-                    continue
-                if from_disk:  # the planner counts those before the request's first failure
-                    self._report.disk_loads.setdefault(spec.req_id, set()).add(
-                        spec.first_block + pos)
-                    self.num_disk_loaded_blocks += 1
-                src = torch.from_numpy(data)
-                for layer, view in enumerate(self._views):
-                    view[block_id].copy_(src[layer])
-                self.num_loaded_blocks += 1
+            if spec.background:
+                self.num_async_loads += 1
+                self._loader().submit(spec, inline=spec.inline)
+                continue
+            with self.lock:
+                self._load_now(spec)
+
+    def _load_now(self, spec: LoadSpec) -> None:
+        for pos, (block_id, key) in enumerate(zip(spec.block_ids, spec.keys)):
+            if self.store is None:
+                _fail(self._report, self._failed_block_ids, spec, pos)
+                continue
+            from_disk = not self.store.in_memory(key)
+            data = self.store.get(key)
+            if data is None:
+                _fail(self._report, self._failed_block_ids, spec, pos)
+                continue
+            if from_disk:  # the planner counts those before the request's first failure
+                self._report.disk_loads.setdefault(spec.req_id, set()).add(
+                    spec.first_block + pos)
+                self.num_disk_loaded_blocks += 1
+            self._copy_in(block_id, data)
+            self.num_loaded_blocks += 1
+
+    def _copy_in(self, block_id: int, data: np.ndarray) -> None:
+        src = torch.from_numpy(data)
+        for layer, view in enumerate(self._views):
+            view[block_id].copy_(src[layer])
+
+    def _fail_job_block(self, job: LoadJob, pos: int) -> None:
+        _fail(job.report, job.failed_block_ids, job.spec, pos)
+
+    def take_finished(self) -> set[str]:
+        """Requests whose background loads are done on this rank (every block in the KV cache
+        or failed); their failed blocks join take_failed_block_ids and their outcome this
+        step's report."""
+        if self.loader is None:
+            return set()
+        done = self.loader.take_done()
+        for job in done:
+            self._report = self._report.merge(job.report)
+            self._failed_block_ids |= job.failed_block_ids
+            self.num_loaded_blocks += job.loaded_blocks
+            self.num_disk_loaded_blocks += job.disk_blocks
+        return {job.spec.req_id for job in done}
+
+    def close(self) -> None:
+        """Finish the background loads, then close the store (its disk tier's directory)."""
+        if self.loader is not None and not self.loader.close():
+            log.warning("tpkv vLLM connector: rank %d's background loads did not finish",
+                        self.rank)
+            return
+        if self.store is not None:
+            with self.lock:
+                self.store.close()
 
     def save(self, saves: list[SaveSpec]) -> None:
         """Copy the named vLLM blocks into the store."""
+        with self.lock:
+            self._save(saves)
+
+    def _save(self, saves: list[SaveSpec]) -> None:
         for spec in saves:
             if spec.req_id in self._report.failed_load_reqs or self.store is None:
                 self._report.failed_saves.add(spec.key)
@@ -138,8 +196,9 @@ class BlockCopier:
 
     def drop(self, keys: list[bytes]) -> None:
         if self.store is not None:
-            for key in keys:
-                self.store.drop(key)
+            with self.lock:
+                for key in keys:
+                    self.store.drop(key)
 
     def apply_after_forward(self, plan: StepPlan) -> None:
         """Drops first (they free room in memory and on disk for the saves; none is a block this
@@ -156,18 +215,22 @@ class BlockCopier:
         """This step's report (None when nothing happened), with the store's figures when they
         changed since the last report that carried them, naming this rank."""
         if self.store is not None:
-            self._report.lost.update(self.store.take_lost())
-            figures = rank_figures(self.rank, self.store)
+            with self.lock:
+                self._report.lost.update(self.store.take_lost())
+                figures = rank_figures(self.rank, self.store)
             if figures != self._sent:
                 self._report.figures[self.rank] = self._sent = figures
         report, self._report = self._report, StepReport()
         report.ranks = {self.rank}
         return report if report else None
 
-    def _fail_load(self, spec: LoadSpec, pos: int, block_id: int, key: bytes) -> None:
-        self._failed_block_ids.add(block_id)
-        self._report.failed_loads.add(key)
-        first = spec.first_block + pos
-        prev = self._report.failed_load_reqs.get(spec.req_id, first)
-        self._report.failed_load_reqs[spec.req_id] = min(prev, first)
+
+
+def _fail(report: StepReport, failed_block_ids: set[int], spec: LoadSpec, pos: int) -> None:
+    """Block `pos` of a load failed: vLLM recomputes its request from there."""
+    failed_block_ids.add(spec.block_ids[pos])
+    report.failed_loads.add(spec.keys[pos])
+    first = spec.first_block + pos
+    prev = report.failed_load_reqs.get(spec.req_id, first)
+    report.failed_load_reqs[spec.req_id] = min(prev, first)
 

@@ -16,8 +16,11 @@ GiB = 1 << 30
 DEFAULT_HOST_BYTES = 4 * GiB
 DEFAULT_DISK_BYTES = 64 * GiB
 MAX_DEFAULT_QUEUE_BYTES = GiB
+DEFAULT_ASYNC_LOAD_BYTES = 64 << 20
+ASYNC_LOAD_MODES = ("auto", "always", "never")
 KNOWN_KEYS = ("host_bytes", "model_fingerprint", "disk_dir", "disk_bytes", "disk_queue_bytes",
-              "dashboard_port", "dashboard_host", "dashboard_token")
+              "dashboard_port", "dashboard_host", "dashboard_token", "async_loads",
+              "async_load_bytes")
 
 
 def _size(name: str, raw: Any) -> int:
@@ -40,7 +43,11 @@ class ConnectorOptions:
     parallelism and checkpoint files when not set); dashboard_port: serve tpkv's dashboard of
     this vLLM instance from its scheduler process on that port (0: any free port, logged; not
     set: no dashboard), on dashboard_host (127.0.0.1 unless set), its data behind the bearer
-    token dashboard_token (default: TPKV_DASHBOARD_TOKEN when set, else none)."""
+    token dashboard_token (default: TPKV_DASHBOARD_TOKEN when set, else none);
+    async_loads: which loads run in the background while vLLM's steps go on, the request
+    waiting for them (load_policy.LoadPolicy): "auto" (default) those that read a block from
+    the disk tier or load at least async_load_bytes (each rank's bytes, default 64 MiB),
+    "always", "never" (every load before the step's forward)."""
 
     host_bytes: int = DEFAULT_HOST_BYTES
     model_fingerprint: str | None = None
@@ -50,6 +57,8 @@ class ConnectorOptions:
     dashboard_port: int | None = None
     dashboard_host: str = "127.0.0.1"
     dashboard_token: str | None = None
+    async_loads: str = "auto"
+    async_load_bytes: int = DEFAULT_ASYNC_LOAD_BYTES
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -79,8 +88,13 @@ class ConnectorOptions:
                                   f"way to disk")
         fp = extra.get("model_fingerprint")
         port, host, token = _dashboard(extra)
+        mode = extra.get("async_loads", "auto")
+        if mode not in ASYNC_LOAD_MODES:
+            raise ConfigError(f"async_loads must be one of {list(ASYNC_LOAD_MODES)}, got {mode!r}")
+        raw = extra.get("async_load_bytes", DEFAULT_ASYNC_LOAD_BYTES)
+        min_bytes = 0 if raw == 0 and type(raw) is int else _size("async_load_bytes", raw)
         return cls(host_bytes, None if fp is None else check_fingerprint(fp), disk_dir,
-                   disk_bytes, queue, port, host, token)
+                   disk_bytes, queue, port, host, token, mode, min_bytes)
 
 
 def _dashboard(extra: Mapping[str, Any]) -> tuple[int | None, str, str | None]:

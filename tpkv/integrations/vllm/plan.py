@@ -8,12 +8,16 @@ from dataclasses import dataclass, field
 @dataclass
 class LoadSpec:
     """Copy the stored blocks `keys` into vLLM blocks `block_ids` (the request's logical blocks
-    first_block, first_block + 1, ...) before this step's forward."""
+    first_block, first_block + 1, ...): before this step's forward, or with `background` on
+    the rank's loader thread, the request named finished by get_finished once all are in
+    (with `inline` too, at once on the worker's thread: the step has no forward to overlap)."""
 
     req_id: str
     first_block: int
     block_ids: list[int]
     keys: list[bytes]
+    background: bool = False
+    inline: bool = False
 
 
 @dataclass

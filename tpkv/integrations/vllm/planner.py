@@ -10,6 +10,7 @@ import xxhash
 
 from tpkv.checks import check_int
 from tpkv.integrations.prefix_index import PrefixIndex, extend_chain
+from tpkv.integrations.vllm.load_policy import LoadPolicy
 from tpkv.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, StepReport
 from tpkv.integrations.vllm.rank_check import unconfirmed_saves
 from tpkv.integrations.vllm.stats import ConnectorCounters
@@ -26,6 +27,9 @@ class _Req:
     matched_tokens: int = 0  # tokens the store promised beyond them
     load: LoadSpec | None = None  # to go out in the next plan
     load_end: int = 0  # the logical block after the last one loaded
+    load_async: bool = False  # the matched tokens load in the background
+    awaits_load: bool = False  # its background load went out: vLLM allocates again after it
+    async_load_blocks: int = 0
     saved_upto: int = 0  # logical blocks before this one were stored or asked to be
     written_blocks: int = 0
     deduplicated_blocks: int = 0
@@ -41,10 +45,13 @@ class Planner:
     request's chain starts from its own seed (request_seed): LoRA adapters and cache salts
     never share blocks with plain requests, multimodal ones are not cached. `counters` keeps
     the running figures the dashboard shows. With `num_ranks` ranks (tensor x pipeline
-    parallel) the index holds a key only once every rank stored it (rank_check)."""
+    parallel) the index holds a key only once every rank stored it (rank_check). `policy`
+    says which loads run in the background (none without one): their keys are kept in the
+    index, never dropped for room, until every rank reported the load finished
+    (loads_finished)."""
 
     def __init__(self, block_tokens: int, seed: bytes, capacity_blocks: int,
-                 num_ranks: int = 1) -> None:
+                 num_ranks: int = 1, policy: LoadPolicy | None = None) -> None:
         check_int("block_tokens", block_tokens)
         check_int("num_ranks", num_ranks)
         self.num_ranks = num_ranks
@@ -54,6 +61,8 @@ class Planner:
         self._reqs: dict[str, _Req] = {}
         self._drops: list[bytes] = []  # keys forgotten by reset, for the next plan
         self.counters = ConnectorCounters(block_tokens)
+        self.policy = policy
+        self._inflight: dict[str, list[bytes]] = {}  # background loads by request
 
     def request_seed(self, request: Any) -> bytes | None:
         """The chain seed of a request: the model's, salted by a LoRA adapter and vLLM's
@@ -87,6 +96,7 @@ class Planner:
         if req is None or req.request is not request:
             req = self._reqs[request.request_id] = _Req(request, self.request_seed(request))
         req.local_tokens, req.matched_tokens, req.load = num_computed_tokens, 0, None
+        req.load_async = req.awaits_load = False
         if num_computed_tokens % self.block_tokens:
             return 0
         keys = self._keys(req, len(request.all_token_ids) - 1)
@@ -95,12 +105,19 @@ class Planner:
         if held <= first:
             return 0
         req.matched_tokens = (held - first) * self.block_tokens
+        req.load_async = self.policy is not None and self.policy.runs_async(keys[first:held])
         return req.matched_tokens
+
+    def loads_async(self, req_id: str) -> bool:
+        """Whether the tokens matched_tokens last promised this request load in the
+        background (False when it promised none)."""
+        req = self._reqs.get(req_id)
+        return req is not None and req.matched_tokens > 0 and req.load_async
 
     def after_alloc(self, request: Any, block_ids: Sequence[int], num_external: int) -> None:
         """vLLM allocated the request's blocks; plan the load of the `num_external` tokens."""
         req = self._reqs.get(request.request_id)
-        if req is None:
+        if req is None or req.awaits_load:  # vLLM's second call, once the load is done
             return
         self.counters.allocated(len(request.all_token_ids), req.local_tokens, num_external)
         if num_external <= 0:
@@ -112,14 +129,20 @@ class Planner:
             raise AssertionError(f"request {request.request_id}: load of {num_external} tokens "
                                  f"from block {first} does not fit {len(keys)} keys and "
                                  f"{len(block_ids)} blocks")
-        req.load = LoadSpec(request.request_id, first, list(block_ids[first:first + count]), keys)
+        req.load = LoadSpec(request.request_id, first, list(block_ids[first:first + count]), keys,
+                            background=req.load_async)
         req.load_end = first + count
+        req.awaits_load = req.load_async
+        if req.load_async:
+            req.async_load_blocks += count
         self.index.touch(reversed(keys))
 
     def plan(self, scheduled: Iterable[tuple[str, int]],
-             block_ids_of: Callable[[str], Sequence[int]]) -> StepPlan:
+             block_ids_of: Callable[[str], Sequence[int]], idle: bool = False) -> StepPlan:
         """This step's plan: the loads planned since the last one, and for each scheduled
-        (request id, tokens computed once this step ran) the saves of its newly full blocks."""
+        (request id, tokens computed once this step ran) the saves of its newly full blocks.
+        In an `idle` step (no forward) a background load under the policy's min_bytes runs
+        inline: nothing would run beside it, and a thread only adds hand-offs."""
         self.counters.step()
         plan = StepPlan(drops=self._drops)
         self._drops = []
@@ -128,7 +151,16 @@ class Planner:
             if pending.load is not None:
                 plan.loads.append(pending.load)
                 loading.extend(pending.load.keys)
+                if pending.load.background:
+                    self._inflight[pending.load.req_id] = pending.load.keys
+                    pending.load.inline = idle and self.policy is not None and (
+                        len(pending.load.keys) * self.policy.block_bytes
+                        < self.policy.min_bytes)
+                if self.policy is not None:
+                    self.policy.used(pending.load.keys)
                 pending.load = None
+        for keys in self._inflight.values():
+            loading.extend(keys)  # read by a background load: not dropped for room
         for req_id, computed in scheduled:
             req = self._reqs.get(req_id)
             if req is None:
@@ -140,6 +172,9 @@ class Planner:
             new = keys[req.saved_upto:min(len(keys), len(ids))]
             write, drop = self.index.reserve(new, keep=loading)
             plan.drops.extend(drop)
+            if self.policy is not None:
+                self.policy.gone(drop)
+                self.policy.used(write)
             req.deduplicated_blocks += len(new) - len(write)
             req.written_blocks += len(write)
             wanted = set(write)
@@ -166,6 +201,8 @@ class Planner:
         self.index.confirm(report.saved - failed)
         self.index.forget(failed)
         self._drops.extend(sorted(failed))
+        if self.policy is not None:
+            self.policy.gone(failed)
         recomputed = failed_blocks = disk_blocks = 0
         for req_id, first in report.failed_load_reqs.items():
             req = self._reqs.get(req_id)
@@ -184,10 +221,18 @@ class Planner:
                 disk_blocks += loaded
         self.counters.reported(report, recomputed, failed_blocks, disk_blocks)
 
+    def loads_finished(self, req_ids: Iterable[str]) -> None:
+        """Every rank finished these requests' background loads (vLLM's finished_recving):
+        their keys may be dropped for room again."""
+        for req_id in req_ids:
+            self._inflight.pop(req_id, None)
+
     def reset(self) -> None:
         """Forget every stored block (vLLM's reset_prefix_cache(reset_connector=True)): the
         next plan drops them on every rank, and nothing matches until written again."""
         self._drops.extend(self.index.clear())
+        if self.policy is not None:
+            self.policy.clear()
 
     def finished(self, req_id: str) -> dict[str, int]:
         """Forget a finished request; what it got from and gave to the store."""
@@ -198,6 +243,7 @@ class Planner:
             "matched_tokens": req.matched_tokens,
             "failed_load_blocks": req.failed_load_blocks,
             "disk_loaded_blocks": req.disk_loaded_blocks,
+            "async_load_blocks": req.async_load_blocks,
             "written_blocks": req.written_blocks,
             "deduplicated_blocks": req.deduplicated_blocks,
             "index_blocks": self.index.num_stored,

@@ -158,6 +158,35 @@ class HostBlockStore:
             self._queue_oldest()
         return data
 
+    def hold_for_load(self, key: bytes) -> tuple[BlockRecord | None, bool]:
+        """For a load that reads the key later, on another thread: (its record, unchecked,
+        when memory holds it, made the most recently used; whether the disk record was
+        pinned instead: not deleted for room until release_load). The record stays valid
+        whatever happens to the key after (records are never written to)."""
+        rec = self._records.pop(key, None)
+        if rec is not None:
+            self._records[key] = rec
+            return rec, False
+        with self._lock:
+            rec = self.writer.pending(key) if self.writer is not None else None
+            if rec is not None:
+                return rec, False
+            if self.disk is not None and key in self.disk:
+                self.disk.pin(key)
+                return None, True
+        return None, False
+
+    def release_load(self, key: bytes) -> None:
+        """The disk record hold_for_load pinned may be deleted for room again."""
+        if self.disk is not None:
+            with self._lock:
+                self.disk.unpin(key)
+
+    def checked(self, key: bytes, rec: BlockRecord) -> np.ndarray | None:
+        """A held record's bytes when it checks out (see the class docstring), else None and
+        the key is dropped."""
+        return self._checked(key, rec)
+
     def drop(self, key: bytes) -> bool:
         in_memory = self._records.pop(key, None) is not None
         with self._lock:

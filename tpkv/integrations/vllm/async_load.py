@@ -1,0 +1,158 @@
+"""A rank's background loads: blocks read from host memory or disk into vLLM's KV cache on a
+thread of its own, while vLLM's steps go on.
+
+`submit` (on vLLM's worker thread, in start_load_kv) takes each block's record when host memory
+holds it, or pins its disk record (not deleted for room until read), so nothing a later step
+stores or drops can take a block from under the load; a key dropped outright (the index forgot
+it) is a miss. The thread then checks each record, reads the pinned ones from disk, and copies
+the blocks into the request's vLLM blocks (those are the request's alone, and vLLM neither
+reads nor frees them before every rank named the request finished). A job is done once every
+block is in the KV cache (on a GPU, once its copy stream is synchronized); `take_done` hands
+finished jobs back to the worker thread, which reports them to vLLM with their failed blocks.
+A job submitted `inline` (the scheduler's plan says so in a step without a forward) runs the
+same way on the caller's thread instead, done when submit returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from tpkv.integrations.vllm.plan import LoadSpec, StepReport
+
+if TYPE_CHECKING:
+    from tpkv.integrations.vllm.record import BlockRecord
+    from tpkv.integrations.vllm.store import HostBlockStore
+
+log = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 30.0
+
+
+@dataclass
+class LoadJob:
+    """One request's background load on one rank, and what came of it."""
+
+    spec: LoadSpec
+    held: list[tuple[BlockRecord | None, bool]]  # per block: HostBlockStore.hold_for_load
+    report: StepReport = field(default_factory=StepReport)
+    failed_block_ids: set[int] = field(default_factory=set)
+    loaded_blocks: int = 0
+    disk_blocks: int = 0
+    pos: int = 0  # the block being loaded
+
+
+class BackgroundLoader:
+    """Runs LoadJobs one after the other on a daemon thread. `store` is the rank's store (None:
+    every block fails), `lock` what every call into it holds, `copy_in(block_id, data)` writes
+    one block into vLLM's KV cache, `fail(job, pos)` records a failed block."""
+
+    def __init__(self, store: HostBlockStore | None, lock: threading.RLock,
+                 copy_in: Callable[[int, np.ndarray], None],
+                 fail: Callable[[LoadJob, int], None], device: torch.device, rank: int) -> None:
+        self.store = store
+        self.lock = lock
+        self.copy_in = copy_in
+        self.fail = fail
+        self.device = device
+        self._jobs: queue.Queue[LoadJob | None] = queue.Queue()
+        self._done: list[LoadJob] = []
+        self._done_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"tpkv-loader-rank{rank}")
+        self._thread.start()
+
+    def submit(self, spec: LoadSpec, inline: bool = False) -> None:
+        """Start the load of `spec` on the thread, or with `inline` run it now on the
+        caller's (done when this returns)."""
+        held: list[tuple[BlockRecord | None, bool]] = [(None, False)] * len(spec.keys)
+        if self.store is not None:
+            with self.lock:
+                held = [self.store.hold_for_load(key) for key in spec.keys]
+        job = LoadJob(spec, held)
+        if inline:
+            self._run_job(job, None)
+        else:
+            self._jobs.put(job)
+
+    def take_done(self) -> list[LoadJob]:
+        with self._done_lock:
+            done, self._done = self._done, []
+        return done
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
+        """Finish the submitted jobs and stop; False when the thread is still busy."""
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        stream: Any = None
+        if self.device.type == "cuda":  # a new thread's current device is the first one
+            torch.cuda.set_device(self.device)
+            stream = torch.cuda.Stream(self.device)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            self._run_job(job, stream)
+
+    def _run_job(self, job: LoadJob, stream: Any) -> None:
+        """Load `job` (on `stream` when the KV cache is on a GPU; the caller's copies are
+        synchronous without one) and hand it to take_done, failed blocks and all."""
+        try:
+            if stream is None:
+                self._load(job)
+            else:
+                with torch.cuda.stream(stream):
+                    self._load(job)
+                job.pos = 0  # no block is known to be in place before the copies end
+                stream.synchronize()
+                job.pos = len(job.spec.keys)
+        except Exception:  # a block not known to be in place is a failed one
+            log.exception("tpkv vLLM connector: background load of request %s failed",
+                          job.spec.req_id)
+            self._give_up(job)
+        with self._done_lock:
+            self._done.append(job)
+
+    def _load(self, job: LoadJob) -> None:
+        """Check or read each block, copy it in; a miss or a record that does not check out
+        is a failed block (vLLM recomputes from the request's first one)."""
+        store = self.store
+        for pos, (block_id, key) in enumerate(zip(job.spec.block_ids, job.spec.keys)):
+            job.pos = pos
+            rec, pinned = job.held[pos]
+            data = None
+            if store is not None:
+                with self.lock:
+                    if pinned:
+                        store.release_load(key)
+                        job.held[pos] = (rec, False)
+                    data = store.checked(key, rec) if rec is not None else store.get(key)
+            if data is None:
+                self.fail(job, pos)
+                continue
+            if rec is None:
+                job.report.disk_loads.setdefault(job.spec.req_id, set()).add(
+                    job.spec.first_block + pos)
+                job.disk_blocks += 1
+            self.copy_in(block_id, data)
+            job.loaded_blocks += 1
+        job.pos = len(job.spec.keys)
+
+    def _give_up(self, job: LoadJob) -> None:
+        """After an error at block job.pos: it and every later block failed; their pins go."""
+        for pos in range(job.pos, len(job.spec.keys)):
+            self.fail(job, pos)
+            rec, pinned = job.held[pos]
+            if pinned and self.store is not None:
+                with self.lock:
+                    self.store.release_load(job.spec.keys[pos])
