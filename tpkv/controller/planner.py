@@ -52,6 +52,10 @@ def _plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray
         short2 = max(0, len(in3) + len(victims) - free2)
         extra2 = 0
         if phase == 0 and ctx.l3_enabled:  # L1 draining goes first
+            if ctx.l3_load_s_per_block > ctx.recompute_s_per_block > 0:
+                # what leaves L2 is dropped (_make_l2_room): drop what the copies would
+                # otherwise wait for, free slots that spills still read, instead of waiting
+                short2 = max(short2, len(in3) + len(victims) - t.free[DRAM].clean)
             projected = t.used(DRAM) + len(in3) + len(victims) - min(len(in2), free1 + len(victims))
             extra2 = _watermark(ctx, DRAM, projected, t.slots(DRAM))
             # L2 spills now, or did: blocks live in L3 (L1 and L2 do not hold the sessions)
