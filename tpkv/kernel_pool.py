@@ -175,29 +175,28 @@ def _spawn_and_wait(config: TpkvConfig | None, modules: tuple[str, ...], n: int,
     root = str(Path(__file__).resolve().parents[1])  # the same tpkv as this process's
     code = (f"import sys; sys.path.insert(0, {root!r}); "
             "from tpkv.kernel_pool_child import start; start(sys.argv[1], int(sys.argv[2]))")
-    procs = []
+    proc = None
     try:  # its own process group: what it forks ends with it (os.killpg)
         with open(work / "out", "wb") as out, open(work / "err", "wb") as err:
-            procs.append(subprocess.Popen(
+            proc = subprocess.Popen(
                 [sys.executable, "-c", code, str(work), str(n)], env=env,
-                stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True))
+                stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
     except OSError as exc:  # no processes here (a sandbox, limits)
         log.info("kernel pool: no process started (%s)", exc)
     undo = lock_saves(work / "save.lock")  # what this process compiles meanwhile: as theirs
     pool = _Watch(work, n, started, disps)
     try:
-        for p in procs:
-            pool.run(p, time.monotonic() + TIMEOUT_S)
+        if proc is not None:
+            pool.run(proc, time.monotonic() + TIMEOUT_S)
     finally:  # none outlives this call: what compiles after it must not race their saves
-        for p in procs:
-            if p.poll() != 0:  # killed, failed or still running: its children too
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                p.wait()
+        if proc is not None and proc.poll() != 0:  # killed, failed or running: its children too
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
         undo()
-    _REPORT.update(processes=n if procs else 0, wall_s=time.perf_counter() - started,
+    _REPORT.update(processes=n if proc is not None else 0, wall_s=time.perf_counter() - started,
                    **pool.report())
     from tpkv import startup
 

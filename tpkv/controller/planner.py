@@ -49,19 +49,19 @@ def _plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray
             extra1 = min(max(0, extra1 - room1), budget)
         victims, units, sizes = _pick_l1(ctx, b, shield, protect, room1, extra1)
         free2 = t.num_free(DRAM)
-        short2 = max(0, len(in3) + len(victims) - free2)
+        intake = len(in3) + len(victims)  # blocks copied into L2 in this phase
+        short2 = max(0, intake - free2)
         extra2 = 0
         if phase == 0 and ctx.l3_enabled:  # L1 draining goes first
-            if ctx.l3_load_s_per_block > ctx.recompute_s_per_block > 0:
-                # what leaves L2 is dropped (_make_l2_room): drop what the copies would
-                # otherwise wait for, free slots that spills still read, instead of waiting
-                short2 = max(short2, len(in3) + len(victims) - t.free[DRAM].clean)
-            projected = t.used(DRAM) + len(in3) + len(victims) - min(len(in2), free1 + len(victims))
+            drops = _l2_drops(ctx)
+            if drops:  # drop what the copies would otherwise wait for (free slots that
+                short2 = max(short2, intake - t.free[DRAM].clean)  # spills still read)
+            projected = t.used(DRAM) + intake - min(len(in2), free1 + len(victims))
             extra2 = _watermark(ctx, DRAM, projected, t.slots(DRAM))
             # L2 spills now, or did: blocks live in L3 (L1 and L2 do not hold the sessions)
             pressed = short2 > 0 or extra2 > 0 or t.used(SSD) > 0
             extra2 = max(0, extra2 - short2)
-            if not ctx.l3_load_s_per_block > ctx.recompute_s_per_block > 0:  # (else dropped)
+            if not drops:
                 # a drain spills no faster than the disk writes: a copy into L2 that finds no
                 # clean slot waits for the spills queued before its slot's
                 extra2 = min(extra2, t.pace.room(t.free[DRAM], short2))
@@ -69,8 +69,8 @@ def _plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray
                 # but never into L3 room a session there would have to give up
                 l3_room = t.num_free(SSD) - short2 - int(np.count_nonzero(s.counts[SSD + 1])) - 1
                 extra2 = max(extra2, min(max(0, l3_room),
-                                         t.pace.ahead(t.free[DRAM], free2, len(in3) + len(victims),
-                                                      short2, pressed)))
+                                         t.pace.ahead(t.free[DRAM], free2, intake, short2,
+                                                      pressed)))
             extra2 = min(extra2, max(budget - extra1, budget // 4))
         _make_l2_room(ctx, b, shield, short2, extra2, budget)
         free2 = t.num_free(DRAM)
@@ -141,6 +141,13 @@ def _pick_l1(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, protect: np.n
     return rows, units, sizes
 
 
+def _l2_drops(ctx: PlanContext) -> bool:
+    """What leaves L2 is dropped, not spilled: loading it back from L3 would take longer than
+    a prefill, weighed by the sessions it delays now (spill="cost"), so the cost model would
+    recompute it and writing it would cost the disk for nothing."""
+    return ctx.l3_load_s_per_block > ctx.recompute_s_per_block > 0
+
+
 def _make_l2_room(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, short: int, extra: int,
                   budget: int) -> None:
     """Free L2: without L3, drop the coldest sessions' L2 blocks now; with L3, spill whole
@@ -159,10 +166,7 @@ def _make_l2_room(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, short: i
         if len(rows):
             b.events.append({"kind": "drop_l2", "blocks": len(rows), "sessions": len(units)})
         return
-    if ctx.l3_load_s_per_block > ctx.recompute_s_per_block > 0 and len(rows):
-        # Loading these blocks back from L3 would take longer than a prefill, weighed by the
-        # sessions it delays now: the cost model would recompute them, so writing them costs
-        # disk for nothing.
+    if _l2_drops(ctx) and len(rows):
         b.drop(rows)
         b.events.append({"kind": "drop_l2", "blocks": len(rows), "sessions": len(units),
                          "why": "recompute beats a load from L3"})  # (as weighed now)

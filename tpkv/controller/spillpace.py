@@ -26,8 +26,8 @@ class SpillPacer:
     steps a spill takes, as long as the spills in flight stay within what the disk writes in
     `spill_queue_s` (PolicyConfig) at its measured rate, or the largest recent intake (room()).
     A watermark's drain spills within the same room, so the writes queued before a copy into
-    L2 never outgrow it. Off (`enabled` False): spilled slots
-    are freed like others (PlanBuilder) and nothing is spilled ahead."""
+    L2 never outgrow it. Off (`enabled` False): spilled slots are freed like others
+    (PlanBuilder) and nothing is spilled ahead."""
 
     def __init__(self, policy: PolicyConfig | None = None, block_bytes: int = 1) -> None:
         p = policy or PolicyConfig(spill_pacing=False)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, KeysView, Sequence
 from typing import Any
 
 from tpkv.launch.runtime import TpkvRuntime
@@ -38,8 +38,8 @@ class Returns:
     def __init__(self, rt: TpkvRuntime) -> None:
         self.rt = rt
         self.reading: set[str] = set()  # sessions read ahead (or waiting to be), every rank
-        self.recompute: set[str] = set()  # sessions sent in to be recomputed (rank 0)
-        self._recompute_tokens: dict[str, int] = {}  # theirs to recompute, until they ran
+        # Rank 0: sessions sent in to be recomputed -> their tokens to recompute, until they ran
+        self._recompute_tokens: dict[str, int] = {}
         self.num_read_ahead = 0  # read aheads started (a turn waited outside the batch)
         self.num_recomputed = 0  # turns sent in to recompute instead
         # With nothing else to run, rank 0 waits this long at most for a read ahead before it
@@ -66,6 +66,11 @@ class Returns:
         # batch or two more)
         self.max_passed = 8
         self._passed: dict[str, int] = {}  # rank 0: straight turn -> times passed over
+
+    @property
+    def recompute(self) -> KeysView[str]:
+        """Rank 0: the sessions sent in to be recomputed that have not run yet."""
+        return self._recompute_tokens.keys()
 
     def admit(self, arrived: Sequence[str], returning: Sequence[str], idle: bool) -> list[str]:
         answer = self.rt.from_rank0(lambda: self._decide(arrived, returning, idle),
@@ -144,7 +149,6 @@ class Returns:
                     ready.append(name)
                 continue
             if name not in back and self._sooner_recomputed(name):
-                self.recompute.add(name)
                 self._recompute_tokens[name] = self._off_tokens(name)
                 self.num_recomputed += 1
                 self._straight.add(name)
@@ -232,7 +236,6 @@ class Returns:
         if not (self.reading or self.recompute):
             return
         for name in session_ids:
-            self.recompute.discard(name)
             self._recompute_tokens.pop(name, None)
             if name in self.reading:
                 self.reading.discard(name)
