@@ -251,8 +251,8 @@ class PolicyConfig:
     prefetch_steps: int = 2
     # "cost": no spill to L3 of blocks the cost model would recompute rather than load back
     # under the step's load (the sessions a recompute delays: the batch and those named
-    # upcoming), dropped from L2 instead; "always": spill whatever must leave L2 (keeps the
-    # most).
+    # upcoming), dropped from L2 instead, and only as a step needs the room (L2 stays as full
+    # as without L3); "always": spill whatever must leave L2 (keeps the most).
     spill: Literal["cost", "always"] = "cost"
     # Which free L1 slot a move into L1 or a new block gets: "newest" (the one given back last,
     # as before the option; the controller's golden plans are recorded with it) or "oldest"

@@ -58,6 +58,8 @@ def _plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray
                 short2 = max(short2, intake - t.free[DRAM].clean)  # spills still read)
             projected = t.used(DRAM) + intake - min(len(in2), free1 + len(victims))
             extra2 = _watermark(ctx, DRAM, projected, t.slots(DRAM))
+            if drops:  # nothing is dropped ahead of need: L2 stays as full as without L3
+                extra2, ctx.draining[DRAM] = 0, False
             # L2 spills now, or did: blocks live in L3 (L1 and L2 do not hold the sessions)
             pressed = short2 > 0 or extra2 > 0 or t.used(SSD) > 0
             extra2 = max(0, extra2 - short2)
