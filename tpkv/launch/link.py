@@ -37,6 +37,10 @@ class Link(Protocol):
 
     def post(self, method: str, *args: Any, **kwargs: Any) -> Reply: ...
 
+    def flush(self) -> None: ...
+
+    hold_posts: bool
+
     def close(self) -> None: ...
 
 
@@ -55,6 +59,19 @@ class _Waiting:
             return self.future.result(timeout=bound)
         except FutureTimeout as exc:
             raise WaitTimeoutError(f"controller busy for {bound:g} s ({self.method})") from exc
+
+
+class _Held(_Waiting):
+    """A post held until the link's next flush: waiting for its answer flushes first."""
+
+    def __init__(self, future: Future[Any], method: str, timeout_s: float,
+                 flush: Any) -> None:
+        super().__init__(future, method, timeout_s)
+        self.flush = flush
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.flush()
+        return super().result(timeout)
 
 
 class LocalLink:
@@ -79,6 +96,11 @@ class LocalLink:
     def post(self, method: str, *args: Any, **kwargs: Any) -> Reply:
         """A commit or a report (attention mass, prefill speed): sent as any call."""
         return self.send(method, *args, **kwargs)
+
+    def flush(self) -> None:
+        """Nothing is held: a post is sent at once."""
+
+    hold_posts = False
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         last = self._last
@@ -131,11 +153,14 @@ class RayLink:
     actor runs this client's calls in order (controller.client). A schedule's answer is
     fetched and decoded on a thread as soon as it is in, so the step that reads it finds it
     ready. Commits and reports (`post`) are sent from a thread of their own through a second
-    client, in order among themselves; the step does not wait to send them. (The controller
-    takes a step's schedule before or after the commits of earlier plans alike; a caller
-    that needs them in first waits for their answers.) `close` ends the actor when this
-    process made it for its runtime (ControllerClient.owned): the next tpkv.init in the same
-    Ray cluster gets a fresh controller from its own config, as in process."""
+    client, in order among themselves; the step does not wait to send them, and with
+    `hold_posts` they go only at the next flush or send (while the next forward runs, so the
+    sending thread does not take the interpreter from the step between two forwards). (The
+    controller takes a step's schedule before or after the commits of earlier plans alike; a
+    caller that needs them in first waits for their answers, which flushes them.) `close`
+    ends the actor when this process made it for its runtime (ControllerClient.owned): the
+    next tpkv.init in the same Ray cluster gets a fresh controller from its own config, as in
+    process."""
 
     def __init__(self, client: Any) -> None:
         self.target = client
@@ -143,8 +168,15 @@ class RayLink:
         self._poster: ThreadPoolExecutor | None = None
         self._collector: ThreadPoolExecutor | None = None
         self._reporter: Any = None
+        self._held: list[tuple[str, tuple[Any, ...], dict[str, Any], Future[Any]]] = []
+        self._lock = threading.Lock()
+        # Posts wait for the next flush (or send) instead of going at once: set by a caller
+        # that flushes at a moment of its own each step (the runtime, once its engine applies
+        # late plans: while a forward runs)
+        self.hold_posts = False
 
     def send(self, method: str, *args: Any, **kwargs: Any) -> Reply:
+        self.flush()
         reply: Reply = self.target.send(method, *args, **kwargs)
         if method != "schedule":
             return reply
@@ -153,29 +185,43 @@ class RayLink:
         return _Waiting(self._fetcher.submit(reply.result), method, self.target.timeout_s + 1.0)
 
     def post(self, method: str, *args: Any, **kwargs: Any) -> Reply:
+        answer: Future[Any] = Future()
+        with self._lock:
+            self._held.append((method, args, kwargs, answer))
+        reply = _Held(answer, method, self.target.timeout_s + 1.0, self.flush)
+        if not self.hold_posts:
+            self.flush()
+        return reply
+
+    def flush(self) -> None:
+        """Send the posts held since the last flush, in order, from the posting thread."""
+        with self._lock:
+            held, self._held = self._held, []
+        if not held:
+            return
         if self._poster is None:
             self._poster = ThreadPoolExecutor(1, thread_name_prefix="tpkv-report")
             self._collector = ThreadPoolExecutor(1, thread_name_prefix="tpkv-answers")
             self._reporter = type(self.target)(self.target.handle, self.target.timeout_s)
-        answer: Future[Any] = Future()
         reporter, collector = self._reporter, self._collector
         assert collector is not None
 
-        def send() -> None:  # on the posting thread; its answer is read on the collector's
+        def send(method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 answer: Future[Any]) -> None:  # its answer is read on the collector's thread
             try:
                 sent = reporter.send(method, *args, **kwargs)
             except BaseException as exc:
                 answer.set_exception(exc)
                 return
             collector.submit(_settle, sent, answer)
-        self._poster.submit(send)
-        # (so done() is a flag: a look at a Ray reply from the step's thread costs a call)
-        return _Waiting(answer, method, self.target.timeout_s + 1.0)
+        for item in held:
+            self._poster.submit(send, *item)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self.send(method, *args, **kwargs).result()
 
     def close(self) -> None:
+        self.flush()
         for pool in (self._fetcher, self._poster, self._collector):
             if pool is not None:
                 pool.shutdown(wait=True)

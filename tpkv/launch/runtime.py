@@ -133,8 +133,13 @@ class TpkvRuntime(SessionCalls):
 
     def apply_late(self) -> None:
         """Once the step's forward is launched: apply its plans that wait (begin_step's
-        late_ok) and start their confirmation (the next begin_step collects it)."""
+        late_ok) and start their confirmation (the next begin_step collects it). Rank 0 then
+        sends the commits and reports held since the last step (Link.flush): sent now, they
+        take no host time between the step's end and the next forward."""
         self.worker.apply_late()
+        if self.link is not None:
+            self.link.hold_posts = True  # this caller flushes each step
+            self.link.flush()
 
     def _end_late_step(self) -> None:
         """end_step for a step whose forward read none of its plans' blocks (its plans were
