@@ -170,20 +170,26 @@ class SlotMapReplica:
                 self.content[(tier, slot)] = (bid, self.version.get(bid, 0))
 
     def _written(self, result: StepResult) -> None:
-        """Bump the version of every block the step writes: new blocks, the last block of a
-        session that gets tokens when it was partly filled, and every block from the start of
-        a recomputed range on (the engine feeds the session again from there)."""
+        """Bump the version of every block whose tokens the step changes: new blocks and the
+        last block of a session that gets tokens when it was partly filled. A version is the
+        KV of one content of tokens: a block recomputed (fresh, of a logical index the session
+        held) gets the KV of the tokens it had, its version unchanged (its L3 record still
+        holds them: step._keep_records)."""
         bt = self.block_tokens
         assert bt is not None
-        bump = list(result.fresh_block_ids.tolist())
+        bump = []
+        held = {n: -(-self.tokens.get(n, 0) // bt) for n in result.session_ids}
+        for bid, pos, lg in zip(result.fresh_block_ids.tolist(),
+                                result.fresh_session_idx.tolist(), result.fresh_logical.tolist()):
+            if lg >= held[result.session_ids[pos]]:
+                bump.append(bid)  # a new block
+            else:
+                slot = self.where[bid][1]
+                self.content[(int(Tier.HBM), slot)] = (bid, self.version.get(bid, 0))
         for name, after in zip(result.session_ids, result.num_tokens.tolist()):
             before = self.tokens.get(name, 0)
             if after > before and before % bt:
                 bump.append(self.named[(name, before // bt)])
-        for pos, start in zip(result.recompute_session_idx.tolist(),
-                              result.recompute_start.tolist()):
-            name = result.session_ids[pos]
-            bump += [b for (n, lg), b in self.named.items() if n == name and lg >= start]
         for bid in bump:
             self.version[bid] = self.version.get(bid, 0) + 1
             tier, slot, _, _ = self.where[bid]
