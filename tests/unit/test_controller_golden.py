@@ -7,11 +7,8 @@ after two intended changes: freed slots handed back in ascending order (for runs
 session whose last L3 block moved up listed in ssd_dropped_sessions (its records freed; with
 that list blanked, the new digests equalled the old ones in every case); and again when
 spill pacing became the default (PolicyConfig.spill_pacing: spilled L2 slots handed out last,
-spills ahead of need; with it off, the digests before it pass in every case); and again when
-a recompute stopped voiding L3 copies (step._keep_records: small/a/5, busy/heat/0, busy/heat/1
-and busy/lruk/1 changed; in each the first step that differs has the same moves, a session's
-spills now kept instead of written, in another order). To re-record after an intended change
-of behaviour, run this file with TPKV_GOLDEN_WRITE=1.
+spills ahead of need; with it off, the digests before it pass in every case). To re-record
+after an intended change of behaviour, run this file with TPKV_GOLDEN_WRITE=1.
 """
 
 from __future__ import annotations

@@ -95,8 +95,9 @@ def test_a_block_appended_to_after_the_recompute_is_written_not_kept(make_config
 def test_a_recompute_after_a_failed_record_keeps_nothing_of_it(make_config, fake_clock):
     """Block 1's record fails to read while the session is loaded: it is lost (Tier.NONE)
     and recomputed at the next run (the caller asks for a recompute), and its record is never
-    kept: its next spill writes it. The other three, loaded, keep theirs (before, the
-    recompute from block 1 on voided the copies of blocks 2 and 3 too)."""
+    kept: its next spill writes it. Blocks 2 and 3, fed again after it, lose their copies as
+    before (only blocks recomputed by choice keep records); block 0 keeps its copy. (A guard:
+    it passes on f58c2b4 too.)"""
     rig = _rig(make_config, fake_clock)
     c, S, T = rig.c, rig.c.sessions, rig.c.table
     res = c.schedule(["a"], [0])
@@ -109,8 +110,8 @@ def test_a_recompute_after_a_failed_record_keeps_nothing_of_it(make_config, fake
     assert rig.where("a")[1] == "NONE"
     res = _step(rig, ["a"], [0], resume={"a": "recompute"})
     assert (res.recompute_start.tolist(), res.recompute_stop.tolist()) == ([1], [2])
-    assert T.l3copy[S.rows(S.lookup("a"))].tolist() == [1, 0, 1, 1]
-    assert _until_spilled(rig, "a") == [(0, True), (1, False), (2, True), (3, True)]
+    assert T.l3copy[S.rows(S.lookup("a"))].tolist() == [1, 0, 0, 0]
+    assert _until_spilled(rig, "a") == [(0, True), (1, False), (2, False), (3, False)]
 
 
 def test_a_lost_block_recomputed_beside_blocks_in_l3_keeps_no_record(make_config, fake_clock):

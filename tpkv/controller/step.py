@@ -166,7 +166,7 @@ def run_step(ctx: StepContext, step: CheckedStep, session_ids: Sequence[str] | n
         rc_pos, rc_start, rc_stop = _ranges(old_pos, old_logical)
     if T.num_kept or T.l3_other:
         _drop_written_copies(ctx, batch, tokens_before, step.rewrite, tokens, rc_pos,
-                             rc_start)
+                             rc_start, keep)
     names, names_cache = _names(ctx, session_ids, batch)
     fields = dict(
         tick=tick, session_ids=names, num_tokens=tokens, block_offsets=offsets,
@@ -178,19 +178,20 @@ def run_step(ctx: StepContext, step: CheckedStep, session_ids: Sequence[str] | n
 
 def _drop_written_copies(ctx: StepContext, batch: np.ndarray, before: np.ndarray,
                          rewrite: np.ndarray, after: np.ndarray, rc_pos: np.ndarray,
-                         rc_start: np.ndarray) -> None:
+                         rc_start: np.ndarray, keep: np.ndarray) -> None:
     """The copies of blocks this step writes are stale: the last block of a session that gets
-    tokens, when it was partly filled, and the blocks of tokens it writes again (`rewrite`).
-    Their L2 copies are freed; their L3 copies are void (the records stay, dead, until their
-    segment goes; a later spill writes them again). From a recomputed range on (the engine
-    feeds the session again from there) the L2 copies are freed too; the L3 copies stay: the
-    tokens are the same, and a record holds what a load of it would serve (_keep_records)."""
+    tokens, when it was partly filled, the blocks of tokens it writes again (`rewrite`), and
+    every block from a recomputed range on (the engine feeds the session again from there),
+    but for the blocks recomputed by choice that keep their L3 records (`keep`,
+    _keep_records). Their L2 copies are freed; their L3 copies are void (the records stay,
+    dead, until their segment goes; a later spill writes them again)."""
     S, T = ctx.sessions, ctx.table
     slots = T.take_written(batch, before, rewrite, after, ctx.config.geometry.block_tokens,
                            S.arena.arena, S.arena.start, S.kept_last, S.l3_last)
-    if len(rc_pos) and T.num_kept:
+    if len(rc_pos):
         rows = np.concatenate([S.arena.rows(int(batch[pos]))[start:] for pos, start in
                                zip(rc_pos.tolist(), rc_start.tolist())])
+        T.l3copy[rows[~np.isin(rows, keep)] if len(keep) else rows] = 0
         more = T.take_kept(np.unique(rows))
         slots = np.concatenate([slots, more[more >= 0]])
     if len(slots):  # one group: freed slots go back in ascending order (SlotStack.push)
@@ -343,7 +344,9 @@ def _keep_records(ctx: StepContext, b: PlanBuilder, rows: np.ndarray) -> None:
     when it was written, which a recompute of the same tokens may differ from in low-order
     bits: it is what a load of it would serve. Records counted dead by the drop (set_tier)
     stay counted in l3_other, as copies. Not kept: a block whose record failed (lost, Tier.NONE
-    before the step: never among these rows), nor one whose segment this step deletes."""
+    before the step: never among these rows), one whose segment this step deletes, and (as
+    before) the copies of blocks already in L1 that the engine feeds again after a recomputed
+    one (_drop_written_copies)."""
     T, S = ctx.table, ctx.sessions
     sess = T.session[rows]
     if len(b.segment_gone):
