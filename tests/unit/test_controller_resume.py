@@ -32,7 +32,7 @@ def test_recompute_overrides_a_cost_model_that_would_load(make_config, fake_cloc
     rig = spilled(make_config, fake_clock)
     rig.c.rates.ssd_read_bytes_per_s, rig.c.rates.prefill_tokens_per_s = 1e12, 1.0
     res = rig.c.schedule(["a"], [0], resume={"a": "recompute"})
-    assert moves(res, Tier.SSD, Tier.DRAM) == 0 and "a" in res.ssd_dropped_sessions
+    assert moves(res, Tier.SSD, Tier.DRAM) == 0 and "a" not in res.ssd_dropped_sessions
     assert res.recompute_session_idx.tolist() == [0]
     assert (res.recompute_start.tolist(), res.recompute_stop.tolist()) == ([0], [4])
 

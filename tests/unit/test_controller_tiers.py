@@ -176,8 +176,10 @@ def test_cost_model_chooses_recompute_when_disk_is_slow(make_config, fake_clock)
     # Measured since the spill: a slow disk and a fast prefill.
     rig.c.rates.ssd_read_bytes_per_s, rig.c.rates.prefill_tokens_per_s = 1.0, 1e9
     res = rig.step(["a"])
-    assert moves(res, Tier.SSD, Tier.DRAM) == 0 and "a" in res.ssd_dropped_sessions
+    assert moves(res, Tier.SSD, Tier.DRAM) == 0 and "a" not in res.ssd_dropped_sessions
     assert all("a" not in p.session_names for p in res.plans)
+    S = rig.c.sessions  # its records stay, as copies of the blocks recomputed from them
+    assert rig.c.table.l3copy[S.rows(S.lookup("a"))].tolist() == [1] * 4
     assert res.recompute_session_idx.tolist() == [0]
     assert (res.recompute_start.tolist(), res.recompute_stop.tolist()) == ([0], [4])
     snap = {s["session"]: s for s in rig.c.snapshot()["sessions"]}

@@ -146,7 +146,9 @@ def _pick_l1(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, protect: np.n
 def _l2_drops(ctx: PlanContext) -> bool:
     """What leaves L2 is dropped, not spilled: loading it back from L3 would take longer than
     a prefill, weighed by the sessions it delays now (spill="cost"), so the cost model would
-    recompute it and writing it would cost the disk for nothing."""
+    recompute it and writing it would cost the disk for nothing. But for blocks with an L3
+    copy (BlockTable.l3copy): their spill writes nothing, and a recompute keeps the record
+    (step._keep_records), so they go to L3 (_make_l2_room)."""
     return ctx.l3_load_s_per_block > ctx.recompute_s_per_block > 0
 
 
@@ -169,8 +171,11 @@ def _make_l2_room(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, short: i
             b.events.append({"kind": "drop_l2", "blocks": len(rows), "sessions": len(units)})
         return
     if _l2_drops(ctx) and len(rows):
-        b.drop(rows)
-        b.events.append({"kind": "drop_l2", "blocks": len(rows), "sessions": len(units),
+        copied = t.l3copy[rows] != 0 if t.keep_l3 else np.zeros(len(rows), dtype=bool)
+        b.move(rows[copied], DRAM, SSD)  # kept spills: their records hold them, free
+        b.drop(rows[~copied])
+        b.events.append({"kind": "drop_l2", "blocks": len(rows) - int(copied.sum()),
+                         "kept_spills": int(copied.sum()), "sessions": len(units),
                          "why": "recompute beats a load from L3"})  # (as weighed now)
         return
     cap3 = t.slots(SSD)

@@ -171,11 +171,24 @@ class SlotMapReplica:
 
     def _written(self, result: StepResult) -> None:
         """Bump the version of every block the step writes: new blocks, the last block of a
-        session that gets tokens when it was partly filled, and every block from the start of
-        a recomputed range on (the engine feeds the session again from there)."""
+        session that gets tokens when it was partly filled, and every block in L1 from the
+        start of a recomputed range on (the engine feeds the session again from there). A
+        block recomputed (fresh, of a logical index the session held) keeps its version: it
+        gets the KV of the tokens it had, which its L3 record, if kept, holds
+        (step._keep_records)."""
         bt = self.block_tokens
         assert bt is not None
-        bump = list(result.fresh_block_ids.tolist())
+        bump = []
+        held = {n: -(-self.tokens.get(n, 0) // bt) for n in result.session_ids}
+        redone = set()
+        for bid, pos, lg in zip(result.fresh_block_ids.tolist(),
+                                result.fresh_session_idx.tolist(), result.fresh_logical.tolist()):
+            if lg >= held[result.session_ids[pos]]:
+                bump.append(bid)  # a new block
+            else:
+                redone.add(bid)
+                slot = self.where[bid][1]
+                self.content[(int(Tier.HBM), slot)] = (bid, self.version.get(bid, 0))
         for name, after in zip(result.session_ids, result.num_tokens.tolist()):
             before = self.tokens.get(name, 0)
             if after > before and before % bt:
@@ -183,7 +196,8 @@ class SlotMapReplica:
         for pos, start in zip(result.recompute_session_idx.tolist(),
                               result.recompute_start.tolist()):
             name = result.session_ids[pos]
-            bump += [b for (n, lg), b in self.named.items() if n == name and lg >= start]
+            bump += [b for (n, lg), b in self.named.items()
+                     if n == name and lg >= start and lg < held[name] and b not in redone]
         for bid in bump:
             self.version[bid] = self.version.get(bid, 0) + 1
             tier, slot, _, _ = self.where[bid]

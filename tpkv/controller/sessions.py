@@ -135,9 +135,9 @@ class SessionTable:
         grow("l3_other", np.int32, 0)
         # Epoch of the last plan that moved a block of it into or out of L3 (-1: none)
         grow("l3_epoch", np.int64, -1)
-        # A block of it was loaded from L3 (keeping its record) since it last got tokens: the
-        # step that next writes its last block voids that block's copy (stepkernels.written_kept);
-        # the others skip the lookup, as kept_last does for L2 copies
+        # A block of it was loaded from L3, or recomputed, keeping its record since it last
+        # got tokens: the step that next writes its last block voids that block's copy
+        # (stepkernels.written_kept); the others skip the lookup, as kept_last does for L2 copies
         grow("l3_last", np.bool_, False)
         self._grow_hot(capacity)
         self.arena.grow_sessions(capacity, self._hot["length"], self._hot["start"])

@@ -136,7 +136,7 @@ def run_step(ctx: StepContext, step: CheckedStep, session_ids: Sequence[str] | n
     E = ctx.epochs
     b = PlanBuilder(T, S, E.next_epoch, ctx.now_s(), ctx.check_invariants, ctx.move_buffers,
                     committed_epoch=E.committed_epoch)
-    want, recompute = _demand(ctx, b, batch, step.missing, step.resume)
+    want, recompute, keep = _demand(ctx, b, batch, step.missing, step.resume)
     needs = StepNeeds(batch, want, len(recompute) + new_total, step.upcoming)
     lost = _EMPTY
     if _needs_planning(ctx, needs):
@@ -146,6 +146,8 @@ def run_step(ctx: StepContext, step: CheckedStep, session_ids: Sequence[str] | n
                  else _EMPTY)
     slots = T.free[HBM].pop(len(fresh_old) + new_total)
     _place_fresh(ctx, fresh_old, slots[:len(fresh_old)])
+    if len(keep):
+        _keep_records(ctx, b, keep)
     new_rows, new_pos, new_ids, new_logical = _alloc_new(ctx, batch, n_new, step.nb_before,
                                                          slots[len(fresh_old):], tick)
     offsets, table = ctx.batch_table.build(S, T, batch, step.nb_after, step.sum_after)
@@ -164,7 +166,7 @@ def run_step(ctx: StepContext, step: CheckedStep, session_ids: Sequence[str] | n
         rc_pos, rc_start, rc_stop = _ranges(old_pos, old_logical)
     if T.num_kept or T.l3_other:
         _drop_written_copies(ctx, batch, tokens_before, step.rewrite, tokens, rc_pos,
-                             rc_start)
+                             rc_start, keep)
     names, names_cache = _names(ctx, session_ids, batch)
     fields = dict(
         tick=tick, session_ids=names, num_tokens=tokens, block_offsets=offsets,
@@ -176,19 +178,20 @@ def run_step(ctx: StepContext, step: CheckedStep, session_ids: Sequence[str] | n
 
 def _drop_written_copies(ctx: StepContext, batch: np.ndarray, before: np.ndarray,
                          rewrite: np.ndarray, after: np.ndarray, rc_pos: np.ndarray,
-                         rc_start: np.ndarray) -> None:
+                         rc_start: np.ndarray, keep: np.ndarray) -> None:
     """The copies of blocks this step writes are stale: the last block of a session that gets
     tokens, when it was partly filled, the blocks of tokens it writes again (`rewrite`), and
-    every block from a recomputed range on (the engine feeds the session again from there).
-    Their L2 copies are freed; their L3 copies are void (the records stay, dead, until their
-    segment goes; a later spill writes them again)."""
+    every block from a recomputed range on (the engine feeds the session again from there),
+    but for the blocks recomputed by choice that keep their L3 records (`keep`,
+    _keep_records). Their L2 copies are freed; their L3 copies are void (the records stay,
+    dead, until their segment goes; a later spill writes them again)."""
     S, T = ctx.sessions, ctx.table
     slots = T.take_written(batch, before, rewrite, after, ctx.config.geometry.block_tokens,
                            S.arena.arena, S.arena.start, S.kept_last, S.l3_last)
     if len(rc_pos):
         rows = np.concatenate([S.arena.rows(int(batch[pos]))[start:] for pos, start in
                                zip(rc_pos.tolist(), rc_start.tolist())])
-        T.l3copy[rows] = 0
+        T.l3copy[rows[~np.isin(rows, keep)] if len(keep) else rows] = 0
         more = T.take_kept(np.unique(rows))
         slots = np.concatenate([slots, more[more >= 0]])
     if len(slots):  # one group: freed slots go back in ascending order (SlotStack.push)
@@ -288,13 +291,15 @@ def _pinned_l1_outside(ctx: StepContext, batch: np.ndarray) -> int:
 
 
 def _demand(ctx: StepContext, b: PlanBuilder, batch: np.ndarray, missing: np.ndarray,
-            resume: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rows to bring into L1 (load) and rows to recompute, per the cost model for each session
-    of the step with blocks outside L1 (at positions `missing`), or as `resume` says (the
-    caller's choice, kept as the session's). Rows to recompute lose their L2/L3 copy now."""
+            resume: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows to bring into L1 (load), rows to recompute, and those of them whose L3 record is
+    kept as their copy (_keep_records), per the cost model for each session of the step with
+    blocks outside L1 (at positions `missing`), or as `resume` says (the caller's choice, kept
+    as the session's). Rows to recompute lose their L2/L3 copy now; without L3 copies
+    (BlockTable.keep_l3) their sessions' L3 segments go."""
     S, T, rates, pol = ctx.sessions, ctx.table, ctx.rates, ctx.config.policy
     if len(missing) == 0:
-        return _EMPTY, _EMPTY
+        return _EMPTY, _EMPTY, _EMPTY
     g = ctx.config.geometry
     sess = batch[missing]
     # cost.resume_costs per session, in the kernel (blocks on L2 and L3 kept per session)
@@ -310,20 +315,45 @@ def _demand(ctx: StepContext, b: PlanBuilder, batch: np.ndarray, missing: np.nda
         any_redo = bool(redo.any())
     if not any_redo:
         A = S.arena
-        return demand_rows(sess, A.arena, A.start, A.length, T.tier)
+        return (*demand_rows(sess, A.arena, A.start, A.length, T.tier), _EMPTY)
     rows, offsets = S.arena.gather(sess)
     tier = T.tier[rows]
     off_l1 = (tier == DRAM) | (tier == SSD)
     redo_rows = np.repeat(redo, np.diff(offsets)) & off_l1
+    keep = _EMPTY
+    if T.keep_l3:  # a block in L3, or with an L3 copy: its record holds its tokens' KV
+        keep = rows[redo_rows & ((tier == SSD) | (T.l3copy[rows] != 0))].astype(np.int64)
     b.drop(rows[redo_rows])
-    gone = sess[redo & (n3 > 0)]  # their L3 records are of no more use
-    b.drop_segments(gone.astype(np.int64))
+    if not T.keep_l3:
+        gone = sess[redo & (n3 > 0)]  # their L3 records are of no more use
+        b.drop_segments(gone.astype(np.int64))
     for i in np.flatnonzero(redo).tolist():
         b.events.append({"kind": "recompute", "session": S.name(int(sess[i])),
                          "blocks": int(n2[i] + n3[i]), "load_s": float(load_s[i]),
                          "recompute_s": float(recompute_s[i])})
     rows = rows.astype(np.int64)
-    return rows[off_l1 & ~redo_rows], rows[(tier == NONE) | redo_rows]
+    return rows[off_l1 & ~redo_rows], rows[(tier == NONE) | redo_rows], keep
+
+
+def _keep_records(ctx: StepContext, b: PlanBuilder, rows: np.ndarray) -> None:
+    """Rows recomputed by choice (_demand), now in L1, keep the L3 record they had (in L3, or
+    as a copy) as their copy (BlockTable.l3copy), as a block loaded back from L3 does: the
+    record is of the same session and logical block, and its tokens have not changed since it
+    was written (a write voids a copy: stepkernels.written_kept, for which their sessions are
+    flagged l3_last). A later spill of them writes nothing. The record holds the KV computed
+    when it was written, which a recompute of the same tokens may differ from in low-order
+    bits: it is what a load of it would serve. Records counted dead by the drop (set_tier)
+    stay counted in l3_other, as copies. Not kept: a block whose record failed (lost, Tier.NONE
+    before the step: never among these rows), one whose segment this step deletes, and (as
+    before) the copies of blocks already in L1 that the engine feeds again after a recomputed
+    one (_drop_written_copies)."""
+    T, S = ctx.table, ctx.sessions
+    sess = T.session[rows]
+    if len(b.segment_gone):
+        on = ~b.segment_gone[sess]
+        rows, sess = rows[on], sess[on]
+    T.l3copy[rows] = 1
+    S.l3_last[sess] = True
 
 
 def _needs_planning(ctx: StepContext, needs: StepNeeds) -> bool:

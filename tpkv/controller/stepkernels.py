@@ -160,7 +160,8 @@ def written_kept(batch: A, before: A, rewrite: A, after: A, block_tokens: int, a
     are stale once the step writes. Their L2 copies (BlockTable.kept, by L1 slot) are
     forgotten here, and their L2 slots returned for the caller to free; their L3 copies
     (BlockTable.l3copy) are void. Only sessions flagged `kept_last` (a block of theirs promoted
-    keeping its L2 copy since they last got tokens) or `l3_last` (loaded from L3 since) are
+    keeping its L2 copy since they last got tokens) or `l3_last` (loaded from L3, or recomputed
+    keeping its record, since) are
     looked at: one flag each, instead of three lookups in tables of a million rows; their
     flags are cleared (the blocks they open from here on are new)."""
     n = len(batch)

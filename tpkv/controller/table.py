@@ -47,7 +47,8 @@ class BlockTable:
                  capacity: int, l1_reuse: str = "newest", l2_reuse: str = "newest",
                  keep_l3: bool = False) -> None:
         self.l3_capacity = l3_capacity
-        # A block loaded back from L3 keeps its record (an L3 copy) while it is not written:
+        # A block loaded back from L3, or recomputed by choice from tokens its record holds
+        # (step._keep_records), keeps its record (an L3 copy) while it is not written:
         # whenever L3 is on (the controller passes l3_enabled)
         self.keep_l3 = keep_l3
         # L3 records that are not blocks in L3 (SessionTable.l3_other summed): copies of blocks
@@ -105,8 +106,9 @@ class BlockTable:
         grow("pinned", np.uint8, 0)  # PIN_EXPLICIT bit
         grow("in_flight", np.uint8, 0)  # 1 while a plan that moved the block is unconfirmed
         grow("demoted_at", np.float32, -np.inf)  # seconds since start of the last demotion
-        # 1: the block (in L1 or L2) was loaded from L3 and not written since: its record in
-        # the session's segment holds its bytes, so a spill of it writes nothing
+        # 1: the block (in L1 or L2) was loaded from L3, or recomputed from the tokens its L3
+        # record holds, and not written since: its record in the session's segment holds its
+        # bytes, so a spill of it writes nothing
         grow("l3copy", np.uint8, 0)
         if self.capacity:
             self.free_rows.grow(capacity)
