@@ -2,7 +2,7 @@
 layer while vLLM's attention waits for each layer (wait_for_layer_load).
 
 One vLLM process with the connector (tests/vllm/run_llm.py "async" rounds, async_loads "never":
-every load runs in the step) keeps 2 blocks in host memory and writes the rest to disk on the
+every load runs in the step) keeps 4 blocks in host memory and writes the rest to disk on the
 step's path, so its loads read host memory and disk; one disk record is damaged
 (sabotage.SabotagedTpkvConnector). Its worker writes how many blocks it loaded layer by layer
 (TPKV_TEST_LAYER_LOG). Tokens are compared with vLLM without the connector (the session's
@@ -31,7 +31,7 @@ BLOCK_BYTES = 2 * 2 * BLOCK_TOKENS * 2 * 32 * 4  # the tiny Llama's block on one
 def layer_run(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path
               ) -> tuple[dict[str, Any], dict[str, Any]]:
     root = tmp_path_factory.mktemp("vllm-layers")
-    extra = {"host_bytes": 2 * BLOCK_BYTES, "disk_dir": str(root / "tier"),
+    extra = {"host_bytes": 4 * BLOCK_BYTES, "disk_dir": str(root / "tier"),
              "disk_bytes": 40 * record_bytes(BLOCK_TOKENS, BLOCK_BYTES),
              "disk_queue_bytes": 0, "async_loads": "never"}
     log = root / "layers.json"
@@ -63,12 +63,9 @@ def test_every_load_in_the_step_is_copied_layer_by_layer(layer_run: Any) -> None
 
 def test_matched_tokens_come_from_host_memory_and_from_disk(layer_run: Any) -> None:
     result, _ = layer_run
-    s2 = tpkv_stats(result["by_name"]["s2"])  # turn 1's 3 blocks, pushed out to disk
-    assert s2["matched_tokens"] == 96 and s2["disk_loaded_blocks"] == 3
-    assert s2["failed_load_blocks"] == 0
-    s3 = tpkv_stats(result["by_name"]["s3"])  # s2's last blocks are still in host memory
-    assert s3["failed_load_blocks"] == 0
-    assert 0 < s3["disk_loaded_blocks"] < s3["matched_tokens"] // BLOCK_TOKENS
+    s2 = tpkv_stats(result["by_name"]["s2"])  # the filler pushed turn 1's oldest blocks out
+    assert s2["matched_tokens"] == 96 and s2["failed_load_blocks"] == 0
+    assert 0 < s2["disk_loaded_blocks"] < 3  # the others from host memory
 
 
 def test_a_damaged_disk_record_is_recomputed(baseline: Any, layer_run: Any) -> None:
