@@ -108,13 +108,12 @@ class LayerCopier:
         return job
 
     def wait(self, job: LayerJob, name: str) -> None:
-        """Return once layer `name`'s copies are in (a name not in the job: every layer's)."""
+        """Return once layer `name`'s copies are in (a name not in the job: every layer's, none
+        of them counted as waited for)."""
         pos = job.names.get(name, len(job.order) - 1)
         job.copied[pos].wait()
         if name in job.names:
             job.waited.add(pos)
-        else:
-            job.waited.update(range(len(job.order)))
         event = job.events[pos]
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
