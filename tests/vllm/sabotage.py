@@ -9,10 +9,16 @@ large noise (standard deviation 50), so that the KV every rank computes over the
 step is far from right: a copy of it served later changes the greedy tokens. A background
 load's failed blocks get the noise when the rank reports them (the request has not run over
 them: vLLM must recompute them before it does).
+
+With TPKV_TEST_LAYER_LOG set, SabotagedTpkvConnector writes after each step, to that path, how
+many blocks its rank loaded and how many of those layer by layer, the forwards that skipped a
+layer's wait, and the layer order its hooks learned (JSON).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import torch
@@ -50,6 +56,18 @@ class SabotagedTpkvConnector(TpkvConnector):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         damage(self, in_memory=True)
         super().start_load_kv(forward_context, **kwargs)
+
+    def wait_for_save(self) -> None:
+        super().wait_for_save()
+        path = os.environ.get("TPKV_TEST_LAYER_LOG")
+        copier = self.copier
+        if path and copier is not None:
+            hooks = getattr(self, "hooks", None)
+            with open(path, "w") as f:
+                json.dump({"loaded_blocks": copier.num_loaded_blocks,
+                           "layer_loaded_blocks": getattr(copier, "num_layer_loaded_blocks", 0),
+                           "layer_misses": getattr(copier, "num_layer_misses", 0),
+                           "order": getattr(hooks, "order", None)}, f)
 
 
 class SabotagedRankConnector(TpkvConnector):

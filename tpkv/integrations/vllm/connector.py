@@ -8,16 +8,23 @@ of failing the request. `kv_connector_extra_config={"disk_dir": DIR}` adds the d
 ConnectorOptions). The scheduler side (a Planner) keeps the prefix index, which at start takes
 the blocks an earlier process left in the disk tier; the worker side (a BlockCopier per rank)
 copies blocks, whole blocks (a block read from disk comes back into host memory). A load runs
-either before the step's forward or, as vLLM's asynchronous load, in the background
-(`async_loads`, see load_policy.LoadPolicy: by default a load that reads the disk tier or is
-64 MiB or more a rank): the request waits in vLLM's WAITING_FOR_REMOTE_KVS state, each rank's
-loader thread copies its blocks into the KV cache (in a step without a forward, a load under
-that size is copied at once on the worker's thread) and get_finished names the request once
-they are all in; its failed blocks go out no later than that, in get_block_ids_with_load_errors,
-and vLLM recomputes from the first. The blocks of a background load are kept from eviction
-until it is done: in the index until every rank named it finished, in a rank's store by taking
-the record in memory or pinning it on disk when the load starts. Saves come after the
-forward. Blocks leave host memory for disk through a background writer
+either in the step or, as vLLM's asynchronous load, in the background (`async_loads`, see
+load_policy.LoadPolicy: by default a load that reads the disk tier or is 64 MiB or more a
+rank). In the step, start_load_kv reads and checks every block, then copies them layer by layer
+on the rank's copy thread and returns; vLLM's attention calls wait_for_layer_load(layer) before
+each layer, which waits for that layer's copies only (layer_load.py; the layers' order is
+learned from the first forward that called it for every layer: until then, and for good after
+a forward that skipped a layer's wait, whose loaded blocks are then recomputed, the blocks are
+copied whole before the forward). Their failed blocks go to vLLM after the forward, in
+get_block_ids_with_load_errors; vLLM drops the step's output of their requests and recomputes
+from the first. In the background, the request waits in vLLM's WAITING_FOR_REMOTE_KVS state,
+each rank's loader thread copies its blocks into the KV cache (in a step without a forward, a
+load under that size is copied at once on the worker's thread) and get_finished names the
+request once they are all in; its failed blocks go out no later than that, in
+get_block_ids_with_load_errors, and vLLM recomputes from the first. The blocks of a background
+load are kept from eviction until it is done: in the index until every rank named it finished,
+in a rank's store by taking the record in memory or pinning it on disk when the load starts.
+Saves come after the forward. Blocks leave host memory for disk through a background writer
 (ConnectorOptions.disk_queue_bytes): the step never waits on a disk write, and a block given
 up because the writer fell behind is reported and forgotten (and counted, with a warning that
 names disk_queue_bytes). With `dashboard_port` set the scheduler
@@ -55,6 +62,7 @@ from tpkv.integrations.disk_format import record_bytes
 from tpkv.integrations.prefix_index import chain_seed
 from tpkv.integrations.vllm.copier import BlockCopier, DiskSpec
 from tpkv.integrations.vllm.dashboard import ConnectorDashboard
+from tpkv.integrations.vllm.layer_load import LayerHooks
 from tpkv.integrations.vllm.load_policy import LoadPolicy
 from tpkv.integrations.vllm.options import (
     ConnectorOptions,
@@ -135,6 +143,7 @@ class TpkvConnector(KVConnectorBase_V1):
                         "the block", self._kv_transfer_config.kv_load_failure_policy)
         self.planner: Planner | None = None
         self.copier: BlockCopier | None = None
+        self.hooks = LayerHooks(())
         self.dashboard: ConnectorDashboard | None = None
         fingerprint = vllm_fingerprint(vllm_config, self.options)
         seed = chain_seed(fingerprint, self.block_tokens)
@@ -183,6 +192,7 @@ class TpkvConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.copier is not None
         self.copier.register(kv_caches, int(self._kv_cache_config.num_blocks), _worker_rank())
+        self.hooks = LayerHooks(self.copier.layer_names)
 
     def _plan(self) -> StepPlan:
         meta = self._get_connector_metadata()
@@ -191,10 +201,24 @@ class TpkvConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.copier is not None
-        self.copier.load(self._plan().loads)
+        self._end_layer_loads()
+        self.copier.load(self._plan().loads, self.hooks.order)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # a load for this step is done in start_load_kv, the others in the background
+        assert self.copier is not None
+        self.hooks.seen(layer_name)
+        self.copier.wait_layer(layer_name)
+
+    def _end_layer_loads(self) -> None:
+        """Wait for this step's layer-wise loads; a forward that skipped a layer's wait turns
+        them off (its blocks are failed loads)."""
+        assert self.copier is not None
+        if not self.copier.finish_layer_loads():
+            self.hooks.missed()
+
+    def clear_connector_metadata(self) -> None:
+        self.hooks.step_done()
+        super().clear_connector_metadata()
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
@@ -207,6 +231,7 @@ class TpkvConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         assert self.copier is not None
+        self._end_layer_loads()
         self.copier.apply_after_forward(self._plan())
 
     def shutdown(self) -> None:
@@ -217,9 +242,14 @@ class TpkvConnector(KVConnectorBase_V1):
         super().shutdown()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.copier.take_failed_block_ids() if self.copier is not None else set()
+        if self.copier is None:
+            return set()
+        self._end_layer_loads()
+        return self.copier.take_failed_block_ids()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self.copier is not None:
+            self._end_layer_loads()
         report = self.copier.take_report() if self.copier is not None else None
         return None if report is None else TpkvWorkerMetadata(report)
 

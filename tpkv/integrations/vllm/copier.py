@@ -13,6 +13,7 @@ from tpkv.errors import KvLayoutError
 from tpkv.integrations.disk_blocks import DiskBlockStore
 from tpkv.integrations.disk_format import DiskLayout
 from tpkv.integrations.vllm.async_load import BackgroundLoader, LoadJob
+from tpkv.integrations.vllm.layer_load import LayerCopier, LayerJob
 from tpkv.integrations.vllm.options import queue_bytes_in_effect, write_queue_blocks
 from tpkv.integrations.vllm.plan import LoadSpec, RankFigures, SaveSpec, StepPlan, StepReport
 from tpkv.integrations.vllm.stats import rank_figures
@@ -66,7 +67,9 @@ class BlockCopier:
     as a failed load (vLLM recomputes it); a save of a request whose load failed this step is
     not made (its KV was computed over blocks that were not loaded). Loads marked `background`
     run on a BackgroundLoader; take_finished names the requests whose loads are done and adds
-    their failed blocks and report to this step's. Every call into the store holds `lock`."""
+    their failed blocks and report to this step's. The others are read and checked in `load`
+    and copied at once, or with a layer order layer by layer on a LayerCopier (wait_layer,
+    finish_layer_loads). Every call into the store holds `lock`."""
 
     def __init__(self, capacity_bytes: int, disk: DiskSpec | None = None) -> None:
         self.capacity_bytes = capacity_bytes
@@ -84,6 +87,11 @@ class BlockCopier:
         self.lock = threading.RLock()
         self.loader: BackgroundLoader | None = None
         self.num_async_loads = 0
+        self.layers: LayerCopier | None = None
+        self._layer_job: LayerJob | None = None
+        self._layer_owners: list[tuple[LoadSpec, int]] = []  # by block of the job: spec, pos
+        self.num_layer_loaded_blocks = 0  # of num_loaded_blocks, those copied layer-wise
+        self.num_layer_misses = 0  # layer-wise loads the forward did not wait for every layer of
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
                  rank: int = 0) -> None:
@@ -115,19 +123,41 @@ class BlockCopier:
                                            self._fail_job_block, device, self.rank)
         return self.loader
 
-    def load(self, loads: list[LoadSpec]) -> None:
+    def load(self, loads: list[LoadSpec], layer_order: list[str] | None = None) -> None:
         """Copy each load's stored blocks into its vLLM blocks, the background ones on the
-        loader's thread (see take_finished), the others now; a miss or a record that does not
-        check out is a failed block (reported by take_failed_block_ids)."""
+        loader's thread (see take_finished), the others now: read and checked now, and copied
+        now or, with `layer_order` (this rank's layer names in the order the forward runs
+        them), layer by layer on the LayerCopier's thread (wait_layer waits for a layer,
+        finish_layer_loads for all). A miss or a record that does not check out is a failed
+        block (reported by take_failed_block_ids)."""
+        self.finish_layer_loads()
+        blocks: list[tuple[int, np.ndarray]] = []
+        owners: list[tuple[LoadSpec, int]] = []
         for spec in loads:
             if spec.background:
                 self.num_async_loads += 1
                 self._loader().submit(spec, inline=spec.inline)
                 continue
             with self.lock:
-                self._load_now(spec)
+                for pos, block_id, data in self._read(spec):
+                    if layer_order is None:
+                        self._copy_in(block_id, data)
+                        self.num_loaded_blocks += 1
+                    else:
+                        blocks.append((block_id, data))
+                        owners.append((spec, pos))
+        if blocks and layer_order is not None:
+            if self.layers is None:
+                self.layers = LayerCopier(self._views, self.rank)
+            index = {name: i for i, name in enumerate(self.layer_names)}
+            self._layer_job = self.layers.start(blocks, [index[n] for n in layer_order],
+                                                layer_order)
+            self._layer_owners = owners
 
-    def _load_now(self, spec: LoadSpec) -> None:
+    def _read(self, spec: LoadSpec) -> list[tuple[int, int, np.ndarray]]:
+        """The blocks of `spec` that check out: (pos, vLLM block id, bytes); the others are
+        failed blocks."""
+        got = []
         for pos, (block_id, key) in enumerate(zip(spec.block_ids, spec.keys)):
             if self.store is None:
                 _fail(self._report, self._failed_block_ids, spec, pos)
@@ -141,8 +171,32 @@ class BlockCopier:
                 self._report.disk_loads.setdefault(spec.req_id, set()).add(
                     spec.first_block + pos)
                 self.num_disk_loaded_blocks += 1
-            self._copy_in(block_id, data)
-            self.num_loaded_blocks += 1
+            got.append((pos, block_id, data))
+        return got
+
+    def wait_layer(self, name: str) -> None:
+        """Return once this step's layer-wise loads copied layer `name` (at once without)."""
+        if self._layer_job is not None and self.layers is not None:
+            self.layers.wait(self._layer_job, name)
+
+    def finish_layer_loads(self) -> bool:
+        """Wait for this step's layer-wise loads. Their blocks are failed loads when a copy
+        failed or when the forward did not wait for every layer (it may have read one before
+        its copy); False in that last case."""
+        job, self._layer_job = self._layer_job, None
+        if job is None or self.layers is None:
+            return True
+        copied = self.layers.finish(job)
+        waited = len(job.waited) == len(job.order)
+        if copied and waited:
+            self.num_loaded_blocks += len(job.blocks)
+            self.num_layer_loaded_blocks += len(job.blocks)
+            return True
+        if not waited:
+            self.num_layer_misses += 1
+        for spec, pos in self._layer_owners:
+            _fail(self._report, self._failed_block_ids, spec, pos)
+        return waited
 
     def _copy_in(self, block_id: int, data: np.ndarray) -> None:
         src = torch.from_numpy(data)
@@ -168,6 +222,9 @@ class BlockCopier:
 
     def close(self) -> None:
         """Finish the background loads, then close the store (its disk tier's directory)."""
+        self.finish_layer_loads()
+        if self.layers is not None:
+            self.layers.close()
         if self.loader is not None and not self.loader.close():
             log.warning("tpkv vLLM connector: rank %d's background loads did not finish",
                         self.rank)
@@ -178,6 +235,7 @@ class BlockCopier:
 
     def save(self, saves: list[SaveSpec]) -> None:
         """Copy the named vLLM blocks into the store."""
+        self.finish_layer_loads()
         with self.lock:
             self._save(saves)
 
@@ -204,16 +262,19 @@ class BlockCopier:
         """Drops first (they free room in memory and on disk for the saves; none is a block this
         step loaded or saves, and a key dropped by a reset and saved again is kept), then
         saves."""
+        self.finish_layer_loads()
         self.drop(plan.drops)
         self.save(plan.saves)
 
     def take_failed_block_ids(self) -> set[int]:
+        self.finish_layer_loads()
         failed, self._failed_block_ids = self._failed_block_ids, set()
         return failed
 
     def take_report(self) -> StepReport | None:
         """This step's report (None when nothing happened), with the store's figures when they
         changed since the last report that carried them, naming this rank."""
+        self.finish_layer_loads()
         if self.store is not None:
             with self.lock:
                 self._report.lost.update(self.store.take_lost())

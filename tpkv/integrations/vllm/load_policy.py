@@ -14,10 +14,11 @@ class LoadPolicy:
     """Decides, when vLLM asks how many tokens tpkv holds, whether their load runs in the
     background: the request waits in vLLM's WAITING_FOR_REMOTE_KVS state while other requests'
     steps go on, and joins a later step once every rank loaded it (one step later at least).
-    A load from host memory takes a copy per block and is done before the forward (a small
-    one costs less than the extra step); a read from the disk tier is the slow part, so in
-    mode "auto" a load runs in the background when one of its blocks is likely on disk, or
-    when it is `min_bytes` or more (each rank's bytes). "always" and "never" do as they say.
+    A load from host memory takes a copy per block and is done in the step, layer by layer
+    as the forward reaches each layer (a small one costs less than the extra step); a read
+    from the disk tier is the slow part, so in mode "auto" a load runs in the background when
+    one of its blocks is likely on disk, or when it is `min_bytes` or more (each rank's bytes).
+    "always" and "never" do as they say.
 
     The scheduler does not see which tier a worker holds a block in, so the policy keeps its
     own estimate: the last `host_blocks` keys stored or loaded by this process, the ones the

@@ -47,7 +47,7 @@ class ConnectorOptions:
     async_loads: which loads run in the background while vLLM's steps go on, the request
     waiting for them (load_policy.LoadPolicy): "auto" (default) those that read a block from
     the disk tier or load at least async_load_bytes (each rank's bytes, default 64 MiB),
-    "always", "never" (every load before the step's forward)."""
+    "always", "never" (every load in the step, copied as the forward's layers ask)."""
 
     host_bytes: int = DEFAULT_HOST_BYTES
     model_fingerprint: str | None = None

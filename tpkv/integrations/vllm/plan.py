@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 @dataclass
 class LoadSpec:
     """Copy the stored blocks `keys` into vLLM blocks `block_ids` (the request's logical blocks
-    first_block, first_block + 1, ...): before this step's forward, or with `background` on
-    the rank's loader thread, the request named finished by get_finished once all are in
-    (with `inline` too, at once on the worker's thread: the step has no forward to overlap)."""
+    first_block, first_block + 1, ...): in this step, each layer before the forward's attention
+    reads it (layer_load.py), or with `background` on the rank's loader thread, the request
+    named finished by get_finished once all are in (with `inline` too, at once on the worker's
+    thread: the step has no forward to overlap)."""
 
     req_id: str
     first_block: int
@@ -34,7 +35,7 @@ class SaveSpec:
 
 @dataclass
 class StepPlan:
-    """One step's work for every rank: loads before the forward; drops, then saves, after it."""
+    """One step's work for every rank: loads for the forward; drops, then saves, after it."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
