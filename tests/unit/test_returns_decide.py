@@ -485,3 +485,39 @@ def test_finished_reads_go_in_first_so_the_disk_rarely_idles_and_no_step_waits()
     assert got == want
     assert [] not in ran
     assert 0 < len(idle_disk) < len(ran) // 4, (len(ran), idle_disk)  # (the budget runs full)
+
+
+def test_turns_waiting_in_line_for_the_read_budget_count_in_the_disk_s_queue() -> None:
+    """Twenty sessions come back at once and the read-ahead budget takes none yet (each
+    reads 4 MiB, 4.2 ms at 1 GB/s; each recomputes 128 tokens, 1.3 ms at 1e5 tokens/s).
+    Before, the disk's queue counted only reads started: after three recomputes every
+    later turn chose the disk (3 on the GPU, 3.8 ms; 17 on the disk, 71 ms; on the H200,
+    bench/e2e.py c2 read 100 returns and recomputed 78, the GPU idling on a 1.5 GB/s disk).
+    Now the turns in line count, and both queues end within one turn of each other."""
+    r, w = returns(prefill=1e5, read=1e9)
+    names = [f"s{i}" for i in range(20)]
+    w.status = {n: "full" for n in names}
+    w.on3 = {n: 4 for n in names}
+    w.on2 = {n: 4 for n in names}
+    assert r.admit(names, [], idle=False) == [n for n in names if n in r.recompute]
+    gpu_s = len(r.recompute) * 128 / 1e5
+    disk_s = (20 - len(r.recompute)) * (4 << 20) / 1e9
+    assert abs(gpu_s - disk_s) < 4.2e-3, (gpu_s, disk_s)
+
+
+def test_the_last_turns_in_the_disk_s_line_go_to_the_gpu_once_its_queue_drained() -> None:
+    """Turns waiting in line for the read budget are weighed again each step, the last
+    first: before, a turn that once chose the disk waited for it however idle the GPU."""
+    r, w = returns(prefill=1e5, read=1e9)
+    names = [f"s{i}" for i in range(8)]
+    w.status = {n: "full" for n in names}
+    w.on3 = {n: 4 for n in names}
+    w.on2 = {n: 4 for n in names}
+    first = r.admit(names, [], idle=False)
+    line = [n for n in names if n not in first]
+    assert first == ["s0", "s1", "s2", "s4", "s5", "s6"] and line == ["s3", "s7"]
+    r.loaded(first)  # they ran: the GPU's queue is empty
+    # the last in line first: recomputing it (1.3 ms) ends before the reads ahead of it
+    # (4.2 ms of s3's, then its own); then s3 (2.6 ms after s7's against its 4.2 ms read)
+    assert r.admit([], line, idle=False) == ["s7", "s3"]
+    assert set(r.recompute) == {"s3", "s7"} and not w.started and r.num_recomputed == 8

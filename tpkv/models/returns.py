@@ -66,6 +66,10 @@ class Returns:
         # batch or two more)
         self.max_passed = 8
         self._passed: dict[str, int] = {}  # rank 0: straight turn -> times passed over
+        # Rank 0: turns that chose the disk and wait for room in the read-ahead budget -> the
+        # bytes they will read, in the order they queued: the disk's queue beyond the reads
+        # started (store.ahead.pending_bytes)
+        self._line: dict[str, int] = {}
 
     @property
     def recompute(self) -> KeysView[str]:
@@ -149,9 +153,7 @@ class Returns:
                     ready.append(name)
                 continue
             if name not in back and self._sooner_recomputed(name):
-                self._recompute_tokens[name] = self._off_tokens(name)
-                self.num_recomputed += 1
-                self._straight.add(name)
+                self._send_to_gpu(name)
                 ready.append(name)
                 continue
             if name in self.recompute:  # sent in to be recomputed: waits for a place
@@ -161,16 +163,21 @@ class Returns:
             if full and name in back and name not in self.reading | self._straight:
                 continue
             status = worker.read_ahead(name)
+            if status != "full":
+                self._line.pop(name, None)
             if status == "started":  # (again, if a change to its records discarded it)
                 read.append(name)
                 self._straight.discard(name)
             elif status == "full":
                 full = True
                 self._straight.discard(name)  # (on L3 again: it waits in line for a read)
+                if name not in self._line:
+                    self._line[name] = self._l3_bytes(name)
             elif status in ("none", "too_big"):
                 self._straight.add(name)  # (one outside the batch goes in once sampled)
                 if not waits:
                     ready.append(name)
+        ready += self._unqueue(sample)
         room = self.room()
         go += self._pick(ready, None if room is None else max(0, room - len(go)))
         if idle and not go:  # nothing else runs: wait for the first read ahead to end
@@ -196,17 +203,44 @@ class Returns:
             if worker.read_ahead(name) == "started":
                 read.append(name)
 
-    def _sooner_recomputed(self, name: str) -> bool:
+    def _send_to_gpu(self, name: str) -> None:
+        self._line.pop(name, None)
+        self._recompute_tokens[name] = self._off_tokens(name)
+        self.num_recomputed += 1
+        self._straight.add(name)
+
+    def _unqueue(self, sample: set[str] | None, most: int = 4) -> list[str]:
+        """Rank 0: the last turns in the disk's line go to the GPU instead while recomputing
+        them ends sooner than their reads would, behind the reads queued before them (the
+        GPU's queue drained, or the disk's grew): at most `most` a step, the last first.
+        Those the sample did not name wait for the next sample."""
+        moved: list[str] = []
+        while self._line and len(moved) < most:
+            name = next(reversed(self._line))
+            if not self._sooner_recomputed(name, queued_bytes=sum(self._line.values())
+                                           - self._line[name]):
+                break
+            self._send_to_gpu(name)
+            if sample is None or name in sample:
+                moved.append(name)
+        return moved
+
+    def _l3_bytes(self, name: str) -> int:
+        worker = self.rt.worker
+        if worker.store is None:
+            return 0
+        return len(worker.mirror.session_logical(name, int(Tier.SSD))) * worker.store.block_bytes
+
+    def _sooner_recomputed(self, name: str, queued_bytes: int | None = None) -> bool:
         """Rank 0: the session has blocks on L3, and recomputing its blocks off L1 after the
         recomputes sent in before it (weighed by the turns decoding, whom they delay) ends
-        sooner than reading its L3 blocks after the read aheads queued: each queue counts,
-        so a round of returns is split between the GPU and the disk."""
-        worker = self.rt.worker
-        store = worker.store
-        if store is None:
-            return False
-        on3 = len(worker.mirror.session_logical(name, int(Tier.SSD)))
-        if not on3:
+        sooner than reading its L3 blocks after the read aheads queued, those started and
+        those waiting in line for the budget (`queued_bytes`: all of the line when not
+        given): each queue counts, so a round of returns is split between the GPU and the
+        disk."""
+        store = self.rt.worker.store
+        own = self._l3_bytes(name)
+        if store is None or not own:
             return False
         weight = 1.0 + self.rt.config.policy.gpu_share_weight * self.num_running()
         queued = sum(self._recompute_tokens.values())
@@ -215,7 +249,9 @@ class Returns:
         # (the measured rate once a job is done: the busy time counts from the first start)
         rate = (ahead.read_bytes / ahead.read_s if ahead.read_bytes and ahead.read_s > 0
                 else self._start_read_rate)
-        read_s = (ahead.pending_bytes() + on3 * store.block_bytes) / rate
+        if queued_bytes is None:
+            queued_bytes = sum(self._line.values())
+        read_s = (ahead.pending_bytes() + queued_bytes + own) / rate
         return recompute_s < read_s
 
     def _off_tokens(self, name: str) -> int:
@@ -233,10 +269,11 @@ class Returns:
     def loaded(self, session_ids: Sequence[str]) -> None:
         """The sessions ran a step (their loads are planned) or closed: what was read ahead of
         them goes back."""
-        if not (self.reading or self.recompute):
+        if not (self.reading or self.recompute or self._line):
             return
         for name in session_ids:
             self._recompute_tokens.pop(name, None)
+            self._line.pop(name, None)
             if name in self.reading:
                 self.reading.discard(name)
                 self.rt.worker.drop_read_ahead(name)
