@@ -43,3 +43,27 @@ def test_the_copies_come_after_what_the_forward_stream_wrote_before() -> None:
     assert copier.finish_layer_loads()
     assert all(loaded(caches, name) for name in NAMES)  # the zeros came first
     copier.close()
+
+
+def test_a_background_load_comes_after_what_the_forward_stream_wrote_before() -> None:
+    """vLLM zeroes freshly allocated blocks on its stream before start_load_kv: a background
+    load's copies on the loader's stream must land after that write. Before, its stream did
+    not wait for vLLM's, so a zeroing still queued behind other work could land last."""
+    import dataclasses
+    import time
+
+    caches, copier, _, plan = stored_setup("cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the forward's stream, then
+    for t in caches.values():  # a write to the blocks the load fills (vLLM zeroing them)
+        t[LOADED[:3]] = 0
+    copier.load([dataclasses.replace(s, background=True) for s in plan.loads])
+    deadline = time.monotonic() + 30
+    done: set[str] = set()
+    while "r" not in done and time.monotonic() < deadline:
+        done |= copier.take_finished()
+        time.sleep(0.01)
+    assert "r" in done and copier.take_failed_block_ids() == set()
+    torch.cuda.synchronize()
+    assert all(loaded(caches, name) for name in NAMES)  # the zeros came first
+    copier.close()

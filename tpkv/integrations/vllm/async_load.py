@@ -6,9 +6,11 @@ holds it, or pins its disk record (not deleted for room until read), so nothing 
 stores or drops can take a block from under the load; a key dropped outright (the index forgot
 it) is a miss. The thread then checks each record, reads the pinned ones from disk, and copies
 the blocks into the request's vLLM blocks (those are the request's alone, and vLLM neither
-reads nor frees them before every rank named the request finished). A job is done once every
-block is in the KV cache (on a GPU, once its copy stream is synchronized); `take_done` hands
-finished jobs back to the worker thread, which reports them to vLLM with their failed blocks.
+reads nor frees them before every rank named the request finished). On a GPU the copies run
+on the thread's stream after what vLLM's stream held at submit (it zeroes freshly allocated
+blocks there). A job is done once every block is in the KV cache (on a GPU, once its copy
+stream is synchronized); `take_done` hands finished jobs back to the worker thread, which
+reports them to vLLM with their failed blocks.
 A job submitted `inline` (the scheduler's plan says so in a step without a forward) runs the
 same way on the caller's thread instead, done when submit returns.
 """
@@ -47,6 +49,9 @@ class LoadJob:
     loaded_blocks: int = 0
     disk_blocks: int = 0
     pos: int = 0  # the block being loaded
+    # On a GPU: recorded on the submitting thread's stream at submit, so the copies come after
+    # what vLLM queued there for these blocks before (it zeroes freshly allocated blocks)
+    start_event: Any = None
 
 
 class BackgroundLoader:
@@ -79,8 +84,11 @@ class BackgroundLoader:
         job = LoadJob(spec, held)
         if inline:
             self._run_job(job, None)
-        else:
-            self._jobs.put(job)
+            return
+        if self.device.type == "cuda":
+            job.start_event = torch.cuda.Event()
+            job.start_event.record(torch.cuda.current_stream(self.device))
+        self._jobs.put(job)
 
     def take_done(self) -> list[LoadJob]:
         with self._done_lock:
@@ -111,6 +119,8 @@ class BackgroundLoader:
             if stream is None:
                 self._load(job)
             else:
+                if job.start_event is not None:
+                    stream.wait_event(job.start_event)
                 with torch.cuda.stream(stream):
                     self._load(job)
                 job.pos = 0  # no block is known to be in place before the copies end
