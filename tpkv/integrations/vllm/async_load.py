@@ -18,7 +18,6 @@ same way on the caller's thread instead, done when submit returns.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tpkv.integrations.vllm.copy_thread import CopyThread
 from tpkv.integrations.vllm.plan import LoadSpec, StepReport
 
 if TYPE_CHECKING:
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CLOSE_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -54,7 +53,7 @@ class LoadJob:
     start_event: Any = None
 
 
-class BackgroundLoader:
+class BackgroundLoader(CopyThread[LoadJob]):
     """Runs LoadJobs one after the other on a daemon thread. `store` is the rank's store (None:
     every block fails), `lock` what every call into it holds, `copy_in(block_id, data)` writes
     one block into vLLM's KV cache, `fail(job, pos)` records a failed block."""
@@ -66,13 +65,10 @@ class BackgroundLoader:
         self.lock = lock
         self.copy_in = copy_in
         self.fail = fail
-        self.device = device
-        self._jobs: queue.Queue[LoadJob | None] = queue.Queue()
         self._done: list[LoadJob] = []
         self._done_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"tpkv-loader-rank{rank}")
-        self._thread.start()
+        super().__init__(device)
+        self._start(f"tpkv-loader-rank{rank}")
 
     def submit(self, spec: LoadSpec, inline: bool = False) -> None:
         """Start the load of `spec` on the thread, or with `inline` run it now on the
@@ -85,32 +81,13 @@ class BackgroundLoader:
         if inline:
             self._run_job(job, None)
             return
-        if self.device.type == "cuda":
-            job.start_event = torch.cuda.Event()
-            job.start_event.record(torch.cuda.current_stream(self.device))
+        job.start_event = self._caller_event()
         self._jobs.put(job)
 
     def take_done(self) -> list[LoadJob]:
         with self._done_lock:
             done, self._done = self._done, []
         return done
-
-    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
-        """Finish the submitted jobs and stop; False when the thread is still busy."""
-        self._jobs.put(None)
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
-
-    def _run(self) -> None:
-        stream: Any = None
-        if self.device.type == "cuda":  # a new thread's current device is the first one
-            torch.cuda.set_device(self.device)
-            stream = torch.cuda.Stream(self.device)
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            self._run_job(job, stream)
 
     def _run_job(self, job: LoadJob, stream: Any) -> None:
         """Load `job` (on `stream` when the KV cache is on a GPU; the caller's copies are

@@ -16,7 +16,6 @@ them and drops the step's output for their requests) and LayerHooks turns layer-
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -25,9 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from tpkv.integrations.vllm.copy_thread import CopyThread
+
 log = logging.getLogger(__name__)
 
-CLOSE_TIMEOUT_S = 30.0
 
 
 class LayerHooks:
@@ -84,26 +84,21 @@ class LayerJob:
     error: BaseException | None = None
 
 
-class LayerCopier:
+class LayerCopier(CopyThread[LayerJob]):
     """Runs LayerJobs on a daemon thread, one after the other, into `views` (each layer's KV
     cache as [num_blocks, page_bytes] uint8)."""
 
     def __init__(self, views: list[torch.Tensor], rank: int) -> None:
+        super().__init__(views[0].device)
         self.views = views
-        self.device = views[0].device
-        self._jobs: queue.Queue[LayerJob | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"tpkv-layers-rank{rank}")
-        self._thread.start()
+        self._start(f"tpkv-layers-rank{rank}")
 
     def start(self, blocks: list[tuple[int, np.ndarray]], order: list[int],
               names: list[str]) -> LayerJob:
         """Start copying `blocks` layer by layer in `order`; returns at once."""
         job = LayerJob(blocks, order, {name: pos for pos, name in enumerate(names)},
                        [threading.Event() for _ in order], [None] * len(order))
-        if self.device.type == "cuda":
-            job.start_event = torch.cuda.Event()
-            job.start_event.record(torch.cuda.current_stream(self.device))
+        job.start_event = self._caller_event()
         self._jobs.put(job)
         return job
 
@@ -127,27 +122,13 @@ class LayerCopier:
             torch.cuda.current_stream(self.device).wait_event(job.events[last])
         return job.error is None
 
-    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
-        """Finish the jobs and stop; False when the thread is still busy."""
-        self._jobs.put(None)
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
-
-    def _run(self) -> None:
-        stream: Any = None
-        if self.device.type == "cuda":  # a new thread's current device is the first one
-            torch.cuda.set_device(self.device)
-            stream = torch.cuda.Stream(self.device)
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if stream is None:
-                self._copy(job, None)
-            else:
-                with torch.cuda.stream(stream):
-                    stream.wait_event(job.start_event)  # after vLLM's writes to these blocks
-                    self._copy(job, stream)
+    def _run_job(self, job: LayerJob, stream: Any) -> None:
+        if stream is None:
+            self._copy(job, None)
+        else:
+            with torch.cuda.stream(stream):
+                stream.wait_event(job.start_event)  # after vLLM's writes to these blocks
+                self._copy(job, stream)
 
     def _copy(self, job: LayerJob, stream: Any) -> None:
         pos = 0
