@@ -234,15 +234,17 @@ def main() -> None:
             print(f"== ({key}) {setting.label}", flush=True)
             results[key] = run_tiered(setting, sizes, contexts, device, ceil, args.controller)
             print(json.dumps(summary_line(results[key])), flush=True)
+            write(args.out, head, results, started)  # what is done survives a cut-off run
             if args.compare_local and args.controller != "local":
                 print(f"== ({key}) the same, in-process controller", flush=True)
                 shutil.rmtree(Path(ssd_root) / f"l3-{key}", ignore_errors=True)
                 results[f"{key}-local"] = run_tiered(setting, sizes, contexts, device, ceil,
                                                      "local")
                 print(json.dumps(summary_line(results[f"{key}-local"])), flush=True)
-            # its L3 files go before the next configuration starts (the disk holds one L3)
+                write(args.out, head, results, started)
+            # its L3 files go before the next configuration starts (the disk holds one L3;
+            # deleting tens of GiB takes seconds)
             shutil.rmtree(Path(ssd_root) / f"l3-{key}", ignore_errors=True)
-            write(args.out, head, results, started)  # what is done survives a cut-off run
     for g in rates:  # L3 on a RAM-backed directory, paced: a faster disk than this one
         for key in emulate:
             base = settings(sizes, ssd_root)[key]
@@ -252,10 +254,10 @@ def main() -> None:
             print(f"== ({em.key}) {em.label}", flush=True)
             try:
                 results[em.key] = run_tiered(em, sizes, contexts, device, ceil, args.controller)
+                print(json.dumps(summary_line(results[em.key])), flush=True)
+                write(args.out, head, results, started)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
-            print(json.dumps(summary_line(results[em.key])), flush=True)
-            write(args.out, head, results, started)
     if "d" in wanted:
         from bench.e2e_hf import run_hf
 
