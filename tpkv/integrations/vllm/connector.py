@@ -57,9 +57,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tpkv.errors import KvLayoutError
-from tpkv.integrations.disk_blocks import check_disk_bytes, prepare_dir, stored_keys
+from tpkv.integrations.disk_blocks import check_disk_bytes, prepare_dir
 from tpkv.integrations.disk_format import record_bytes
-from tpkv.integrations.prefix_index import chain_seed
+from tpkv.integrations.index_service import IndexSpec, build_index
+from tpkv.integrations.prefix_index import PrefixIndex, chain_seed
 from tpkv.integrations.vllm.copier import BlockCopier, DiskSpec
 from tpkv.integrations.vllm.dashboard import ConnectorDashboard
 from tpkv.integrations.vllm.layer_load import LayerHooks
@@ -71,6 +72,7 @@ from tpkv.integrations.vllm.options import (
 )
 from tpkv.integrations.vllm.plan import StepPlan, StepReport
 from tpkv.integrations.vllm.planner import Planner
+from tpkv.integrations.vllm.remote_index import RemoteIndex
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -163,13 +165,10 @@ class TpkvConnector(KVConnectorBase_V1):
                     prepare_dir(disk_dir, rank)
             policy = LoadPolicy(self.options.async_loads, self.options.async_load_bytes,
                                 block_bytes, capacity)
+            spec = IndexSpec(capacity + disk_blocks, self.block_tokens, seed,
+                             _num_ranks(vllm_config), disk_dir, disk_blocks)
             self.planner = Planner(self.block_tokens, seed, capacity + disk_blocks,
-                                   _num_ranks(vllm_config), policy)
-            if disk_dir is not None:
-                found = stored_keys(disk_dir, seed, self.block_tokens, _num_ranks(vllm_config))
-                taken = self.planner.index.adopt(found[-disk_blocks:])
-                log.info("TpkvConnector: %d blocks found in the disk tier %s, %d taken",
-                         len(found), disk_dir, taken)
+                                   _num_ranks(vllm_config), policy, self._index(spec))
             if self.options.dashboard_port is not None:
                 info = {"model": str(vllm_config.model_config.model),
                         "block_tokens": self.block_tokens, "block_bytes": block_bytes,
@@ -182,6 +181,16 @@ class TpkvConnector(KVConnectorBase_V1):
                 disk_dir, self.options.disk_bytes, seed, self.block_tokens, fingerprint,
                 self.options.disk_queue_bytes)
             self.copier = BlockCopier(self.options.host_bytes, disk)
+
+    def _index(self, spec: IndexSpec) -> PrefixIndex | RemoteIndex:
+        """The prefix index where `controller` says: built here from the disk tier, or on
+        the named Ray actor (which builds it there)."""
+        if self.options.controller == "local":
+            return build_index(spec)
+        from tpkv.integrations.vllm.ray_index import RayTransport
+
+        return RemoteIndex(RayTransport(spec), spec.capacity_blocks,
+                           self.options.controller_timeout_s)
 
     @property
     def requires_kv_delivery(self) -> bool:
