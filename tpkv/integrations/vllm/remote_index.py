@@ -223,21 +223,21 @@ class RemoteIndex:
         """While down: every retry_s, find the service and ask for its index; take the answer
         once it is here. Never waits on the service."""
         now = self.clock()
-        if self._probe is not None:
+        if self._probe is None:
+            if now < self._next_try:
+                return
             try:
-                if self.transport.ready(self._probe):
-                    self._take(self._answer(self.transport.result(self._probe, self.timeout_s)))
-                    self._probe = None
-                elif now - self._probe_sent > self.timeout_s:
-                    self._probe, self._next_try = None, now + self.retry_s
+                self.transport.reconnect()
+                self._probe = self.transport.send(encode({"inc": self._inc, "sync": True}))
+                self._probe_sent = now
             except TpkvError:
-                self._probe, self._next_try = None, now + self.retry_s
-            return
-        if now < self._next_try:
-            return
+                self._next_try = now + self.retry_s
+                return
         try:
-            self.transport.reconnect()
-            self._probe = self.transport.send(encode({"inc": self._inc, "sync": True}))
-            self._probe_sent = now
+            if self.transport.ready(self._probe):
+                self._take(self._answer(self.transport.result(self._probe, self.timeout_s)))
+                self._probe = None
+            elif now - self._probe_sent > self.timeout_s:
+                self._probe, self._next_try = None, now + self.retry_s
         except TpkvError:
-            self._next_try = now + self.retry_s
+            self._probe, self._next_try = None, now + self.retry_s
