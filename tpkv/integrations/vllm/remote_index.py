@@ -93,6 +93,11 @@ class RemoteIndex:
     def num_pending(self) -> int:
         return len(self._pending)
 
+    @property
+    def incarnation(self) -> str | None:
+        """The service's incarnation the mirror follows (a new one after each rebuild)."""
+        return self._inc
+
     def holds(self, key: bytes) -> bool:
         return key in self._stored
 
