@@ -150,6 +150,8 @@ def test_dead_actor_means_no_match_no_save_one_warning_and_loads_already_planned
             assert planner.matched_tokens(other, 0) == 0  # vLLM computes the prompt
             plan = step(planner, copier, [(f"n{i}", 19)], {f"n{i}": [1, 2, 4, 5, 6]})
             assert plan.saves == [] and plan.loads == []
+            stats = planner.finished(f"n{i}")
+            assert stats["written_blocks"] == stats["deduplicated_blocks"] == 0
     warnings = [r for r in caplog.records if "prefix index unavailable" in r.getMessage()]
     assert len(warnings) == 1 and planner.index.down
     assert planner.index.num_stored == 0

@@ -6,7 +6,8 @@ kv_role="kv_both", kv_load_failure_policy="recompute")` (or the same as JSON in 
 --kv-transfer-config`); "recompute" makes vLLM recompute a block that fails tpkv's checks instead
 of failing the request. `kv_connector_extra_config={"disk_dir": DIR}` adds the disk tier (see
 ConnectorOptions). The scheduler side (a Planner) keeps the prefix index, which at start takes
-the blocks an earlier process left in the disk tier; the worker side (a BlockCopier per rank)
+the blocks an earlier process left in the disk tier (in this process, or with `controller`
+"ray" in a Ray actor: see below); the worker side (a BlockCopier per rank)
 copies blocks, whole blocks (a block read from disk comes back into host memory). A load runs
 either in the step or, as vLLM's asynchronous load, in the background (`async_loads`, see
 load_policy.LoadPolicy: by default a load that reads the disk tier or is 64 MiB or more a
@@ -39,6 +40,19 @@ through may hold KV another rank's failed load made wrong), and a load that fail
 is a failed block that vLLM recomputes on all of them. vLLM takes a background load as
 finished once every rank named it; a block any rank failed is recomputed on all (vLLM merges
 their failed blocks), and the index forgets and drops it on all.
+
+With `controller` "ray" the index lives in a named Ray actor (ray_index.py: one per model,
+block size and disk tier directory, made on first use in the Ray cluster the scheduler's
+process is in, joins or starts, restarted by Ray when it dies; it builds its index from the
+disk tier). The scheduler answers vLLM's matches from a mirror of the actor's key sets and
+calls it at most once a step, when the step has blocks to store (remote_index.RemoteIndex;
+msgpack bytes, no pickled objects). When the actor is dead or slower than
+controller_timeout_s the scheduler goes on without it, with one warning: nothing matches (vLLM
+computes the prompts), nothing new is stored, loads promised before still run (the ranks hold
+their blocks: only the scheduler's plans drop blocks). It looks for the actor again every
+second without waiting on it (a restarted one, or a new one it makes by name) and takes the
+index that actor rebuilt from the disk tier; blocks only the ranks' memory held are no longer
+matched, and the ranks' stores push them out as they make room.
 """
 
 from __future__ import annotations

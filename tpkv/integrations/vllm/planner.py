@@ -176,6 +176,8 @@ class Planner:
             batch.append((req_id, req, keys, keys[req.saved_upto:min(len(keys), len(ids))],
                           ids))
         answers = self.index.reserve_all([b[3] for b in batch], keep=loading)
+        if isinstance(self.index, RemoteIndex) and self.index.down:  # stored once it is back
+            return plan
         for (req_id, req, keys, new, ids), (write, drop) in zip(batch, answers):
             plan.drops.extend(drop)
             if self.policy is not None:

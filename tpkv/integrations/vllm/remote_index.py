@@ -7,7 +7,8 @@ applies every change the same way: the changes it decides alone (a report's conf
 forgets, a reset's clear) at once here, queued for the service; the changes only the service
 can decide (which keys to write and which to drop for room, by its LRU order) from the answer
 to `reserve_all`, the one call of a step, which carries the queued changes first. A step that
-stores nothing makes no call.
+stores nothing makes no call. At start it waits for the service's index (START_TIMEOUT_S at
+least: the actor's process may be starting).
 
 When the service is dead or does not answer within `timeout_s`, the index is `down`: one
 warning, the mirror emptied (nothing matches: vLLM computes the prompt), reserves answered with
@@ -34,6 +35,8 @@ from tpkv.protocol.wire import decode, encode
 log = logging.getLogger(__name__)
 
 DEFAULT_RETRY_S = 1.0
+# The first call waits this long at least: it may wait for the actor's process to start.
+START_TIMEOUT_S = 60.0
 # Queued changes sent even in a step with nothing to reserve, past this many keys.
 MAX_QUEUED_KEYS = 4096
 
@@ -217,10 +220,11 @@ class RemoteIndex:
         self._next_try = self.clock() + self.retry_s
 
     def _connect(self) -> None:
-        """At start: the service's whole index, waited for (bounded)."""
+        """At start: the service's whole index, waited for (START_TIMEOUT_S at least)."""
         try:
             handle = self.transport.send(encode({"inc": None, "sync": True}))
-            self._take(self._answer(self.transport.result(handle, self.timeout_s)))
+            self._take(self._answer(self.transport.result(
+                handle, max(self.timeout_s, START_TIMEOUT_S))))
         except TpkvError as exc:
             self._fail(exc)
 
