@@ -41,6 +41,7 @@ class FakeTransport:
         self.service = IndexService(spec.to_bytes())
         self.dead = False
         self.delay_s = 0.0
+        self.garbage: bytes | None = None  # answered instead of the service's answer
         self.calls = 0
         self.sent_at = 0.0
 
@@ -64,7 +65,7 @@ class FakeTransport:
             time.sleep(timeout_s)
             raise IndexUnavailableError(f"no answer within {timeout_s} s")
         time.sleep(max(wait, 0))
-        return bytes(handle[1])
+        return self.garbage if self.garbage is not None else bytes(handle[1])
 
     def reconnect(self) -> None:
         if self.dead:
@@ -232,6 +233,19 @@ def test_restart_between_calls_is_seen_at_the_next_call() -> None:
     assert planner.matched_tokens(request("c", PROMPT), 0) == 0  # its index: no memory blocks
     plan = planner.plan([("c", 11)], lambda r: [1, 2, 4])
     assert len(plan.saves) == 2
+
+
+@pytest.mark.parametrize("garbage", [b"\xc1", encode([1]), encode({"inc": 5}),
+                                     encode({"inc": "x", "reserved": [[["k"], []]]}),
+                                     encode({"inc": "x", "reserved": [], "stats": [1]}),
+                                     encode({"inc": "x", "stored": [1], "pending": []})])
+def test_a_malformed_answer_is_an_unavailable_index(garbage: bytes) -> None:
+    planner, transport, copier, _ = setup(retry_s=3600)
+    serve_first(planner, copier)
+    transport.garbage = garbage
+    planner.matched_tokens(request("a", PROMPT + [9] * 8), 0)
+    assert planner.plan([("a", 19)], lambda r: [1, 2, 4, 5, 6]).saves == []
+    assert planner.index.down and planner.matched_tokens(request("b", PROMPT), 0) == 0
 
 
 def test_index_service_checks_requests_before_applying_any() -> None:

@@ -34,8 +34,8 @@ def actor_name(spec: IndexSpec) -> str:
 
 def join_ray() -> bool:
     """Join the Ray cluster of this machine (address "auto", as RAY_ADDRESS or a running
-    `ray start` names it) or start a local one, unless this process is in one already;
-    whether it called ray.init."""
+    `ray start` names it) or start a local one on 127.0.0.1, unless this process is in one
+    already; whether it called ray.init."""
     if ray.is_initialized():
         return False
     quiet_token_notice()
@@ -44,7 +44,8 @@ def join_ray() -> bool:
                  logging_level=logging.WARNING)
     except ConnectionError:
         ray.init(address="local", namespace=NAMESPACE, include_dashboard=False,
-                 log_to_driver=False, logging_level=logging.WARNING)
+                 log_to_driver=False, logging_level=logging.WARNING,
+                 _node_ip_address="127.0.0.1")
     return True
 
 

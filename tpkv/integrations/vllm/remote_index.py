@@ -154,18 +154,14 @@ class RemoteIndex:
         try:
             answer = self._answer(self.transport.result(self.transport.send(encode(request)),
                                                         self.timeout_s))
+            if "reserved" not in answer:  # a new service: take its index, store nothing now
+                self._take(answer)
+                return nothing
+            reserved = _reserved(answer["reserved"], len(wanted))
+            self.stats = stats_from_wire(answer.get("stats"))
         except TpkvError as exc:
             self._fail(exc)
             return nothing
-        if "reserved" not in answer:  # a new service: take its index, store nothing now
-            self._take(answer)
-            return nothing
-        reserved = answer["reserved"]
-        if not isinstance(reserved, list) or len(reserved) != len(wanted):
-            self._fail(IndexUnavailableError(f"index service answered {len(reserved)} "
-                                             f"reserves of {len(wanted)}"))
-            return nothing
-        self.stats = stats_from_wire(answer["stats"])
         out = iter(reserved)
         result: list[tuple[list[bytes], list[bytes]]] = []
         for keys in batches:
@@ -175,7 +171,7 @@ class RemoteIndex:
             write, drop = next(out)
             self._stored.difference_update(drop)
             self._pending.update(write)
-            result.append((list(write), list(drop)))
+            result.append((write, drop))
         return result
 
     # ---- the service's state ---------------------------------------------------------------
@@ -195,13 +191,15 @@ class RemoteIndex:
     def _take(self, answer: dict[str, Any]) -> None:
         """The service's whole index into the mirror; up again."""
         stored, pending = answer.get("stored"), answer.get("pending")
-        if not isinstance(stored, list) or not isinstance(pending, list):
+        if not isinstance(stored, list) or not isinstance(pending, list) or not all(
+                isinstance(k, bytes) for k in stored + pending):
             raise IndexUnavailableError("index service sent no index")
+        stats = stats_from_wire(answer.get("stats"))
         was_down = self.down and self.outages > 0
         self._inc = answer["inc"]
         self._stored, self._pending = set(stored), set(pending)
         self._ops, self._queued_keys = [], 0
-        self.stats = stats_from_wire(answer["stats"])
+        self.stats = stats
         self.down = False
         if was_down:
             log.warning("tpkv prefix index is back: %d blocks from the disk tier match again",
@@ -250,3 +248,14 @@ class RemoteIndex:
                 self._probe, self._next_try = None, now + self.retry_s
         except TpkvError:
             self._probe, self._next_try = None, now + self.retry_s
+
+
+def _reserved(value: Any, count: int) -> list[tuple[list[bytes], list[bytes]]]:
+    """The answer's reserves, checked: `count` pairs of key lists."""
+    if not isinstance(value, list) or len(value) != count or not all(
+            isinstance(pair, list) and len(pair) == 2 and all(
+                isinstance(keys, list) and all(isinstance(k, bytes) for k in keys)
+                for keys in pair) for pair in value):
+        raise IndexUnavailableError(f"index service answered {count} reserves with "
+                                    f"something else")
+    return [(pair[0], pair[1]) for pair in value]
