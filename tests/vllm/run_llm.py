@@ -15,7 +15,8 @@ EXTRA_JSON as the connector's config (a disk tier; its async_loads decides which
 the background); "controller" runs controller_rounds with the prefix index in a Ray actor
 (EXTRA_JSON sets controller "ray" and a disk tier) on a local Ray cluster this process starts,
 killing the actor for good between two turns (kill_index_actor) and waiting for the new one
-the scheduler makes (wait_index_actor). Each result carries the seconds its round took. The
+the scheduler makes (wait_index_actor), then killing it for Ray to restart
+(restart_index_actor). Each result carries the seconds its round took. The
 entry point stays under __main__: vLLM spawns its engine core and workers.
 """
 
@@ -154,7 +155,9 @@ def controller_rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
     scheduler still vouches for it; a third prompt over turn 1 is computed (the scheduler has
     seen the actor dead: no index); this process then waits for the new actor the scheduler
     makes ("wait", a short prompt at a time running the scheduler meanwhile); turn 3 then loads
-    turn 1's blocks from the disk tier, as the new actor found them there."""
+    turn 1's blocks from the disk tier, as the new actor found them there. Then the actor is
+    killed and Ray restarts it ("restart") before turn 4, and turn 5 (once the restarted actor
+    answers) loads turn 1's blocks from the index it rebuilt from the disk tier."""
     def seq(start: int, n: int) -> list[int]:
         return [2 + (start + 19 * i) % 490 for i in range(n)]
 
@@ -163,7 +166,9 @@ def controller_rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
             ("vllm", [("v_filler", seq(300, 100))]),
             ("vllm+kill", [("v2", turn1 + seq(100, 40))]),
             ("vllm", [("v_down", turn1 + seq(150, 40))]),
-            ("vllm+wait", [("v3", turn1 + seq(200, 50))])]
+            ("vllm+wait", [("v3", turn1 + seq(200, 50))]),
+            ("vllm+restart", [("v4", turn1 + seq(260, 40))]),
+            ("vllm+wait", [("v5", turn1 + seq(320, 40))])]
 
 
 def start_ray() -> None:
@@ -195,6 +200,14 @@ def kill_index_actor() -> None:
     deadline = time.monotonic() + 30
     while index_actors() and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def restart_index_actor() -> None:
+    """Kill the connector's index actor; Ray restarts it (max_restarts)."""
+    import ray
+
+    (found,) = index_actors()
+    ray.kill(ray.get_actor(found["name"], namespace=found["namespace"]))
 
 
 def wait_index_actor(poke: Callable[[], object], limit_s: float = 60.0) -> float:
@@ -319,6 +332,8 @@ def main() -> None:
         reset, _, action = reset.partition("+")
         if action == "kill" and mode == "controller":
             kill_index_actor()
+        if action == "restart" and mode == "controller":
+            restart_index_actor()
         if action == "wait" and mode == "controller":
             waited_s.append(wait_index_actor(lambda: llm.generate(
                 [{"prompt_token_ids": [2, 3, 4, 5, 6]}], params, use_tqdm=False)))

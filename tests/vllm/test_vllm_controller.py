@@ -1,6 +1,7 @@
 """TpkvConnector with its prefix index in a Ray actor (controller "ray"), in real vLLM (CPU): the
 actor killed between two turns, every request still completes with vLLM's own tokens, and a
-later turn is served again from the disk tier by the actor the scheduler makes anew.
+later turn is served again from the disk tier by the actor the scheduler makes anew; then the
+actor killed for Ray to restart, and a later turn served by it from the disk tier.
 
 One vLLM process (tests/vllm/run_llm.py "controller") on a local Ray cluster it starts on
 127.0.0.1; its engine core joins it (RAY_ADDRESS). 2 blocks of host memory, 12 more for blocks
@@ -39,7 +40,7 @@ def controller_run(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path
 
 def test_every_request_completes_with_vllms_tokens(baseline: Any, controller_run: Any) -> None:
     results = controller_run["results"]
-    assert [r["name"] for r in results] == ["v1", "v_filler", "v2", "v_down", "v3"]
+    assert [r["name"] for r in results] == ["v1", "v_filler", "v2", "v_down", "v3", "v4", "v5"]
     for r in results:
         ref = baseline["by_name"][r["name"]]
         assert ref["prompt"] == r["prompt"] and r["tokens"] == ref["tokens"], r["name"]
@@ -60,7 +61,7 @@ def test_without_the_actor_nothing_matches_and_nothing_is_stored(controller_run:
 
 
 def test_the_new_actor_serves_the_disk_tier(controller_run: Any) -> None:
-    assert len(controller_run["index_actor_waited_s"]) == 1
+    assert len(controller_run["index_actor_waited_s"]) == 2
     third = controller_run["by_name"]["v3"]
     stats = tpkv_stats(third)
     # turn 1's three blocks, pushed out to disk before the kill, found there by the new actor
@@ -68,5 +69,14 @@ def test_the_new_actor_serves_the_disk_tier(controller_run: Any) -> None:
     assert stats["matched_tokens"] == 96 and stats["disk_loaded_blocks"] >= 1
     assert stats["failed_load_blocks"] == 0 and third["num_cached_tokens"] >= 96
     # the new actor's index: the disk tier's records when it was made, and turn 3's writes
-    records = controller_run["disk_used_bytes"][-2] // record_bytes(BLOCK_TOKENS, BLOCK_BYTES)
+    records = controller_run["disk_used_bytes"][4] // record_bytes(BLOCK_TOKENS, BLOCK_BYTES)
     assert records == 6 and stats["index_blocks"] == records + stats["written_blocks"]
+
+
+def test_an_actor_ray_restarts_serves_the_disk_tier(controller_run: Any) -> None:
+    by_name = controller_run["by_name"]
+    # killed before turn 4, restarted by Ray: it rebuilt its index from the disk tier, and
+    # the scheduler took that index at its next call
+    fifth = tpkv_stats(by_name["v5"])
+    assert fifth["matched_tokens"] == 96 and fifth["failed_load_blocks"] == 0
+    assert by_name["v5"]["num_cached_tokens"] >= 96
