@@ -65,10 +65,16 @@ class RayTransport:
         self.handle: Any = get_or_create(spec)
 
     def send(self, payload: bytes) -> Any:
-        return self.handle.call.remote(payload)
+        try:
+            return self.handle.call.remote(payload)
+        except Exception as exc:  # Ray raises many kinds here: all mean "not now"
+            raise IndexUnavailableError(f"index actor not reached: {exc}") from exc
 
     def ready(self, handle: Any) -> bool:
-        done, _ = ray.wait([handle], timeout=0)
+        try:
+            done, _ = ray.wait([handle], timeout=0)
+        except Exception as exc:
+            raise IndexUnavailableError(f"index actor not reached: {exc}") from exc
         return bool(done)
 
     def result(self, handle: Any, timeout_s: float) -> bytes:

@@ -202,8 +202,8 @@ class RemoteIndex:
         self.stats = stats
         self.down = False
         if was_down:
-            log.warning("tpkv prefix index is back: %d blocks from the disk tier match again",
-                        len(self._stored))
+            log.info("tpkv prefix index is back: %d blocks from the disk tier match again",
+                     len(self._stored))
 
     def _fail(self, exc: Exception) -> None:
         if not self.down:
