@@ -122,6 +122,11 @@ class WaitTimeoutError(TpkvError, TimeoutError):
     """A local wait (copy event, SSD I/O, controller lock) passed its bound."""
 
 
+class IndexUnavailableError(TpkvError, RuntimeError):
+    """The prefix index's actor is dead or did not answer in time (the scheduler goes on
+    without it: nothing matches, nothing new is stored, until it is back)."""
+
+
 class LaunchError(TpkvError, RuntimeError):
     """Starting or joining a tpkv TP group failed (rendezvous, Ray, placement group, the app)."""
 

@@ -1,7 +1,7 @@
 """Runs offline vLLM on a tiny random Llama with or without tpkv's connector; writes JSON results.
 
 `python tests/vllm/run_llm.py MODEL_DIR OUT_JSON
-{baseline,tpkv,disk,restart,dashboard,tp2_baseline,tp2,async} [EXTRA_JSON]`.
+{baseline,tpkv,disk,restart,dashboard,tp2_baseline,tp2,async,controller} [EXTRA_JSON]`.
 Each round is one LLM.generate call of its prompts (greedy, ignore_eos); rounds run in order in
 one engine, most after emptying vLLM's own prefix cache. "baseline" runs every mode's prompts
 without the connector; "disk" and "restart" run the connector with EXTRA_JSON as its
@@ -12,8 +12,12 @@ reads its /api/snapshot over 127.0.0.1 (dashboard_snapshot); "tp2_baseline" and 
 tp2_rounds at tensor parallel 2, without and with the connector (its disk tier in EXTRA_JSON,
 one rank's records damaged: sabotage.SabotagedRankConnector); "async" runs async_rounds with
 EXTRA_JSON as the connector's config (a disk tier; its async_loads decides which loads run in
-the background). Each result carries the seconds its round took. The entry point stays under
-__main__: vLLM spawns its engine core and workers.
+the background); "controller" runs controller_rounds with the prefix index in a Ray actor
+(EXTRA_JSON sets controller "ray" and a disk tier) on a local Ray cluster this process starts,
+killing the actor for good between two turns (kill_index_actor) and waiting for the new one
+the scheduler makes (wait_index_actor), then killing it for Ray to restart
+(restart_index_actor). Each result carries the seconds its round took. The
+entry point stays under __main__: vLLM spawns its engine core and workers.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 
 BLOCK_TOKENS = 32
 MAX_TOKENS = 8
@@ -144,6 +149,88 @@ def async_rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
             ("vllm", [("s_new", seq(410, 90)), ("s3", turn1 + seq(100, 60) + seq(200, 40))])]
 
 
+def controller_rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
+    """With 2 blocks of host memory: turn 1 is pushed out to disk by a filler; the index actor
+    is killed for good ("kill"); turn 2 (turn 1 and more) is computed or loaded as the
+    scheduler still vouches for it; a third prompt over turn 1 is computed (the scheduler has
+    seen the actor dead: no index); this process then waits for the new actor the scheduler
+    makes ("wait", a short prompt at a time running the scheduler meanwhile); turn 3 then loads
+    turn 1's blocks from the disk tier, as the new actor found them there. Then the actor is
+    killed and Ray restarts it ("restart") before turn 4, and turn 5 (once the restarted actor
+    answers) loads turn 1's blocks from the index it rebuilt from the disk tier."""
+    def seq(start: int, n: int) -> list[int]:
+        return [2 + (start + 19 * i) % 490 for i in range(n)]
+
+    turn1 = seq(0, 100)
+    return [("", [("v1", turn1)]),
+            ("vllm", [("v_filler", seq(300, 100))]),
+            ("vllm+kill", [("v2", turn1 + seq(100, 40))]),
+            ("vllm", [("v_down", turn1 + seq(150, 40))]),
+            ("vllm+wait", [("v3", turn1 + seq(200, 50))]),
+            ("vllm+restart", [("v4", turn1 + seq(260, 40))]),
+            ("vllm+wait", [("v5", turn1 + seq(320, 40))])]
+
+
+def start_ray() -> None:
+    """A local Ray cluster on 127.0.0.1 that the engine core's connector joins (RAY_ADDRESS)."""
+    import uuid
+
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             namespace=f"tpkv-vllm-test-{uuid.uuid4().hex[:8]}", _node_ip_address="127.0.0.1")
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+
+
+def index_actors() -> list[dict]:
+    import ray
+
+    from tpkv.integrations.vllm.ray_index import NAME_PREFIX
+
+    return [a for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(NAME_PREFIX)]
+
+
+def kill_index_actor() -> None:
+    """Kill the connector's index actor for good (Ray does not restart it)."""
+    import ray
+
+    (found,) = index_actors()
+    ray.kill(ray.get_actor(found["name"], namespace=found["namespace"]), no_restart=True)
+    deadline = time.monotonic() + 30
+    while index_actors() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def restart_index_actor() -> None:
+    """Kill the connector's index actor; Ray restarts it (max_restarts)."""
+    import ray
+
+    (found,) = index_actors()
+    ray.kill(ray.get_actor(found["name"], namespace=found["namespace"]))
+
+
+def wait_index_actor(poke: Callable[[], object], limit_s: float = 60.0) -> float:
+    """Seconds until the scheduler's new index actor answers, `poke` (a short prompt: the
+    scheduler looks for the actor as it schedules) run meanwhile and once after."""
+    import ray
+
+    began = time.monotonic()
+    while time.monotonic() - began < limit_s:
+        poke()
+        found = index_actors()
+        if found:
+            handle = ray.get_actor(found[0]["name"], namespace=found[0]["namespace"])
+            try:
+                ray.get(handle.ping.remote(), timeout=limit_s)
+                poke()
+                return time.monotonic() - began
+            except ray.exceptions.RayError:
+                pass
+        time.sleep(0.1)
+    raise RuntimeError(f"no index actor answered within {limit_s} s")
+
+
 def rank_files(root: str) -> dict[str, list[str]]:
     """The record files of each rank directory under a disk tier's root, by directory."""
     return {sub: sorted(e.name for e in os.scandir(os.path.join(root, sub)) if e.is_file())
@@ -214,8 +301,9 @@ def main() -> None:
     from vllm.config import KVTransferConfig
 
     kwargs: dict = {}
-    plan = {"baseline": rounds() + disk_rounds() + restart_rounds() + async_rounds(),
-            "tpkv": rounds(), "async": async_rounds(),
+    plan = {"baseline": rounds() + disk_rounds() + restart_rounds() + async_rounds()
+            + controller_rounds(),
+            "tpkv": rounds(), "async": async_rounds(), "controller": controller_rounds(),
             "disk": disk_rounds(), "restart": restart_rounds(),
             "dashboard": dashboard_rounds(), "tp2_baseline": tp2_rounds(),
             "tp2": tp2_rounds()}[mode]
@@ -227,8 +315,10 @@ def main() -> None:
             kv_connector="SabotagedRankConnector" if mode == "tp2" else "SabotagedTpkvConnector",
             kv_connector_module_path="sabotage", kv_role="kv_both",
             kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
-    disk_dir = (extra.get("disk_dir") if mode in ("disk", "restart", "dashboard", "tp2", "async")
-                else None)
+    disk_dir = (extra.get("disk_dir") if mode in ("disk", "restart", "dashboard", "tp2", "async",
+                                                  "controller") else None)
+    if mode == "controller":
+        start_ray()
     began = time.perf_counter()
     llm = LLM(model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
               block_size=BLOCK_TOKENS, enable_prefix_caching=True, enforce_eager=True, seed=0,
@@ -237,7 +327,16 @@ def main() -> None:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     results = []
     disk_used = [dir_bytes(disk_dir)] if disk_dir else []
+    waited_s = []
     for reset, batch in plan:
+        reset, _, action = reset.partition("+")
+        if action == "kill" and mode == "controller":
+            kill_index_actor()
+        if action == "restart" and mode == "controller":
+            restart_index_actor()
+        if action == "wait" and mode == "controller":
+            waited_s.append(wait_index_actor(lambda: llm.generate(
+                [{"prompt_token_ids": [2, 3, 4, 5, 6]}], params, use_tqdm=False)))
         if reset and not llm.reset_prefix_cache(reset_connector=reset == "all"):
             raise RuntimeError(f"vLLM refused to empty its prefix cache ({reset})")
         round_began = time.perf_counter()
@@ -255,6 +354,7 @@ def main() -> None:
     with open(out_path, "w") as f:
         json.dump({"mode": mode, "start_s": started_s, "disk_used_bytes": disk_used,
                    "total_s": time.perf_counter() - began, "results": results,
+                   "index_actor_waited_s": waited_s,
                    "dashboard": dash, "rank_files": rank_files(disk_dir) if disk_dir else None},
                   f)
 

@@ -97,6 +97,10 @@ class PrefixIndex:
     def holds(self, key: bytes) -> bool:
         return key in self._stored
 
+    def state(self) -> tuple[list[bytes], list[bytes]]:
+        """The stored keys (oldest use first) and the pending ones (in the order reserved)."""
+        return list(self._stored), list(self._pending)
+
     def match(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are stored (a prefix: it stops at the first that is not)."""
         n = 0
@@ -135,6 +139,12 @@ class PrefixIndex:
             to_write.append(key)
         self.touch(reversed(held))
         return to_write, to_drop
+
+    def reserve_all(self, batches: Sequence[Sequence[bytes]], keep: Iterable[bytes] = ()
+                    ) -> list[tuple[list[bytes], list[bytes]]]:
+        """`reserve` of each batch in order, with the same `keep`; their answers."""
+        keep = list(keep)
+        return [self.reserve(keys, keep=keep) for keys in batches]
 
     def adopt(self, keys: Sequence[bytes]) -> int:
         """Count keys a store already holds (found on disk at start, oldest use first) as stored,

@@ -6,7 +6,8 @@ kv_role="kv_both", kv_load_failure_policy="recompute")` (or the same as JSON in 
 --kv-transfer-config`); "recompute" makes vLLM recompute a block that fails tpkv's checks instead
 of failing the request. `kv_connector_extra_config={"disk_dir": DIR}` adds the disk tier (see
 ConnectorOptions). The scheduler side (a Planner) keeps the prefix index, which at start takes
-the blocks an earlier process left in the disk tier; the worker side (a BlockCopier per rank)
+the blocks an earlier process left in the disk tier (in this process, or with `controller`
+"ray" in a Ray actor: see below); the worker side (a BlockCopier per rank)
 copies blocks, whole blocks (a block read from disk comes back into host memory). A load runs
 either in the step or, as vLLM's asynchronous load, in the background (`async_loads`, see
 load_policy.LoadPolicy: by default a load that reads the disk tier or is 64 MiB or more a
@@ -39,6 +40,19 @@ through may hold KV another rank's failed load made wrong), and a load that fail
 is a failed block that vLLM recomputes on all of them. vLLM takes a background load as
 finished once every rank named it; a block any rank failed is recomputed on all (vLLM merges
 their failed blocks), and the index forgets and drops it on all.
+
+With `controller` "ray" the index lives in a named Ray actor (ray_index.py: one per model,
+block size and disk tier directory, made on first use in the Ray cluster the scheduler's
+process is in, joins or starts, restarted by Ray when it dies; it builds its index from the
+disk tier). The scheduler answers vLLM's matches from a mirror of the actor's key sets and
+calls it at most once a step, when the step has blocks to store (remote_index.RemoteIndex;
+msgpack bytes, no pickled objects). When the actor is dead or slower than
+controller_timeout_s the scheduler goes on without it, with one warning: nothing matches (vLLM
+computes the prompts), nothing new is stored, loads promised before still run (the ranks hold
+their blocks: only the scheduler's plans drop blocks). It looks for the actor again every
+second without waiting on it (a restarted one, or a new one it makes by name) and takes the
+index that actor rebuilt from the disk tier; blocks only the ranks' memory held are no longer
+matched, and the ranks' stores push them out as they make room.
 """
 
 from __future__ import annotations
@@ -57,9 +71,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tpkv.errors import KvLayoutError
-from tpkv.integrations.disk_blocks import check_disk_bytes, prepare_dir, stored_keys
+from tpkv.integrations.disk_blocks import check_disk_bytes, prepare_dir
 from tpkv.integrations.disk_format import record_bytes
-from tpkv.integrations.prefix_index import chain_seed
+from tpkv.integrations.index_service import IndexSpec, build_index
+from tpkv.integrations.prefix_index import PrefixIndex, chain_seed
 from tpkv.integrations.vllm.copier import BlockCopier, DiskSpec
 from tpkv.integrations.vllm.dashboard import ConnectorDashboard
 from tpkv.integrations.vllm.layer_load import LayerHooks
@@ -71,6 +86,7 @@ from tpkv.integrations.vllm.options import (
 )
 from tpkv.integrations.vllm.plan import StepPlan, StepReport
 from tpkv.integrations.vllm.planner import Planner
+from tpkv.integrations.vllm.remote_index import RemoteIndex
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -163,13 +179,10 @@ class TpkvConnector(KVConnectorBase_V1):
                     prepare_dir(disk_dir, rank)
             policy = LoadPolicy(self.options.async_loads, self.options.async_load_bytes,
                                 block_bytes, capacity)
+            spec = IndexSpec(capacity + disk_blocks, self.block_tokens, seed,
+                             _num_ranks(vllm_config), disk_dir, disk_blocks)
             self.planner = Planner(self.block_tokens, seed, capacity + disk_blocks,
-                                   _num_ranks(vllm_config), policy)
-            if disk_dir is not None:
-                found = stored_keys(disk_dir, seed, self.block_tokens, _num_ranks(vllm_config))
-                taken = self.planner.index.adopt(found[-disk_blocks:])
-                log.info("TpkvConnector: %d blocks found in the disk tier %s, %d taken",
-                         len(found), disk_dir, taken)
+                                   _num_ranks(vllm_config), policy, self._index(spec))
             if self.options.dashboard_port is not None:
                 info = {"model": str(vllm_config.model_config.model),
                         "block_tokens": self.block_tokens, "block_bytes": block_bytes,
@@ -182,6 +195,16 @@ class TpkvConnector(KVConnectorBase_V1):
                 disk_dir, self.options.disk_bytes, seed, self.block_tokens, fingerprint,
                 self.options.disk_queue_bytes)
             self.copier = BlockCopier(self.options.host_bytes, disk)
+
+    def _index(self, spec: IndexSpec) -> PrefixIndex | RemoteIndex:
+        """The prefix index where `controller` says: built here from the disk tier, or on
+        the named Ray actor (which builds it there)."""
+        if self.options.controller == "local":
+            return build_index(spec)
+        from tpkv.integrations.vllm.ray_index import RayTransport
+
+        return RemoteIndex(RayTransport(spec), spec.capacity_blocks,
+                           self.options.controller_timeout_s)
 
     @property
     def requires_kv_delivery(self) -> bool:

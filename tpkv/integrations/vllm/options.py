@@ -18,9 +18,11 @@ DEFAULT_DISK_BYTES = 64 * GiB
 MAX_DEFAULT_QUEUE_BYTES = GiB
 DEFAULT_ASYNC_LOAD_BYTES = 64 << 20
 ASYNC_LOAD_MODES = ("auto", "always", "never")
+CONTROLLERS = ("local", "ray")
+DEFAULT_CONTROLLER_TIMEOUT_S = 2.0
 KNOWN_KEYS = ("host_bytes", "model_fingerprint", "disk_dir", "disk_bytes", "disk_queue_bytes",
               "dashboard_port", "dashboard_host", "dashboard_token", "async_loads",
-              "async_load_bytes")
+              "async_load_bytes", "controller", "controller_timeout_s")
 
 
 def _size(name: str, raw: Any) -> int:
@@ -47,7 +49,13 @@ class ConnectorOptions:
     async_loads: which loads run in the background while vLLM's steps go on, the request
     waiting for them (load_policy.LoadPolicy): "auto" (default) those that read a block from
     the disk tier or load at least async_load_bytes (each rank's bytes, default 64 MiB),
-    "always", "never" (every load in the step, copied as the forward's layers ask)."""
+    "always", "never" (every load in the step, copied as the forward's layers ask);
+    controller: where the prefix index lives, "local" (default: in the scheduler process) or
+    "ray" (in a named Ray actor, ray_index.py, in the Ray cluster the process is in, finds
+    with address "auto", or starts; the scheduler asks it once a step, remote_index.py);
+    controller_timeout_s: with "ray", how long a step waits for the actor (default 2 s) before
+    it goes on without the index (nothing matches, nothing new is stored) until the actor is
+    back."""
 
     host_bytes: int = DEFAULT_HOST_BYTES
     model_fingerprint: str | None = None
@@ -59,6 +67,8 @@ class ConnectorOptions:
     dashboard_token: str | None = None
     async_loads: str = "auto"
     async_load_bytes: int = DEFAULT_ASYNC_LOAD_BYTES
+    controller: str = "local"
+    controller_timeout_s: float = DEFAULT_CONTROLLER_TIMEOUT_S
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -93,8 +103,25 @@ class ConnectorOptions:
             raise ConfigError(f"async_loads must be one of {list(ASYNC_LOAD_MODES)}, got {mode!r}")
         raw = extra.get("async_load_bytes", DEFAULT_ASYNC_LOAD_BYTES)
         min_bytes = 0 if raw == 0 and type(raw) is int else _size("async_load_bytes", raw)
+        controller, timeout_s = _controller(extra)
         return cls(host_bytes, None if fp is None else check_fingerprint(fp), disk_dir,
-                   disk_bytes, queue, port, host, token, mode, min_bytes)
+                   disk_bytes, queue, port, host, token, mode, min_bytes, controller, timeout_s)
+
+
+def _controller(extra: Mapping[str, Any]) -> tuple[str, float]:
+    """controller and controller_timeout_s, checked (see ConnectorOptions)."""
+    controller = extra.get("controller", "local")
+    if controller not in CONTROLLERS:
+        raise ConfigError(f"controller must be one of {list(CONTROLLERS)}, got {controller!r}")
+    timeout_s = extra.get("controller_timeout_s", DEFAULT_CONTROLLER_TIMEOUT_S)
+    if "controller_timeout_s" in extra and controller != "ray":
+        raise ConfigError(f"controller_timeout_s is {timeout_s!r} but controller is "
+                          f"{controller!r}; it is the bound on calls to the 'ray' controller")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
+            0 < timeout_s <= 3600):
+        raise ConfigError(f"controller_timeout_s must be seconds in (0, 3600], "
+                          f"got {timeout_s!r}")
+    return controller, float(timeout_s)
 
 
 def _dashboard(extra: Mapping[str, Any]) -> tuple[int | None, str, str | None]:

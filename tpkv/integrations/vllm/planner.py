@@ -13,6 +13,7 @@ from tpkv.integrations.prefix_index import PrefixIndex, extend_chain
 from tpkv.integrations.vllm.load_policy import LoadPolicy
 from tpkv.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan, StepReport
 from tpkv.integrations.vllm.rank_check import unconfirmed_saves
+from tpkv.integrations.vllm.remote_index import RemoteIndex
 from tpkv.integrations.vllm.stats import ConnectorCounters
 
 
@@ -48,16 +49,18 @@ class Planner:
     parallel) the index holds a key only once every rank stored it (rank_check). `policy`
     says which loads run in the background (none without one): their keys are kept in the
     index, never dropped for room, until every rank reported the load finished
-    (loads_finished)."""
+    (loads_finished). The index is this process's PrefixIndex, or a RemoteIndex on an actor
+    (the connector's `controller`), asked once a step (reserve_all)."""
 
     def __init__(self, block_tokens: int, seed: bytes, capacity_blocks: int,
-                 num_ranks: int = 1, policy: LoadPolicy | None = None) -> None:
+                 num_ranks: int = 1, policy: LoadPolicy | None = None,
+                 index: PrefixIndex | RemoteIndex | None = None) -> None:
         check_int("block_tokens", block_tokens)
         check_int("num_ranks", num_ranks)
         self.num_ranks = num_ranks
         self.block_tokens = block_tokens
         self.seed = seed
-        self.index = PrefixIndex(capacity_blocks)
+        self.index = PrefixIndex(capacity_blocks) if index is None else index
         self._reqs: dict[str, _Req] = {}
         self._drops: list[bytes] = []  # keys forgotten by reset, for the next plan
         self.counters = ConnectorCounters(block_tokens)
@@ -161,6 +164,7 @@ class Planner:
                 pending.load = None
         for keys in self._inflight.values():
             loading.extend(keys)  # read by a background load: not dropped for room
+        batch: list[tuple[str, _Req, list[bytes], list[bytes], Sequence[int]]] = []
         for req_id, computed in scheduled:
             req = self._reqs.get(req_id)
             if req is None:
@@ -169,8 +173,12 @@ class Planner:
             if len(keys) <= req.saved_upto:
                 continue
             ids = block_ids_of(req_id)
-            new = keys[req.saved_upto:min(len(keys), len(ids))]
-            write, drop = self.index.reserve(new, keep=loading)
+            batch.append((req_id, req, keys, keys[req.saved_upto:min(len(keys), len(ids))],
+                          ids))
+        answers = self.index.reserve_all([b[3] for b in batch], keep=loading)
+        if isinstance(self.index, RemoteIndex) and self.index.down:  # stored once it is back
+            return plan
+        for (req_id, req, keys, new, ids), (write, drop) in zip(batch, answers):
             plan.drops.extend(drop)
             if self.policy is not None:
                 self.policy.gone(drop)

@@ -1,0 +1,133 @@
+"""The vLLM connector's prefix index as a named Ray actor: served, killed (restarted by Ray, and
+for good), and taken back with the index it rebuilt from the disk tier."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from tpkv.controller.actor import NAMESPACE
+from tpkv.integrations.disk_blocks import DiskBlockStore
+from tpkv.integrations.disk_format import DiskLayout, record_bytes
+from tpkv.integrations.index_service import IndexSpec
+from tpkv.integrations.prefix_index import chain_seed, extend_chain
+from tpkv.integrations.vllm.copier import BlockCopier
+from tpkv.integrations.vllm.planner import Planner
+from tpkv.integrations.vllm.remote_index import RemoteIndex
+
+pytestmark = pytest.mark.timeout(180)
+
+BT = 4
+SEED = chain_seed("ray-index-test", BT)
+PROMPT = list(range(100, 111))  # 2 full blocks, on disk
+OTHER = list(range(300, 317))  # 4 full blocks, host memory only
+
+
+def disk_records(root: Path, tokens: list[int]) -> list[bytes]:
+    shape = (2, 256)
+    keys = extend_chain([], tokens, BT, SEED)
+    disk = DiskBlockStore(str(root), 10 * record_bytes(BT, shape[0] * shape[1]),
+                          DiskLayout(SEED, 0, BT, shape))
+    rng = np.random.default_rng(0)
+    for i, key in enumerate(keys):
+        assert disk.put(key, keys[i - 1] if i else SEED, tuple(tokens[i * BT:(i + 1) * BT]),
+                        rng.integers(0, 256, shape, dtype=np.uint8))
+    disk.close()
+    return keys
+
+
+def matched(planner: Planner, tokens: list[int]) -> int:
+    matched.n += 1  # type: ignore[attr-defined]
+    req = SimpleNamespace(request_id=f"m{matched.n}",  # type: ignore[attr-defined]
+                          all_token_ids=list(tokens))
+    n = planner.matched_tokens(req, 0)
+    planner.finished(req.request_id)
+    return n
+
+
+matched.n = 0  # type: ignore[attr-defined]
+
+
+def until(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> float:
+    began = time.monotonic()
+    while not check():
+        if time.monotonic() - began > timeout_s:
+            raise AssertionError(f"{what}: not within {timeout_s} s")
+        time.sleep(0.05)
+    return time.monotonic() - began
+
+
+def store(planner: Planner, copier: BlockCopier, tokens: list[int]) -> int:
+    """One request of `tokens` computed and its full blocks stored; how many were saved."""
+    store.n += 1  # type: ignore[attr-defined]
+    name = f"s{store.n}"  # type: ignore[attr-defined]
+    req = SimpleNamespace(request_id=name, all_token_ids=list(tokens))
+    planner.matched_tokens(req, 0)
+    plan = planner.plan([(name, len(tokens))], lambda r: [1, 2, 4, 5, 6])
+    copier.load(plan.loads)
+    copier.apply_after_forward(plan)
+    report = copier.take_report()
+    if report is not None:
+        planner.report(report)
+    planner.finished(name)
+    return len(plan.saves)
+
+
+store.n = 0  # type: ignore[attr-defined]
+
+
+def fresh() -> list[int]:
+    """A one-block prompt never seen before (each makes the step call the actor)."""
+    return [2000 + store.n * BT + i for i in range(BT + 1)]  # type: ignore[attr-defined]
+
+
+def test_index_actor_serves_is_killed_and_comes_back_from_the_disk_tier(
+        ray_cluster: None, tmp_path: Path) -> None:
+    import ray
+
+    from tpkv.integrations.vllm.ray_index import RayTransport, actor_name
+
+    disk_records(tmp_path, PROMPT)
+    spec = IndexSpec(64, BT, SEED, 1, str(tmp_path), 8)
+    transport = RayTransport(spec)
+    assert not transport.joined  # the process was in a cluster already
+    planner = Planner(BT, SEED, 64, index=RemoteIndex(transport, 64, 10.0, retry_s=0.2))
+    index = planner.index
+    assert isinstance(index, RemoteIndex) and not index.down
+    assert ray.get_actor(actor_name(spec), namespace=NAMESPACE)._actor_id == \
+        transport.handle._actor_id
+    copier = BlockCopier(capacity_bytes=1 << 20)
+    g = torch.Generator().manual_seed(0)
+    copier.register({"l0": torch.randn(16, 2, BT, 8, generator=g)}, 16)
+
+    assert matched(planner, PROMPT) == 8  # the actor built its index from the disk tier
+    assert store(planner, copier, OTHER) == 4
+    assert matched(planner, OTHER) == 16
+
+    # killed, Ray restarts it: a later call finds the new one, which rebuilt from disk
+    before = index.incarnation
+    ray.kill(transport.handle)
+    took = until(lambda: store(planner, copier, fresh()) >= 0 and not index.down
+                 and index.incarnation != before, "restarted actor taken back")
+    assert matched(planner, PROMPT) == 8
+    assert matched(planner, OTHER) == 0  # held in memory only: the new index lacks it
+    assert store(planner, copier, OTHER) == 4 and matched(planner, OTHER) == 16
+    print(f"restarted actor taken back after {took:.2f} s")
+
+    # killed for good: the scheduler goes on without it, then a new actor is made by name
+    old = transport.handle._actor_id
+    ray.kill(transport.handle, no_restart=True)
+    until(lambda: store(planner, copier, fresh()) == 0 and index.down, "dead actor seen")
+    assert matched(planner, PROMPT) == 0 and matched(planner, OTHER) == 0
+    assert store(planner, copier, PROMPT) == 0  # nothing stored while down
+    took = until(lambda: matched(planner, PROMPT) == 8, "new actor made and taken")
+    assert transport.handle._actor_id != old and not index.down
+    assert matched(planner, OTHER) == 0
+    print(f"new actor made and taken after {took:.2f} s")
+    ray.kill(transport.handle, no_restart=True)
