@@ -3,8 +3,8 @@
 A block's key is xxh3-128 of its parent's key and its tokens (int64, little-endian); the chain
 starts from a seed made of the model's fingerprint and the block size, so two prompts that share
 their first n full blocks share their first n keys, and keys of different models or block sizes
-never meet. The index has no torch, no Ray and no engine types: it is the part that moves into
-the controller once the controller owns block identity.
+never meet. The index has no torch, no Ray and no engine types: the vLLM scheduler holds it, or
+an IndexService actor does (index_service.py, vllm/ray_index.py).
 """
 
 from __future__ import annotations
