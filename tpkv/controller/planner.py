@@ -148,7 +148,7 @@ def _l2_drops(ctx: PlanContext) -> bool:
     a prefill, weighed by the sessions it delays now (spill="cost"), so the cost model would
     recompute it and writing it would cost the disk for nothing. But for blocks with an L3
     copy (BlockTable.l3copy): their spill writes nothing, and a recompute keeps the record
-    (step._keep_records), so they go to L3 (_make_l2_room)."""
+    (demand.keep_records), so they go to L3 (_make_l2_room)."""
     return ctx.l3_load_s_per_block > ctx.recompute_s_per_block > 0
 
 

@@ -175,7 +175,7 @@ class SlotMapReplica:
         start of a recomputed range on (the engine feeds the session again from there). A
         block recomputed (fresh, of a logical index the session held) keeps its version: it
         gets the KV of the tokens it had, which its L3 record, if kept, holds
-        (step._keep_records)."""
+        (demand.keep_records)."""
         bt = self.block_tokens
         assert bt is not None
         bump = []

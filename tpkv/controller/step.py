@@ -14,13 +14,13 @@ import numpy as np
 
 from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.cost import block_costs
-from tpkv.controller.plankernels import demand_rows, record_choices
+from tpkv.controller.demand import demand, keep_records
 from tpkv.controller.planner import MAX_PHASES, plan_step
 from tpkv.controller.planstate import PlanContext, StepNeeds
 from tpkv.controller.sessions import SessionTable, add_counts
 from tpkv.controller.stepkernels import alloc_blocks, batch_blocks, outside, start_runs
 from tpkv.controller.steptypes import CheckedStep, NamesCache, StepContext, StepOutcome
-from tpkv.controller.table import DRAM, HBM, NONE, PIN_EXPLICIT, SSD
+from tpkv.controller.table import DRAM, HBM, PIN_EXPLICIT
 from tpkv.errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -136,7 +136,7 @@ def run_step(ctx: StepContext, step: CheckedStep, session_ids: Sequence[str] | n
     E = ctx.epochs
     b = PlanBuilder(T, S, E.next_epoch, ctx.now_s(), ctx.check_invariants, ctx.move_buffers,
                     committed_epoch=E.committed_epoch)
-    want, recompute, keep = _demand(ctx, b, batch, step.missing, step.resume)
+    want, recompute, keep = demand(ctx, b, batch, step.missing, step.resume)
     needs = StepNeeds(batch, want, len(recompute) + new_total, step.upcoming)
     lost = _EMPTY
     if _needs_planning(ctx, needs):
@@ -147,7 +147,7 @@ def run_step(ctx: StepContext, step: CheckedStep, session_ids: Sequence[str] | n
     slots = T.free[HBM].pop(len(fresh_old) + new_total)
     _place_fresh(ctx, fresh_old, slots[:len(fresh_old)])
     if len(keep):
-        _keep_records(ctx, b, keep)
+        keep_records(ctx, b, keep)
     new_rows, new_pos, new_ids, new_logical = _alloc_new(ctx, batch, n_new, step.nb_before,
                                                          slots[len(fresh_old):], tick)
     offsets, table = ctx.batch_table.build(S, T, batch, step.nb_after, step.sum_after)
@@ -183,7 +183,7 @@ def _drop_written_copies(ctx: StepContext, batch: np.ndarray, before: np.ndarray
     tokens, when it was partly filled, the blocks of tokens it writes again (`rewrite`), and
     every block from a recomputed range on (the engine feeds the session again from there),
     but for the blocks recomputed by choice that keep their L3 records (`keep`,
-    _keep_records). Their L2 copies are freed; their L3 copies are void (the records stay,
+    keep_records). Their L2 copies are freed; their L3 copies are void (the records stay,
     dead, until their segment goes; a later spill writes them again)."""
     S, T = ctx.sessions, ctx.table
     slots = T.take_written(batch, before, rewrite, after, ctx.config.geometry.block_tokens,
@@ -288,72 +288,6 @@ def _pinned_l1_outside(ctx: StepContext, batch: np.ndarray) -> int:
             r = S.rows(si)
             held += int(((T.pinned[r] & PIN_EXPLICIT != 0) & (T.tier[r] == HBM)).sum())
     return held
-
-
-def _demand(ctx: StepContext, b: PlanBuilder, batch: np.ndarray, missing: np.ndarray,
-            resume: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows to bring into L1 (load), rows to recompute, and those of them whose L3 record is
-    kept as their copy (_keep_records), per the cost model for each session of the step with
-    blocks outside L1 (at positions `missing`), or as `resume` says (the caller's choice, kept
-    as the session's). Rows to recompute lose their L2/L3 copy now; without L3 copies
-    (BlockTable.keep_l3) their sessions' L3 segments go."""
-    S, T, rates, pol = ctx.sessions, ctx.table, ctx.rates, ctx.config.policy
-    if len(missing) == 0:
-        return _EMPTY, _EMPTY, _EMPTY
-    g = ctx.config.geometry
-    sess = batch[missing]
-    # cost.resume_costs per session, in the kernel (blocks on L2 and L3 kept per session)
-    weight = 1.0 + pol.gpu_share_weight * max(len(batch) - 1, 0)
-    any_redo, redo, n2, n3, load_s, recompute_s = record_choices(
-        sess, S.counts[2], S.counts[3], g.block_tokens, g.block_bytes, rates.h2d_bytes_per_s,
-        rates.ssd_read_bytes_per_s, rates.prefill_tokens_per_s, weight, S.choice, S.load_s,
-        S.recompute_s)
-    chosen = resume[missing]
-    if chosen.any():
-        redo = np.where(chosen == 0, redo, (chosen == 2) & (n2 + n3 > 0))
-        S.choice[sess] = redo
-        any_redo = bool(redo.any())
-    if not any_redo:
-        A = S.arena
-        return (*demand_rows(sess, A.arena, A.start, A.length, T.tier), _EMPTY)
-    rows, offsets = S.arena.gather(sess)
-    tier = T.tier[rows]
-    off_l1 = (tier == DRAM) | (tier == SSD)
-    redo_rows = np.repeat(redo, np.diff(offsets)) & off_l1
-    keep = _EMPTY
-    if T.keep_l3:  # a block in L3, or with an L3 copy: its record holds its tokens' KV
-        keep = rows[redo_rows & ((tier == SSD) | (T.l3copy[rows] != 0))].astype(np.int64)
-    b.drop(rows[redo_rows])
-    if not T.keep_l3:
-        gone = sess[redo & (n3 > 0)]  # their L3 records are of no more use
-        b.drop_segments(gone.astype(np.int64))
-    for i in np.flatnonzero(redo).tolist():
-        b.events.append({"kind": "recompute", "session": S.name(int(sess[i])),
-                         "blocks": int(n2[i] + n3[i]), "load_s": float(load_s[i]),
-                         "recompute_s": float(recompute_s[i])})
-    rows = rows.astype(np.int64)
-    return rows[off_l1 & ~redo_rows], rows[(tier == NONE) | redo_rows], keep
-
-
-def _keep_records(ctx: StepContext, b: PlanBuilder, rows: np.ndarray) -> None:
-    """Rows recomputed by choice (_demand), now in L1, keep the L3 record they had (in L3, or
-    as a copy) as their copy (BlockTable.l3copy), as a block loaded back from L3 does: the
-    record is of the same session and logical block, and its tokens have not changed since it
-    was written (a write voids a copy: stepkernels.written_kept, for which their sessions are
-    flagged l3_last). A later spill of them writes nothing. The record holds the KV computed
-    when it was written, which a recompute of the same tokens may differ from in low-order
-    bits: it is what a load of it would serve. Records counted dead by the drop (set_tier)
-    stay counted in l3_other, as copies. Not kept: a block whose record failed (lost, Tier.NONE
-    before the step: never among these rows), one whose segment this step deletes, and (as
-    before) the copies of blocks already in L1 that the engine feeds again after a recomputed
-    one (_drop_written_copies)."""
-    T, S = ctx.table, ctx.sessions
-    sess = T.session[rows]
-    if len(b.segment_gone):
-        on = ~b.segment_gone[sess]
-        rows, sess = rows[on], sess[on]
-    T.l3copy[rows] = 1
-    S.l3_last[sess] = True
 
 
 def _needs_planning(ctx: StepContext, needs: StepNeeds) -> bool:

@@ -48,7 +48,7 @@ class BlockTable:
                  keep_l3: bool = False) -> None:
         self.l3_capacity = l3_capacity
         # A block loaded back from L3, or recomputed by choice from tokens its record holds
-        # (step._keep_records), keeps its record (an L3 copy) while it is not written:
+        # (demand.keep_records), keeps its record (an L3 copy) while it is not written:
         # whenever L3 is on (the controller passes l3_enabled)
         self.keep_l3 = keep_l3
         # L3 records that are not blocks in L3 (SessionTable.l3_other summed): copies of blocks
