@@ -14,7 +14,7 @@ import numpy as np
 
 from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.cost import block_costs
-from tpkv.controller.demand import demand, keep_records
+from tpkv.controller.demand import EMPTY, demand, keep_records
 from tpkv.controller.planner import MAX_PHASES, plan_step
 from tpkv.controller.planstate import PlanContext, StepNeeds
 from tpkv.controller.sessions import SessionTable, add_counts
@@ -36,7 +36,6 @@ from tpkv.limits import (
     check_counts,
 )
 
-_EMPTY = np.zeros(0, dtype=np.int64)
 Upcoming = Mapping[str, int] | Sequence[str] | None
 
 
@@ -138,12 +137,12 @@ def run_step(ctx: StepContext, step: CheckedStep, session_ids: Sequence[str] | n
                     committed_epoch=E.committed_epoch)
     want, recompute, keep = demand(ctx, b, batch, step.missing, step.resume)
     needs = StepNeeds(batch, want, len(recompute) + new_total, step.upcoming)
-    lost = _EMPTY
+    lost = EMPTY
     if _needs_planning(ctx, needs):
         lost = _plan(ctx, b, needs, tick)
     b.end_phase()
     fresh_old = (np.concatenate([recompute, lost]).astype(np.int64) if len(recompute) or len(lost)
-                 else _EMPTY)
+                 else EMPTY)
     slots = T.free[HBM].pop(len(fresh_old) + new_total)
     _place_fresh(ctx, fresh_old, slots[:len(fresh_old)])
     if len(keep):
@@ -156,7 +155,7 @@ def run_step(ctx: StepContext, step: CheckedStep, session_ids: Sequence[str] | n
         assert (T.tier[rows] == HBM).all(), "a block of the batch is not in L1"
         assert (table == T.slot[rows]).all(), "the patched batch table is stale"
     fresh_ids, fresh_pos, fresh_logical = new_ids, new_pos, new_logical
-    rc_pos = rc_start = rc_stop = _EMPTY
+    rc_pos = rc_start = rc_stop = EMPTY
     if len(fresh_old):  # they sit first in `slots`, then the new blocks
         old_pos = _positions(batch)(T.session[fresh_old])
         old_logical = T.logical[fresh_old].astype(np.int64)
@@ -207,7 +206,7 @@ def _plan(ctx: StepContext, b: PlanBuilder, needs: StepNeeds, tick: int) -> np.n
                                       rates.ssd_read_bytes_per_s, rates.prefill_tokens_per_s)
     prep = ctx.prepared
     stale = (np.concatenate([needs.batch, np.asarray(prep.changed, dtype=np.int64)])
-             if prep is not None and prep.tick == tick else _EMPTY)
+             if prep is not None and prep.tick == tick else EMPTY)
     # A recompute delays every other session of the step and those decoding beside it (named
     # upcoming): spill="cost" keeps (spills) what the cost model would load back under that load
     weight = 1.0 + pol.gpu_share_weight * max(len(needs.batch) + len(needs.upcoming) - 1, 0)
@@ -221,13 +220,13 @@ def _plan(ctx: StepContext, b: PlanBuilder, needs: StepNeeds, tick: int) -> np.n
 def _upcoming(ctx: StepContext, upcoming: Upcoming, batch: np.ndarray) -> np.ndarray:
     """Sessions expected within prefetch_steps steps, soonest first, without the batch."""
     if upcoming is None:
-        return _EMPTY
+        return EMPTY
     if isinstance(upcoming, (str, bytes)) or not isinstance(upcoming, (Mapping, Sequence,
                                                                         np.ndarray)):
         raise ArgumentTypeError(f"upcoming must map session ids to steps ahead or list them, "
                                 f"got {type(upcoming).__name__} {repr(upcoming)[:64]}")
     if not len(upcoming):
-        return _EMPTY
+        return EMPTY
     if isinstance(upcoming, Mapping):
         steps = {name: check_count(f"upcoming[{name!r}]", k, MAX_STEPS_AHEAD, "MAX_STEPS_AHEAD")
                  for name, k in upcoming.items()}
@@ -239,7 +238,7 @@ def _upcoming(ctx: StepContext, upcoming: Upcoming, batch: np.ndarray) -> np.nda
                 ctx.sessions.lookup(name)
         names = list(dict.fromkeys(upcoming))  # once each, in the order given
     if not names:
-        return _EMPTY
+        return EMPTY
     idx = ctx.sessions.resolve(names)
     return idx[outside(idx, batch, ctx.sessions.plan_local)]
 
@@ -364,7 +363,7 @@ def _positions(batch: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
 def _ranges(pos: np.ndarray, logical: np.ndarray) -> tuple[np.ndarray, ...]:
     """Runs of consecutive logical blocks per batch position: (position, start, stop)."""
     if len(pos) == 0:
-        return _EMPTY, _EMPTY, _EMPTY
+        return EMPTY, EMPTY, EMPTY
     order = np.lexsort((logical, pos))
     p, lg = pos[order], logical[order]
     new = np.ones(len(p), dtype=bool)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -65,7 +66,46 @@ class IndexStats:
     forgotten: int = 0
 
 
-class PrefixIndex:
+class KeySets:
+    """The stored and pending keys of an index (PrefixIndex's own, or a RemoteIndex's mirror of
+    a service's), and what is read off them alone."""
+
+    _stored: Any  # stored keys: an LRU OrderedDict, or a mirror's set
+    _pending: Any  # keys being written
+
+    def __len__(self) -> int:
+        return len(self._stored) + len(self._pending)
+
+    @property
+    def num_stored(self) -> int:
+        return len(self._stored)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def holds(self, key: bytes) -> bool:
+        return key in self._stored
+
+    def match(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are stored (a prefix: it stops at the first that is not)."""
+        n = 0
+        for key in keys:
+            if key not in self._stored:
+                break
+            n += 1
+        return n
+
+    def clear(self) -> list[bytes]:
+        """Forget every key, stored or pending; return them (the store is to drop them). A
+        pending key's later confirmation is ignored."""
+        keys = list(self._stored) + sorted(self._pending)
+        self._stored.clear()
+        self._pending.clear()
+        return keys
+
+
+class PrefixIndex(KeySets):
     """Which block keys the store holds (`stored`) or is writing (`pending`), in LRU order.
 
     The index decides and the store follows: `reserve` names the keys to write and the keys to
@@ -83,32 +123,9 @@ class PrefixIndex:
         self._pending: dict[bytes, None] = {}  # in the order reserved (parents first)
         self.stats = IndexStats()
 
-    def __len__(self) -> int:
-        return len(self._stored) + len(self._pending)
-
-    @property
-    def num_stored(self) -> int:
-        return len(self._stored)
-
-    @property
-    def num_pending(self) -> int:
-        return len(self._pending)
-
-    def holds(self, key: bytes) -> bool:
-        return key in self._stored
-
     def state(self) -> tuple[list[bytes], list[bytes]]:
         """The stored keys (oldest use first) and the pending ones (in the order reserved)."""
         return list(self._stored), list(self._pending)
-
-    def match(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys are stored (a prefix: it stops at the first that is not)."""
-        n = 0
-        for key in keys:
-            if key not in self._stored:
-                break
-            n += 1
-        return n
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Mark stored keys as just used, the last one most recently (callers pass a chain
@@ -172,14 +189,6 @@ class PrefixIndex:
                 self._pending.pop(key, None)
                 self._stored.pop(key, None)
                 self.stats.forgotten += 1
-
-    def clear(self) -> list[bytes]:
-        """Forget every key, stored or pending; return them (the store is to drop them). A
-        pending key's later confirmation is ignored."""
-        keys = list(self._stored) + sorted(self._pending)
-        self._stored.clear()
-        self._pending.clear()
-        return keys
 
     def _evict_one(self, protected: set[bytes], to_drop: list[bytes]) -> bool:
         for key in self._stored:

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from tpkv.errors import IndexUnavailableError, TpkvError
 from tpkv.integrations.index_service import stats_from_wire
-from tpkv.integrations.prefix_index import IndexStats
+from tpkv.integrations.prefix_index import IndexStats, KeySets
 from tpkv.protocol.wire import decode, encode
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class Transport(Protocol):
         IndexUnavailableError when it cannot."""
 
 
-class RemoteIndex:
+class RemoteIndex(KeySets):
     """A PrefixIndex's calls on a service reached through `transport` (module docstring)."""
 
     def __init__(self, transport: Transport, capacity_blocks: int, timeout_s: float,
@@ -85,35 +85,16 @@ class RemoteIndex:
 
     # ---- what the Planner calls ----------------------------------------------------------
 
-    def __len__(self) -> int:
-        return len(self._stored) + len(self._pending)
-
-    @property
-    def num_stored(self) -> int:
-        return len(self._stored)
-
-    @property
-    def num_pending(self) -> int:
-        return len(self._pending)
-
     @property
     def incarnation(self) -> str | None:
         """The service's incarnation the mirror follows (a new one after each rebuild)."""
         return self._inc
 
-    def holds(self, key: bytes) -> bool:
-        return key in self._stored
-
     def match(self, keys: Sequence[bytes]) -> int:
         """Leading keys stored, by the mirror (0 while the index is down)."""
         if self.down:
             self._poll()
-        n = 0
-        for key in keys:
-            if key not in self._stored:
-                break
-            n += 1
-        return n
+        return super().match(keys)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         self._queue("touch", [k for k in keys if k in self._stored])
@@ -131,9 +112,7 @@ class RemoteIndex:
         self._queue("forget", gone)
 
     def clear(self) -> list[bytes]:
-        keys = list(self._stored) + sorted(self._pending)
-        self._stored.clear()
-        self._pending.clear()
+        keys = super().clear()
         if not self.down:
             self._ops.append(["clear"])
         return keys
