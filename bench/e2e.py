@@ -178,7 +178,7 @@ def settings(sizes: Sizes, ssd_root: str) -> dict[str, Setting]:
         "b2": Setting("b2", "L1+L2, L2 holds all", l1, int(sizes.l2_all_gib * GiB), None),
         "c": Setting("c", "L1+L2+L3", l1, int(sizes.l2_gib * GiB), ssd_root,
                      int(sizes.l3_gib * GiB)),
-        # tpkv's default policy: no spill of what the cost model would recompute anyway.
+        # tpkv's default policy: spills paced to the disk, dropped rather than waited for.
         "c2": Setting("c2", "L1+L2+L3, cost-aware spills", l1, int(sizes.l2_gib * GiB), ssd_root,
                       int(sizes.l3_gib * GiB), spill="cost"),
         # (c) with every return loaded, however slow the disk, and an L3 that holds every

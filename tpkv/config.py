@@ -249,10 +249,13 @@ class PolicyConfig:
     auto_pin_fraction: float = 0.10
     max_auto_pin_blocks: int = 4096
     prefetch_steps: int = 2
-    # "cost": no spill to L3 of blocks the cost model would recompute rather than load back
-    # under the step's load (the sessions a recompute delays: the batch and those named
-    # upcoming), dropped from L2 instead, and only as a step needs the room (L2 stays as full
-    # as without L3); "always": spill whatever must leave L2 (keeps the most).
+    # "cost": L2 spills to L3 ahead of need as fast as the disk writes (spill pacing below); a
+    # step whose copies into L2 would wait longer than spill_queue_s for the disk drops the
+    # coldest L2 sessions for clean slots instead (their sessions are recomputed when they
+    # return; blocks L3 holds records of leave as kept spills). Whether a return loads or
+    # recomputes is decided when it comes back, with the GPU's and the disk's queues
+    # (models/returns.py). "always": spill whatever must leave L2, the step waiting for the
+    # disk if it must (keeps the most).
     spill: Literal["cost", "always"] = "cost"
     # Which free L1 slot a move into L1 or a new block gets: "newest" (the one given back last,
     # as before the option; the controller's golden plans are recorded with it) or "oldest"

@@ -147,11 +147,11 @@ def check(out: dict[str, Any], mode: str = "load") -> None:
     assert out["got"] == out["want"]
     moves = out["moves"]
     assert moves["l1_l2"] > 0, moves  # demoted
-    # then spilled; when recompute is cheaper than a load from L3, dropped from L2 instead
-    assert (moves["l2_l3"] == 0) == (mode == "recompute"), moves
+    # then spilled (spill="cost" spills as fast as the disk writes, whatever a load costs)
+    assert moves["l2_l3"] > 0, moves
     assert out["mismatches"] == 0
     assert out["commit_refusals"] == 0
-    if mode == "recompute":
+    if mode == "recompute":  # the cost model recomputes the returns: nothing loaded back
         assert out["recompute_tokens"] > 0 and moves["l3_l2"] == 0, out
     else:
         assert moves["l3_l2"] > 0 and moves["l2_l1"] > 0, moves  # loaded back
@@ -169,8 +169,7 @@ def check(out: dict[str, Any], mode: str = "load") -> None:
     else:  # ("load" may still recompute blocks the planner dropped when L2 was full)
         assert out["retries"] == 0, out
     # steps whose plans only demote and spill were applied once the forward was launched
-    # (with recompute, L2 drops instead of spilling: there may be none)
-    assert out["late"] > 0 or mode == "recompute", out["late"]
+    assert out["late"] > 0, out["late"]
     if out["events"]:  # rank 0: most steps were planned ahead (launch/ahead.py); with
         # staggered turns some were planned for a batch that did not come and applied
         # without their forward
@@ -180,10 +179,10 @@ def check(out: dict[str, Any], mode: str = "load") -> None:
     # was scheduled with and those applied once its forward was launched
     watched = out["watched"]
     assert watched["steps"] > 0 and watched["lost"] == 0, watched
-    assert watched["later"] > 0 or mode == "recompute", watched
+    assert watched["later"] > 0, watched
     if out["events"]:  # rank 0: the controller saw the same
         assert out["events"].get("demote", 0) > 0
-        assert out["events"].get("spill" if mode != "recompute" else "drop_l2", 0) > 0
+        assert out["events"].get("spill", 0) > 0
 
 
 @pytest.mark.timeout(90)

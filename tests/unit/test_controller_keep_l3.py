@@ -128,13 +128,14 @@ def test_a_lost_block_recomputed_beside_blocks_in_l3_keeps_no_record(make_config
 
 def test_blocks_with_l3_copies_leave_l2_as_kept_spills_when_the_rest_is_dropped(
         make_config, fake_clock):
-    """spill="cost" with a disk slower than the prefill drops what leaves L2 (nothing is
-    worth writing), but a block whose record is on disk already goes to L3 for free: a kept
-    spill, its record still its copy for the next return."""
+    """spill="cost" with a disk that falls behind (it writes nothing in spill_queue_s): what
+    leaves L2 is dropped rather than waited for, but a block whose record is on disk already
+    goes to L3 for free: a kept spill, its record still its copy for the next return."""
     rig = _rig(make_config, fake_clock)
     S, T = rig.c.sessions, rig.c.table
     _step(rig, ["a"], [1])  # loaded back (the disk is fast yet): copies of blocks 0..2
     assert T.l3copy[S.rows(S.lookup("a"))].tolist() == [1, 1, 1, 0]
+    T.pace.rate = 1.0  # bytes/s: from now on every spill in flight holds a copy too long
     rig.c.rates.ssd_read_bytes_per_s, rig.c.rates.prefill_tokens_per_s = 1.0, 1e9
     spilled = []
     for n in "bcde" * 2:

@@ -58,24 +58,3 @@ def test_a_bad_resume_is_refused_and_changes_nothing(make_config, fake_clock, re
     assert rig.c.tick == tick and rig.c.slot_map()["digest"] == before
     rig.step(["a"])  # and the controller goes on
     assert rig.where("a") == ["HBM"] * 4
-
-
-def test_spill_cost_weighs_the_recompute_by_the_sessions_it_delays(make_config, fake_clock):
-    """A load from L3 twice a block's recompute alone: a step of one with nobody decoding
-    beside it drops what leaves L2 (the cost model would recompute it); with two sessions
-    named upcoming the recompute would delay them, so it is spilled (the load is cheaper)."""
-    kept = {}
-    for upcoming in ([], ["z1", "z2"]):
-        rig = small_l2_rig(make_config, fake_clock)
-        rig.open("z1", "z2", tokens=0)
-        g = rig.c.config.geometry
-        rig.c.rates.h2d_bytes_per_s = 1e15
-        rig.c.rates.prefill_tokens_per_s = 1e6
-        # per block: recompute block_tokens / 1e6 s, load from L3 twice that
-        rig.c.rates.ssd_read_bytes_per_s = g.block_bytes / (2 * g.block_tokens / 1e6)
-        rig.open("a", "b", "c", "d", "e")
-        for n in "abcde":
-            rig.step([n], upcoming=upcoming or None)
-        kept[len(upcoming)] = rig.where("a")
-    assert kept[0] == ["NONE"] * 4
-    assert kept[2] == ["SSD"] * 4

@@ -43,14 +43,6 @@ def resume_cost(num_l2_blocks: int, num_l3_blocks: int, num_tokens: int, block_b
     return ResumeCost(choice, float(load[0]), float(recompute[0]), float(weighted[0]))
 
 
-def block_costs(block_bytes: int, block_tokens: int, h2d_bytes_per_s: float,
-                ssd_read_bytes_per_s: float, prefill_tokens_per_s: float) -> tuple[float, float]:
-    """resume_costs for one block, in plain floats for the planner's hot path: (seconds to
-    load it back from L3 through L2, seconds to recompute it in a prefill that delays no one)."""
-    load_s = block_bytes / ssd_read_bytes_per_s + block_bytes / h2d_bytes_per_s
-    return load_s, block_tokens / prefill_tokens_per_s
-
-
 def resume_costs(num_l2_blocks: np.ndarray, num_l3_blocks: np.ndarray, num_tokens: np.ndarray,
                  block_bytes: int, h2d_bytes_per_s: float, ssd_read_bytes_per_s: float,
                  prefill_tokens_per_s: float, num_other_sessions: int,

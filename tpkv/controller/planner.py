@@ -12,7 +12,7 @@ from tpkv.controller.orders import NOTHING, Picked, allowed, coldest
 from tpkv.controller.plankernels import not_on, prefetch_rows, split_by_tier
 from tpkv.controller.planstate import PlanContext, StepNeeds
 from tpkv.controller.policy import watermark_excess
-from tpkv.controller.table import DRAM, HBM, SSD
+from tpkv.controller.table import DRAM, HBM, SSD, BlockTable
 
 MAX_PHASES = 3  # L3 -> L2, then L2 -> L1 into slots a demotion freed; a third phase for slack
 
@@ -52,30 +52,30 @@ def _plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray
         intake = len(in3) + len(victims)  # blocks copied into L2 in this phase
         short2 = max(0, intake - free2)
         extra2 = 0
+        # copies that would find no clean L2 slot: they would wait for the disk (spills read
+        # those slots), so whole sessions leave L2 for clean slots now instead (_make_l2_room)
+        must = _unwritten_room(ctx, t, intake) if ctx.l3_enabled else 0
         if phase == 0 and ctx.l3_enabled:  # L1 draining goes first
-            drops = _l2_drops(ctx)
-            if drops:  # drop what the copies would otherwise wait for (free slots that
-                short2 = max(short2, intake - t.free[DRAM].clean)  # spills still read)
             projected = t.used(DRAM) + intake - min(len(in2), free1 + len(victims))
             extra2 = _watermark(ctx, DRAM, projected, t.slots(DRAM))
-            if drops:  # nothing is dropped ahead of need: L2 stays as full as without L3
-                extra2, ctx.draining[DRAM] = 0, False
             # L2 spills now, or did: blocks live in L3 (L1 and L2 do not hold the sessions)
             pressed = short2 > 0 or extra2 > 0 or t.used(SSD) > 0
             extra2 = max(0, extra2 - short2)
-            if not drops:
-                # a drain spills no faster than the disk writes: a copy into L2 that finds no
-                # clean slot waits for the spills queued before its slot's
-                extra2 = min(extra2, t.pace.room(t.free[DRAM], short2))
-                # ahead of need: the slots this frees are clean by the time steps need them
-                # but never into L3 room a session there would have to give up
-                l3_room = t.num_free(SSD) - short2 - int(np.count_nonzero(s.counts[SSD + 1])) - 1
-                extra2 = max(extra2, min(max(0, l3_room),
-                                         t.pace.ahead(t.free[DRAM], free2, intake, short2,
-                                                      pressed)))
+            spilled = 0 if must else short2  # (at need: spilled, or left for clean slots)
+            # a drain spills no faster than the disk writes: a copy into L2 that finds no
+            # clean slot waits for the spills queued before its slot's
+            extra2 = min(extra2, t.pace.room(t.free[DRAM], spilled))
+            # ahead of need: the slots this frees are clean by the time steps need them
+            # but never into L3 room a session there would have to give up
+            l3_room = t.num_free(SSD) - spilled - int(np.count_nonzero(s.counts[SSD + 1])) - 1
+            extra2 = max(extra2, min(max(0, l3_room),
+                                     t.pace.ahead(t.free[DRAM], free2, intake, spilled,
+                                                  pressed)))
             extra2 = min(extra2, max(budget - extra1, budget // 4))
-        _make_l2_room(ctx, b, shield, short2, extra2, budget)
+        _make_l2_room(ctx, b, shield, short2, extra2, budget, must)
         free2 = t.num_free(DRAM)
+        if must:  # this phase's copies take clean slots only; the rest go in the next phase
+            free2 = min(free2, t.free[DRAM].clean + t.num_kept)
         stage = in3[:free2]
         b.move(stage, SSD, DRAM)
         demoted = victims[:free2 - len(stage)]
@@ -143,41 +143,46 @@ def _pick_l1(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, protect: np.n
     return rows, units, sizes
 
 
-def _l2_drops(ctx: PlanContext) -> bool:
-    """What leaves L2 is dropped, not spilled: loading it back from L3 would take longer than
-    a prefill, weighed by the sessions it delays now (spill="cost"), so the cost model would
-    recompute it and writing it would cost the disk for nothing. But for blocks with an L3
-    copy (BlockTable.l3copy): their spill writes nothing, and a recompute keeps the record
-    (demand.keep_records), so they go to L3 (_make_l2_room)."""
-    return ctx.l3_load_s_per_block > ctx.recompute_s_per_block > 0
+def _unwritten_room(ctx: PlanContext, t: BlockTable, intake: int) -> int:
+    """spill="cost" with paced spills: how many of `intake` copies into L2 find no clean slot
+    (free and read by no spill, or a kept copy given back), when they would wait longer than
+    `spill_queue_s` for the disk to write the spills in flight and those at need (0 for a
+    shorter wait: they are spilled). "always" lets them wait (it keeps the most)."""
+    if ctx.policy.spill != "cost" or not t.pace.enabled:
+        return 0
+    short = max(0, intake - t.free[DRAM].clean - t.num_kept)
+    return short if t.pace.would_hold(t.free[DRAM], short) else 0
 
 
 def _make_l2_room(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, short: int, extra: int,
-                  budget: int) -> None:
+                  budget: int, must: int = 0) -> None:
     """Free L2: without L3, drop the coldest sessions' L2 blocks now; with L3, spill whole
-    sessions (their slots free at the end of this phase), dropping L3 sessions if it is full."""
+    sessions (their slots free at the end of this phase), dropping L3 sessions if it is full.
+    `must` (_unwritten_room): blocks that leave L2 now without a write, coldest whole sessions
+    first (dropped, or kept spills where L3 holds their records), so that the phase's copies
+    find clean slots instead of waiting for the disk; then only `extra` is spilled."""
     t = b.t
-    want = short + extra
+    want = max(short, must) + extra
     if want <= 0:
         return
     # Sessions whose L1 blocks go down in this phase may still spill their older L2 blocks:
     # those are other rows, and nothing has moved yet in this phase.
     forbid = allowed(shield) if len(b.segment_gone) == 0 else allowed(shield, b.segment_gone)
-    rows, units, _ = coldest(ctx, b, DRAM, want if ctx.l3_enabled else short, forbid,
-                              cache=True)
+    rows, units, sizes = coldest(ctx, b, DRAM, want if ctx.l3_enabled else short, forbid,
+                                 cache=True)
     if not ctx.l3_enabled:
         b.drop(rows)
         if len(rows):
             b.events.append({"kind": "drop_l2", "blocks": len(rows), "sessions": len(units)})
         return
-    if _l2_drops(ctx) and len(rows):
-        copied = t.l3copy[rows] != 0 if t.keep_l3 else np.zeros(len(rows), dtype=bool)
-        b.move(rows[copied], DRAM, SSD)  # kept spills: their records hold them, free
-        b.drop(rows[~copied])
-        b.events.append({"kind": "drop_l2", "blocks": len(rows) - int(copied.sum()),
-                         "kept_spills": int(copied.sum()), "sessions": len(units),
-                         "why": "recompute beats a load from L3"})  # (as weighed now)
-        return
+    if must and len(rows):
+        k = min(int(np.searchsorted(np.cumsum(sizes), must)) + 1, len(units))
+        n = int(sizes[:k].sum())
+        _leave_unwritten(b, rows[:n], units[:k], "the disk is behind: a spill would hold "
+                                                 "the step's copies into L2")
+        rows, units = rows[n:], units[k:]
+        if not len(rows):
+            return
     cap3 = t.slots(SSD)
     headers = _l3_headers(b, units)
     # Blocks whose records are on disk already (L3 copies) take no room
@@ -201,6 +206,18 @@ def _make_l2_room(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, short: i
     b.move(rows, DRAM, SSD)
     if len(rows):
         b.events.append({"kind": "spill", "blocks": len(rows), "sessions": len(units)})
+
+
+def _leave_unwritten(b: PlanBuilder, rows: np.ndarray, units: np.ndarray, why: str) -> None:
+    """`rows` leave L2 with no write: those whose records L3 holds (BlockTable.l3copy) as kept
+    spills (free; their slots come free when the phase ends), the others dropped (their
+    slots free now; their sessions are recomputed when they return)."""
+    t = b.t
+    copied = t.l3copy[rows] != 0 if t.keep_l3 else np.zeros(len(rows), dtype=bool)
+    b.move(rows[copied], DRAM, SSD)
+    b.drop(rows[~copied])
+    b.events.append({"kind": "drop_l2", "blocks": len(rows) - int(copied.sum()),
+                     "kept_spills": int(copied.sum()), "sessions": len(units), "why": why})
 
 
 def _l3_headers(b: PlanBuilder, units: np.ndarray) -> int:

@@ -33,11 +33,6 @@ class PlanContext:
     pin_threshold: float  # attention mass at or above which a block is auto-pinned
     draining: dict[int, bool] = field(default_factory=dict)
     orders: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)  # see orders._order
-    # Seconds per block to load back from L3 (disk + PCIe), and to recompute it, weighed as a
-    # resume's recompute is (1 + gpu_share_weight for each other session of the step and each
-    # named upcoming: those it delays); 0: spill whatever must leave L2.
-    l3_load_s_per_block: float = 0.0
-    recompute_s_per_block: float = 0.0
     # Orders prepared between steps (Controller.prepare), for this step's tick, or None; and
     # the sessions whose keys may differ from theirs (the batch, those changed since).
     prepared: PreparedOrders | None = None

@@ -90,6 +90,14 @@ class SpillPacer:
         cap = max(int(self.rate * self.queue_s / self.block_bytes), max(self.recent, default=0))
         return max(0, cap - stack.in_flight() - short)
 
+    def would_hold(self, stack: SlotStack, blocks: int) -> bool:
+        """Copies into L2 that find no clean slot for `blocks` blocks would wait longer than
+        `spill_queue_s` for the disk: the spills in flight and those blocks' own, at the
+        measured rate (False when pacing is off)."""
+        if not self.enabled or blocks <= 0:
+            return False
+        return (stack.in_flight() + blocks) * self.block_bytes > self.rate * self.queue_s
+
     def as_dict(self) -> dict[str, float | int]:
         return {"enabled": int(self.enabled), "write_bytes_per_s": self.rate,
                 "samples": self.samples, "lag_steps": self.lag,

@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from tpkv.controller.builder import PlanBuilder
-from tpkv.controller.cost import block_costs
 from tpkv.controller.demand import EMPTY, demand, keep_records
 from tpkv.controller.planner import MAX_PHASES, plan_step
 from tpkv.controller.planstate import PlanContext, StepNeeds
@@ -201,19 +200,12 @@ def _plan(ctx: StepContext, b: PlanBuilder, needs: StepNeeds, tick: int) -> np.n
     """plan_step with the controller's context; the rows it dropped (recomputed)."""
     pol = ctx.config.policy
     threshold = ctx.autopin.refresh(tick, ctx.table, ctx.sessions, ctx.eviction_orders)
-    g, rates = ctx.config.geometry, ctx.rates
-    load_s, recompute_s = block_costs(g.block_bytes, g.block_tokens, rates.h2d_bytes_per_s,
-                                      rates.ssd_read_bytes_per_s, rates.prefill_tokens_per_s)
     prep = ctx.prepared
     stale = (np.concatenate([needs.batch, np.asarray(prep.changed, dtype=np.int64)])
              if prep is not None and prep.tick == tick else EMPTY)
-    # A recompute delays every other session of the step and those decoding beside it (named
-    # upcoming): spill="cost" keeps (spills) what the cost model would load back under that load
-    weight = 1.0 + pol.gpu_share_weight * max(len(needs.batch) + len(needs.upcoming) - 1, 0)
     plan = PlanContext(pol, ctx.marks, ctx.l3_enabled, tick, ctx.now_s(), threshold,
-                       ctx.draining, ctx.eviction_orders,
-                       load_s if pol.spill == "cost" else 0.0, recompute_s * weight,
-                       prep, stale, ctx.order_asks, ctx.order_rebuilds)
+                       ctx.draining, ctx.eviction_orders, prep, stale, ctx.order_asks,
+                       ctx.order_rebuilds)
     return plan_step(plan, b, needs).astype(np.int64)
 
 
