@@ -244,7 +244,8 @@ class Returns:
             return False
         weight = 1.0 + self.rt.config.policy.gpu_share_weight * self.num_running()
         queued = sum(self._recompute_tokens.values())
-        recompute_s = (queued + self._off_tokens(name)) / self.prefill_tokens_per_s * weight
+        off = self._off_tokens(name, own // store.block_bytes)
+        recompute_s = (queued + off) / self.prefill_tokens_per_s * weight
         ahead = store.ahead
         # (the measured rate once a job is done: the busy time counts from the first start)
         rate = (ahead.read_bytes / ahead.read_s if ahead.read_bytes and ahead.read_s > 0
@@ -254,10 +255,13 @@ class Returns:
         read_s = (ahead.pending_bytes() + queued_bytes + own) / rate
         return recompute_s < read_s
 
-    def _off_tokens(self, name: str) -> int:
-        """Tokens of the session's blocks off L1 (in L2 and L3): what a recompute computes."""
+    def _off_tokens(self, name: str, l3_blocks: int | None = None) -> int:
+        """Tokens of the session's blocks off L1 (in L2 and L3): what a recompute computes.
+        `l3_blocks`: its blocks on L3, where the caller counted them already."""
         mirror = self.rt.worker.mirror
-        off = sum(len(mirror.session_logical(name, int(t))) for t in (Tier.SSD, Tier.DRAM))
+        if l3_blocks is None:
+            l3_blocks = len(mirror.session_logical(name, int(Tier.SSD)))
+        off = l3_blocks + len(mirror.session_logical(name, int(Tier.DRAM)))
         return off * self.rt.config.geometry.block_tokens
 
     def prefilled(self, num_tokens: int, seconds: float) -> None:
