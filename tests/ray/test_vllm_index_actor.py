@@ -8,38 +8,22 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
+from tests.unit.test_vllm_remote_index import BT, disk_records  # (BT: the records' block)
 from tpkv.controller.actor import NAMESPACE
-from tpkv.integrations.disk_blocks import DiskBlockStore
-from tpkv.integrations.disk_format import DiskLayout, record_bytes
 from tpkv.integrations.index_service import IndexSpec
-from tpkv.integrations.prefix_index import chain_seed, extend_chain
+from tpkv.integrations.prefix_index import chain_seed
 from tpkv.integrations.vllm.copier import BlockCopier
 from tpkv.integrations.vllm.planner import Planner
 from tpkv.integrations.vllm.remote_index import RemoteIndex
 
 pytestmark = pytest.mark.timeout(180)
 
-BT = 4
 SEED = chain_seed("ray-index-test", BT)
 PROMPT = list(range(100, 111))  # 2 full blocks, on disk
 OTHER = list(range(300, 317))  # 4 full blocks, host memory only
-
-
-def disk_records(root: Path, tokens: list[int]) -> list[bytes]:
-    shape = (2, 256)
-    keys = extend_chain([], tokens, BT, SEED)
-    disk = DiskBlockStore(str(root), 10 * record_bytes(BT, shape[0] * shape[1]),
-                          DiskLayout(SEED, 0, BT, shape))
-    rng = np.random.default_rng(0)
-    for i, key in enumerate(keys):
-        assert disk.put(key, keys[i - 1] if i else SEED, tuple(tokens[i * BT:(i + 1) * BT]),
-                        rng.integers(0, 256, shape, dtype=np.uint8))
-    disk.close()
-    return keys
 
 
 def matched(planner: Planner, tokens: list[int]) -> int:
@@ -93,7 +77,7 @@ def test_index_actor_serves_is_killed_and_comes_back_from_the_disk_tier(
 
     from tpkv.integrations.vllm.ray_index import RayTransport, actor_name
 
-    disk_records(tmp_path, PROMPT)
+    disk_records(tmp_path, PROMPT, SEED)
     spec = IndexSpec(64, BT, SEED, 1, str(tmp_path), 8)
     transport = RayTransport(spec)
     assert not transport.joined  # the process was in a cluster already

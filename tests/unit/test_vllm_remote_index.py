@@ -185,21 +185,23 @@ def test_slow_actor_costs_one_bounded_wait_then_none() -> None:
     assert planner.matched_tokens(request("e", PROMPT), 0) == 8
 
 
-def _disk_records(root: Path, tokens: list[int]) -> list[bytes]:
+def disk_records(root: Path, tokens: list[int], seed: bytes = SEED) -> list[bytes]:
+    """The full blocks of `tokens` (BT tokens each, chained from `seed`) written to a disk
+    tier at `root`, as the connector's ranks write them; their keys."""
     shape = (2, 256)
-    keys = extend_chain([], tokens, BT, SEED)
+    keys = extend_chain([], tokens, BT, seed)
     disk = DiskBlockStore(str(root), 10 * record_bytes(BT, shape[0] * shape[1]),
-                          DiskLayout(SEED, 0, BT, shape))
+                          DiskLayout(seed, 0, BT, shape))
     rng = np.random.default_rng(0)
     for i, key in enumerate(keys):
-        disk.put(key, keys[i - 1] if i else SEED, tuple(tokens[i * BT:(i + 1) * BT]),
-                 rng.integers(0, 256, shape, dtype=np.uint8))
+        assert disk.put(key, keys[i - 1] if i else seed, tuple(tokens[i * BT:(i + 1) * BT]),
+                        rng.integers(0, 256, shape, dtype=np.uint8))
     disk.close()
     return keys
 
 
 def test_restarted_actor_is_taken_back_with_the_disk_tier_index(tmp_path: Path) -> None:
-    on_disk = _disk_records(tmp_path, PROMPT)
+    on_disk = disk_records(tmp_path, PROMPT)
     spec = IndexSpec(64, BT, SEED, 1, str(tmp_path), 8)
     planner, transport, copier, _ = setup(spec, retry_s=0.0)
     assert planner.matched_tokens(request("a", PROMPT), 0) == 8  # taken at start
