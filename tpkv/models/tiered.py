@@ -217,14 +217,34 @@ class TieredEngine:
         """With hint_running: the turns decoding (now, or `running`: when the step is planned
         ahead, those decoding after the step in flight) that are not in this step (a
         prefill's): they run again within a step or two, so the controller neither demotes
-        them to make watermark room nor leaves them out of L1 (it prefetches what they miss)."""
+        them to make watermark room nor leaves them out of L1 (it prefetches what they miss).
+        After them, the turns next in line for the batch (`_next_in_line`): their blocks come
+        up in the steps before they join (the worker applies such prefetch-only plans once the
+        forward is launched), so the step they join in has less or nothing to load."""
         if not self.hint_running:
             return None
         now = set(session_ids)
         if running is None:
             running = [q.session for q in self.engine.running]
         names = [s for s in running[:self.engine.max_batch] if s not in now]
+        names += [s for s in self._next_in_line() if s not in now and s not in names]
         return names or None
+
+    def _next_in_line(self) -> list[str]:
+        """Rank 0: the sessions of the turns queued for the batch (`waiting`), then of those
+        outside it whose read ahead is done, in order, at most max_batch; only sessions the
+        controller knows."""
+        if self.rt.rank != 0:
+            return []
+        worker, most = self.rt.worker, self.engine.max_batch
+        out = [q.session for q in self.engine.waiting if q.session in self.opened][:most]
+        for q in self.engine.returning:
+            if len(out) >= most:
+                break
+            if (q.session in self.opened and q.session in self.returns.reading
+                    and worker.read_ahead_done(q.session) and q.session not in out):
+                out.append(q.session)
+        return out
 
     def _clock_event(self, always: bool = False) -> Any:
         """With `trace` (or `always`) on the GPU: a timing event on an idle stream, recorded

@@ -35,6 +35,7 @@ from tpkv.workers.executor import PlanExecutor
 from tpkv.workers.mirror import HBM, SlotMirror
 from tpkv.workers.outcome import ExecOutcome
 from tpkv.workers.pools import HbmPool, HostPool
+from tpkv.workers.reads import plan_sessions
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +80,12 @@ class Worker:
     def apply_step(self, step: StepResult, late_ok: bool = False) -> AppliedStep:
         """Apply a step in the documented order; start its confirmation; return at once.
 
-        With `late_ok`, a step whose plans only demote blocks of sessions outside its batch
-        (L1 -> L2 out of slots its new K/V does not take, or L2 -> L3) and drop nothing (the
-        watermarks' demotions and spills in a decode step) gets its new blocks at once but its
-        plans later: at apply_late(), which the engine calls once the step's forward is
-        launched (the plans' host time then runs beside the forward), or at the next call
-        that needs this rank's map whole. Nothing the step's forward reads or writes depends
-        on them."""
+        With `late_ok`, a step whose plans move only blocks of sessions outside its batch
+        (`_may_wait`: the watermarks' demotions and spills, the prefetch of the turns next in
+        line) gets its new blocks at once but its plans later: at apply_late(), which the
+        engine calls once the step's forward is launched (the plans' host time then runs
+        beside the forward), or at the next call that needs this rank's map whole. Nothing
+        the step's forward reads or writes depends on them."""
         self.apply_late()
         if late_ok and self.executor.engine.on_gpu:
             self._step_mark = torch.cuda.Event()
@@ -128,11 +128,12 @@ class Worker:
             self.executor.compute_mark = None
 
     def _may_wait(self, step: StepResult) -> bool:
+        """Whether the step's plans may wait until its forward is launched: they move only
+        blocks of sessions outside its batch (watermark demotions and spills, and prefetch of
+        the turns next in line), drop nothing, take no L1 slot the step's new K/V fills, and
+        read from L3 only records this rank holds read ahead (a copy from memory, not a
+        disk read while the host should be launching the next step)."""
         if not any(p.num_moves for p in step.plans) or any(len(d) for d in step.drops):
-            return False
-        # Only moves down may wait (L1 -> L2 demotions, L2 -> L3 spills): a promotion (a
-        # resume's loads) is what the forward needs
-        if any((p.dst_tier < p.src_tier).any() for p in step.plans):
             return False
         # sessions the step's forward uses, or whose L3 records it closes or drops
         keep = {*step.session_ids, *step.closed_sessions, *step.ssd_dropped_sessions}
@@ -140,9 +141,16 @@ class Worker:
         for plan in step.plans:
             if not plan.num_moves:
                 continue
-            down = plan.mask(Tier.HBM, Tier.DRAM)  # out of L1 slots (the rest go to L3)
-            if not keep.isdisjoint(plan.session_names) or bool(
-                    np.isin(plan.src_slot[down], fresh).any()):
+            if not keep.isdisjoint(plan.session_names):
+                return False
+            down = plan.mask(Tier.HBM, Tier.DRAM)  # out of L1 slots
+            up = plan.mask(Tier.DRAM, Tier.HBM)  # into L1 slots
+            if bool(np.isin(plan.src_slot[down], fresh).any()) or bool(
+                    np.isin(plan.dst_slot[up], fresh).any()):
+                return False
+            reads = plan.mask(Tier.SSD, Tier.DRAM)
+            if reads.any() and not all(self.read_ahead_done(name)
+                                       for name in plan_sessions(plan, reads)):
                 return False
         return True
 

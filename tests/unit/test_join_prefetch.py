@@ -1,0 +1,103 @@
+"""Turns queued for the batch are named to the controller as upcoming (TieredEngine._upcoming),
+which prefetches their blocks in the steps before they join; those plans move only blocks of
+sessions outside the batch, so the worker applies them once the step's forward is launched
+(Worker._may_wait). The tokens are those of an L1 that holds everything."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+SESSIONS, TURNS, MAX_BATCH = 6, 3, 2
+
+
+def _drive(engine: Any, seed: int = 0) -> dict[str, list[tuple[int, ...]]]:
+    """Every session's turn comes at once each round: with a batch of two, four wait in line
+    while two decode."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, list[tuple[int, ...]]] = {}
+    for turn in range(TURNS):
+        for i in range(SESSIONS):
+            n = int(rng.integers(12, 21)) if turn == 0 else int(rng.integers(3, 9))
+            engine.add_turn(f"s{i}", rng.integers(0, 512, n).tolist(), int(rng.integers(6, 10)))
+        for f in engine.run():
+            out.setdefault(f.session, []).append(f.token_ids)
+    for i in range(SESSIONS):
+        engine.close_session(f"s{i}")
+    return out
+
+
+def _reference() -> dict[str, list[tuple[int, ...]]]:
+    from tests.multiproc.test_engine_tiered import BT
+    from tpkv.models.engine import PagedEngine
+    from tpkv.models.llama import build_model
+
+    model = build_model("tiny", seed=0, device="cpu")
+    g = model.kv_geometry(tp_size=1, block_tokens=BT)
+    heads = model.blocks[0].attn.wk.out_features // model.config.head_dim
+    pool = torch.full((256, g.num_layers, 2, BT, heads, g.head_dim), float("nan"))
+    return _drive(PagedEngine(model, pool, scheduler_seed=3, max_batch=MAX_BATCH))
+
+
+def _run(root: str, hint: bool, controller: str) -> dict[str, Any]:
+    import tpkv
+    from tests.multiproc.test_engine_tiered import BT
+    from tpkv.config import PolicyConfig
+    from tpkv.models.llama import build_model
+    from tpkv.models.tiered import TieredEngine, tiered_config
+
+    model = build_model("tiny", seed=0, device="cpu")
+    cfg = tiered_config(model, 1, block_tokens=BT, l1_blocks=40, l2_blocks=16, ssd_root=root,
+                        policy=PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=10.0))
+    rt = tpkv.init(cfg, controller=controller, device="cpu")
+    try:
+        tiered = TieredEngine(rt, model, report_prefill=False, hint_running=hint,
+                              max_batch=MAX_BATCH, scheduler_seed=3)
+        worker, real_apply = rt.worker, rt.worker.apply_step
+        late_ups = 0  # moves into L1 (or L2 from L3) of plans applied after the forward
+        joined_loading: list[int] = []  # blocks a joining turn's own step moved up
+
+        def apply_step(step: Any, late_ok: bool = False) -> Any:
+            nonlocal late_ok_seen, late_ups
+            applied = real_apply(step, late_ok)
+            late_ok_seen |= late_ok
+            batch = set(step.session_ids)
+            for plan in step.plans:
+                up = (plan.dst_tier < plan.src_tier)
+                if applied.late:
+                    late_ups += int(up.sum())
+                    # a plan that waits moves nothing of the batch's sessions
+                    assert batch.isdisjoint(plan.session_names[i]
+                                            for i in set(plan.session_idx.tolist()))
+            ups = sum(int(((p.dst_tier < p.src_tier)
+                           & np.isin(p.session_idx, [j for j, n in enumerate(p.session_names)
+                                                     if n in batch])).sum())
+                      for p in step.plans)
+            joined_loading.append(ups)
+            return applied
+
+        late_ok_seen = False
+        worker.apply_step = apply_step
+        tokens = _drive(tiered.engine)
+        return {"tokens": tokens, "late_ups": late_ups, "moves": dict(tiered.stats.moves),
+                "demand_ups": sum(joined_loading), "mismatches": rt.num_mismatches,
+                "late_ok": late_ok_seen, "by_tier": dict(tiered.stats.resume_s)}
+    finally:
+        rt.close()
+
+
+def test_turns_in_line_come_up_before_they_join_with_the_same_tokens(tmp_path,
+                                                                     transport) -> None:
+    want = _reference()
+    ahead = _run(str(tmp_path / "a"), True, transport)
+    plain = _run(str(tmp_path / "p"), False, transport)
+    assert ahead["tokens"] == want and plain["tokens"] == want
+    assert ahead["mismatches"] == plain["mismatches"] == 0
+    assert plain["late_ups"] == 0  # nothing named: promotions are the batch's own
+    assert ahead["late_ups"] > 0
+    # the joining turns' own steps load less: part of it came up in the steps before
+    assert ahead["demand_ups"] < plain["demand_ups"]
