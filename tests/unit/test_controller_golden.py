@@ -7,7 +7,9 @@ after two intended changes: freed slots handed back in ascending order (for runs
 session whose last L3 block moved up listed in ssd_dropped_sessions (its records freed; with
 that list blanked, the new digests equalled the old ones in every case); and again when
 spill pacing became the default (PolicyConfig.spill_pacing: spilled L2 slots handed out last,
-spills ahead of need; with it off, the digests before it pass in every case). To re-record
+spills ahead of need; with it off, the digests before it pass in every case); and again
+when a prefetch into L2 took only clean slots (none a spill still reads: 2 of 30 cases
+changed). To re-record
 after an intended change of behaviour, run this file with TPKV_GOLDEN_WRITE=1.
 """
 

@@ -232,18 +232,20 @@ class TieredEngine:
 
     def _next_in_line(self) -> list[str]:
         """Rank 0: the sessions of the turns queued for the batch (`waiting`), then of those
-        outside it whose read ahead is done, in order, at most max_batch; only sessions the
-        controller knows."""
+        outside it, in order, at most max_batch: only sessions the controller knows, not sent
+        in to be recomputed, and with nothing on L3 that is not read ahead (a prefetch reads
+        L3 only from memory)."""
         if self.rt.rank != 0:
             return []
         worker, most = self.rt.worker, self.engine.max_batch
-        out = [q.session for q in self.engine.waiting if q.session in self.opened][:most]
-        for q in self.engine.returning:
+        out: list[str] = []
+        for q in (*self.engine.waiting, *self.engine.returning):
             if len(out) >= most:
                 break
-            if (q.session in self.opened and q.session in self.returns.reading
-                    and worker.read_ahead_done(q.session) and q.session not in out):
-                out.append(q.session)
+            name = q.session
+            if (name in self.opened and name not in self.returns.recompute and name not in out
+                    and (worker.read_ahead_done(name) or not worker.needs_read_ahead(name))):
+                out.append(name)
         return out
 
     def _clock_event(self, always: bool = False) -> Any:
