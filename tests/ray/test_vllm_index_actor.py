@@ -3,8 +3,12 @@ for good), and taken back with the index it rebuilt from the disk tier."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -115,3 +119,87 @@ def test_index_actor_serves_is_killed_and_comes_back_from_the_disk_tier(
     assert matched(planner, OTHER) == 0
     print(f"new actor made and taken after {took:.2f} s")
     ray.kill(transport.handle, no_restart=True)
+
+
+def test_two_instances_on_one_disk_directory_each_have_their_own_index(
+        ray_cluster: None, tmp_path: Path) -> None:
+    """Two vLLM instances, one model and disk directory: an actor each, so neither matches the
+    blocks only the other's memory holds; both match the disk tier's. Each actor ends when its
+    instance closes its index."""
+    from tpkv.integrations.vllm.ray_index import RayTransport, actor_name
+
+    disk_records(tmp_path, PROMPT, SEED)
+    spec_a = IndexSpec(64, BT, SEED, 1, str(tmp_path), 8, instance="engine-a")
+    spec_b = replace(spec_a, instance="engine-b")
+    assert actor_name(spec_a) != actor_name(spec_b)
+    assert actor_name(spec_a) == actor_name(replace(spec_a))
+    planners, copiers, transports = [], [], []
+    for spec in (spec_a, spec_b):
+        transports.append(RayTransport(spec))
+        planners.append(Planner(BT, SEED, 64, index=RemoteIndex(transports[-1], 64, 10.0)))
+        copiers.append(BlockCopier(capacity_bytes=1 << 20))
+        copiers[-1].register({"l0": torch.zeros(16, 2, BT, 8)}, 16)
+        if spec is spec_a:  # A stores before B starts: B's start takes its actor's index
+            assert store(planners[0], copiers[0], OTHER) == 4
+            store(planners[0], copiers[0], fresh())  # its call carries OTHER's confirms
+    a, b = planners
+    assert transports[0].handle._actor_id != transports[1].handle._actor_id
+    assert matched(a, OTHER) == 16
+    assert matched(b, OTHER) == 0  # only A's memory holds those blocks
+    assert matched(a, PROMPT) == matched(b, PROMPT) == 8  # the disk tier, found by both
+    assert store(b, copiers[1], OTHER) == 4 and matched(b, OTHER) == 16  # B stores its own
+
+    for planner, spec in zip(planners, (spec_a, spec_b)):
+        index = planner.index
+        assert isinstance(index, RemoteIndex)
+        index.close()
+        name = actor_name(spec)
+        until(lambda name=name: not named(name), f"actor of {spec.instance} gone at close")
+        assert index.down and matched(planner, PROMPT) == 0 and store(
+            planner, copiers[1], fresh()) == 0  # closed: no call, nothing stored
+
+
+def named(name: str) -> bool:
+    import ray
+
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
+def test_an_instances_actor_ends_with_the_process_that_made_it(
+        ray_cluster: None, tmp_path: Path) -> None:
+    """A scheduler process that dies without closing its index leaves no actor behind: the
+    actor is not detached, so Ray ends it with the process that made it."""
+    import ray
+
+    from tpkv.integrations.vllm.ray_index import actor_name
+
+    spec = IndexSpec(64, BT, SEED, 1, str(tmp_path), 8, instance="engine-gone")
+    script = (
+        "import os, sys, ray\n"
+        "from tpkv.integrations.index_service import IndexSpec\n"
+        "from tpkv.integrations.vllm.ray_index import RayTransport\n"
+        f"ray.init(address={ray.get_runtime_context().gcs_address!r}, log_to_driver=False)\n"
+        f"t = RayTransport(IndexSpec.from_bytes({spec.to_bytes()!r}))\n"
+        "ray.get(t.handle.ping.remote(), timeout=60)\n"
+        "print('made', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "os._exit(0)\n")  # no shutdown, no close: as a killed scheduler process
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    with subprocess.Popen([sys.executable, "-c", script], env=env, text=True,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            assert proc.stdout.readline().strip() == "made"
+            assert named(actor_name(spec))  # alive while its process is
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    took = until(lambda: not named(actor_name(spec)), "dead instance's actor gone")
+    print(f"dead instance's actor gone {took:.2f} s after its process")

@@ -19,7 +19,7 @@ from tpkv.integrations.disk_format import DiskLayout, record_bytes
 from tpkv.integrations.index_service import IndexService, IndexSpec
 from tpkv.integrations.prefix_index import chain_seed, extend_chain
 from tpkv.integrations.vllm.copier import BlockCopier
-from tpkv.integrations.vllm.options import ConnectorOptions
+from tpkv.integrations.vllm.options import ConnectorOptions, instance_id
 from tpkv.integrations.vllm.plan import StepPlan
 from tpkv.integrations.vllm.planner import Planner
 from tpkv.integrations.vllm.remote_index import RemoteIndex
@@ -44,6 +44,7 @@ class FakeTransport:
         self.garbage: bytes | None = None  # answered instead of the service's answer
         self.calls = 0
         self.sent_at = 0.0
+        self.closed = False
 
     def restart(self) -> None:
         self.service = IndexService(self.spec.to_bytes())
@@ -70,6 +71,9 @@ class FakeTransport:
     def reconnect(self) -> None:
         if self.dead:
             raise IndexUnavailableError("no actor")
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def request(req_id: str, tokens: list[int]) -> SimpleNamespace:
@@ -278,3 +282,35 @@ def test_controller_options_are_checked() -> None:
                 {"controller_timeout_s": 1.0}):
         with pytest.raises(ConfigError, match="controller"):
             ConnectorOptions.from_extra(bad)
+
+
+def test_each_instance_has_an_index_of_its_own() -> None:
+    """Two vLLM instances on one model and disk directory: two actor names (engine_id decides),
+    one name for one instance however often it is asked (a restart, a reconnect)."""
+    from tpkv.integrations.vllm.ray_index import actor_name
+
+    spec = IndexSpec(64, BT, SEED, 1, "/tmp/tier", 8, instance=instance_id("engine-a"))
+    other = IndexSpec(64, BT, SEED, 1, "/tmp/tier", 8, instance=instance_id("engine-a_dp1"))
+    assert spec.instance == "engine-a"
+    assert actor_name(spec) != actor_name(other)
+    assert actor_name(spec) == actor_name(IndexSpec.from_bytes(spec.to_bytes()))
+    assert actor_name(spec) != actor_name(IndexSpec(64, BT, SEED, 1, "/tmp/other", 8,
+                                                    instance="engine-a"))
+    made = {instance_id(None), instance_id(""), instance_id(None)}
+    assert len(made) == 3 and all(m.startswith("tpkv-") for m in made)  # unset: one each
+    with pytest.raises(WireFormatError, match="instance"):
+        IndexSpec(64, BT, SEED, instance=7)  # type: ignore[arg-type]
+
+
+def test_a_closed_index_ends_its_service_and_calls_it_no_more() -> None:
+    planner, transport, copier, _ = setup()
+    serve_first(planner, copier)
+    index = planner.index
+    assert isinstance(index, RemoteIndex)
+    index.close()
+    calls = transport.calls
+    assert transport.closed and index.down
+    assert planner.matched_tokens(request("a", PROMPT), 0) == 0
+    planner.matched_tokens(request("b", PROMPT + [9] * 8), 0)
+    assert planner.plan([("b", 19)], lambda r: [1, 2, 4, 5, 6]).saves == []
+    assert transport.calls == calls

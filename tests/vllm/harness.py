@@ -39,7 +39,7 @@ def tp2_cpu_bind() -> str:
 def run(model_dir: Path, out: Path, mode: str, extra: dict[str, Any] | None = None,
         env_extra: dict[str, str] | None = None) -> dict[str, Any]:
     """One vLLM process of `mode` (run_llm.py), with `env_extra` in its environment; its
-    results, with `by_name` added."""
+    results, with `by_name` and the process's `stderr` added."""
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", **(env_extra or {}))
     args = [sys.executable, str(HERE / "run_llm.py"), str(model_dir), str(out), mode]
@@ -52,6 +52,7 @@ def run(model_dir: Path, out: Path, mode: str, extra: dict[str, Any] | None = No
                              f"{proc.stderr[-6000:]}")
     data = json.loads(out.read_text())
     data["by_name"] = {r["name"]: r for r in data["results"]}
+    data["stderr"] = proc.stderr
     return data
 
 

@@ -16,8 +16,9 @@ the background); "controller" runs controller_rounds with the prefix index in a 
 (EXTRA_JSON sets controller "ray" and a disk tier) on a local Ray cluster this process starts,
 killing the actor for good between two turns (kill_index_actor) and waiting for the new one
 the scheduler makes (wait_index_actor), then killing it for Ray to restart
-(restart_index_actor). Each result carries the seconds its round took. The
-entry point stays under __main__: vLLM spawns its engine core and workers.
+(restart_index_actor), then killing it from a thread while a generate of several prompts
+runs, for Ray to restart and for good (kill_during). Each result carries the seconds its round
+took. The entry point stays under __main__: vLLM spawns its engine core and workers.
 """
 
 from __future__ import annotations
@@ -157,18 +158,36 @@ def controller_rounds() -> list[tuple[str, list[tuple[str, list[int]]]]]:
     makes ("wait", a short prompt at a time running the scheduler meanwhile); turn 3 then loads
     turn 1's blocks from the disk tier, as the new actor found them there. Then the actor is
     killed and Ray restarts it ("restart") before turn 4, and turn 5 (once the restarted actor
-    answers) loads turn 1's blocks from the index it rebuilt from the disk tier."""
+    answers) loads turn 1's blocks from the index it rebuilt from the disk tier. Then six
+    prompts at once, the actor killed while vLLM computes them, for Ray to restart
+    ("midrestart"); turn 1 again once it answers ("v_back"); six more, the actor killed for
+    good while vLLM computes them ("midkill"); a new prompt, whose saves make the scheduler
+    see the actor gone if it has not yet; and turn 6, once the new actor answers, loads turn
+    1's blocks from the disk tier again."""
     def seq(start: int, n: int) -> list[int]:
         return [2 + (start + 19 * i) % 490 for i in range(n)]
 
     turn1 = seq(0, 100)
+
+    def midway(at: int) -> list[tuple[str, list[int]]]:
+        """Six prompts, two over turn 1 (loads), four new; most fill a block while decoding
+        (a save, so a call on the actor, late in the generate)."""
+        return [(f"w{at}_{i}", p) for i, p in enumerate(
+            [turn1 + seq(at, 24), seq(at + 30, 92), seq(at + 60, 60), turn1 + seq(at + 90, 58),
+             seq(at + 120, 156), seq(at + 150, 29)])]
+
     return [("", [("v1", turn1)]),
             ("vllm", [("v_filler", seq(300, 100))]),
             ("vllm+kill", [("v2", turn1 + seq(100, 40))]),
             ("vllm", [("v_down", turn1 + seq(150, 40))]),
             ("vllm+wait", [("v3", turn1 + seq(200, 50))]),
             ("vllm+restart", [("v4", turn1 + seq(260, 40))]),
-            ("vllm+wait", [("v5", turn1 + seq(320, 40))])]
+            ("vllm+wait", [("v5", turn1 + seq(320, 40))]),
+            ("vllm+midrestart", midway(11)),
+            ("vllm+wait", [("v_back", turn1 + seq(380, 40))]),
+            ("vllm+midkill", midway(23)),
+            ("vllm", [("v_after", seq(470, 70))]),
+            ("vllm+wait", [("v6", turn1 + seq(440, 40))])]
 
 
 def start_ray() -> None:
@@ -210,25 +229,73 @@ def restart_index_actor() -> None:
     ray.kill(ray.get_actor(found["name"], namespace=found["namespace"]))
 
 
-def wait_index_actor(poke: Callable[[], object], limit_s: float = 60.0) -> float:
-    """Seconds until the scheduler's new index actor answers, `poke` (a short prompt: the
-    scheduler looks for the actor as it schedules) run meanwhile and once after."""
+def kill_during(generate: Callable[[Callable[..., object]], list], no_restart: bool
+                ) -> tuple[list, dict]:
+    """generate(progress_bar) run while a thread kills the index actor (for Ray to restart,
+    or for good): the thread kills it as soon as vLLM has every request (generate makes the
+    progress bar of its run then). Its outputs, and what the thread saw: the requests vLLM had
+    finished when the kill returned, and whether generate was still running."""
+    import io
+    import threading
+
+    import ray
+    from tqdm import tqdm
+
+    (found,) = index_actors()
+    handle = ray.get_actor(found["name"], namespace=found["namespace"])
+    started, returned = threading.Event(), threading.Event()
+    bars: list = []
+    seen: dict = {}
+
+    def bar(*args: object, **kwargs: object) -> tqdm:
+        made = tqdm(*args, file=io.StringIO(), **kwargs)
+        if not args:  # the bar of the run (the one over the prompts comes first, as added)
+            bars.append(made)
+            started.set()
+        return made
+
+    def kill() -> None:
+        try:
+            if not started.wait(120) or not bars:
+                raise RuntimeError("generate did not start")
+            ray.kill(handle, no_restart=no_restart)
+            seen.update(running=not returned.is_set(), finished=bars[0].n,
+                        requests=bars[0].total)
+        except BaseException as exc:  # reported by the main thread
+            seen["error"] = repr(exc)
+
+    thread = threading.Thread(target=kill, name="kill-index-actor")
+    thread.start()
+    try:
+        outs = generate(bar)
+    finally:
+        returned.set()
+        started.set()
+        thread.join()
+    if "error" in seen:
+        raise RuntimeError(f"killing the index actor during generate: {seen['error']}")
+    return outs, seen
+
+
+def wait_index_actor(poke: Callable[[], list], limit_s: float = 60.0) -> float:
+    """Seconds until the scheduler works on an index actor again: the actor answers, and
+    `poke` (a short prompt: the scheduler looks for the actor as it schedules) reports an index
+    that holds blocks (the one the actor built from the disk tier)."""
     import ray
 
     began = time.monotonic()
     while time.monotonic() - began < limit_s:
-        poke()
+        outs = poke()
         found = index_actors()
-        if found:
+        if found and outs[0].kv_transfer_params["tpkv"]["index_blocks"] > 0:
             handle = ray.get_actor(found[0]["name"], namespace=found[0]["namespace"])
             try:
                 ray.get(handle.ping.remote(), timeout=limit_s)
-                poke()
                 return time.monotonic() - began
             except ray.exceptions.RayError:
                 pass
         time.sleep(0.1)
-    raise RuntimeError(f"no index actor answered within {limit_s} s")
+    raise RuntimeError(f"the scheduler took no index actor's index within {limit_s} s")
 
 
 def rank_files(root: str) -> dict[str, list[str]]:
@@ -340,14 +407,23 @@ def main() -> None:
         if reset and not llm.reset_prefix_cache(reset_connector=reset == "all"):
             raise RuntimeError(f"vLLM refused to empty its prefix cache ({reset})")
         round_began = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for _, p in batch], params, use_tqdm=False)
+
+        def generate(bar: object = False, batch: list = batch) -> list:
+            return llm.generate([{"prompt_token_ids": p} for _, p in batch], params,
+                                use_tqdm=bar)  # type: ignore[arg-type]
+
+        kill = None
+        if action in ("midrestart", "midkill") and mode == "controller":
+            outs, kill = kill_during(generate, no_restart=action == "midkill")
+        else:
+            outs = generate()
         round_s = time.perf_counter() - round_began
         for (name, prompt), out in zip(batch, outs):
             results.append({"name": name, "prompt": prompt,
                             "tokens": list(out.outputs[0].token_ids),
                             "num_cached_tokens": out.num_cached_tokens,
                             "kv_transfer_params": out.kv_transfer_params,
-                            "round_s": round_s})
+                            "round_s": round_s, "kill": kill})
         if disk_dir:
             disk_used.append(settled_bytes(disk_dir))
     dash = dashboard_snapshot(llm, params, extra, disk_dir) if mode == "dashboard" else None

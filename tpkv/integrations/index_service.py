@@ -37,7 +37,9 @@ OPS = ("touch", "confirm", "forget", "reserve", "clear")
 class IndexSpec:
     """What an index is made from: its capacity (host and disk blocks), and the disk tier it
     takes its blocks from at start (none when disk_dir is None): the first `disk_blocks` keys,
-    newest first, that every one of `num_ranks` ranks holds for `seed` and `block_tokens`."""
+    newest first, that every one of `num_ranks` ranks holds for `seed` and `block_tokens`.
+    `instance` names the vLLM instance whose index it is: its host tier is that instance's
+    processes' own memory, so two instances never share an index (ray_index.actor_name)."""
 
     capacity_blocks: int
     block_tokens: int
@@ -45,6 +47,7 @@ class IndexSpec:
     num_ranks: int = 1
     disk_dir: str | None = None
     disk_blocks: int = 0
+    instance: str = ""
 
     def __post_init__(self) -> None:
         check_int("capacity_blocks", self.capacity_blocks)
@@ -55,6 +58,8 @@ class IndexSpec:
             raise WireFormatError(f"seed must be {KEY_BYTES} bytes, got {self.seed!r}")
         if self.disk_dir is not None and not isinstance(self.disk_dir, str):
             raise WireFormatError(f"disk_dir must be a str or None, got {self.disk_dir!r}")
+        if not isinstance(self.instance, str):
+            raise WireFormatError(f"instance must be a str, got {self.instance!r}")
 
     def to_bytes(self) -> bytes:
         return encode(asdict(self))

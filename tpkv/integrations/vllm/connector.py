@@ -41,18 +41,20 @@ is a failed block that vLLM recomputes on all of them. vLLM takes a background l
 finished once every rank named it; a block any rank failed is recomputed on all (vLLM merges
 their failed blocks), and the index forgets and drops it on all.
 
-With `controller` "ray" the index lives in a named Ray actor (ray_index.py: one per model,
-block size and disk tier directory, made on first use in the Ray cluster the scheduler's
-process is in, joins or starts, restarted by Ray when it dies; it builds its index from the
-disk tier). The scheduler answers vLLM's matches from a mirror of the actor's key sets and
-calls it at most once a step, when the step has blocks to store (remote_index.RemoteIndex;
-msgpack bytes, no pickled objects). When the actor is dead or slower than
-controller_timeout_s the scheduler goes on without it, with one warning: nothing matches (vLLM
-computes the prompts), nothing new is stored, loads promised before still run (the ranks hold
-their blocks: only the scheduler's plans drop blocks). It looks for the actor again every
-second without waiting on it (a restarted one, or a new one it makes by name) and takes the
-index that actor rebuilt from the disk tier; blocks only the ranks' memory held are no longer
-matched, and the ranks' stores push them out as they make room.
+With `controller` "ray" the index lives in a named Ray actor (ray_index.py: one per vLLM
+instance, named by model, block size, disk tier directory and vLLM's engine_id, made on first
+use in the Ray cluster the scheduler's process is in, joins or starts, restarted by Ray when it
+dies, killed at shutdown; it builds its index from the disk tier, so an instance finds what
+another left there, never what another holds in memory). The scheduler answers vLLM's matches
+from a mirror of the actor's key sets and calls it at most once a step, when the step has
+blocks to store (remote_index.RemoteIndex; msgpack bytes, no pickled objects). When the
+actor is dead or slower than controller_timeout_s the scheduler goes on without it, with one
+warning: nothing matches (vLLM computes the prompts), nothing new is stored, loads promised
+before still run (the ranks hold their blocks: only the scheduler's plans drop blocks). It
+looks for the actor again every second without waiting on it (a restarted one, or a new one it
+makes by the same name) and takes the index that actor rebuilt from the disk tier; blocks only
+the ranks' memory held are no longer matched, and the ranks' stores push them out as they make
+room.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ from tpkv.integrations.vllm.layer_load import LayerHooks
 from tpkv.integrations.vllm.load_policy import LoadPolicy
 from tpkv.integrations.vllm.options import (
     ConnectorOptions,
+    instance_id,
     vllm_fingerprint,
     write_queue_blocks,
 )
@@ -180,7 +183,8 @@ class TpkvConnector(KVConnectorBase_V1):
             policy = LoadPolicy(self.options.async_loads, self.options.async_load_bytes,
                                 block_bytes, capacity)
             spec = IndexSpec(capacity + disk_blocks, self.block_tokens, seed,
-                             _num_ranks(vllm_config), disk_dir, disk_blocks)
+                             _num_ranks(vllm_config), disk_dir, disk_blocks,
+                             instance_id(self._kv_transfer_config.engine_id))
             self.planner = Planner(self.block_tokens, seed, capacity + disk_blocks,
                                    _num_ranks(vllm_config), policy, self._index(spec))
             if self.options.dashboard_port is not None:
@@ -262,6 +266,8 @@ class TpkvConnector(KVConnectorBase_V1):
             self.dashboard.stop()
         if self.copier is not None:
             self.copier.close()  # background loads end, the disk tier's directory is given up
+        if self.planner is not None and isinstance(self.planner.index, RemoteIndex):
+            self.planner.index.close()  # the instance's index actor ends with it
         super().shutdown()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

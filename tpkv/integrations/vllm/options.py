@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -51,8 +52,9 @@ class ConnectorOptions:
     the disk tier or load at least async_load_bytes (each rank's bytes, default 64 MiB),
     "always", "never" (every load in the step, copied as the forward's layers ask);
     controller: where the prefix index lives, "local" (default: in the scheduler process) or
-    "ray" (in a named Ray actor, ray_index.py, in the Ray cluster the process is in, finds
-    with address "auto", or starts; the scheduler asks it once a step, remote_index.py);
+    "ray" (in a named Ray actor of this vLLM instance, ray_index.py, in the Ray cluster the
+    process is in, finds with address "auto", or starts; the scheduler asks it once a step,
+    remote_index.py);
     controller_timeout_s: with "ray", how long a step waits for the actor (default 2 s) before
     it goes on without the index (nothing matches, nothing new is stored) until the actor is
     back."""
@@ -156,6 +158,16 @@ def write_queue_blocks(host_bytes: int, queue_bytes: int | None, block_bytes: in
                           f"bytes) leaves no room in host_bytes {host_bytes} "
                           f"({host_bytes // block_bytes} blocks)")
     return blocks
+
+
+def instance_id(engine_id: Any) -> str:
+    """Which vLLM instance this is, for its own prefix index (ray_index.actor_name): vLLM's
+    kv_transfer_config.engine_id (a new uuid per instance unless set, with "_dp<rank>" added
+    per data parallel rank), or a new random id when it is not set. Made once, in the
+    scheduler's connector, and kept for the instance's life."""
+    if isinstance(engine_id, str) and engine_id:
+        return engine_id
+    return f"tpkv-{uuid.uuid4().hex}"
 
 
 def vllm_fingerprint(vllm_config: Any, options: ConnectorOptions) -> str:

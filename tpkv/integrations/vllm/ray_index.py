@@ -1,10 +1,17 @@
 """The prefix index as a named Ray actor (IndexService), and the transport RemoteIndex uses.
 
-One actor per vLLM instance's index: its name is made of the chain seed (model fingerprint and
-block size) and the disk tier's directory. It runs in the Ray cluster this process is in, or
-joins (address "auto"), or else starts a local one; it restarts when it dies (max_restarts=-1)
-and then rebuilds its index from the disk tier. Requests and answers are msgpack bytes
-(tpkv.protocol.wire); the spec it is made from too.
+One actor per vLLM instance: its name is made of the chain seed (model fingerprint and block
+size), the disk tier's directory and the instance (IndexSpec.instance: vLLM's engine_id), so two
+instances in one Ray cluster, on one model and one disk directory, each have an index of their
+own: each index holds the blocks of its own instance's host tier, which no other instance can
+load. The disk tier is found by any instance: an actor builds its index from the records in
+the directory when it starts. The actor runs in the Ray cluster this process is in, or joins
+(address "auto"), or else starts a local one; it restarts under the same name when it dies
+(max_restarts=-1) and then rebuilds its index from the disk tier; killed for good, the
+scheduler makes it anew by the same name (RayTransport.reconnect). It is not detached: Ray ends
+it with the process that made it (the instance's scheduler), and the connector's shutdown
+kills it (RayTransport.close), so a gone instance leaves no actor behind. Requests and answers
+are msgpack bytes (tpkv.protocol.wire); the spec it is made from too.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import xxhash
 from tpkv.controller.actor import NAMESPACE
 from tpkv.errors import IndexUnavailableError
 from tpkv.integrations.index_service import IndexService, IndexSpec
+from tpkv.protocol.wire import encode
 from tpkv.ray_notice import quiet_token_notice
 
 log = logging.getLogger(__name__)
@@ -27,9 +35,9 @@ NAME_PREFIX = "tpkv-vllm-index-"
 
 
 def actor_name(spec: IndexSpec) -> str:
-    """The actor's name for this index: model, block size and disk tier directory."""
+    """The actor's name for this index: model, block size, disk tier directory and instance."""
     disk = os.path.realpath(spec.disk_dir) if spec.disk_dir is not None else ""
-    return NAME_PREFIX + xxhash.xxh3_64_hexdigest(spec.seed + disk.encode())
+    return NAME_PREFIX + xxhash.xxh3_128_hexdigest(encode([spec.seed, disk, spec.instance]))
 
 
 def join_ray() -> bool:
@@ -94,3 +102,10 @@ class RayTransport:
             self.handle = get_or_create(self.spec)
         except Exception as exc:  # Ray raises many kinds here: all mean "not now"
             raise IndexUnavailableError(f"index actor not found or made: {exc}") from exc
+
+    def close(self) -> None:
+        """Kill the actor for good (the instance is shutting down); never raises."""
+        try:
+            ray.kill(self.handle, no_restart=True)
+        except Exception as exc:  # already dead, or Ray shut down: nothing is left to end
+            log.debug("tpkv index actor not killed at close: %s", exc)

@@ -2,8 +2,9 @@
 
 RemoteIndex answers the Planner as PrefixIndex does. It keeps a mirror of the service's key
 sets (stored, pending) and answers `match` and `holds` from it, without a call. The mirror
-stays equal to the service's sets because this scheduler is the service's only caller and
-applies every change the same way: the changes it decides alone (a report's confirms and
+stays equal to the service's sets because this scheduler is the service's only caller (each
+vLLM instance has a service of its own: ray_index.actor_name) and applies every change the
+same way: the changes it decides alone (a report's confirms and
 forgets, a reset's clear) at once here, queued for the service; the changes only the service
 can decide (which keys to write and which to drop for room, by its LRU order) from the answer
 to `reserve_all`, the one call of a step, which carries the queued changes first. A step that
@@ -17,7 +18,8 @@ new one) and asks, without waiting, for its whole index; once that comes, the mi
 (a new service rebuilt its index from the disk tier) and the index is up again. Blocks the
 ranks still hold in memory that the rebuilt index lacks are never matched; the ranks' stores
 push them out as they make room. A load planned before the failure still runs: the ranks hold
-its blocks, since only this scheduler's plans drop blocks.
+its blocks, since only this scheduler's plans drop blocks. `close` (the instance's shutdown)
+ends the service; nothing is called after it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class Transport(Protocol):
     def reconnect(self) -> None:
         """Find the service again (by name), making it when there is none;
         IndexUnavailableError when it cannot."""
+
+    def close(self) -> None:
+        """End the service (its caller is done with it); never raises."""
 
 
 class RemoteIndex(KeySets):
@@ -152,6 +157,15 @@ class RemoteIndex(KeySets):
             self._pending.update(write)
             result.append((write, drop))
         return result
+
+    def close(self) -> None:
+        """End the service (at the instance's shutdown): nothing is called after this."""
+        self.transport.close()
+        self.down = True
+        self._stored.clear()
+        self._pending.clear()
+        self._ops, self._queued_keys, self._probe = [], 0, None
+        self._next_try = float("inf")
 
     # ---- the service's state ---------------------------------------------------------------
 
