@@ -179,8 +179,8 @@ def settings(sizes: Sizes, ssd_root: str) -> dict[str, Setting]:
         "c": Setting("c", "L1+L2+L3", l1, int(sizes.l2_gib * GiB), ssd_root,
                      int(sizes.l3_gib * GiB)),
         # tpkv's default policy: spills paced to the disk, dropped rather than waited for.
-        "c2": Setting("c2", "L1+L2+L3, cost-aware spills", l1, int(sizes.l2_gib * GiB), ssd_root,
-                      int(sizes.l3_gib * GiB), spill="cost"),
+        "c2": Setting("c2", "L1+L2+L3, default policy (spills paced to the disk)", l1,
+                      int(sizes.l2_gib * GiB), ssd_root, int(sizes.l3_gib * GiB), spill="cost"),
         # (c) with every return loaded, however slow the disk, and an L3 that holds every
         # session: times resumes from L3 against their ceiling (not in the default list: it
         # adds about two minutes to --full).
