@@ -43,6 +43,7 @@ import torch  # noqa: E402
 from bench.e2e_bound import TERMS  # noqa: E402
 from bench.e2e_emulate import MODELS, fit, kv_bytes_per_token, model_config  # noqa: E402
 from bench.e2e_run import Setting, ceilings, rerate, run_tiered  # noqa: E402
+from bench.e2e_warm import warm_up  # noqa: E402
 from bench.transfer import raw_odirect, raw_odirect_read  # noqa: E402
 from tpkv.config import GiB  # noqa: E402
 
@@ -123,6 +124,9 @@ def parse() -> tuple[argparse.Namespace, Sizes]:
                     help="configurations the emulated L3 runs (of c, c2, c3)")
     ap.add_argument("--emulate-dir", default="/dev/shm",
                     help="a RAM-backed directory for the emulated L3")
+    ap.add_argument("--no-warm-up", action="store_true",
+                    help="skip the short run that warms the process before the measured "
+                         "configurations (bench/e2e_warm.py)")
     ap.add_argument("--compare-local", action="store_true",
                     help="run each configuration again with the in-process controller "
                          "(results as '<config>-local'; ratios of step times between them)")
@@ -229,6 +233,10 @@ def main() -> None:
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "sizes": dataclasses.asdict(sizes), "ceilings_gbps": ceil, "sizing": sizing,
             "bound_terms": TERMS, "definitions": DEFINITIONS}
+    if not args.no_warm_up:
+        warm = warm_up(sizes, device, ceil, args.controller)
+        print(f"== warm-up (not measured): {warm['seconds']:.1f} s, moves {warm['moves']}",
+              flush=True)
     for key, setting in settings(sizes, ssd_root).items():
         if key in wanted:
             print(f"== ({key}) {setting.label}", flush=True)

@@ -214,3 +214,16 @@ def test_emulated_setting_tells_the_cost_model_its_pace(tmp_path: Path) -> None:
     plain = config_for(settings(TOY, str(tmp_path))["c2"], model_for("tiny", CPU_DEV),
                        TOY.block_tokens, cuda=True)
     assert plain.l3.o_direct and plain.policy.ssd_read_bytes_per_s != 14e9
+
+
+def test_the_warm_up_goes_through_every_tier_path() -> None:
+    """The run before the measured configurations demotes into L2, spills to L3 and loads back
+    from both, at the CPU preset's sizes."""
+    from bench.e2e_warm import WARM_SESSIONS, warm_sizes, warm_up
+
+    small = warm_sizes(CPU)
+    assert small.sessions == WARM_SESSIONS and small.rounds == 2
+    assert small.context[1] < CPU.context[1] and small.l2_gib < CPU.l2_gib
+    r = warm_up(CPU, CPU_DEV, dict(CEIL), "local")
+    assert r["oom_or_failures"] == 0 and r["seconds"] > 0
+    assert all(r["moves"][k] > 0 for k in ("l1_l2", "l2_l1", "l2_l3", "l3_l2")), r["moves"]

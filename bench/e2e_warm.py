@@ -1,0 +1,59 @@
+"""A warm-up run before the measured configurations of bench/e2e.py.
+
+The first configuration a process runs pays once for what the later ones find done: numba
+kernels compiled (their disk cache is empty on a fresh machine), CUDA graphs captured, the
+allocator grown, library handles made. On the H200 (2026-12-02) the same (c2-em14) run as the
+first configuration of its process took 19.1 s for its first turn round against 14.4 s after
+another configuration: a comparison between configurations (the transports of --compare-local,
+an A/B) would measure the order. So every run starts with this one, at a quarter of the
+sessions' lengths and with small tiers, through every tier path (demotions, spills, L3 read
+aheads, loads and recomputes), and throws its result away.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.e2e_run import run_tiered
+from bench.e2e_setup import Setting
+
+WARM_SESSIONS = 12
+
+
+def warm_sizes(sizes: Any) -> Any:
+    """The run's sizes for the warm-up: a dozen sessions at a quarter of its contexts, L1 and
+    L3 a quarter of its own and L2 a 32nd (so that L1 and L2 overflow and L3 is read back),
+    two rounds of short turns."""
+    lo, hi = sizes.context
+    return dataclasses.replace(
+        sizes, sessions=WARM_SESSIONS, context=(max(lo // 4, 16), max(hi // 4, 32)), rounds=2,
+        gen_tokens=max(2, sizes.gen_tokens // 4), l1_gib=sizes.l1_gib / 4,
+        l2_gib=sizes.l2_gib / 32, l3_gib=sizes.l3_gib / 4, profile=0, arrivals=0)
+
+
+def warm_up(sizes: Any, device: torch.device, ceil: dict[str, float], controller: str,
+            spill: str = "cost") -> dict[str, Any]:
+    """One short tiered run on its own L3 directory (deleted after); returns its result, with
+    its wall time as "seconds"."""
+    small = warm_sizes(sizes)
+    rng = np.random.default_rng(sizes.seed + 7)
+    contexts = rng.integers(small.context[0], small.context[1] + 1, small.sessions).tolist()
+    root = tempfile.mkdtemp(prefix="tpkv-e2e-warm-")
+    gib = 1 << 30
+    setting = Setting("warm-up", "warm-up (not measured)", int(small.l1_gib * gib),
+                      int(small.l2_gib * gib), root, int(small.l3_gib * gib), spill=spill)
+    started = time.perf_counter()
+    try:
+        result = run_tiered(setting, small, contexts, device, ceil, controller)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if result["oom_or_failures"]:
+        raise SystemExit(f"the warm-up run failed: {result['failures']}")
+    return {**result, "seconds": time.perf_counter() - started}
