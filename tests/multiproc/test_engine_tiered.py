@@ -236,7 +236,8 @@ def test_tp2_kept_l2_copies_give_the_tokens_of_a_large_l1(tmp_path):
 @pytest.mark.timeout(60)
 def test_tiered_demo_summarizes_a_short_run(tmp_path, monkeypatch):
     import tpkv
-    from tpkv.models.tiered import run_tiered_demo, tiered_config
+    from tpkv.models.tiered import tiered_config
+    from tpkv.models.tiered_demo import run_tiered_demo
     from tpkv.models.workload import WorkloadConfig
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

@@ -62,7 +62,7 @@ def rank_main(cfg: TpkvConfig, model_name: str, seconds: float, sessions: int,
 
     from tpkv.launch.join import init
     from tpkv.models.llama import build_model
-    from tpkv.models.tiered import run_tiered_demo
+    from tpkv.models.tiered_demo import run_tiered_demo
     from tpkv.models.tp import apply_tp
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
