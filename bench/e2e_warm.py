@@ -23,6 +23,7 @@ import torch
 
 from bench.e2e_run import run_tiered
 from bench.e2e_setup import Setting
+from tpkv.config import GiB
 
 WARM_SESSIONS = 12
 
@@ -46,9 +47,8 @@ def warm_up(sizes: Any, device: torch.device, ceil: dict[str, float], controller
     rng = np.random.default_rng(sizes.seed + 7)
     contexts = rng.integers(small.context[0], small.context[1] + 1, small.sessions).tolist()
     root = tempfile.mkdtemp(prefix="tpkv-e2e-warm-")
-    gib = 1 << 30
-    setting = Setting("warm-up", "warm-up (not measured)", int(small.l1_gib * gib),
-                      int(small.l2_gib * gib), root, int(small.l3_gib * gib), spill=spill)
+    setting = Setting("warm-up", "warm-up (not measured)", int(small.l1_gib * GiB),
+                      int(small.l2_gib * GiB), root, int(small.l3_gib * GiB), spill=spill)
     started = time.perf_counter()
     try:
         result = run_tiered(setting, small, contexts, device, ceil, controller)

@@ -14,9 +14,9 @@ def test_demo_runs_tp2_through_all_tiers(ray_cluster, monkeypatch, capsys):
     out = summaries[0]
     assert out["world"] == 2 and out["turns"] > 24
     assert out["moves"]["l1_l2"] > 0 and out["moves"]["l2_l3"] > 0 and out["moves"]["l3_l2"] > 0
-    # returning sessions came back from L2 or L3 (those read ahead from L3 come up before they
-    # join: their resumes count as from L2 or L1)
-    assert out["resume_latency"]["l2"]["count"] + out["resume_latency"]["l3"]["count"] > 0
+    # and back into L1: in a returning turn's own step, or in the steps before it (the turns in
+    # line come up ahead, so whether any resume step itself loads depends on timing)
+    assert out["moves"]["l2_l1"] > 0
     printed = capsys.readouterr().out
     assert "agree on every turn and move: True" in printed
     assert "dashboard: http://127.0.0.1:" in printed and "--keep-serving" in printed

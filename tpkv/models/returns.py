@@ -94,15 +94,19 @@ class Returns:
         (`_pick`)."""
         if self.rt.rank != 0:
             return []
-        worker = self.rt.worker
-        # (only the turns whose read ahead started or that need none are looked at: those
-        # that wait for room in the budget cost nothing a step however long the queue)
-        ready = [s.session for s in returning if s.session in self._straight
-                 or worker.read_ahead_done(s.session)
-                 or (s.session in self.reading and not worker.needs_read_ahead(s.session))]
-        ready = self._pick(ready, self.room())
+        ready = self._pick([s.session for s in returning if self.ready(s.session)],
+                           self.room())
         self._sample = set(ready)
         return ready
+
+    def ready(self, name: str) -> bool:
+        """Rank 0: whether the turn of `name`, outside the batch, may go in: it needs no read
+        ahead (any more, or it is sent in to be recomputed), or its read ahead is done. (Only
+        the turns whose read ahead started are asked the rank's map: those that wait for room
+        in the budget cost nothing a step however long the queue.)"""
+        worker = self.rt.worker
+        return (name in self._straight or worker.read_ahead_done(name)
+                or (name in self.reading and not worker.needs_read_ahead(name)))
 
     def _pick(self, ready: Sequence[str], room: int | None) -> list[str]:
         """Rank 0: of the turns ready to go in (arrival order), those `room` places take (all

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -231,19 +232,20 @@ class TieredEngine:
 
     def _next_in_line(self) -> list[str]:
         """Rank 0: the sessions of the turns queued for the batch (`waiting`), then of those
-        outside it, in order, at most max_batch: only sessions the controller knows, not sent
-        in to be recomputed, and with nothing on L3 that is not read ahead (a prefetch reads
-        L3 only from memory)."""
+        outside it that may go in (Returns.ready), in order, at most max_batch: only sessions
+        the controller knows, not sent in to be recomputed, and with nothing on L3 that is not
+        read ahead (a prefetch reads L3 only from memory)."""
         if self.rt.rank != 0:
             return []
-        worker, most = self.rt.worker, self.engine.max_batch
+        worker, returns, most = self.rt.worker, self.returns, self.engine.max_batch
+        queued = (q.session for q in self.engine.waiting
+                  if worker.read_ahead_done(q.session) or not worker.needs_read_ahead(q.session))
+        outside = (q.session for q in self.engine.returning if returns.ready(q.session))
         out: list[str] = []
-        for q in (*self.engine.waiting, *self.engine.returning):
+        for name in itertools.chain(queued, outside):  # (asked lazily: max_batch at most)
             if len(out) >= most:
                 break
-            name = q.session
-            if (name in self.opened and name not in self.returns.recompute and name not in out
-                    and (worker.read_ahead_done(name) or not worker.needs_read_ahead(name))):
+            if name in self.opened and name not in returns.recompute and name not in out:
                 out.append(name)
         return out
 

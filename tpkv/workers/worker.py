@@ -131,8 +131,8 @@ class Worker:
         """Whether the step's plans may wait until its forward is launched: they move only
         blocks of sessions outside its batch (watermark demotions and spills, and prefetch of
         the turns next in line), drop nothing, take no L1 slot the step's new K/V fills, and
-        read from L3 only records this rank holds read ahead (a copy from memory, not a
-        disk read while the host should be launching the next step)."""
+        read from L3 only at TP 1 and only records this rank holds read ahead (a copy from
+        memory, not a disk read while the host should be launching the next step)."""
         if not any(p.num_moves for p in step.plans) or any(len(d) for d in step.drops):
             return False
         # sessions the step's forward uses, or whose L3 records it closes or drops
@@ -148,9 +148,12 @@ class Worker:
             if bool(np.isin(plan.src_slot[down], fresh).any()) or bool(
                     np.isin(plan.dst_slot[up], fresh).any()):
                 return False
+            # L3 reads wait only at TP 1, from what the rank holds read ahead: at TP > 1 a load
+            # may agree on spills with the group (_agree_loads, a collective), so every rank
+            # must take the same choice from the step alone, and read ahead differs by rank
             reads = plan.mask(Tier.SSD, Tier.DRAM)
-            if reads.any() and not all(self.read_ahead_done(name)
-                                       for name in plan_sessions(plan, reads)):
+            if reads.any() and (self.world_size > 1 or not all(
+                    self.read_ahead_done(name) for name in plan_sessions(plan, reads))):
                 return False
         return True
 
