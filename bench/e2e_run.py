@@ -246,6 +246,7 @@ class Rounds:
             if any(moved.values()):
                 self.traffic.append({"step_ms": round(ms, 3), "moved": moved, **shape,
                                      **self._parts(), **l2_before,
+                                     "spill_wait_ms": self._spill_wait_ms(),
                                      "trace": self.tiered.last_trace})
             else:
                 self.quiet_parts.append({"step_ms": round(ms, 3), **shape, **self._parts()})
@@ -287,10 +288,11 @@ class Rounds:
                              **disk_ms(src, b3, self.ceil), "moved": moved,
                              # host ms its L3 reads waited for spills (into L2 slots still
                              # being written to disk, or of the session itself)
-                             "spill_wait_ms": round(sum(
-                                 a.outcome.spill_wait_ns for a in
-                                 self.tiered.step_plans()) / 1e6, 3),
+                             "spill_wait_ms": self._spill_wait_ms(),
                              **self._parts(), "trace": self.tiered.last_trace})
+
+    def _spill_wait_ms(self) -> float:
+        return round(sum(a.outcome.spill_wait_ns for a in self.tiered.step_plans()) / 1e6, 3)
 
     def _l2_state(self) -> dict[str, int]:
         """Before a step, with L3: the controller's free L2 slots, how many of them a

@@ -101,3 +101,47 @@ def test_turns_in_line_come_up_before_they_join_with_the_same_tokens(tmp_path,
     assert ahead["late_ups"] > 0
     # the joining turns' own steps load less: part of it came up in the steps before
     assert ahead["demand_ups"] < plain["demand_ups"]
+
+
+def test_a_turn_whose_spill_runs_is_not_named_in_line(tmp_path, monkeypatch) -> None:
+    """A turn read ahead is named in line, but not while a spill of its session runs: its
+    load would wait for that write (a disk seconds behind blocked steps for 6 s on the H200)."""
+    import time
+
+    import tpkv
+    from tests.multiproc.test_engine_tiered import BT
+    from tpkv.config import PolicyConfig
+    from tpkv.models.llama import build_model
+    from tpkv.models.tiered import TieredEngine, tiered_config
+
+    model = build_model("tiny", seed=0, device="cpu")
+    cfg = tiered_config(model, 1, block_tokens=BT, l1_blocks=24, l2_blocks=8,
+                        ssd_root=str(tmp_path), policy=PolicyConfig(cooldown_s=0.0))
+    rt = tpkv.init(cfg, controller="local", device="cpu")
+    try:
+        tiered = TieredEngine(rt, model, report_prefill=False, max_batch=MAX_BATCH,
+                              scheduler_seed=3)
+        rng = np.random.default_rng(1)
+        for _ in range(2):
+            for i in range(SESSIONS):
+                tiered.engine.add_turn(f"s{i}", rng.integers(0, 512, 16).tolist(), 8)
+            list(tiered.engine.run())
+        worker = rt.worker
+        worker.executor.wait_spills(time.monotonic() + 60, every=True)
+        on3 = [f"s{i}" for i in range(SESSIONS) if worker.blocks_on_l3(f"s{i}")]
+        assert on3, "no session went to L3: the test needs smaller tiers"
+        name = on3[0]
+        assert worker.read_ahead(name) == "started"
+        worker.store.ahead.wait_any([name], 30.0)
+        assert worker.read_ahead_done(name)
+        seq = tiered.engine.seqs[name]
+        tiered.engine.waiting.append(seq)  # its turn queued for the batch
+        try:
+            assert name in tiered._next_in_line()
+            monkeypatch.setattr(worker.executor.spills, "busy", lambda n: n == name)
+            assert not worker.read_ahead_done(name)
+            assert name not in tiered._next_in_line()
+        finally:
+            tiered.engine.waiting.remove(seq)
+    finally:
+        rt.close()

@@ -234,18 +234,19 @@ class TieredEngine:
         """Rank 0: the sessions of the turns queued for the batch (`waiting`), then of those
         outside it that may go in (Returns.ready), in order, at most max_batch: only sessions
         the controller knows, not sent in to be recomputed, and with nothing on L3 that is not
-        read ahead (a prefetch reads L3 only from memory)."""
+        read ahead (a prefetch reads L3 only from memory; Worker.read_ahead_done is false
+        while a spill of the session runs, which its load would wait for)."""
         if self.rt.rank != 0:
             return []
         worker, returns, most = self.rt.worker, self.returns, self.engine.max_batch
-        queued = (q.session for q in self.engine.waiting
-                  if worker.read_ahead_done(q.session) or not worker.needs_read_ahead(q.session))
+        queued = (q.session for q in self.engine.waiting)
         outside = (q.session for q in self.engine.returning if returns.ready(q.session))
         out: list[str] = []
         for name in itertools.chain(queued, outside):  # (asked lazily: max_batch at most)
             if len(out) >= most:
                 break
-            if name in self.opened and name not in returns.recompute and name not in out:
+            if (name in self.opened and name not in returns.recompute and name not in out
+                    and (worker.read_ahead_done(name) or not worker.blocks_on_l3(name))):
                 out.append(name)
         return out
 

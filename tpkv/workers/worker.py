@@ -343,8 +343,12 @@ class Worker:
     def needs_read_ahead(self, session: str) -> bool:
         """Whether read_ahead would read anything of the session: it has blocks on L3 here,
         and they fit the read-ahead budget when it is empty."""
-        n = len(self._on_l3(session))
+        n = self.blocks_on_l3(session)
         return self.store is not None and 0 < n and self.store.ahead.holds(n)
+
+    def blocks_on_l3(self, session: str) -> int:
+        """How many of the session's blocks this rank's map places on L3 (0 without L3)."""
+        return len(self._on_l3(session))
 
     def _on_l3(self, session: str) -> np.ndarray:
         """Logical indices of the session's blocks this rank's map places on L3 (none
@@ -354,8 +358,12 @@ class Worker:
         return self.mirror.session_logical(session, int(Tier.SSD))
 
     def read_ahead_done(self, session: str) -> bool:
-        """Whether this rank holds the session's read ahead, done."""
-        return self.store is not None and bool(self.store.ahead.done(session))
+        """Whether this rank holds the session's read ahead, done, and no spill of the session
+        is running: a load of it would otherwise wait for that spill's write (and its manifest)
+        on a disk that may be seconds behind; the spill's end discards the read ahead anyway
+        (ReadAhead.changed), and the turn is read ahead again."""
+        return (self.store is not None and bool(self.store.ahead.done(session))
+                and not self.executor.spills.busy(session))
 
     def drop_read_ahead(self, session: str) -> None:
         """Give back what was read ahead of the session (its load is planned, or it closed)."""
