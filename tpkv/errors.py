@@ -127,6 +127,12 @@ class IndexUnavailableError(TpkvError, RuntimeError):
     without it: nothing matches, nothing new is stored, until it is back)."""
 
 
+class IndexOwnerError(IndexUnavailableError):
+    """A prefix index's actor was called by a scheduler other than the one that made it (two
+    vLLM instances given one engine_id): it answers only its owner, never with another's
+    blocks; the message names the engine_id and both owner tokens."""
+
+
 class LaunchError(TpkvError, RuntimeError):
     """Starting or joining a tpkv TP group failed (rendezvous, Ray, placement group, the app)."""
 

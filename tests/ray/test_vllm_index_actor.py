@@ -100,9 +100,11 @@ def test_index_actor_serves_is_killed_and_comes_back_from_the_disk_tier(
 
     # killed, Ray restarts it: a later call finds the new one, which rebuilt from disk
     before = index.incarnation
-    ray.kill(transport.handle)
+    restarted = transport.handle._actor_id
+    ray.kill(transport.handle, no_restart=False)
     took = until(lambda: store(planner, copier, fresh()) >= 0 and not index.down
                  and index.incarnation != before, "restarted actor taken back")
+    assert transport.handle._actor_id == restarted  # the same actor, not a new one
     assert matched(planner, PROMPT) == 8
     assert matched(planner, OTHER) == 0  # held in memory only: the new index lacks it
     assert store(planner, copier, OTHER) == 4 and matched(planner, OTHER) == 16
@@ -203,3 +205,89 @@ def test_an_instances_actor_ends_with_the_process_that_made_it(
                 proc.kill()
     took = until(lambda: not named(actor_name(spec)), "dead instance's actor gone")
     print(f"dead instance's actor gone {took:.2f} s after its process")
+
+
+def test_two_schedulers_given_one_engine_id_never_share_an_index(
+        ray_cluster: None, tmp_path: Path) -> None:
+    """Two live schedulers with one engine_id (one spec): the second makes an actor of its own
+    and never matches the first's host blocks. The first's actor, restarted by Ray, knows its
+    owner still; killed for good while a third takes the name, the first is refused by the
+    third's actor and makes its own. close() never kills an actor another owns."""
+    import ray
+
+    from tpkv.errors import IndexOwnerError
+    from tpkv.integrations.vllm.ray_index import RayTransport, actor_name
+    from tpkv.protocol.wire import encode
+
+    disk_records(tmp_path, PROMPT, SEED)
+    spec = IndexSpec(64, BT, SEED, 1, str(tmp_path), 8, instance="engine-same")
+    shared = actor_name(spec)
+
+    def start(transport: RayTransport) -> tuple[Planner, RemoteIndex, BlockCopier]:
+        planner = Planner(BT, SEED, 64, index=RemoteIndex(transport, 64, 10.0, retry_s=0.2))
+        copier = BlockCopier(capacity_bytes=1 << 20)
+        copier.register({"l0": torch.zeros(16, 2, BT, 8)}, 16)
+        assert isinstance(planner.index, RemoteIndex) and not planner.index.down
+        return planner, planner.index, copier
+
+    ta = RayTransport(spec)
+    a, index_a, copier_a = start(ta)
+    assert ta.name == shared and ta.mine
+    assert store(a, copier_a, OTHER) == 4
+    store(a, copier_a, fresh())  # its call carries OTHER's confirms
+    assert matched(a, OTHER) == 16
+
+    tb = RayTransport(spec)  # same engine_id, A alive: B takes a name of its own
+    b, index_b, copier_b = start(tb)
+    assert tb.owner != ta.owner and tb.name == actor_name(spec, tb.owner) != shared
+    assert tb.handle._actor_id != ta.handle._actor_id
+    assert ray.get(ta.handle.owner.remote(), timeout=30) == ta.owner
+    assert ray.get(tb.handle.owner.remote(), timeout=30) == tb.owner
+    assert matched(b, OTHER) == 0  # only A's memory holds those blocks
+    assert matched(a, PROMPT) == matched(b, PROMPT) == 8  # the disk tier, found by both
+    with pytest.raises(IndexOwnerError, match="engine-same"):  # A's actor answers A only
+        ray.get(ta.handle.call.remote(encode({"inc": None, "sync": True}), tb.owner),
+                timeout=30)
+    assert matched(a, OTHER) == 16
+
+    # A's actor restarted by Ray: A's reconnect finds it, and it still answers A only
+    old, before = ta.handle._actor_id, index_a.incarnation
+    ray.kill(ta.handle, no_restart=False)
+    until(lambda: store(a, copier_a, fresh()) >= 0 and not index_a.down
+          and index_a.incarnation != before, "restarted actor taken back")
+    assert ta.handle._actor_id == old and ta.name == shared and ta.mine
+    assert ray.get(ta.handle.owner.remote(), timeout=30) == ta.owner
+    ta.reconnect()
+    assert ta.handle._actor_id == old and ta._ask_owner(30) == ta.owner
+    assert store(a, copier_a, OTHER) == 4 and matched(a, OTHER) == 16
+    assert matched(b, OTHER) == 0
+
+    # A's actor killed for good, C takes the name: A is refused by C's and makes its own
+    ray.kill(ta.handle, no_restart=True)
+    until(lambda: not named(shared), "A's actor gone")
+    tc = RayTransport(spec)
+    c, index_c, copier_c = start(tc)
+    assert tc.name == shared and tc.mine
+    third = list(range(500, 517))  # 4 full blocks, in C's memory only
+    assert store(c, copier_c, third) == 4
+    store(c, copier_c, fresh())
+    assert matched(c, third) == 16
+    seen: list[int] = []
+    until(lambda: store(a, copier_a, fresh()) >= 0 and seen.append(matched(a, third)) is None
+          and not index_a.down and ta.name != shared, "A up on an actor of its own")
+    assert set(seen) == {0}  # never C's blocks, while refused nor after
+    assert ta.name == actor_name(spec, ta.owner) and ta.handle._actor_id != tc.handle._actor_id
+    assert ray.get(ta.handle.owner.remote(), timeout=30) == ta.owner
+    assert matched(a, PROMPT) == 8 and matched(a, OTHER) == 0  # rebuilt from the disk tier
+    assert matched(c, third) == 16
+
+    # a transport that holds another's actor (not yet known as such) does not kill it at close
+    ta.name = shared
+    ta.reconnect()
+    assert ta.handle._actor_id == tc.handle._actor_id and ta.mine is None
+    ta.close()
+    assert named(shared) and matched(c, third) == 16
+    for transport in (tb, tc):
+        transport.close()
+    until(lambda: not any(named(n) for n in (shared, tb.name, actor_name(spec, ta.owner))),
+          "closed actors gone")  # A's own: its handle was let go above, so Ray ended it

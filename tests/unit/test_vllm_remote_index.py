@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tpkv.errors import ConfigError, IndexUnavailableError, WireFormatError
+from tpkv.errors import ConfigError, IndexOwnerError, IndexUnavailableError, WireFormatError
 from tpkv.integrations.disk_blocks import DiskBlockStore
 from tpkv.integrations.disk_format import DiskLayout, record_bytes
 from tpkv.integrations.index_service import IndexService, IndexSpec
@@ -270,6 +270,27 @@ def test_index_service_checks_requests_before_applying_any() -> None:
         IndexSpec.from_bytes(encode({"capacity_blocks": 1}))
 
 
+def test_an_owned_index_service_answers_its_owner_only() -> None:
+    """Made with an owner token, the service refuses every other caller before reading the
+    request, so no other scheduler ever gets its blocks or changes its index."""
+    spec = IndexSpec(8, BT, SEED, instance="engine-a")
+    service = IndexService(spec.to_bytes(), "a" * 32)
+    key = extend_chain([], PROMPT, BT, SEED)[0]
+    inc = decode(service.call(encode({"inc": None, "sync": True}), "a" * 32))["inc"]
+    assert service.owner() == "a" * 32
+    for caller in ("b" * 32, ""):
+        with pytest.raises(IndexOwnerError, match="engine-a.*own engine_id") as err:
+            service.call(encode({"inc": inc, "ops": [["reserve", [key]]]}), caller)
+        assert isinstance(err.value, IndexUnavailableError)  # the scheduler goes on without
+    assert service.index.state() == ([], [])
+    answer = decode(service.call(encode({"inc": inc, "ops": [["reserve", [key]]]}), "a" * 32))
+    assert answer["reserved"] == [[[key], []]]
+    anyone = IndexService(spec)  # no owner (in process): any caller
+    assert anyone.owner() == "" and "stored" in decode(anyone.call(encode({"inc": None}), "x"))
+    with pytest.raises(WireFormatError, match="owner"):
+        IndexService(spec, owner=7)  # type: ignore[arg-type]
+
+
 def test_controller_options_are_checked() -> None:
     assert ConnectorOptions.from_extra({}).controller == "local"
     opts = ConnectorOptions.from_extra({"controller": "ray", "controller_timeout_s": 0.5})
@@ -296,6 +317,9 @@ def test_each_instance_has_an_index_of_its_own() -> None:
     assert actor_name(spec) == actor_name(IndexSpec.from_bytes(spec.to_bytes()))
     assert actor_name(spec) != actor_name(IndexSpec(64, BT, SEED, 1, "/tmp/other", 8,
                                                     instance="engine-a"))
+    own = actor_name(spec, "a" * 32)  # a scheduler's own, when its engine_id's name is taken
+    assert own.startswith("tpkv-vllm-index-") and own not in (
+        actor_name(spec), actor_name(spec, "b" * 32))
     made = {instance_id(None), instance_id(""), instance_id(None)}
     assert len(made) == 3 and all(m.startswith("tpkv-") for m in made)  # unset: one each
     with pytest.raises(WireFormatError, match="instance"):

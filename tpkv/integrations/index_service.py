@@ -2,7 +2,10 @@
 
 IndexService holds a PrefixIndex and takes a batch of operations in one call (`call`, bytes in
 and out through tpkv.protocol.wire: no pickled objects). It imports neither Ray nor torch: the
-Ray actor around it is tpkv.integrations.vllm.ray_index, and tests call it in-process.
+Ray actor around it is tpkv.integrations.vllm.ray_index, and tests call it in-process. Made
+with an owner token (the scheduler's transport that made it, a str beside the spec's bytes, so
+a restart from the same arguments keeps it), it answers no call that names another token
+(IndexOwnerError): its host tier is that one scheduler's ranks' memory.
 
 A request is a map: "inc", the incarnation the caller last saw (None: none yet); "sync", the
 caller wants the whole index (it starts, or comes back after a failure); "keep", the keys no
@@ -23,7 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tpkv.checks import check_int
-from tpkv.errors import WireFormatError
+from tpkv.errors import IndexOwnerError, WireFormatError
 from tpkv.integrations.disk_blocks import stored_keys
 from tpkv.integrations.prefix_index import KEY_BYTES, IndexStats, PrefixIndex
 from tpkv.protocol.wire import decode, encode
@@ -93,8 +96,11 @@ def _keys(value: Any, what: str) -> list[bytes]:
 class IndexService:
     """One PrefixIndex behind a bytes-in, bytes-out call (see the module docstring)."""
 
-    def __init__(self, spec: IndexSpec | bytes) -> None:
+    def __init__(self, spec: IndexSpec | bytes, owner: str = "") -> None:
+        if not isinstance(owner, str):
+            raise WireFormatError(f"owner must be a str, got {type(owner).__name__}")
         self.spec = spec if isinstance(spec, IndexSpec) else IndexSpec.from_bytes(spec)
+        self.owner_token = owner  # "": any caller (in process)
         self.index = PrefixIndex(self.spec.capacity_blocks)
         self.incarnation = ""
         self.rebuild()
@@ -107,9 +113,18 @@ class IndexService:
     def ping(self) -> str:
         return self.incarnation
 
-    def call(self, payload: bytes) -> bytes:
+    def owner(self) -> str:
+        """The token of the caller this service answers ("" for any)."""
+        return self.owner_token
+
+    def call(self, payload: bytes, caller: str = "") -> bytes:
         """One batch of operations (see the module docstring); WireFormatError on a malformed
-        one, before any of it is applied."""
+        one and IndexOwnerError from a caller that is not the owner, before any is applied."""
+        if self.owner_token and caller != self.owner_token:
+            raise IndexOwnerError(
+                f"the prefix index of engine_id {self.spec.instance!r} belongs to the scheduler "
+                f"with owner token {self.owner_token}, not to {str(caller)!r}: give each vLLM "
+                f"instance its own engine_id")
         req = decode(payload)
         if not isinstance(req, dict):
             raise WireFormatError("index request must be a map")

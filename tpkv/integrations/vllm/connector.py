@@ -45,7 +45,9 @@ With `controller` "ray" the index lives in a named Ray actor (ray_index.py: one 
 instance, named by model, block size, disk tier directory and vLLM's engine_id, made on first
 use in the Ray cluster the scheduler's process is in, joins or starts, restarted by Ray when it
 dies, killed at shutdown; it builds its index from the disk tier, so an instance finds what
-another left there, never what another holds in memory). The scheduler answers vLLM's matches
+another left there, never what another holds in memory; it answers only the scheduler that
+made it, so an instance given another live one's engine_id makes an actor of its own, with a
+warning). The scheduler answers vLLM's matches
 from a mirror of the actor's key sets and calls it at most once a step, when the step has
 blocks to store (remote_index.RemoteIndex; msgpack bytes, no pickled objects). When the
 actor is dead or slower than controller_timeout_s the scheduler goes on without it, with one

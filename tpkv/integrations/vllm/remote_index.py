@@ -3,8 +3,8 @@
 RemoteIndex answers the Planner as PrefixIndex does. It keeps a mirror of the service's key
 sets (stored, pending) and answers `match` and `holds` from it, without a call. The mirror
 stays equal to the service's sets because this scheduler is the service's only caller (each
-vLLM instance has a service of its own: ray_index.actor_name) and applies every change the
-same way: the changes it decides alone (a report's confirms and
+vLLM instance has a service of its own, which answers no other caller: ray_index) and
+applies every change the same way: the changes it decides alone (a report's confirms and
 forgets, a reset's clear) at once here, queued for the service; the changes only the service
 can decide (which keys to write and which to drop for room, by its LRU order) from the answer
 to `reserve_all`, the one call of a step, which carries the queued changes first. A step that
