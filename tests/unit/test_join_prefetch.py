@@ -145,3 +145,45 @@ def test_a_turn_whose_spill_runs_is_not_named_in_line(tmp_path, monkeypatch) -> 
             tiered.engine.waiting.remove(seq)
     finally:
         rt.close()
+
+
+def test_a_turn_in_line_staged_from_l3_gives_its_read_ahead_back(tmp_path) -> None:
+    """Once a prefetch has brought a turn in line's last L3 block into L2, the rank gives its
+    read-ahead buffers back (the budget takes the next turn's sooner); its tokens stay those of
+    an all-L1 run (the first test of this file)."""
+    import time
+
+    import tpkv
+    from tests.multiproc.test_engine_tiered import BT
+    from tpkv.config import PolicyConfig
+    from tpkv.models.llama import build_model
+    from tpkv.models.tiered import tiered_config
+
+    model = build_model("tiny", seed=0, device="cpu")
+    cfg = tiered_config(model, 1, block_tokens=BT, l1_blocks=12, l2_blocks=12,
+                        ssd_root=str(tmp_path), policy=PolicyConfig(cooldown_s=0.0))
+    rt = tpkv.init(cfg, controller="local", device="cpu")
+    try:
+        worker = rt.worker
+        names = [f"s{i}" for i in range(8)]
+        for name in names:  # the first ones go down to L2, then to L3
+            rt.open_session(name)
+            rt.run_step([name], [4 * BT], lambda step: None)
+        worker.executor.wait_spills(time.monotonic() + 60, every=True)
+        on3 = [n for n in names if worker.blocks_on_l3(n) == 4]
+        assert on3, "no whole session on L3: the test needs smaller tiers"
+        name = on3[0]
+        assert worker.read_ahead(name) == "started"
+        worker.store.ahead.wait_any([name], 30.0)
+        assert worker.read_ahead_done(name) and worker.store.ahead.held_bytes > 0
+        other = next(n for n in names if n != name and worker.blocks_on_l3(n) == 0)
+        for _ in range(3):
+            rt.run_step([other], [0], lambda step: None, upcoming=[name])
+            if not worker.blocks_on_l3(name):
+                break
+        assert worker.blocks_on_l3(name) == 0, "the prefetch did not stage it"
+        assert worker.store.ahead.done(name) is None  # given back
+        assert worker.store.ahead.held_bytes == 0
+        assert worker.store.ahead.num_served == 4  # its blocks came from the buffers
+    finally:
+        rt.close()

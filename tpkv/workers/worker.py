@@ -257,11 +257,24 @@ class Worker:
             self._inject_miss(plan, outcome)
         self.mirror.apply(plan, outcome.done)
         self.epoch = plan.epoch
+        self._staged(plan)
         status = ((STATUS_DIVERGED if refused else 0) | (STATUS_FAILED if outcome.error else 0)
                   | (STATUS_MISSES if len(outcome.misses) else 0))
         applied = int(outcome.done.sum()) + (1 if skip is not None and plan.num_moves else 0)
         return AppliedPlan(plan, outcome, applied, self.mirror.where(plan.block_ids), status,
                            outcome.misses)
+
+    def _staged(self, plan: MovePlan) -> None:
+        """Give back the read ahead of a session whose last L3 block here `plan` brought up
+        (its reads are done): its blocks are in L2 now (a turn in line staged before it runs),
+        and the budget takes the next returning turn's read ahead sooner."""
+        if self.store is None or not self.store.ahead.held_bytes:
+            return
+        reads = plan.mask(Tier.SSD, Tier.DRAM)
+        if reads.any():
+            for name in plan_sessions(plan, reads):
+                if not self.blocks_on_l3(name):
+                    self.store.ahead.drop(name)
 
     def _refused_ahead(self, plan: MovePlan, ok: np.ndarray) -> None:
         """Moves of `plan` issued during the plan before's reads (find_chain) that this rank's
