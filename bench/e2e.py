@@ -80,6 +80,9 @@ class Sizes:
     write_piece_mib: int = 4
     # SsdConfig.write_threads: the store's threads that write spills (its 8 others read).
     write_threads: int = 8
+    # PolicyConfig.prefetch_max_blocks: blocks a step brings up ahead of need, into L1 and from
+    # L3 into L2 each (a turn in line's L3 blocks come up in parts of at most this many)
+    prefetch_max_blocks: int = 1024
     seed: int = 0
     # 1: cProfile the resume steps (host time by function, in the config's "profile_top");
     # 2: the decode steps, those with tier traffic and those without apart ("profile_traffic_top",
