@@ -9,8 +9,8 @@ that list blanked, the new digests equalled the old ones in every case); and aga
 spill pacing became the default (PolicyConfig.spill_pacing: spilled L2 slots handed out last,
 spills ahead of need; with it off, the digests before it pass in every case); and again
 when a prefetch into L2 took only clean slots (none a spill still reads: 2 of 30 cases
-changed). To re-record
-after an intended change of behaviour, run this file with TPKV_GOLDEN_WRITE=1.
+changed); and again when L3 stages took a session in parts up to a step's room instead of
+whole sessions only (busy/heat/0 and 1 changed). To re-record after an intended change of behaviour, run this file with TPKV_GOLDEN_WRITE=1.
 """
 
 from __future__ import annotations

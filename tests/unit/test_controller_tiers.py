@@ -133,8 +133,8 @@ def test_spill_to_l3_is_whole_session_and_comes_back_in_two_epochs(make_config, 
     assert cost["choice"] == "load" and cost["load_s"] > 0 and cost["recompute_s"] > 0
 
 
-def test_prefetch_from_l3_takes_whole_sessions(make_config, fake_clock):
-    for room, staged in ((3, 0), (4, 4)):  # a's 4 blocks do not fit in 3, do in 4
+def test_prefetch_from_l3_stages_a_session_in_parts(make_config, fake_clock):
+    for room, staged in ((3, 3), (4, 4)):  # a's 4 blocks: 3 of them, or all 4, in one step
         rig = small_l2_rig(make_config, fake_clock, prefetch_max_blocks=room, cooldown_s=0.0)
         rig.open("a", "b", "c", "d", "e")
         for n in "abcde":
@@ -147,7 +147,11 @@ def test_prefetch_from_l3_takes_whole_sessions(make_config, fake_clock):
         res = rig.step(["e"], upcoming={"a": 1})
         assert moves(res, Tier.SSD, Tier.DRAM) == staged
         assert rig.where("a").count("SSD") == 4 - staged
-        res = rig.step(["a"])  # demand brings the rest
+        if staged < 4:  # the next step with a still upcoming stages the rest
+            res = rig.step(["e"], upcoming={"a": 1})
+            assert moves(res, Tier.SSD, Tier.DRAM) == 4 - staged
+            assert "SSD" not in rig.where("a") and res.ssd_dropped_sessions == ()
+        res = rig.step(["a"])  # demand brings any rest
         assert "SSD" not in rig.where("a")
         # its records stay as the blocks' L3 copies: its files are not deleted
         assert res.ssd_dropped_sessions == ()

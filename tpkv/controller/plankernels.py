@@ -278,9 +278,9 @@ def record_choices(sessions: A, count_l2: A, count_l3: A, block_tokens: int, blo
 def prefetch_rows(sessions: A, arena: A, start: A, length: A, tier: A, demoted_at: A,
                   now_s: float, cooldown_s: float, room1: int, room2: int) -> tuple[A, A]:
     """Rows of `sessions` (soonest first) out of their cooldown (policy.cooling): the first
-    room1 on L2, and on L3 whole sessions' rows while they fit in room2 (none for a room <= 0).
-    Whole, because L3 records stay on disk until a session's last L3 block leaves (then its
-    files are deleted): a part staged and spilled again would be written twice."""
+    room1 on L2 and the first room2 on L3 (none for a room <= 0), so a session too big for one
+    step's room is staged over several. A staged block keeps its L3 record as a copy until the
+    session's last L3 block leaves, so a part staged and demoted again costs no write."""
     up = np.empty(max(room1, 0), dtype=np.int32)
     stage = np.empty(max(room2, 0), dtype=np.int32)
     n1 = n2 = 0
@@ -293,13 +293,13 @@ def prefetch_rows(sessions: A, arena: A, start: A, length: A, tier: A, demoted_a
                 on3 += 1
                 if now_s - np.float64(demoted_at[r]) < cooldown_s:
                     cool3 += 1
-        take3 = on3 > 0 and cool3 == 0 and n2 + on3 <= room2
+        take3 = on3 > 0 and cool3 == 0
         for r in rows:
             t = tier[r]
             if t == 1 and n1 < room1 and not now_s - np.float64(demoted_at[r]) < cooldown_s:
                 up[n1] = r
                 n1 += 1
-            elif t == 2 and take3:
+            elif t == 2 and take3 and n2 < room2:
                 stage[n2] = r
                 n2 += 1
     return up[:n1].copy(), stage[:n2].copy()
