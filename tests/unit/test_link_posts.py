@@ -77,3 +77,29 @@ def test_a_send_or_a_wait_on_a_held_post_flushes_it_first() -> None:
     link.post("commit", [])
     link.close()  # nothing held is lost at close
     assert sorted(FakeClient.log) == ["commit", "commit", "commit", "snapshot"]
+
+
+def test_sends_go_from_one_thread_in_order_and_a_schedule_returns_at_once() -> None:
+    link = _link()
+    gate = threading.Event()
+    threads: list[str] = []
+    real_send = FakeClient.send
+
+    def slow(self: FakeClient, method: str, *args: Any, **kwargs: Any) -> _Answer:
+        threads.append(threading.current_thread().name)
+        if method == "schedule":
+            gate.wait(timeout=5)
+        return real_send(self, method, *args, **kwargs)
+
+    FakeClient.send = slow  # type: ignore[method-assign]
+    try:
+        reply = link.send("schedule", [])  # its encoding is held at the gate
+        assert not reply.done()
+        gate.set()
+        assert link.send("snapshot").result() == "snapshot"  # goes after the schedule
+        assert reply.result(timeout=5) == "schedule"
+    finally:
+        FakeClient.send = real_send  # type: ignore[method-assign]
+    assert FakeClient.log == ["schedule", "snapshot"]
+    assert len(threads) == 2 and all(t.startswith("tpkv-send") for t in threads)
+    link.close()

@@ -149,8 +149,9 @@ class LocalLink:
 
 
 class RayLink:
-    """The controller actor through its ControllerClient: a sent call goes at once and the
-    actor runs this client's calls in order (controller.client). A schedule's answer is
+    """The controller actor through its ControllerClient: calls are encoded and submitted on
+    one sending thread, in order, and the actor runs this client's calls in that order
+    (controller.client). A schedule's answer is
     fetched and decoded on a thread as soon as it is in, so the step that reads it finds it
     ready. Commits and reports (`post`) are sent from a thread of their own through a second
     client, in order among themselves; the step does not wait to send them, and with
@@ -165,6 +166,7 @@ class RayLink:
     def __init__(self, client: Any) -> None:
         self.target = client
         self._fetcher: ThreadPoolExecutor | None = None
+        self._sender: ThreadPoolExecutor | None = None
         self._poster: ThreadPoolExecutor | None = None
         self._collector: ThreadPoolExecutor | None = None
         self._reporter: Any = None
@@ -176,13 +178,19 @@ class RayLink:
         self.hold_posts = False
 
     def send(self, method: str, *args: Any, **kwargs: Any) -> Reply:
+        """Encoding and submitting run on one sending thread, in the order of the calls. A
+        schedule returns at once (the step launches its forward meanwhile) with its answer
+        fetched on another thread; any other call returns once it is submitted."""
         self.flush()
-        reply: Reply = self.target.send(method, *args, **kwargs)
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(1, thread_name_prefix="tpkv-send")
+        going: Future[Any] = self._sender.submit(self.target.send, method, *args, **kwargs)
         if method != "schedule":
-            return reply
+            return going.result()  # type: ignore[no-any-return]
         if self._fetcher is None:
             self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="tpkv-fetch")
-        return _Waiting(self._fetcher.submit(reply.result), method, self.target.timeout_s + 1.0)
+        return _Waiting(self._fetcher.submit(lambda: going.result().result()), method,
+                        self.target.timeout_s + 1.0)
 
     def post(self, method: str, *args: Any, **kwargs: Any) -> Reply:
         answer: Future[Any] = Future()
@@ -222,10 +230,10 @@ class RayLink:
 
     def close(self) -> None:
         self.flush()
-        for pool in (self._fetcher, self._poster, self._collector):
+        for pool in (self._sender, self._fetcher, self._poster, self._collector):
             if pool is not None:
                 pool.shutdown(wait=True)
-        self._fetcher = self._poster = self._collector = None
+        self._sender = self._fetcher = self._poster = self._collector = None
         if getattr(self.target, "owned", False):
             self.target.owned = False
             import ray
