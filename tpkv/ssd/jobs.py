@@ -55,12 +55,18 @@ class ReadMeter:
 class ReadsFirst:
     """Reads of a rank's store go before its writes: a write, between its pieces, waits (up to
     _PAUSE_MAX_S a piece) while any read is submitted and not done. On the H200's disk, a
-    resume's reads beside a spill of the same size ran at about half the disk's read speed."""
+    resume's reads beside a spill of the same size ran at about half the disk's read speed.
+
+    Except while someone waits for writes (`writes_first`: a step whose copies into L2 need
+    slots a spill still reads): then no write pauses, since under a steady run of reads
+    (prefetches staged step after step) a paused spill would hold that step for seconds."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._reads = 0
+        self._urgent = 0  # callers inside writes_first()
         self.num_pauses = 0  # pieces that waited for reads
+        self.num_urgent = 0  # writes_first() entries
 
     def begin(self) -> None:
         with self._cond:
@@ -80,11 +86,25 @@ class ReadsFirst:
         finally:
             self.end()
 
+    @contextmanager
+    def writes_first(self) -> Iterator[None]:
+        """Writes do not pause for reads inside this block (and those paused now go on)."""
+        with self._cond:
+            self._urgent += 1
+            self.num_urgent += 1
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._urgent -= 1
+
     def pause(self) -> None:
         with self._cond:
-            if self._reads:
+            if self._reads and not self._urgent:
                 self.num_pauses += 1
-                self._cond.wait_for(lambda: not self._reads, timeout=_PAUSE_MAX_S)
+                self._cond.wait_for(lambda: not self._reads or self._urgent > 0,
+                                    timeout=_PAUSE_MAX_S)
 
 
 class StoreThreads:

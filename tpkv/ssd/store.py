@@ -195,6 +195,10 @@ class SsdStore:
     def read_stats(self) -> ReadStats:
         return self._reads.stats(self._sessions.read_syscall_ns)
 
+    def writes_first(self) -> contextlib.AbstractContextManager[None]:
+        """A block inside which this store's writes do not pause for its reads (ReadsFirst)."""
+        return self._threads.gate.writes_first()
+
     def submit_write(self, session_id: str, logical_idx: np.ndarray,
                      blocks: Sequence[np.ndarray]) -> Future[int]:
         return self._threads.write(self.write_blocks, session_id, logical_idx, blocks)

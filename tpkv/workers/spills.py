@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -137,24 +138,29 @@ class SpillTracker:
         keep: list[_Spill] = []
         written: dict[str, int] = {}  # session -> epoch of its oldest spill written
         failed: set[str] = set()
-        for sp in self.running:
-            must = every or sp.name in names or (slots is not None and len(slots) > 0
-                                                 and bool(np.isin(sp.slots, slots).any()))
-            if not finish:  # (a failure is logged, and its session forgotten, when finished)
-                if must:
-                    self._written(sp, deadline)
-                keep.append(sp)
-                continue
-            if not must and not sp.future.done():
-                keep.append(sp)
-                continue
-            exc = self._written(sp, deadline)
-            if exc is None:
-                written[sp.name] = min(sp.epoch, written.get(sp.name, sp.epoch))
-            else:
-                self.num_failed_spills += 1
-                failed.add(sp.name)
-                log.error("epoch %d: L3 write of session %r failed: %s", sp.epoch, sp.name, exc)
+        musts = [every or sp.name in names or (slots is not None and len(slots) > 0
+                                               and bool(np.isin(sp.slots, slots).any()))
+                 for sp in self.running]
+        waits = any(m and not sp.future.done() for m, sp in zip(musts, self.running))
+        # (a wait for writes: they stop yielding to reads until it is over)
+        with self.store.writes_first() if waits and self.store else contextlib.nullcontext():
+            for must, sp in zip(musts, self.running):
+                if not finish:  # (a failure is logged, and its session forgotten, when finished)
+                    if must:
+                        self._written(sp, deadline)
+                    keep.append(sp)
+                    continue
+                if not must and not sp.future.done():
+                    keep.append(sp)
+                    continue
+                exc = self._written(sp, deadline)
+                if exc is None:
+                    written[sp.name] = min(sp.epoch, written.get(sp.name, sp.epoch))
+                else:
+                    self.num_failed_spills += 1
+                    failed.add(sp.name)
+                    log.error("epoch %d: L3 write of session %r failed: %s", sp.epoch, sp.name,
+                              exc)
         self.running = keep
         for name in sorted(written.keys() - failed):
             assert self.store is not None
