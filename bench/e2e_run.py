@@ -84,10 +84,10 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         r["returns"] = {"read_ahead": tiered.returns.num_read_ahead,
                         "recomputed": tiered.returns.num_recomputed,
                         "served_blocks": ahead.num_served if ahead is not None else 0}
-        gate = getattr(rt.worker.store, "_gate", None)
-        if gate is not None:  # spill pieces that waited for a resume's reads
-            r["l3_write_pauses"] = gate.num_pauses
         if rt.worker.store is not None:  # where the L3 reads' time went
+            # spill pieces that paused for a step's reads; steps that waited for spills (they
+            # went first then)
+            r["l3_write_pauses"], r["l3_writes_first"] = rt.worker.store.write_pauses()
             rs = rt.worker.store.read_stats()
             r["l3_reads"] = {"jobs": rs.jobs, "bytes": rs.bytes, "job_s": round(rs.job_s, 3),
                              "syscall_share": round(rs.syscall_s / max(rs.job_s, 1e-9), 3)}

@@ -88,6 +88,7 @@ def test_a_refill_of_a_spilled_slot_waits_for_the_spill_not_for_reads(tmp_path: 
         assert not out.error and out.done.all()
         assert not late.is_set() and not read.done()  # the read is still held
         assert not ex.spills.running  # the spill was written before the refill
+        assert store.write_pauses()[1] == 1  # the refill's wait made the writes go first
         assert all((host.block(i) == 7.0).all() for i in range(N))  # the refill landed
         ex.synchronize()
         bufs = [np.zeros(GEO.block_bytes, dtype=np.uint8) for _ in range(N)]

@@ -195,6 +195,11 @@ class SsdStore:
     def read_stats(self) -> ReadStats:
         return self._reads.stats(self._sessions.read_syscall_ns)
 
+    def write_pauses(self) -> tuple[int, int]:
+        """(write pieces that paused for reads, waits for writes that made them go first)."""
+        gate = self._threads.gate
+        return gate.num_pauses, gate.num_urgent
+
     def writes_first(self) -> contextlib.AbstractContextManager[None]:
         """A block inside which this store's writes do not pause for its reads (ReadsFirst)."""
         return self._threads.gate.writes_first()
