@@ -5,7 +5,7 @@
 Builds one rank's SlotMirror of --blocks blocks (rows shuffled between --sessions sessions, as a
 table filled over time is; 32 Ki on L1, 128 Ki on L2, the rest on L3) and times
 Returns.sample for 1, 8 and 32 turns waiting outside the batch, none of them read ahead yet
-(each then asks Worker.needs_read_ahead, i.e. the mirror's blocks of the session on L3), plus
+(each then asks ReturningReads.needed, i.e. the mirror's blocks of the session on L3), plus
 one SlotMirror.session_logical lookup. Prints JSON (milliseconds: median and least).
 """
 
@@ -15,7 +15,6 @@ import argparse
 import json
 import sys
 import time
-import types
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tpkv.models.returns import Returns  # noqa: E402
 from tpkv.protocol.plan import Tier  # noqa: E402
 from tpkv.workers.mirror import SlotMirror  # noqa: E402
+from tpkv.workers.returning import ReturningReads  # noqa: E402
 from tpkv.workers.slots import SlotAllocator  # noqa: E402
-from tpkv.workers.worker import Worker  # noqa: E402
 
 L1, L2 = 32 << 10, 128 << 10
 
@@ -53,12 +52,13 @@ def build_mirror(num_blocks: int, num_sessions: int, seed: int = 0) -> SlotMirro
 
 
 def rank0(mirror: SlotMirror) -> Returns:
-    """Returns on rank 0 of a stand-in runtime whose worker is the real Worker's lookups on
+    """Returns on rank 0 of a stand-in runtime whose worker has the real ReturningReads lookups on
     `mirror` (with an L3 whose read-ahead budget holds any session, nothing read ahead)."""
     ahead = SimpleNamespace(done=lambda name: None, holds=lambda n: True)
-    worker: Any = SimpleNamespace(mirror=mirror, store=SimpleNamespace(ahead=ahead))
-    for fn in (Worker.needs_read_ahead, Worker._on_l3, Worker.read_ahead_done):
-        setattr(worker, fn.__name__, types.MethodType(fn, worker))
+    store: Any = SimpleNamespace(ahead=ahead)
+    spills: Any = SimpleNamespace(busy=lambda name: False)
+    worker: Any = SimpleNamespace(mirror=mirror, store=store,
+                                  returning=ReturningReads(store, mirror, spills))
     pol = SimpleNamespace(prefill_tokens_per_s=1e4, ssd_read_bytes_per_s=1e9,
                           gpu_share_weight=1.0)
     cfg = SimpleNamespace(wait_timeout_s=5.0, policy=pol)

@@ -128,18 +128,18 @@ def test_a_turn_whose_spill_runs_is_not_named_in_line(tmp_path, monkeypatch) -> 
             list(tiered.engine.run())
         worker = rt.worker
         worker.executor.wait_spills(time.monotonic() + 60, every=True)
-        on3 = [f"s{i}" for i in range(SESSIONS) if worker.blocks_on_l3(f"s{i}")]
+        on3 = [f"s{i}" for i in range(SESSIONS) if worker.returning.on_l3(f"s{i}")]
         assert on3, "no session went to L3: the test needs smaller tiers"
         name = on3[0]
-        assert worker.read_ahead(name) == "started"
+        assert worker.returning.start(name) == "started"
         worker.store.ahead.wait_any([name], 30.0)
-        assert worker.read_ahead_done(name)
+        assert worker.returning.done(name)
         seq = tiered.engine.seqs[name]
         tiered.engine.waiting.append(seq)  # its turn queued for the batch
         try:
             assert name in tiered._next_in_line()
             monkeypatch.setattr(worker.executor.spills, "busy", lambda n: n == name)
-            assert not worker.read_ahead_done(name)
+            assert not worker.returning.done(name)
             assert name not in tiered._next_in_line()
         finally:
             tiered.engine.waiting.remove(seq)
@@ -170,18 +170,18 @@ def test_a_turn_in_line_staged_from_l3_gives_its_read_ahead_back(tmp_path) -> No
             rt.open_session(name)
             rt.run_step([name], [4 * BT], lambda step: None)
         worker.executor.wait_spills(time.monotonic() + 60, every=True)
-        on3 = [n for n in names if worker.blocks_on_l3(n) == 4]
+        on3 = [n for n in names if worker.returning.on_l3(n) == 4]
         assert on3, "no whole session on L3: the test needs smaller tiers"
         name = on3[0]
-        assert worker.read_ahead(name) == "started"
+        assert worker.returning.start(name) == "started"
         worker.store.ahead.wait_any([name], 30.0)
-        assert worker.read_ahead_done(name) and worker.store.ahead.held_bytes > 0
-        other = next(n for n in names if n != name and worker.blocks_on_l3(n) == 0)
+        assert worker.returning.done(name) and worker.store.ahead.held_bytes > 0
+        other = next(n for n in names if n != name and worker.returning.on_l3(n) == 0)
         for _ in range(3):
             rt.run_step([other], [0], lambda step: None, upcoming=[name])
-            if not worker.blocks_on_l3(name):
+            if not worker.returning.on_l3(name):
                 break
-        assert worker.blocks_on_l3(name) == 0, "the prefetch did not stage it"
+        assert worker.returning.on_l3(name) == 0, "the prefetch did not stage it"
         assert worker.store.ahead.done(name) is None  # given back
         assert worker.store.ahead.held_bytes == 0
         assert worker.store.ahead.num_served == 4  # its blocks came from the buffers

@@ -32,7 +32,8 @@ class FakeAhead:
 
 
 class FakeWorker:
-    """read_ahead answers from `status`; `on3` / `on2` blocks per session in the mirror."""
+    """Its own `returning` (ReturningReads): start answers from `status`; `on3` / `on2`
+    blocks per session in the mirror."""
 
     def __init__(self) -> None:
         self.status: dict[str, str] = {}
@@ -43,6 +44,7 @@ class FakeWorker:
         self.busy: set[str] = set()
         self.waited_spills: list[set[str]] = []
         self.ahead = FakeAhead()
+        self.returning = self
         self.store = SimpleNamespace(ahead=self.ahead, block_bytes=1 << 20)
         self.mirror = SimpleNamespace(session_logical=self._logical)
         self.executor = SimpleNamespace(
@@ -57,7 +59,7 @@ class FakeWorker:
         self.waited_spills.append(set(names))
         self.busy -= names
 
-    def read_ahead(self, name: str) -> str:
+    def start(self, name: str) -> str:
         if name in self.ahead.held:
             return "held"
         if name in self.busy:
@@ -68,13 +70,13 @@ class FakeWorker:
             self.started.append(name)
         return status
 
-    def read_ahead_done(self, name: str) -> bool:
+    def done(self, name: str) -> bool:
         return name in self.ahead.done_now
 
-    def needs_read_ahead(self, name: str) -> bool:
+    def needed(self, name: str) -> bool:
         return self.on3.get(name, 0) > 0 and self.status.get(name) != "too_big"
 
-    def drop_read_ahead(self, name: str) -> None:
+    def drop(self, name: str) -> None:
         self.dropped.append(name)
         self.ahead.held.discard(name)
         self.ahead.done_now.discard(name)
@@ -208,9 +210,9 @@ def test_a_long_queue_outside_costs_one_look_a_step_while_the_budget_is_full() -
     w.status["s0"] = "started"
     asked: list[str] = []
     looked: list[str] = []
-    read_ahead, needs = w.read_ahead, w.needs_read_ahead
-    w.read_ahead = lambda n: asked.append(n) or read_ahead(n)  # type: ignore[method-assign]
-    w.needs_read_ahead = lambda n: looked.append(n) or needs(n)  # type: ignore[method-assign]
+    read_ahead, needs = w.start, w.needed
+    w.start = lambda n: asked.append(n) or read_ahead(n)  # type: ignore[method-assign]
+    w.needed = lambda n: looked.append(n) or needs(n)  # type: ignore[method-assign]
     assert r.admit(names, [], idle=False) == [] and w.started == ["s0"]
     assert len(asked) == 40  # arriving: each is looked at once
     asked.clear()
@@ -342,7 +344,7 @@ class BudgetWorker(FakeWorker):
         self.started_at: dict[str, int] = {}
         self.step = 0
 
-    def read_ahead(self, name: str) -> str:
+    def start(self, name: str) -> str:
         if name in self.ahead.held:
             return "held"
         if not self.on3.get(name):

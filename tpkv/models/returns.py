@@ -14,7 +14,7 @@ class Returns:
     """The paged engine's admit hook on the tiers (TieredEngine).
 
     A turn whose session has blocks on L3 waits outside the batch while every rank reads them
-    ahead into memory (Worker.read_ahead); the batch goes on without it, and it queues for the
+    ahead into memory (ReturningReads); the batch goes on without it, and it queues for the
     batch once rank 0's read ahead is done (a slower rank's step reads what it lacks from the
     disk: slower, never wrong). Its step then loads it (schedule's `resume`: the cost model
     priced a disk read). Read aheads start in the order turns arrived, as the budget
@@ -82,7 +82,7 @@ class Returns:
         worker = self.rt.worker
         for name in answer["read"]:
             if self.rt.rank != 0:  # (rank 0 started them in _decide)
-                worker.read_ahead(name)
+                worker.returning.start(name)
             self.reading.add(name)
         self.num_read_ahead += len(answer["read"])
         return list(answer["go"])
@@ -105,8 +105,8 @@ class Returns:
         the turns whose read ahead started are asked the rank's map: those that wait for room
         in the budget cost nothing a step however long the queue.)"""
         worker = self.rt.worker
-        return (name in self._straight or worker.read_ahead_done(name)
-                or (name in self.reading and not worker.needs_read_ahead(name)))
+        return (name in self._straight or worker.returning.done(name)
+                or (name in self.reading and not worker.returning.needed(name)))
 
     def _pick(self, ready: Sequence[str], room: int | None) -> list[str]:
         """Rank 0: of the turns ready to go in (arrival order), those `room` places take (all
@@ -152,7 +152,7 @@ class Returns:
                 continue
             # one outside the batch the sample did not name waits for the next sample
             waits = sample is not None and name in back
-            if worker.read_ahead_done(name):
+            if worker.returning.done(name):
                 if not waits:
                     ready.append(name)
                 continue
@@ -166,7 +166,7 @@ class Returns:
                 continue
             if full and name in back and name not in self.reading | self._straight:
                 continue
-            status = worker.read_ahead(name)
+            status = worker.returning.start(name)
             if status != "full":
                 self._line.pop(name, None)
             if status == "started":  # (again, if a change to its records discarded it)
@@ -189,7 +189,7 @@ class Returns:
             waiting = [n for n in [*returning, *arrived] if n in self.reading or n in read]
             if waiting and worker.store is not None:
                 worker.store.ahead.wait_any(waiting, self.wait_s)
-                go = self._pick([n for n in waiting if worker.read_ahead_done(n)], room)
+                go = self._pick([n for n in waiting if worker.returning.done(n)], room)
         self._straight.difference_update(go)
         for name in go:
             self._passed.pop(name, None)
@@ -197,14 +197,14 @@ class Returns:
 
     def _start_busy(self, names: Sequence[str], read: list[str]) -> None:
         """Rank 0, with nothing else to run: the read aheads that wait for spills of their
-        sessions to finish (Worker.read_ahead's "busy") start once they have."""
+        sessions to finish (ReturningReads.start's "busy") start once they have."""
         worker = self.rt.worker
         for name in names:
             if name in read or not worker.executor.spills.busy(name):
                 continue
             worker.executor.wait_spills(time.monotonic() + self.rt.config.wait_timeout_s / 2,
                                         names={name})
-            if worker.read_ahead(name) == "started":
+            if worker.returning.start(name) == "started":
                 read.append(name)
 
     def _send_to_gpu(self, name: str) -> None:
@@ -284,4 +284,4 @@ class Returns:
             self._line.pop(name, None)
             if name in self.reading:
                 self.reading.discard(name)
-                self.rt.worker.drop_read_ahead(name)
+                self.rt.worker.returning.drop(name)

@@ -234,7 +234,7 @@ class TieredEngine:
         """Rank 0: the sessions of the turns queued for the batch (`waiting`), then of those
         outside it that may go in (Returns.ready), in order, at most max_batch: only sessions
         the controller knows, not sent in to be recomputed, and with nothing on L3 that is not
-        read ahead (a prefetch reads L3 only from memory; Worker.read_ahead_done is false
+        read ahead (a prefetch reads L3 only from memory; ReturningReads.done is false
         while a spill of the session runs, which its load would wait for)."""
         if self.rt.rank != 0:
             return []
@@ -246,7 +246,7 @@ class TieredEngine:
             if len(out) >= most:
                 break
             if (name in self.opened and name not in returns.recompute and name not in out
-                    and (worker.read_ahead_done(name) or not worker.blocks_on_l3(name))):
+                    and (worker.returning.done(name) or not worker.returning.on_l3(name))):
                 out.append(name)
         return out
 

@@ -36,6 +36,7 @@ from tpkv.workers.mirror import HBM, SlotMirror
 from tpkv.workers.outcome import ExecOutcome
 from tpkv.workers.pools import HbmPool, HostPool
 from tpkv.workers.reads import plan_sessions
+from tpkv.workers.returning import ReturningReads
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class Worker:
         self.executor = PlanExecutor(self.engine, self.store, config.wait_timeout_s,
                                      config.layer_events, config.layer_chunk_bytes)
         self.mirror = SlotMirror(self.hbm.slots, self.host.slots)
+        # returning sessions' L3 blocks read ahead (models/returns.py decides which)
+        self.returning = ReturningReads(self.store, self.mirror, self.executor.spills)
         self.confirmer = Confirmer(group) if group is not None and group.world_size > 1 else None
         self.world_size = group.world_size if group is not None else 1
         if self.confirmer is not None and self.store is not None:
@@ -153,7 +156,7 @@ class Worker:
             # must take the same choice from the step alone, and read ahead differs by rank
             reads = plan.mask(Tier.SSD, Tier.DRAM)
             if reads.any() and (self.world_size > 1 or not all(
-                    self.read_ahead_done(name) for name in plan_sessions(plan, reads))):
+                    self.returning.done(name) for name in plan_sessions(plan, reads))):
                 return False
         return True
 
@@ -257,24 +260,12 @@ class Worker:
             self._inject_miss(plan, outcome)
         self.mirror.apply(plan, outcome.done)
         self.epoch = plan.epoch
-        self._staged(plan)
+        self.returning.staged(plan)
         status = ((STATUS_DIVERGED if refused else 0) | (STATUS_FAILED if outcome.error else 0)
                   | (STATUS_MISSES if len(outcome.misses) else 0))
         applied = int(outcome.done.sum()) + (1 if skip is not None and plan.num_moves else 0)
         return AppliedPlan(plan, outcome, applied, self.mirror.where(plan.block_ids), status,
                            outcome.misses)
-
-    def _staged(self, plan: MovePlan) -> None:
-        """Give back the read ahead of a session whose last L3 block here `plan` brought up
-        (its reads are done): its blocks are in L2 now (a turn in line staged before it runs),
-        and the budget takes the next returning turn's read ahead sooner."""
-        if self.store is None or not self.store.ahead.held_bytes:
-            return
-        reads = plan.mask(Tier.SSD, Tier.DRAM)
-        if reads.any():
-            for name in plan_sessions(plan, reads):
-                if not self.blocks_on_l3(name):
-                    self.store.ahead.drop(name)
 
     def _refused_ahead(self, plan: MovePlan, ok: np.ndarray) -> None:
         """Moves of `plan` issued during the plan before's reads (find_chain) that this rank's
@@ -333,55 +324,6 @@ class Worker:
 
     def wait_all(self) -> None:
         self.executor.wait_layer(self.hbm.geometry.num_layers - 1)
-
-    # ---- returning sessions read ahead -----------------------------------------------------
-    def read_ahead(self, session: str) -> str:
-        """Start reading the session's blocks that this rank's map places on L3 into memory of
-        the store's own (SsdStore.read_ahead), for the step that loads them. Returns "none" (no
-        block on L3, or no L3), "started", "full" (they do not fit the
-        read-ahead budget now), "too_big" (they never will), "held" (read or being read
-        ahead already: nothing started) or "busy" (a spill of the session is not finished:
-        its records are not all readable yet)."""
-        logical = self._on_l3(session)
-        if self.store is None or not len(logical):
-            return "none"
-        if self.store.ahead.done(session) is not None:
-            return "held"
-        if self.executor.spills.busy(session):
-            return "busy"
-        if not self.store.ahead.holds(len(logical)):
-            return "too_big"
-        return "started" if self.store.read_ahead(session, logical) else "full"
-
-    def needs_read_ahead(self, session: str) -> bool:
-        """Whether read_ahead would read anything of the session: it has blocks on L3 here,
-        and they fit the read-ahead budget when it is empty."""
-        n = self.blocks_on_l3(session)
-        return self.store is not None and 0 < n and self.store.ahead.holds(n)
-
-    def blocks_on_l3(self, session: str) -> int:
-        """How many of the session's blocks this rank's map places on L3 (0 without L3)."""
-        return len(self._on_l3(session))
-
-    def _on_l3(self, session: str) -> np.ndarray:
-        """Logical indices of the session's blocks this rank's map places on L3 (none
-        without L3)."""
-        if self.store is None:
-            return np.zeros(0, dtype=np.int64)
-        return self.mirror.session_logical(session, int(Tier.SSD))
-
-    def read_ahead_done(self, session: str) -> bool:
-        """Whether this rank holds the session's read ahead, done, and no spill of the session
-        is running: a load of it would otherwise wait for that spill's write (and its manifest)
-        on a disk that may be seconds behind; the spill's end discards the read ahead anyway
-        (ReadAhead.changed), and the turn is read ahead again."""
-        return (self.store is not None and bool(self.store.ahead.done(session))
-                and not self.executor.spills.busy(session))
-
-    def drop_read_ahead(self, session: str) -> None:
-        """Give back what was read ahead of the session (its load is planned, or it closed)."""
-        if self.store is not None:
-            self.store.ahead.drop(session)
 
     # ---- the slot map ----------------------------------------------------------------------
     def slot_map(self) -> dict[str, Any]:
