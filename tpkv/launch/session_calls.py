@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -63,12 +62,12 @@ class SessionCalls:
 
     def _drop_l3(self: _Runtime, session_id: str) -> None:
         """Closed means deleted: this rank's L3 files of the session go now, not with the next
-        step (which may never come); its spills in flight finish first, so none lands after."""
+        step (which may never come); its spills not begun write nothing, and the delete waits
+        for one writing, so none lands after."""
         store = self.worker.store
         if store is None:
             return
-        self.worker.executor.wait_spills(time.monotonic() + self.timeout_s,
-                                         names={session_id})
+        self.worker.executor.spills.abandon({session_id})
         try:
             store.drop_session(session_id)
         except (errors.SsdError, OSError) as exc:  # the next step's delete tries again

@@ -88,6 +88,9 @@ class SsdStore:
         self._budget = Budget(rank, self.budget_bytes)
         self._reads = ReadMeter()
         kernels.available()  # compile or load the CRC kernel now, not in the first read
+        # session id -> drops asked so far: a write submitted before a drop does not land
+        # after it (submit_write)
+        self._drops: dict[str, int] = {}
         self.ahead = ReadAhead(self.block_bytes, config.read_ahead_bytes // self.geometry.tp_size,
                                config.io_threads, rank)
         self._scan()
@@ -108,16 +111,18 @@ class SsdStore:
         return self._budget.used()
 
     def write_blocks(self, session_id: str, logical_idx: np.ndarray,
-                     blocks: Sequence[np.ndarray]) -> int:
+                     blocks: Sequence[np.ndarray], drops: int | None = None) -> int:
         """Append one record per block to this rank's segment; durable on return.
 
-        Returns the bytes added to the segment. Raises TierFullError (nothing written) when the
-        rank's budget would be exceeded, SsdIoError when the OS fails (previous state intact).
+        Returns the bytes added to the segment (0 for nothing written). Raises TierFullError
+        (nothing written) when the rank's budget would be exceeded, SsdIoError when the OS
+        fails (previous state intact). `drops` (submit_write): the session's drop count when
+        the write was asked; after a drop asked since, nothing is written.
         """
         sid = validate_session_id(session_id)
         indices = check_indices(logical_idx, len(blocks))
         check_buffers(blocks, self.block_bytes, writable=False)
-        if len(indices) == 0:
+        if len(indices) == 0 or self._dropped_since(sid, drops):
             return 0
         paths = self._files.paths(sid)
         self._await_drop(paths)
@@ -125,6 +130,8 @@ class SsdStore:
         self._make_room(paths.hex, len(indices) * self.record_bytes + (
             0 if self._budget.holds(paths.hex) else ALIGN_BYTES))
         with self._stripe(paths):
+            if self._dropped_since(sid, drops):  # (the drop holds this lock as it deletes)
+                return 0
             self._budget.claim(paths.hex)
             try:
                 self._files.check_dir(paths.dir, create=True)
@@ -206,7 +213,13 @@ class SsdStore:
 
     def submit_write(self, session_id: str, logical_idx: np.ndarray,
                      blocks: Sequence[np.ndarray]) -> Future[int]:
-        return self._threads.write(self.write_blocks, session_id, logical_idx, blocks)
+        """write_blocks on a writer thread; it writes nothing if the session is dropped
+        (drop_session, drop_session_later) before it begins."""
+        drops = self._drops.get(validate_session_id(session_id), 0)
+        return self._threads.write(self.write_blocks, session_id, logical_idx, blocks, drops)
+
+    def _dropped_since(self, sid: str, drops: int | None) -> bool:
+        return drops is not None and self._drops.get(sid, 0) != drops
 
     def submit_read(self, session_id: str, logical_idx: np.ndarray,
                     out: Sequence[np.ndarray]) -> Future[np.ndarray]:
@@ -272,6 +285,7 @@ class SsdStore:
         """Delete the manifest and this rank's files of a session; return the bytes freed."""
         sid = validate_session_id(session_id)
         paths = self._files.paths(sid)
+        self._drops[sid] = self._drops.get(sid, 0) + 1  # writes asked before it: none lands
         try:
             self._await_drop(paths)
         except SsdIoError as exc:  # the files are still there: this delete tries again
@@ -285,6 +299,7 @@ class SsdStore:
         waits for the delete first, list_sessions and close for all of them."""
         sid = validate_session_id(session_id)
         paths = self._files.paths(sid)
+        self._drops[sid] = self._drops.get(sid, 0) + 1  # writes asked before it: none lands
         self.ahead.changed(sid)
         self._budget.forget(paths.hex)
         self._threads.drop_later(paths.hex, self._drop, sid, paths)

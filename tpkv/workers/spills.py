@@ -35,6 +35,9 @@ class _Spill:
     slots: np.ndarray  # L2 slots it reads
     future: Future[Any]
     submitted_ns: int = 0  # perf_counter_ns when queued
+    # its session is being deleted (abandon): it writes nothing if not begun, and is neither
+    # committed nor forgotten when it ends; until then a refill of its slots still waits
+    abandoned: bool = False
 
 
 @dataclass
@@ -119,8 +122,18 @@ class SpillTracker:
     def busy(self, name: str) -> bool:
         """Whether a spill of the session, or its manifest commit, is not finished: its
         records on L3 are not all readable yet."""
-        return (any(sp.name == name for sp in self.running)
+        return (any(sp.name == name and not sp.abandoned for sp in self.running)
                 or any(c.name == name and not c.future.done() for c in self.commits))
+
+    def abandon(self, names: set[str] | frozenset[str]) -> None:
+        """The L3 records of sessions `names` are being deleted (closed, or dropped from L3):
+        their spills not begun write nothing (SsdStore.submit_write), none is committed, and
+        nothing here waits for them; a copy into L2 slots one still reads waits for it as
+        for any spill. The store's delete waits for a write already writing."""
+        for sp in self.running:
+            if sp.name in names:
+                sp.abandoned = True
+        self.commits = [c for c in self.commits if c.name not in names]
 
     def wait(self, deadline: float, slots: np.ndarray | None = None,
              names: set[str] | frozenset[str] = frozenset(), every: bool = False,
@@ -154,6 +167,8 @@ class SpillTracker:
                     keep.append(sp)
                     continue
                 exc = self._written(sp, deadline)
+                if sp.abandoned:  # its records are deleted: nothing to commit or forget
+                    continue
                 if exc is None:
                     written[sp.name] = min(sp.epoch, written.get(sp.name, sp.epoch))
                 else:
@@ -260,7 +275,8 @@ class SpillTracker:
         end = time.perf_counter_ns()
         with self._rate_lock:
             start, self._last_end_ns = max(sp.submitted_ns, self._last_end_ns), end
-            if not fut.cancelled() and fut.exception() is None and end > start:
+            if (not fut.cancelled() and fut.exception() is None and fut.result()
+                    and end > start):  # (0: nothing written, its session dropped first)
                 sample = nbytes / ((end - start) / 1e9)
                 old = self.write_bytes_per_s
                 self.write_bytes_per_s = sample if old == 0 else 0.75 * old + 0.25 * sample
