@@ -102,9 +102,9 @@ class PacedStore:
             read(sid, paths, indices, out, hits)
             self.reads.wait(len(out) * bb, began)
 
-        def write_blocks(session_id: str, logical_idx: Any, blocks: Any) -> int:
+        def write_blocks(session_id: str, logical_idx: Any, blocks: Any, *rest: Any) -> int:
             began = time.perf_counter()
-            added = write(session_id, logical_idx, blocks)
+            added = write(session_id, logical_idx, blocks, *rest)
             self.writes.wait(len(blocks) * bb, began)
             return int(added)
 

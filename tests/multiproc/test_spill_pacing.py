@@ -73,14 +73,14 @@ class PacedDisk:
         real = SsdStore.write_blocks
 
         def paced(store: SsdStore, session_id: str, logical_idx: np.ndarray,
-                  blocks: Any) -> int:
+                  blocks: Any, drops: int | None = None) -> int:
             took = len(blocks) * store.block_bytes / self.bytes_per_s
             with self.lock:
                 self.free_at = max(time.monotonic(), self.free_at) + took
                 self.busy_s += took
                 done = self.free_at
             time.sleep(max(0.0, done - time.monotonic()))
-            return real(store, session_id, logical_idx, blocks)
+            return real(store, session_id, logical_idx, blocks, drops)
 
         monkeypatch.setattr(SsdStore, "write_blocks", paced)
 

@@ -64,6 +64,7 @@ def test_a_spill_returns_at_once_and_a_refill_of_its_slot_waits_for_it(tmp_path:
     assert not ex.spills.running and gate.is_set()
     # the wait is not the copy's own time: the controller's rate meter does not see it
     assert out.blocked_ns >= 0.2e9 and out.host_ns >= out.blocked_ns
+    assert out.spill_wait_ns >= 0.2e9  # counted as a wait for the spill
     assert out.elapsed_ns() == out.host_ns - out.blocked_ns < 0.2e9
     assert (host.block(0) == 2.0).all()  # the refill landed
     # the manifest commit is queued on reap, on the store's commit thread

@@ -15,7 +15,7 @@ from tpkv.workers import cuda_rt
 from tpkv.workers.chain import Chain
 from tpkv.workers.copy_engine import CopyEngine, CopyHandle
 from tpkv.workers.mirror import Relocation
-from tpkv.workers.outcome import ExecOutcome, blocked, wait_handle
+from tpkv.workers.outcome import ExecOutcome, blocked, spill_waits, wait_handle
 from tpkv.workers.pieces import DemotionPieces
 from tpkv.workers.reads import L3Reader, ReadJobs
 from tpkv.workers.relocate import relocate_bytes
@@ -163,7 +163,7 @@ class PlanExecutor:
                     else None)
             start = self._promote(plan, up if into is None else up[~into], out)
             if into is not None:
-                with blocked(out):
+                with spill_waits(out):
                     self.spills.wait(deadline, slots=plan.dst_slot[refill], finish=False)
                 # in smaller pieces: the promotions into their slots start sooner
                 self._demote(plan.src_slot[refill], plan.dst_slot[refill], prev_h2d, out,
@@ -175,7 +175,7 @@ class PlanExecutor:
             out.done[up] = True
             out.bytes_h2d += len(up) * block_bytes
         if len(i := pick["d2h"]):
-            with blocked(out):
+            with spill_waits(out):
                 self.spills.wait(deadline, slots=plan.dst_slot[i], finish=False)
             src, dst = plan.src_slot[i], plan.dst_slot[i]
             if self.defer_d2h and demotions_only:
@@ -210,10 +210,9 @@ class PlanExecutor:
             with blocked(out):
                 wait_handle(prev_h2d, deadline, f"epoch {plan.epoch} L3 -> L2")
                 wait_handle(prev_d2h, deadline, f"epoch {plan.epoch} L3 -> L2")
-                names = {plan.session_names[s] for s in set(plan.session_idx[i].tolist())}
-                waited = time.perf_counter_ns()
+            names = {plan.session_names[s] for s in set(plan.session_idx[i].tolist())}
+            with spill_waits(out):
                 self.spills.wait(deadline, slots=plan.dst_slot[i], names=names)
-                out.spill_wait_ns = time.perf_counter_ns() - waited
             jobs += self.reads.submit(plan, i, deadline)
         if chain is not None and len(chain.rows) and self.store is not None:
             chain.begin()

@@ -29,7 +29,9 @@ class ExecOutcome:
     bytes_ssd_write: int = 0
     error: str = ""  # the first failure, if a group of moves could not be carried out
     host_ns: int = 0  # host time of the plan (SSD I/O included)
-    spill_wait_ns: int = 0  # of it, waiting for spills before its L3 reads could start
+    # of it, waiting for spills to end: spills that read the L2 slots its copies fill, or
+    # write the records its loads read
+    spill_wait_ns: int = 0
     # of it, blocked on other work (spills and earlier copies the plan's moves must follow):
     # not the plan's own transfer time, so not in what the controller's rate meter sees
     blocked_ns: int = 0
@@ -59,6 +61,18 @@ def blocked(out: ExecOutcome) -> Iterator[None]:
         yield
     finally:
         out.blocked_ns += time.perf_counter_ns() - started
+
+
+@contextmanager
+def spill_waits(out: ExecOutcome) -> Iterator[None]:
+    """Count the time inside as blocked and, of it, waiting for spills (spill_wait_ns)."""
+    started = time.perf_counter_ns()
+    try:
+        yield
+    finally:
+        waited = time.perf_counter_ns() - started
+        out.blocked_ns += waited
+        out.spill_wait_ns += waited
 
 
 def wait_handle(handle: CopyHandle | None, deadline: float, what: str) -> None:
