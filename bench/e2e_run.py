@@ -62,7 +62,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
                               report_prefill=not s.always_load,
                               attention=attention)
         tiered.trace = cuda  # device times of each step's copies, for the resume records
-        if getattr(sizes, "arrivals", 0):
+        if sizes.arrivals:
             from bench.e2e_arrive import Arrivals
 
             r = Arrivals(tiered, sizes, contexts, bb, ceil).run()
@@ -101,7 +101,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
               "l3_gib": s.l3_bytes / GiB if s.ssd_root else 0.0, "max_batch": max_batch,
               "block_bytes": bb, "emulated": bool(s.emulate_gbps),
               "emulate_gbps": s.emulate_gbps,
-              "mode": "arrivals" if getattr(sizes, "arrivals", 0) else "rounds",
+              "mode": "arrivals" if sizes.arrivals else "rounds",
               "wall_s": round(time.perf_counter() - t_start, 1)})
     return r
 
@@ -130,7 +130,7 @@ class Rounds:
         self.held_after_fill = 0
         self.traffic: list[dict[str, Any]] = []  # decode steps with moves: parts and copies
         self.quiet_parts: list[dict[str, float]] = []  # decode steps without: parts
-        mode = getattr(sizes, "profile", 0)
+        mode = sizes.profile
         self.profile = cProfile.Profile() if mode == 1 else None
         # mode 2: each decode step profiled alone, then added to the traffic or the quiet sum
         self.step_stats: dict[str, tuple[pstats.Stats | None, int]] | None = (
