@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from tests.multiproc.harness import make_config
 from tests.unit.test_background_spill import GEO, D, H, S, _plan, _setup
+from tpkv.protocol.messages import StepResult
+from tpkv.protocol.plan import MovePlan
+from tpkv.workers.worker import Worker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,3 +98,50 @@ def test_a_spill_of_another_session_is_committed_beside_an_abandoned_one(
     finally:
         gate.set()
         store.close()
+
+
+def test_a_step_that_drops_a_session_from_l3_returns_while_its_spill_waits(
+        tmp_path: Path) -> None:
+    """The step naming a session in ssd_dropped_sessions does not wait for the session's spill
+    (the disk here answers only once that step has returned: a wait would time out); the
+    spill then writes nothing and the session's files are gone."""
+
+    w = Worker(make_config(1, str(tmp_path / "l3"), wait_timeout_s=10.0), rank=0, device="cpu")
+    store = w.store
+    assert store is not None
+    gate = threading.Event()
+    real = store.write_blocks
+
+    def slow(*args: object) -> int:
+        gate.wait(30)  # a disk that answers late
+        return real(*args)  # type: ignore[arg-type]
+
+    store.write_blocks = slow  # type: ignore[method-assign]
+    empty = np.zeros(0, dtype=np.int64)
+
+    def step(tick: int, plans: tuple[MovePlan, ...], dropped: tuple[str, ...] = ()
+             ) -> StepResult:
+        return StepResult(tick=tick, session_ids=(), num_tokens=empty,
+                          block_offsets=np.zeros(1, dtype=np.int64),
+                          block_table=np.zeros(0, dtype=np.int32), plans=plans,
+                          drops=(empty,) * (len(plans) + 1), ssd_dropped_sessions=dropped)
+
+    def move(epoch: int, src: int, src_slot: int, dst: int, dst_slot: int) -> MovePlan:
+        return MovePlan(epoch, np.array([0]), np.array([src], dtype=np.int8),
+                        np.array([src_slot]), np.array([dst], dtype=np.int8),
+                        np.array([dst_slot]), np.zeros(1, dtype=np.int32), np.array([0]),
+                        ("s",))
+
+    try:
+        w.mirror.put(np.arange(1), np.full(1, H), np.zeros(1, dtype=np.int64), ["s"], np.arange(1))
+        w.finish(w.apply_step(step(1, (move(1, H, 0, D, 0), move(2, D, 0, S, -1)))))
+        assert len(w.executor.spills.running) == 1 and not gate.is_set()
+        w.finish(w.apply_step(step(2, (), dropped=("s",))))  # returns: no wait for the disk
+        assert not gate.is_set() and not w.executor.spills.busy("s")
+        gate.set()
+        w.executor.synchronize()
+        assert store.session_indices("s").tolist() == []
+        assert not list((tmp_path / "l3").glob("*/*.seg"))
+    finally:
+        gate.set()
+        w.close()
