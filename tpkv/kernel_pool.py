@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 
 WORKER_MODULES = ("tpkv.workers.kernels",)
 CONTROLLER_MODULES = ("tpkv.controller.kernels", "tpkv.controller.arena",
-                      "tpkv.controller.stepkernels", "tpkv.controller.plankernels")
+                      "tpkv.controller.stepkernels", "tpkv.controller.plankernels",
+                      "tpkv.controller.rowkernels")
 MAX_PROCESSES = 12
 # Fewer cores than this: no pool. In CPU seconds on a 2-core VM, 23 kernels with their callees:
 # 11-12 s compiled in the process; in 12 processes 2.7 s until the last is done but 26 s in all

@@ -35,7 +35,8 @@ event.register("numba:compile", Compiles())
 
 import tpkv
 from tpkv.config import HbmConfig, HostConfig, KvGeometry, TpkvConfig
-from tpkv.controller import arena, batchtable, kernels, planner, plankernels, stepkernels
+from tpkv.controller import (arena, batchtable, kernels, planner, plankernels, rowkernels,
+                             stepkernels)
 from tpkv.workers import kernels as worker_kernels
 
 g = KvGeometry(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", block_tokens=4)
@@ -49,7 +50,8 @@ for step in range(12):  # outgrows L1: demotions to L2 and promotions back
     rt.run_step(names, [1], lambda step: None)
 rt.close()
 hits = misses = 0
-for m in (arena, batchtable, kernels, planner, plankernels, stepkernels, worker_kernels):
+for m in (arena, batchtable, kernels, planner, plankernels, rowkernels, stepkernels,
+          worker_kernels):
     for v in vars(m).values():
         if isinstance(v, CPUDispatcher):
             hits += sum(v.stats.cache_hits.values())

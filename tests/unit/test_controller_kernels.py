@@ -14,13 +14,11 @@ from tpkv.controller.plankernels import (
     LRUK,
     candidates,
     coldest_candidates,
-    not_on,
-    record_choices,
-    split_by_tier,
     unit_keys,
     walk_prepared,
 )
 from tpkv.controller.policy import eviction_keys_of, select_victims
+from tpkv.controller.rowkernels import not_on, record_choices, split_by_tier
 
 
 @pytest.mark.parametrize("kind", ["heat", "lru", "lruk"])

@@ -22,12 +22,13 @@ from numba.core.registry import CPUDispatcher
 from tests.fakes import FakeClock
 from tests.unit.conftest import make_config
 from tests.unit.test_controller_properties import World, program
-from tpkv.controller import Controller, kernels, plankernels, stepkernels, arena, batchtable
+from tpkv.controller import (Controller, kernels, plankernels, rowkernels, stepkernels, arena,
+                             batchtable)
 from tpkv.controller.warm import warm_kernels
 
 cfg = json.loads(sys.argv[1])
 make = make_config.__wrapped__(pathlib.Path(tempfile.mkdtemp()))
-mods = (kernels, plankernels, stepkernels, arena, batchtable)
+mods = (kernels, plankernels, rowkernels, stepkernels, arena, batchtable)
 def signatures():
     return {f"{m.__name__}.{k}": len(v.signatures) for m in mods for k, v in vars(m).items()
             if isinstance(v, CPUDispatcher)}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from tpkv.controller.builder import PlanBuilder
-from tpkv.controller.plankernels import demand_rows, record_choices
+from tpkv.controller.rowkernels import demand_rows, record_choices
 from tpkv.controller.steptypes import StepContext
 from tpkv.controller.table import DRAM, NONE, SSD
 

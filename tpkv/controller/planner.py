@@ -9,9 +9,9 @@ import numpy as np
 from tpkv.controller.builder import PlanBuilder
 from tpkv.controller.kernels import count_either, uncopied_running
 from tpkv.controller.orders import NOTHING, Picked, allowed, coldest
-from tpkv.controller.plankernels import not_on, prefetch_rows, split_by_tier
 from tpkv.controller.planstate import PlanContext, StepNeeds
 from tpkv.controller.policy import watermark_excess
+from tpkv.controller.rowkernels import not_on, prefetch_rows, split_by_tier
 from tpkv.controller.table import DRAM, HBM, SSD, BlockTable
 
 MAX_PHASES = 3  # L3 -> L2, then L2 -> L1 into slots a demotion freed; a third phase for slack
