@@ -66,13 +66,12 @@ def blocked(out: ExecOutcome) -> Iterator[None]:
 @contextmanager
 def spill_waits(out: ExecOutcome) -> Iterator[None]:
     """Count the time inside as blocked and, of it, waiting for spills (spill_wait_ns)."""
-    started = time.perf_counter_ns()
+    before = out.blocked_ns
     try:
-        yield
+        with blocked(out):
+            yield
     finally:
-        waited = time.perf_counter_ns() - started
-        out.blocked_ns += waited
-        out.spill_wait_ns += waited
+        out.spill_wait_ns += out.blocked_ns - before
 
 
 def wait_handle(handle: CopyHandle | None, deadline: float, what: str) -> None:
