@@ -319,7 +319,8 @@ class SsdStore:
     # ---- deletes, room, accounting ------------------------------------------------------------
 
     def _drop(self, sid: str, paths: _Paths) -> int:
-        with self._stripe(paths):
+        # (a write of the session still writing holds the lock: it does not pause for reads)
+        with self.writes_first(), self._stripe(paths):
             return self._drop_locked(sid, paths)
 
     def _drop_locked(self, sid: str, paths: _Paths) -> int:
