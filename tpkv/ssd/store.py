@@ -221,6 +221,10 @@ class SsdStore:
     def _dropped_since(self, sid: str, drops: int | None) -> bool:
         return drops is not None and self._drops.get(sid, 0) != drops
 
+    def _count_drop(self, sid: str) -> None:
+        """A drop of the session is asked: the writes asked before it write nothing."""
+        self._drops[sid] = self._drops.get(sid, 0) + 1
+
     def submit_read(self, session_id: str, logical_idx: np.ndarray,
                     out: Sequence[np.ndarray]) -> Future[np.ndarray]:
         """read_blocks on a reader thread. Spills pause from this call on (jobs.ReadsFirst), not
@@ -285,7 +289,7 @@ class SsdStore:
         """Delete the manifest and this rank's files of a session; return the bytes freed."""
         sid = validate_session_id(session_id)
         paths = self._files.paths(sid)
-        self._drops[sid] = self._drops.get(sid, 0) + 1  # writes asked before it: none lands
+        self._count_drop(sid)
         try:
             self._await_drop(paths)
         except SsdIoError as exc:  # the files are still there: this delete tries again
@@ -299,7 +303,7 @@ class SsdStore:
         waits for the delete first, list_sessions and close for all of them."""
         sid = validate_session_id(session_id)
         paths = self._files.paths(sid)
-        self._drops[sid] = self._drops.get(sid, 0) + 1  # writes asked before it: none lands
+        self._count_drop(sid)
         self.ahead.changed(sid)
         self._budget.forget(paths.hex)
         self._threads.drop_later(paths.hex, self._drop, sid, paths)

@@ -192,7 +192,8 @@ class Worker:
             self.mirror.tokens.pop(name, None)
         if self.store is not None:  # their L3 records are of no more use
             gone = (*step.closed_sessions, *step.ssd_dropped_sessions)
-            self.executor.spills.abandon(set(gone))  # (no wait for their writes)
+            if gone:
+                self.executor.spills.abandon(set(gone))  # (no wait for their writes)
             for name in gone:  # in the background: later calls about them wait for it
                 self.store.drop_session_later(name)
             if self.executor.spills.ledger is not None:
