@@ -100,6 +100,20 @@ def window_work(steps: list[tuple[float, bool, int, int, bool, bool]],
             "measured_s": round(measured_s, 4), "tokens": tokens}
 
 
+def time_account(spent: list[tuple[str, float, float]], measured_s: float) -> dict[str, float]:
+    """Where the window's wall time went: per kind of step (decode, prefill of a first turn,
+    resume: a returning turn's prefill, idle: a step with nothing to run) its seconds and its
+    forwards' seconds, and the time outside any step."""
+    out: dict[str, float] = {}
+    for what, step_s, forward_s in spent:
+        out[f"{what}_s"] = out.get(f"{what}_s", 0.0) + step_s
+        if what != "idle":
+            out[f"{what}_forward_s"] = out.get(f"{what}_forward_s", 0.0) + forward_s
+    out["outside_steps_s"] = measured_s - sum(s for _, s, _ in spent)
+    out["measured_s"] = measured_s
+    return {k: round(v, 3) for k, v in sorted(out.items())}
+
+
 def bound(work: dict[str, Any], ceil: dict[str, float]) -> dict[str, Any]:
     """The bound of `work` at the rates in `ceil` (GB/s), with its terms (TERMS)."""
     terms: dict[str, float] = {

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.e2e_bound import bound, window_work
+from bench.e2e_bound import bound, time_account, window_work
 from bench.e2e_emulate import PacedStore
 from bench.e2e_setup import Setting, ceilings, config_for, model_for  # noqa: F401 (e2e.py's)
 from bench.e2e_stats import (  # noqa: F401  (rerate: e2e.py's import)
@@ -144,6 +144,8 @@ class Rounds:
         # the session holds once it is)
         self._first_token: dict[str, tuple[float, bool, float, int, int]] = {}
         self.ttft: list[dict[str, Any]] = []  # every turn's time to first token
+        # every step: (what it was, its seconds, its forward's seconds): the window's account
+        self.spent: list[tuple[str, float, float]] = []
 
     def run(self) -> dict[str, Any]:
         sizes, names = self.sizes, [f"s{i}" for i in range(len(self.contexts))]
@@ -187,7 +189,7 @@ class Rounds:
         """From now on steps, bytes and recomputed tokens count toward the run's bound."""
         st = self.tiered.stats
         self.window = {"decode": len(self.steps), "prefill": len(self.prefills),
-                       "bytes": dict(st.bytes)}
+                       "bytes": dict(st.bytes), "spent": len(self.spent)}
 
     def _drain(self) -> int:
         """Step until the queued turns are done; returns tokens generated."""
@@ -227,6 +229,9 @@ class Rounds:
         t1 = time.perf_counter()
         ms = (t1 - t0) * 1e3
         self._first_tokens(t1)
+        what = ("idle" if not batch else "resume" if returning else kind)
+        self.spent.append((what, t1 - t0, self.tiered.last_times.get("forward", 0.0)
+                           if batch else 0.0))
         if profiled:
             e.schedule, e.wait = self.tiered.schedule, self.tiered.wait
         moved = {k: st.moves[k] - moves0[k] for k in st.moves}
@@ -388,4 +393,5 @@ class Rounds:
         if self.window is not None:  # what the window did, at the rates measured in the run
             out["bound"] = bound(window_work(steps, self.prefills, self.window, dict(st.bytes),
                                              t_turns, gen_tokens), self.ceil)
+            out["window_s"] = time_account(self.spent[self.window["spent"]:], t_turns)
         return out

@@ -56,6 +56,15 @@ def _check(r: dict[str, Any], sizes: Any) -> None:
     assert b["bound_s"] == max(b[k] for k in ("gpu_s", "disk_read_s", "disk_write_s"))
     assert b["work"]["tokens"] == returning * sizes.gen_tokens
     assert b["bound_tokens_per_s"] == pytest.approx(b["work"]["tokens"] / b["bound_s"], rel=1e-2)
+    # the window's wall time, accounted: its steps by kind and the time outside them
+    w = r["window_s"]
+    assert w["measured_s"] == pytest.approx(b["work"]["measured_s"], abs=2e-3)
+    steps = [v for k, v in w.items() if k.endswith("_s") and "forward" not in k
+             and k not in ("measured_s", "outside_steps_s")]
+    assert w["decode_s"] > 0 and w["resume_s"] > 0
+    assert 0 <= w["outside_steps_s"] < w["measured_s"]
+    assert sum(steps) + w["outside_steps_s"] == pytest.approx(w["measured_s"], abs=1e-2)
+    assert 0 < w["resume_forward_s"] <= w["resume_s"]
 
 
 def test_rounds_report_returning_ttft_and_bound(tmp_path: Path) -> None:
