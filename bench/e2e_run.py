@@ -88,6 +88,8 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
             # spill pieces that paused for a step's reads; steps that waited for spills (they
             # went first then)
             r["l3_write_pauses"], r["l3_writes_first"] = rt.worker.store.write_pauses()
+            # waits for spills of spills.LONG_WAIT_S or more (each logged with its spills)
+            r["spill_long_waits"] = rt.worker.executor.spills.num_long_waits
             rs = rt.worker.store.read_stats()
             r["l3_reads"] = {"jobs": rs.jobs, "bytes": rs.bytes, "job_s": round(rs.job_s, 3),
                              "syscall_share": round(rs.syscall_s / max(rs.job_s, 1e-9), 3)}

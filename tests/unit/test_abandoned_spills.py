@@ -145,3 +145,28 @@ def test_a_step_that_drops_a_session_from_l3_returns_while_its_spill_waits(
     finally:
         gate.set()
         w.close()
+
+
+def test_a_long_wait_for_a_spill_is_logged_with_what_it_waited_for(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tpkv.workers import spills
+
+    monkeypatch.setattr(spills, "LONG_WAIT_S", 0.1)
+    ex, store, gate = _setup(tmp_path)
+    try:
+        ok = np.ones(1, dtype=bool)
+        ex.hbm.tensor[0].fill_(1.0)
+        ex.run(_plan(1, 0, H, 0, D, 0), ok)  # block 0: L1 slot 0 -> L2 slot 0
+        ex.run(_plan(2, 0, D, 0, S, -1), ok)  # L2 slot 0 -> L3: held at the gate
+        ex.hbm.tensor[1].fill_(2.0)
+        threading.Timer(0.3, gate.set).start()
+        with caplog.at_level("WARNING", logger="tpkv.workers.spills"):
+            ex.run(_plan(3, 1, H, 1, D, 0), ok)  # into L2 slot 0: waits for that spill
+        assert ex.spills.num_long_waits == 1
+        [msg] = [r.getMessage() for r in caplog.records if "spills:" in r.getMessage()]
+        assert "for 1 spills: sess (L2 slots, 1 blocks, queued" in msg, msg
+        ex.synchronize()
+        assert (ex.host.block(0) == 2.0).all()
+    finally:
+        gate.set()
+        store.close()

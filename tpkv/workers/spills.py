@@ -25,6 +25,8 @@ from tpkv.workers.reads import by_session, plan_sessions
 
 log = logging.getLogger(__name__)
 
+LONG_WAIT_S = 0.25  # a wait for spills this long is logged with what it waited for
+
 
 @dataclass
 class _Spill:
@@ -84,6 +86,7 @@ class SpillTracker:
         self.write_bytes_per_s = 0.0
         self._last_end_ns = 0
         self._rate_lock = threading.Lock()
+        self.num_long_waits = 0  # waits for spills of LONG_WAIT_S or more (logged)
 
     def join_group(self, ledger: SpillLedger, agree: Callable[[set[str], float], None]) -> None:
         """TP > 1: report spill outcomes through `ledger`; call `agree` before a load of
@@ -155,6 +158,9 @@ class SpillTracker:
                                                and bool(np.isin(sp.slots, slots).any()))
                  for sp in self.running]
         waits = any(m and not sp.future.done() for m, sp in zip(musts, self.running))
+        started = time.perf_counter_ns() if waits else 0
+        awaited = ([(sp, sp.name in names) for m, sp in zip(musts, self.running)
+                    if m and not sp.future.done()] if waits else [])
         # (a wait for writes: they stop yielding to reads until it is over)
         with self.store.writes_first() if waits and self.store else contextlib.nullcontext():
             for must, sp in zip(musts, self.running):
@@ -177,6 +183,8 @@ class SpillTracker:
                     log.error("epoch %d: L3 write of session %r failed: %s", sp.epoch, sp.name,
                               exc)
         self.running = keep
+        if waits:
+            self._note_wait(awaited, started, every)
         for name in sorted(written.keys() - failed):
             assert self.store is not None
             self.num_commits += 1
@@ -185,6 +193,26 @@ class SpillTracker:
             self._forget(name, deadline)
         if finish and self.commits:
             self._finish_commits(deadline, names, every)
+
+    def _note_wait(self, awaited: list[tuple[_Spill, bool]], started_ns: int,
+                   every: bool) -> None:
+        """A wait for spills longer than LONG_WAIT_S is logged with what it waited for: each
+        spill's session, why (its own records, or L2 slots it reads), how long since it was
+        queued, and the spills still running behind or beside it."""
+        now = time.perf_counter_ns()
+        waited_s = (now - started_ns) / 1e9
+        if waited_s < LONG_WAIT_S:
+            return
+        self.num_long_waits += 1
+        why = ("every spill" if every else
+               ", ".join(f"{sp.name} ({'its records' if own else 'L2 slots'}, "
+                         f"{len(sp.slots)} blocks, queued {(now - sp.submitted_ns) / 1e9:.2f} s"
+                         f"{', abandoned' if sp.abandoned else ''})" for sp, own in awaited[:4])
+               + (f" and {len(awaited) - 4} more" if len(awaited) > 4 else ""))
+        queued = sum(len(sp.slots) for sp in self.running)
+        log.warning("waited %.2f s for %d spills: %s; %d spills (%d blocks) still running, "
+                    "disk writes %.2f GB/s as spills measure it", waited_s, len(awaited), why,
+                    len(self.running), queued, self.write_bytes_per_s / 1e9)
 
     def _finish_commits(self, deadline: float, names: set[str] | frozenset[str],
                         every: bool) -> None:
