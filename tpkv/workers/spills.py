@@ -234,7 +234,13 @@ class SpillTracker:
                 except (SsdError, OSError) as exc:
                     failed.append((c.name, exc))
         finally:
-            self.commit_ns += time.perf_counter_ns() - started
+            spent = time.perf_counter_ns() - started
+            self.commit_ns += spent
+        if spent >= LONG_WAIT_S * 1e9:
+            self.num_long_waits += 1
+            log.warning("waited %.2f s for manifest commits (%s); %d commits still queued",
+                        spent / 1e9, "every session" if every else ", ".join(sorted(names)[:4]),
+                        len(keep))
         self.commits = keep
         for name, error in failed:
             self._commit_failed(name, error, deadline)
