@@ -343,3 +343,35 @@ def test_each_plan_reports_which_spills_are_written_and_the_rate_the_disk_wrote_
     out = ex.run(_plan(3, 1, H, 1, D, 1), np.ones(1, dtype=bool))
     assert (out.spills_written_below, out.spill_write_bytes_per_s) == (4, rate)
     store.close()
+
+
+def test_spills_that_end_together_share_their_time_in_the_disk_rate() -> None:
+    """Two spills in flight for 0.1 s that end a moment apart: the rate is their bytes over
+    that 0.1 s, not the second's bytes over the moment between the two ends (which measured
+    hundreds of GB/s on the H200 and let the pacer queue seconds of spills)."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from tpkv.workers.spills import SpillTracker
+
+    tracker = SpillTracker(None, SimpleNamespace(block_bytes=1), 1.0)  # type: ignore[arg-type]
+    done = []
+    for _ in range(2):
+        tracker._began()
+        fut: Future[int] = Future()
+        fut.set_result(1)
+        done.append(fut)
+    time.sleep(0.1)
+    for fut in done:  # 100 MB each
+        tracker._ended(100_000_000, fut)
+    # (the first end takes the 0.1 s; the second's bytes wait for the next sample's time)
+    assert 0.4e9 < tracker.write_bytes_per_s <= 2e9 + 1, tracker.write_bytes_per_s
+    assert tracker._wrote == 100_000_000
+    # a spill that wrote nothing (its session dropped first) adds its time, not its bytes
+    tracker._began()
+    empty: Future[int] = Future()
+    empty.set_result(0)
+    time.sleep(0.06)
+    tracker._ended(100_000_000, empty)
+    assert tracker._wrote == 0  # the carried 100 MB over the 0.06 s and more
+    assert 0.4e9 < tracker.write_bytes_per_s < 2e9, tracker.write_bytes_per_s

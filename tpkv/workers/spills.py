@@ -26,6 +26,7 @@ from tpkv.workers.reads import by_session, plan_sessions
 log = logging.getLogger(__name__)
 
 LONG_WAIT_S = 0.25  # a wait for spills this long is logged with what it waited for
+RATE_SAMPLE_S = 0.05  # the least time with spills in flight that a rate sample covers
 
 
 @dataclass
@@ -80,11 +81,14 @@ class SpillTracker:
         self.ledger: SpillLedger | None = None
         self.agree: Callable[[set[str], float], None] | None = None
         self.last_epoch = 0  # of the last plan run
-        # The disk's write rate as spills measure it (bytes/s, a moving average; 0: none yet),
-        # each spill's bytes over the time from its submission, or the end of the spill
-        # before it, to its end (writes in parallel share that time)
+        # The disk's write rate as spills measure it (bytes/s, a moving average; 0: none yet):
+        # bytes written over the time any spill was in flight, in samples of RATE_SAMPLE_S
+        # or more (_ended)
         self.write_bytes_per_s = 0.0
-        self._last_end_ns = 0
+        self._in_flight = 0  # spills queued or writing
+        self._busy_from_ns = 0  # since when the busy time below is not yet counted
+        self._busy_ns = 0  # time with a spill in flight since the last sample
+        self._wrote = 0  # bytes spills wrote since the last sample
         self._rate_lock = threading.Lock()
         self.num_long_waits = 0  # waits for spills of LONG_WAIT_S or more (logged)
 
@@ -117,9 +121,14 @@ class SpillTracker:
             # views made on the store's thread, not here (the step's forward waits for this)
             views = self.host.block_views(plan.src_slot[part])
             queued = time.perf_counter_ns()
-            fut = self.store.submit_write(name, plan.logical_idx[part], views)
+            self._began()
+            try:
+                fut = self.store.submit_write(name, plan.logical_idx[part], views)
+            except BaseException:
+                self._ended(0, None)
+                raise
             sp = _Spill(name, plan.epoch, plan.src_slot[part], fut, queued)
-            fut.add_done_callback(partial(self._ended, sp, len(part) * self.host.block_bytes))
+            fut.add_done_callback(partial(self._ended, len(part) * self.host.block_bytes))
             self.running.append(sp)
 
     def busy(self, name: str) -> bool:
@@ -304,16 +313,33 @@ class SpillTracker:
         return min([sp.epoch for sp in self.running] + [c.epoch for c in self.commits],
                    default=self.last_epoch + 1)
 
-    def _ended(self, sp: _Spill, nbytes: int, fut: Future[Any]) -> None:
-        """A spill's write ended (on a writer thread): a sample of the disk's write rate."""
-        end = time.perf_counter_ns()
+    def _began(self) -> None:
+        """A spill is queued: the disk is busy with spills from now if it was not."""
         with self._rate_lock:
-            start, self._last_end_ns = max(sp.submitted_ns, self._last_end_ns), end
-            if (not fut.cancelled() and fut.exception() is None and fut.result()
-                    and end > start):  # (0: nothing written, its session dropped first)
-                sample = nbytes / ((end - start) / 1e9)
+            if self._in_flight == 0:
+                self._busy_from_ns = time.perf_counter_ns()
+            self._in_flight += 1
+
+    def _ended(self, nbytes: int, fut: Future[Any] | None) -> None:
+        """A spill's write ended (on a writer thread), or was never queued (`fut` None). The
+        disk's write rate is the bytes spills wrote over the time any spill was in flight
+        (queued or writing), sampled once that time reaches RATE_SAMPLE_S: spills that end
+        together share their time, instead of the last of them taking a few microseconds
+        as its own (which measured hundreds of GB/s on the H200 and let the pacer queue
+        seconds of spills)."""
+        with self._rate_lock:
+            now = time.perf_counter_ns()
+            self._busy_ns += now - self._busy_from_ns
+            self._busy_from_ns = now
+            self._in_flight -= 1
+            if (fut is not None and not fut.cancelled() and fut.exception() is None
+                    and fut.result()):  # (0: nothing written, its session dropped first)
+                self._wrote += nbytes
+            if self._busy_ns >= RATE_SAMPLE_S * 1e9 and self._wrote:
+                sample = self._wrote / (self._busy_ns / 1e9)
                 old = self.write_bytes_per_s
                 self.write_bytes_per_s = sample if old == 0 else 0.75 * old + 0.25 * sample
+                self._wrote = self._busy_ns = 0
 
     def progress(self) -> tuple[int, int]:
         """(the epoch below which this rank's spills have all written, so read their L2 slots
