@@ -245,20 +245,3 @@ def test_a_buffer_being_copied_out_is_not_reused_until_the_copy_ends() -> None:
     finally:
         go_on.set()
         ahead.close()
-
-
-def test_a_large_take_is_copied_by_several_threads_bit_exact(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tpkv.ssd import readahead
-
-    monkeypatch.setattr(readahead, "COPY_WAYS", 3)
-    monkeypatch.setattr(readahead, "PARALLEL_COPY_BYTES", 1)
-    store, blocks = written(tmp_path)
-    assert store.read_ahead("s", np.arange(N))
-    wait_done(store)
-    hits, out = read_all(store)
-    assert hits.all() and store.ahead.num_served == N
-    for got, want in zip(out, blocks):
-        np.testing.assert_array_equal(got, want)
-    assert store.ahead._copiers is not None  # the helpers copied beside the caller
-    store.close()

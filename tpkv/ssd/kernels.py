@@ -21,7 +21,6 @@ import logging
 import platform
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Executor
 from typing import Any
 
 import crc32c
@@ -284,14 +283,10 @@ def fill_headers(headers: np.ndarray, template: np.ndarray, indices: np.ndarray,
     return True
 
 
-def copy_many(dsts: Sequence[np.ndarray], srcs: Sequence[np.ndarray],
-              helpers: Executor | None = None, ways: int = 1) -> bool:
+def copy_many(dsts: Sequence[np.ndarray], srcs: Sequence[np.ndarray]) -> bool:
     """Copy each srcs[i] into dsts[i] (same sizes), in one call without the GIL. False
     (nothing copied) where the kernels do not run or a buffer is strided, read-only or of
-    another size than its pair. With `helpers` (an executor of at least ways - 1 threads),
-    the pairs are split into `ways` runs of about equal bytes, copied at once: the caller's
-    thread copies one, the helpers the others (one thread's memcpy does not reach the host's
-    memory bandwidth)."""
+    another size than its pair."""
     found = _kernel()
     if found is None or len(dsts) != len(srcs) or not all(
             d.flags.c_contiguous and d.flags.writeable and s.flags.c_contiguous
@@ -299,18 +294,5 @@ def copy_many(dsts: Sequence[np.ndarray], srcs: Sequence[np.ndarray],
         return False
     dst, lens = addresses(dsts)
     src, _ = addresses(srcs)
-    ways = min(ways, len(dsts)) if helpers is not None else 1
-    if ways <= 1:
-        found["copy_many"](dst, src, lens)
-        return True
-    ends = np.cumsum(lens.astype(np.int64))
-    cuts = [0, *np.searchsorted(ends, ends[-1] * np.arange(1, ways) / ways).tolist(), len(dsts)]
-    runs = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
-    assert helpers is not None
-    futures = [helpers.submit(found["copy_many"], dst[a:b], src[a:b], lens[a:b])
-               for a, b in runs[1:]]
-    a, b = runs[0]
-    found["copy_many"](dst[a:b], src[a:b], lens[a:b])
-    for f in futures:
-        f.result()
+    found["copy_many"](dst, src, lens)
     return True

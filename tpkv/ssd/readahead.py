@@ -21,7 +21,6 @@ job's thread with its pages made present at once (MAP_POPULATE).
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,11 +35,6 @@ from tpkv.ssd.backend import aligned_empty
 
 # A session's records are read in jobs of about this size across the read-ahead threads.
 AHEAD_JOB_BYTES = 32 << 20
-# A take() of at least this many bytes is copied by COPY_WAYS threads at once (the caller's and
-# COPY_WAYS - 1 of the store's): one thread's memcpy staged a turn's 435 MB into L2 in 26 ms on
-# the H200's host, beside a 7 ms forward (bench/results/e2e.json, (c2)).
-PARALLEL_COPY_BYTES = 16 << 20
-COPY_WAYS = max(1, min(8, (os.cpu_count() or 1) // 2))
 
 ReadFn = Callable[[str, np.ndarray, Sequence[np.ndarray]], np.ndarray]
 _NO_BUFFER = np.empty((0, 0), np.uint8)  # a job's until its thread maps one (none was free)
@@ -83,7 +77,6 @@ class ReadAhead:
         self._sessions: dict[str, _Session] = {}
         self._held = 0  # bytes of buffers not yet given back (discarded ones still reading too)
         self.num_served = 0  # blocks served from the buffers so far
-        self._copiers: ThreadPoolExecutor | None = None  # take()'s helpers (_copy_helpers)
         # bytes of the read aheads' jobs done so far, and the seconds in which any job was in
         # flight: their ratio is the rate the disk gives them together (per session times,
         # which overlap, would count a busy disk's time once per session read at once)
@@ -234,11 +227,11 @@ class ReadAhead:
                 return
             self.num_served += served
 
-    def _copy_out(self, jobs: list[_Job], logical_idx: np.ndarray, out: Sequence[np.ndarray],
+    @staticmethod
+    def _copy_out(jobs: list[_Job], logical_idx: np.ndarray, out: Sequence[np.ndarray],
                   hits: np.ndarray) -> int:
         want = np.asarray(logical_idx, dtype=np.int64)
-        dsts: list[np.ndarray] = []
-        srcs: list[np.ndarray] = []
+        served = 0
         for job in jobs:
             if job.future is None or job.future.exception() is not None:
                 continue
@@ -248,30 +241,17 @@ class ReadAhead:
             found = np.zeros(len(want), dtype=bool)
             found[inside] = job.indices[pos[inside]] == want[inside]
             serve = [i for i in np.flatnonzero(found & ~hits).tolist() if good[int(pos[i])]]
-            dsts += [out[i].reshape(-1).view(np.uint8) for i in serve]
-            srcs += [job.buffers[int(pos[i])] for i in serve]
+            dsts = [out[i].reshape(-1).view(np.uint8) for i in serve]
+            srcs = [job.buffers[int(pos[i])] for i in serve]
+            # one compiled call for the job's blocks (one GIL round trip, kernels), else each
+            if not kernels.copy_many(dsts, srcs):
+                for dst, src in zip(dsts, srcs):
+                    np.copyto(dst, src)
             hits[serve] = True
-        # one compiled call for every block (one GIL round trip), split across the copy
-        # threads when it is large; else one numpy copy each
-        ways = COPY_WAYS if sum(d.nbytes for d in dsts) >= PARALLEL_COPY_BYTES else 1
-        if not kernels.copy_many(dsts, srcs, self._copy_helpers(ways), ways):
-            for dst, src in zip(dsts, srcs):
-                np.copyto(dst, src)
-        return len(dsts)
-
-    def _copy_helpers(self, ways: int) -> ThreadPoolExecutor | None:
-        """The threads that copy beside take()'s caller (made on first need), or None for a
-        copy on the caller's thread alone."""
-        if ways <= 1:
-            return None
-        with self._lock:
-            if self._copiers is None:
-                self._copiers = ThreadPoolExecutor(ways - 1, thread_name_prefix="tpkv-l3-copy")
-            return self._copiers
+            served += len(serve)
+        return served
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        if self._copiers is not None:
-            self._copiers.shutdown(wait=True)
         with self._lock:
             self._free.clear()
