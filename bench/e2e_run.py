@@ -222,6 +222,7 @@ class Rounds:
         step_prof = (cProfile.Profile() if self.step_stats is not None and kind == "decode"
                      else None)
         l2_before = self._l2_state()
+        l3_before = self._l3_sources()
         captures0 = e.graphs.captures if e.graphs is not None else 0
         t0 = time.perf_counter()
         if step_prof is not None:
@@ -254,6 +255,7 @@ class Rounds:
             if any(moved.values()):
                 self.traffic.append({"step_ms": round(ms, 3), "moved": moved, **shape,
                                      **self._parts(), **l2_before,
+                                     **self._l3_sources(l3_before),
                                      "spill_wait_ms": self._spill_wait_ms(),
                                      "trace": self.tiered.last_trace})
             else:
@@ -267,7 +269,7 @@ class Rounds:
                                   not (loaded["l2"] or loaded["l3"]), context))
             if returning:
                 self._resume(session, ms, moved, st.recompute_tokens > recompute0, loaded)
-                self.resumes[-1].update(l2_before)
+                self.resumes[-1].update({**l2_before, **self._l3_sources(l3_before)})
         return batch, finished
 
     def _first_tokens(self, now: float) -> None:
@@ -318,6 +320,16 @@ class Rounds:
         return {"l2_free": len(slots), "l2_free_spilling": int(busy.sum()),
                 "l2_next_spilling": int(busy[::-1][:NEXT_L2].sum()),
                 "spills_running": len(running)}
+
+    def _l3_sources(self, before: dict[str, int] | None = None) -> dict[str, int]:
+        """The L3 blocks this rank's step reads took from read-ahead buffers and from the disk
+        so far, or since `before` (empty without L3)."""
+        store = self.tiered.rt.worker.store
+        if store is None:
+            return {}
+        now = {"l3_from_read_ahead": store.ahead.num_served,
+               "l3_from_disk": store.step_disk_blocks}
+        return now if before is None else {k: v - before.get(k, 0) for k, v in now.items()}
 
     def _profiled(self, *fns: Any) -> list[Any]:
         prof = self.profile

@@ -76,6 +76,10 @@ def test_rounds_report_returning_ttft_and_bound(tmp_path: Path) -> None:
         assert r["decode_steps_capturing_a_graph"] == 0  # (no CUDA graphs on the CPU)
     assert a["recompute_tokens"] > 0  # (a) recomputes what L1 lost
     assert c["bound"]["work"]["bytes"]["l2_l3"] > 0  # (c) spilled to L3
+    # where each step's L3 blocks came from: read-ahead buffers or the disk
+    loads = [r for r in (*c["resume_records"], *c["traffic_records"]) if r["moved"]["l3_l2"]]
+    assert loads and all(r["l3_from_read_ahead"] >= 0 and r["l3_from_disk"] >= 0 for r in loads)
+    assert sum(r["l3_from_read_ahead"] + r["l3_from_disk"] for r in loads) > 0
     assert c["bound"]["disk_write_s"] == pytest.approx(
         c["bound"]["work"]["bytes"]["l2_l3"] / 2e9, abs=1e-4)
 

@@ -48,6 +48,7 @@ def test_blocks_read_ahead_are_served_from_memory_bit_exact(tmp_path: Path) -> N
     for got, want in zip(out, blocks):
         np.testing.assert_array_equal(got, want)
     assert store.ahead.num_served == N - 1  # block 0 came from the disk
+    assert store.step_disk_blocks == 1
     assert store.read_stats().bytes - disk_bytes == store.block_bytes
     store.close()
 

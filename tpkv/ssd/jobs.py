@@ -39,6 +39,11 @@ class ReadMeter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._jobs = self._bytes = self._ns = 0
+        self.step_blocks = 0  # blocks a step's reads took from the disk, not a read ahead
+
+    def step_read(self, num_blocks: int) -> None:
+        with self._lock:
+            self.step_blocks += num_blocks
 
     def add(self, num_bytes: int, began_ns: int) -> None:
         """One job of `num_bytes` asked, begun at perf_counter_ns() `began_ns`, ends now."""

@@ -179,6 +179,8 @@ class SsdStore:
         began = time.perf_counter_ns()
         paths = self._files.paths(sid)
         rest = np.flatnonzero(~hits)
+        if ahead:
+            self._reads.step_read(len(rest))
         if len(rest):
             got = np.zeros(len(rest), dtype=bool)
             try:
@@ -201,6 +203,11 @@ class SsdStore:
 
     def read_stats(self) -> ReadStats:
         return self._reads.stats(self._sessions.read_syscall_ns)
+
+    @property
+    def step_disk_blocks(self) -> int:
+        """Blocks read_blocks (a step's reads) found in no read ahead and read from the disk."""
+        return self._reads.step_blocks
 
     def write_pauses(self) -> tuple[int, int]:
         """(write pieces that paused for reads, waits for writes that made them go first)."""
