@@ -133,6 +133,11 @@ def parse() -> tuple[argparse.Namespace, Sizes]:
     ap.add_argument("--compare-local", action="store_true",
                     help="run each configuration again with the in-process controller "
                          "(results as '<config>-local'; ratios of step times between them)")
+    ap.add_argument("--switch-interval-us", type=float, default=None,
+                    help="the interpreter's thread switch interval for the run "
+                         "(sys.setswitchinterval; default Python's, 5000 us): how long a "
+                         "thread waking from the GPU may wait for the GIL while another "
+                         "runs Python")
     for f in dataclasses.fields(Sizes):
         kind = type(f.default)
         if kind is tuple:
@@ -204,6 +209,8 @@ def main() -> None:
     rng = np.random.default_rng(sizes.seed)
     contexts = rng.integers(sizes.context[0], sizes.context[1] + 1, sizes.sessions).tolist()
     started = time.time()
+    if args.switch_interval_us is not None:
+        sys.setswitchinterval(args.switch_interval_us / 1e6)
     rates = [float(g) for g in args.emulate_l3_gbps.split(",") if g.strip()]
     emulate = [k for k in args.emulate_configs.split(",") if k] if rates else []
     if any(g <= 0 for g in rates) or not set(emulate) <= {"c", "c2", "c3"}:
@@ -235,7 +242,8 @@ def main() -> None:
     head = {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "sizes": dataclasses.asdict(sizes), "ceilings_gbps": ceil, "sizing": sizing,
-            "bound_terms": TERMS, "definitions": DEFINITIONS}
+            "bound_terms": TERMS, "definitions": DEFINITIONS,
+            "switch_interval_s": sys.getswitchinterval()}
     if not args.no_warm_up:
         warm = warm_up(sizes, device, ceil, args.controller)
         print(f"== warm-up (not measured): {warm['seconds']:.1f} s, moves {warm['moves']}",
