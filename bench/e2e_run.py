@@ -41,7 +41,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
     cfg = config_for(s, model, sizes.block_tokens, cuda, sizes.layer_events,
                      sizes.l1_reuse, sizes.l2_reuse,
                      sizes.write_piece_mib << 20, sizes.write_threads,
-                     sizes.prefetch_max_blocks)
+                     sizes.prefetch_max_blocks, sizes.prefetch_stage_max_blocks)
     bt, bb = sizes.block_tokens, cfg.geometry.block_bytes
     l1_blocks = cfg.l1.slots(cfg.geometry)
     longest = max(contexts) + (sizes.rounds - 1) * (sizes.user_tokens + sizes.gen_tokens) + 1

@@ -65,7 +65,8 @@ def ceilings(device: torch.device, ssd_root: str) -> dict[str, float]:
 def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool,
                layer_events: int = 1, l1_reuse: str = "newest", l2_reuse: str = "newest",
                write_piece_bytes: int = 4 << 20, write_threads: int = 8,
-               prefetch_max_blocks: int = 1024) -> TpkvConfig:
+               prefetch_max_blocks: int = 1024,
+               prefetch_stage_max_blocks: int = 1024) -> TpkvConfig:
     g = model.kv_geometry(tp_size=1, block_tokens=block_tokens)
     bb = g.block_bytes
     l2 = max(s.l2_bytes, bb)
@@ -80,7 +81,8 @@ def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool,
         extra["ssd_read_bytes_per_s"] = s.emulate_gbps * 1e9
     policy = PolicyConfig(cooldown_s=0.0, auto_pin_fraction=0.0, spill=s.spill,
                           l1_reuse=l1_reuse, l2_reuse=l2_reuse,  # type: ignore[arg-type]
-                          prefetch_max_blocks=prefetch_max_blocks, **extra)
+                          prefetch_max_blocks=prefetch_max_blocks,
+                          prefetch_stage_max_blocks=prefetch_stage_max_blocks, **extra)
     return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=s.l1_bytes // bb),
                       l2=HostConfig(budget_bytes=l2, arena_bytes=min(l2, GiB) // bb * bb),
                       l3=l3, policy=policy, wait_timeout_s=300.0,

@@ -133,9 +133,10 @@ def test_spill_to_l3_is_whole_session_and_comes_back_in_two_epochs(make_config, 
     assert cost["choice"] == "load" and cost["load_s"] > 0 and cost["recompute_s"] > 0
 
 
-def test_prefetch_from_l3_stages_a_session_in_parts(make_config, fake_clock):
+@pytest.mark.parametrize("cap", ["prefetch_max_blocks", "prefetch_stage_max_blocks"])
+def test_prefetch_from_l3_stages_a_session_in_parts(make_config, fake_clock, cap):
     for room, staged in ((3, 3), (4, 4)):  # a's 4 blocks: 3 of them, or all 4, in one step
-        rig = small_l2_rig(make_config, fake_clock, prefetch_max_blocks=room, cooldown_s=0.0)
+        rig = small_l2_rig(make_config, fake_clock, **{cap: room}, cooldown_s=0.0)
         rig.open("a", "b", "c", "d", "e")
         for n in "abcde":
             rig.step([n])

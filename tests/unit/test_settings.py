@@ -119,8 +119,8 @@ FIELDS: list[tuple[Any, dict[str, Any], str, list[Any]]] = [
     *[(PolicyConfig, {}, f, BAD_INT) for f in
       ("max_auto_pin_blocks", "prefetch_steps")],
     *[(PolicyConfig, {}, f, BAD_INT + [0]) for f in
-      ("max_moves_per_step", "prefetch_max_blocks", "auto_pin_refresh_steps",
-       "max_tracked_blocks", "max_pending_plans")],
+      ("max_moves_per_step", "prefetch_max_blocks", "prefetch_stage_max_blocks",
+       "auto_pin_refresh_steps", "max_tracked_blocks", "max_pending_plans")],
     (PolicyConfig, {}, "gpu_share_weight", BAD_FLOAT + [-1.0]),
     *[(PolicyConfig, {}, f, BAD_FLOAT + [0.0, -1.0]) for f in
       ("prefill_tokens_per_s", "h2d_bytes_per_s", "ssd_read_bytes_per_s")],

@@ -12,8 +12,8 @@ from tpkv.limits import check_count
 
 def check_policy(pol: PolicyConfig) -> None:
     """ConfigError naming the first policy field a controller cannot run with."""
-    for name in ("max_moves_per_step", "prefetch_max_blocks", "auto_pin_refresh_steps",
-                 "max_tracked_blocks", "max_pending_plans"):
+    for name in ("max_moves_per_step", "prefetch_max_blocks", "prefetch_stage_max_blocks",
+                 "auto_pin_refresh_steps", "max_tracked_blocks", "max_pending_plans"):
         if not isinstance(getattr(pol, name), int) or getattr(pol, name) <= 0:
             raise ConfigError(f"PolicyConfig.{name} must be a positive integer, "
                               f"got {getattr(pol, name)!r}")
