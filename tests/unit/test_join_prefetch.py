@@ -187,3 +187,48 @@ def test_a_turn_in_line_staged_from_l3_gives_its_read_ahead_back(tmp_path) -> No
         assert worker.store.ahead.num_served == 4  # its blocks came from the buffers
     finally:
         rt.close()
+
+
+def test_a_read_ahead_that_misses_blocks_now_on_l3_reads_them_before_it_is_done(
+        tmp_path) -> None:
+    """A read ahead holding only some of the blocks the rank's map now places on L3 (the
+    others came there without a write since it began) is not done until it has read the rest
+    too; the prefetch then stages every block from the buffers, none from the disk."""
+    import time
+
+    import tpkv
+    from tests.multiproc.test_engine_tiered import BT
+    from tpkv.config import PolicyConfig
+    from tpkv.models.llama import build_model
+    from tpkv.models.tiered import tiered_config
+    from tpkv.protocol.plan import Tier
+
+    model = build_model("tiny", seed=0, device="cpu")
+    cfg = tiered_config(model, 1, block_tokens=BT, l1_blocks=12, l2_blocks=12,
+                        ssd_root=str(tmp_path), policy=PolicyConfig(cooldown_s=0.0))
+    rt = tpkv.init(cfg, controller="local", device="cpu")
+    try:
+        worker = rt.worker
+        names = [f"s{i}" for i in range(8)]
+        for name in names:
+            rt.open_session(name)
+            rt.run_step([name], [4 * BT], lambda step: None)
+        worker.executor.wait_spills(time.monotonic() + 60, every=True)
+        name = next(n for n in names if worker.returning.on_l3(n) == 4)
+        logical = worker.mirror.session_logical(name, int(Tier.SSD))
+        assert worker.store.read_ahead(name, logical[:2])  # as begun before two came to L3
+        worker.store.ahead.wait_any([name], 30.0)
+        assert worker.store.ahead.done(name)
+        assert not worker.returning.done(name)  # the other two are being read now
+        worker.store.ahead.wait_any([name], 30.0)
+        assert worker.returning.done(name) and worker.store.ahead.covers(name, logical)
+        other = next(n for n in names if n != name and worker.returning.on_l3(n) == 0)
+        disk = worker.store.step_disk_blocks
+        for _ in range(3):
+            rt.run_step([other], [0], lambda step: None, upcoming=[name])
+            if not worker.returning.on_l3(name):
+                break
+        assert worker.returning.on_l3(name) == 0, "the prefetch did not stage it"
+        assert worker.store.ahead.num_served == 4 and worker.store.step_disk_blocks == disk
+    finally:
+        rt.close()

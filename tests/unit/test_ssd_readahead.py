@@ -246,3 +246,34 @@ def test_a_buffer_being_copied_out_is_not_reused_until_the_copy_ends() -> None:
     finally:
         go_on.set()
         ahead.close()
+
+
+def test_a_read_ahead_is_extended_to_blocks_it_did_not_start_with(tmp_path: Path) -> None:
+    """Blocks that came to L3 after the read ahead began without a write (their records on
+    disk since an earlier load) are read by more jobs of the same read ahead, and served from
+    memory with the others."""
+    store, blocks = written(tmp_path)
+    assert store.read_ahead("s", np.arange(0, 3))
+    wait_done(store)
+    assert store.ahead.covers("s", np.arange(0, 3))
+    assert not store.ahead.covers("s", np.arange(N))
+    assert store.read_ahead("s", np.arange(N))  # the rest: 3 more blocks, one more job
+    wait_done(store)
+    assert store.ahead.covers("s", np.arange(N))
+    hits, out = read_all(store)
+    assert hits.all() and store.ahead.num_served == N and store.step_disk_blocks == 0
+    for got, want in zip(out, blocks):
+        np.testing.assert_array_equal(got, want)
+    store.close()
+
+
+def test_an_extension_the_budget_cannot_hold_starts_nothing(tmp_path: Path) -> None:
+    geo = geometry(SMALL)
+    store, _ = written(tmp_path, read_ahead_bytes=3 * geo.block_bytes)
+    assert store.read_ahead("s", np.arange(0, 3))
+    wait_done(store)
+    assert store.read_ahead("s", np.arange(N))  # held; the rest does not fit: not read
+    assert store.ahead.done("s") and not store.ahead.covers("s", np.arange(N))
+    hits, _ = read_all(store)
+    assert hits.all() and store.ahead.num_served == 3 and store.step_disk_blocks == 3
+    store.close()

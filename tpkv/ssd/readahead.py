@@ -98,25 +98,33 @@ class ReadAhead:
             return self._held + num_blocks * self.block_bytes <= self.budget_bytes
 
     def start(self, sid: str, logical_idx: np.ndarray, read: ReadFn) -> bool:
-        """Read the session's records `logical_idx` ahead, unless it is read ahead already
-        (True) or they do not fit the budget now (False: nothing started)."""
+        """Read the session's records `logical_idx` ahead (False: they do not fit the budget
+        now, nothing started). A session read ahead already has those of `logical_idx` its
+        jobs do not hold read by more jobs, as the budget allows (blocks that came to L3
+        since without a write, whose records were on disk: no change discarded the read
+        ahead); True either way."""
         idx = np.unique(np.asarray(logical_idx, dtype=np.int64))
         if len(idx) and idx[0] < 0:
             raise ArgumentError(f"session {sid}: logical index {int(idx[0])} is negative")
-        need = len(idx) * self.block_bytes
         with self._lock:
-            if sid in self._sessions:
-                return True
+            entry = self._sessions.get(sid)
+            if entry is not None:
+                idx = idx[~np.isin(idx, self._held_indices(entry))]
+            need = len(idx) * self.block_bytes
             if self._held + need > self.budget_bytes or not len(idx):
-                return False
+                return entry is not None
             per_job = self._job_rows
             jobs = []
             for at in range(0, len(idx), per_job):
                 base = self._free.pop() if self._free else _NO_BUFFER
                 jobs.append(_Job(idx[at:at + per_job], base,
                                  base[:len(idx[at:at + per_job])]))
-            entry = _Session(self._generation.get(sid, 0), jobs, need)
-            self._sessions[sid] = entry
+            if entry is None:
+                entry = _Session(self._generation.get(sid, 0), jobs, need)
+                self._sessions[sid] = entry
+            else:
+                entry.jobs += jobs
+                entry.num_bytes += need
             self._held += need
             self._busy_until_now()
             self._in_flight += len(jobs)
@@ -124,6 +132,18 @@ class ReadAhead:
                 job.future = self._pool.submit(self._run, job, sid, read)
                 job.future.add_done_callback(functools.partial(self._job_done, entry, job))
         return True
+
+    def covers(self, sid: str, logical_idx: np.ndarray) -> bool:
+        """Whether the session's read ahead has a job for each of `logical_idx`."""
+        with self._lock:
+            entry = self._sessions.get(sid)
+            return entry is not None and bool(
+                np.isin(logical_idx, self._held_indices(entry)).all())
+
+    @staticmethod
+    def _held_indices(entry: _Session) -> np.ndarray:
+        return (np.concatenate([job.indices for job in entry.jobs]) if entry.jobs
+                else np.zeros(0, dtype=np.int64))
 
     def _run(self, job: _Job, sid: str, read: ReadFn) -> np.ndarray:
         """A job, on a read-ahead thread: a new buffer (none was free) is mapped here, its

@@ -55,11 +55,20 @@ class ReturningReads:
         return self.mirror.session_logical(session, int(Tier.SSD))
 
     def done(self, session: str) -> bool:
-        """Whether this rank holds the session's read ahead, done, and no spill of the session
-        runs (the spill's end discards the read ahead anyway: ReadAhead.changed, and the turn
-        is read ahead again)."""
-        return (self.store is not None and bool(self.store.ahead.done(session))
-                and not self.spills.busy(session))
+        """Whether this rank holds the session's read ahead, done, of every block its map
+        places on L3 now, and no spill of the session runs (the spill's end discards the
+        read ahead anyway: ReadAhead.changed, and the turn is read ahead again). Blocks that
+        came to L3 since the read ahead began without a write (their records were on disk
+        since an earlier load) are read ahead now, as the budget allows; until they are in,
+        it is not done (those the budget leaves out the step reads from the disk)."""
+        if (self.store is None or not self.store.ahead.done(session)
+                or self.spills.busy(session)):
+            return False
+        logical = self._on_l3(session)
+        if self.store.ahead.covers(session, logical):
+            return True
+        self.store.read_ahead(session, logical)  # the rest, as the budget allows
+        return bool(self.store.ahead.done(session))
 
     def drop(self, session: str) -> None:
         """Give back what was read ahead of the session (its load is planned, or it closed)."""
