@@ -11,20 +11,18 @@ import numpy as np
 
 from tpkv import errors
 from tpkv.config import TpkvConfig
-from tpkv.errors import ControllerRecoveringError, RankMismatchError, TpkvError
-from tpkv.launch import recover
+from tpkv.errors import RankMismatchError, TpkvError
 from tpkv.launch.ahead import Ahead, Credits, as_upcoming
 from tpkv.launch.bootstrap import RankContext, shutdown_ray
 from tpkv.launch.collective import all_results, as_step, from_rank0, misses_hit_batch
 from tpkv.launch.link import Link, make_link
+from tpkv.launch.recovery_calls import Recovery
 from tpkv.launch.sent import SentCalls
 from tpkv.launch.session_calls import SessionCalls
 from tpkv.limits import MAX_SESSION_TOKENS, check_counts
 from tpkv.protocol.messages import (
     StepResult,
 )
-from tpkv.protocol.plan import MoveResult
-from tpkv.protocol.wire import decode, encode
 from tpkv.workers.confirm import mismatch_error
 from tpkv.workers.worker import Worker
 
@@ -32,7 +30,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class TpkvRuntime(SessionCalls):
+class TpkvRuntime(SessionCalls, Recovery):
     """What `tpkv.init` returns on every rank. Rank 0 talks to the controller; every call that
     changes the controller runs there and its answer (or typed error) reaches every rank by one
     broadcast, so all ranks run the same code with the same arguments.
@@ -353,37 +351,6 @@ class TpkvRuntime(SessionCalls):
         return self._recovering(
             lambda: self.from_rank0(lambda: self._call(method, *args, **kwargs), method))
 
-    def _recovering(self, fn: Callable[[], T]) -> T:
-        """fn() on every rank; if the controller answers that it restarted, rebuild it from the
-        ranks (a collective: the answer reached every rank) and run fn() once more."""
-        try:
-            return fn()
-        except ControllerRecoveringError:
-            self.rebuild_controller()
-            return fn()
-
-    def rebuild_controller(self) -> dict[str, Any]:
-        """A collective: rebuild the restarted controller from the ranks (recover.py), then
-        restore this rank from its map. Returns the rebuild summary. A step not yet confirmed
-        (plans applied once its forward was launched) is confirmed among the ranks first and
-        never committed: its moves are in the maps the controller is rebuilt from."""
-        if self._applied is not None:
-            applied, self._applied = self._applied, None
-            self.worker.finish(applied)  # (a disagreement: the rebuild resyncs every rank)
-        what = "slot maps for a controller rebuild"
-        gather = (lambda b: self.ctx.ctl.gather_bytes(b, what)) if self.world_size > 1 \
-            else (lambda b: [b])
-        summary = recover.rebuild_controller(self.worker, gather, self.from_rank0, self._call,
-                                             self.closing, self.pins, self.opened)
-        # commits still in flight, and a step sent ahead, were for the lost controller
-        self.sent.forget()
-        self._ahead = None
-        self._resync(self.from_rank0(lambda: dict(self._call("resync")),
-                                     "resync after a controller rebuild"))
-        self.num_rebuilds += 1
-        self._l2_told = -1  # the rebuilt controller hears again how much of L2 is pinned
-        return summary
-
     def advise(self, method: str, *args: Any, **kwargs: Any) -> None:
         """A rank-0-only call whose loss costs nothing but accuracy (attention mass, prefill
         speed): while the controller is restarting it is dropped, not raised on one rank."""
@@ -396,31 +363,5 @@ class TpkvRuntime(SessionCalls):
         (collective.from_rank0)."""
         return from_rank0(self.ctx, fn, what)
 
-    def _resync(self, slot_map: dict[str, Any]) -> np.ndarray:
-        """Every rank restores the controller's map; blocks any rank holds no copy of are
-        marked lost at the controller (recomputed, never read as that rank's zeros). Returns
-        the ids this rank lost. A collective: every rank calls it at the same point."""
-        lost = np.asarray(self.worker.resync(slot_map), dtype=np.int64)
-        every = lost
-        if self.world_size > 1:
-            blobs = self.ctx.ctl.gather_bytes(encode(lost), "blocks lost in a resync")
-            every = np.unique(np.concatenate(
-                [np.asarray(decode(b), dtype=np.int64).reshape(-1) for b in blobs]))
-        if len(every):
-            self.from_rank0(lambda: self._call("mark_lost", block_ids=every),
-                            "mark blocks lost in a resync")
-        return lost
-
-    def _commit_and_resync(self, results: list[list[MoveResult]], first: int) -> dict[str, Any]:
-        self._check_commits(wait=True)
-        for per_plan in results:
-            if per_plan[0].epoch > first:
-                break
-            self._call("commit", per_plan)
-        return dict(self._call("resync"))
-
     def _check_commits(self, wait: bool = False) -> None:
         self.sent.check(wait)
-
-    def _resync_if_commit_failed(self) -> dict[str, Any] | None:
-        return dict(self._call("resync")) if self.sent.take_refusal() else None
