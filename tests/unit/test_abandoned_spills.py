@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +18,16 @@ from tpkv.protocol.plan import MovePlan
 from tpkv.workers.worker import Worker
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def _spill_at_the_gate(ex: Any) -> np.ndarray:
+    """Block 0 (all 1.0) from L1 slot 0 to L2 slot 0, then its spill to L3, held at the
+    gate; returns the plans' `ok` mask."""
+    ok = np.ones(1, dtype=bool)
+    ex.hbm.tensor[0].fill_(1.0)
+    ex.run(_plan(1, 0, H, 0, D, 0), ok)
+    ex.run(_plan(2, 0, D, 0, S, -1), ok)
+    return ok
 
 
 def _block(value: float) -> np.ndarray:
@@ -47,10 +58,7 @@ def test_an_abandoned_spill_holds_nothing_but_its_slots_and_is_never_committed(
         tmp_path: Path) -> None:
     ex, store, gate = _setup(tmp_path)
     try:
-        ok = np.ones(1, dtype=bool)
-        ex.hbm.tensor[0].fill_(1.0)
-        ex.run(_plan(1, 0, H, 0, D, 0), ok)  # block 0: L1 slot 0 -> L2 slot 0
-        ex.run(_plan(2, 0, D, 0, S, -1), ok)  # L2 slot 0 -> L3: held at the gate
+        ok = _spill_at_the_gate(ex)
         assert len(ex.spills.running) == 1 and not gate.is_set()
         ex.spills.abandon({"sess"})  # the session's L3 records are being deleted
         store.drop_session_later("sess")
@@ -154,10 +162,7 @@ def test_a_long_wait_for_a_spill_is_logged_with_what_it_waited_for(
     monkeypatch.setattr(spills, "LONG_WAIT_S", 0.1)
     ex, store, gate = _setup(tmp_path)
     try:
-        ok = np.ones(1, dtype=bool)
-        ex.hbm.tensor[0].fill_(1.0)
-        ex.run(_plan(1, 0, H, 0, D, 0), ok)  # block 0: L1 slot 0 -> L2 slot 0
-        ex.run(_plan(2, 0, D, 0, S, -1), ok)  # L2 slot 0 -> L3: held at the gate
+        ok = _spill_at_the_gate(ex)
         ex.hbm.tensor[1].fill_(2.0)
         threading.Timer(0.3, gate.set).start()
         with caplog.at_level("WARNING", logger="tpkv.workers.spills"):

@@ -5,6 +5,8 @@ sessions outside the batch, so the worker applies them once the step's forward i
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -147,10 +149,10 @@ def test_a_turn_whose_spill_runs_is_not_named_in_line(tmp_path, monkeypatch) -> 
         rt.close()
 
 
-def test_a_turn_in_line_staged_from_l3_gives_its_read_ahead_back(tmp_path) -> None:
-    """Once a prefetch has brought a turn in line's last L3 block into L2, the rank gives its
-    read-ahead buffers back (the budget takes the next turn's sooner); its tokens stay those of
-    an all-L1 run (the first test of this file)."""
+@contextlib.contextmanager
+def _sessions_on_l3(tmp_path: Any) -> Iterator[tuple[Any, list[str]]]:
+    """A runtime (tiny model, small tiers, local controller) whose eight sessions of 4 blocks
+    each have gone down to L2 and the first ones on to L3, every spill written."""
     import time
 
     import tpkv
@@ -164,12 +166,22 @@ def test_a_turn_in_line_staged_from_l3_gives_its_read_ahead_back(tmp_path) -> No
                         ssd_root=str(tmp_path), policy=PolicyConfig(cooldown_s=0.0))
     rt = tpkv.init(cfg, controller="local", device="cpu")
     try:
-        worker = rt.worker
         names = [f"s{i}" for i in range(8)]
         for name in names:  # the first ones go down to L2, then to L3
             rt.open_session(name)
             rt.run_step([name], [4 * BT], lambda step: None)
-        worker.executor.wait_spills(time.monotonic() + 60, every=True)
+        rt.worker.executor.wait_spills(time.monotonic() + 60, every=True)
+        yield rt, names
+    finally:
+        rt.close()
+
+
+def test_a_turn_in_line_staged_from_l3_gives_its_read_ahead_back(tmp_path) -> None:
+    """Once a prefetch has brought a turn in line's last L3 block into L2, the rank gives its
+    read-ahead buffers back (the budget takes the next turn's sooner); its tokens stay those of
+    an all-L1 run (the first test of this file)."""
+    with _sessions_on_l3(tmp_path) as (rt, names):
+        worker = rt.worker
         on3 = [n for n in names if worker.returning.on_l3(n) == 4]
         assert on3, "no whole session on L3: the test needs smaller tiers"
         name = on3[0]
@@ -185,8 +197,6 @@ def test_a_turn_in_line_staged_from_l3_gives_its_read_ahead_back(tmp_path) -> No
         assert worker.store.ahead.done(name) is None  # given back
         assert worker.store.ahead.held_bytes == 0
         assert worker.store.ahead.num_served == 4  # its blocks came from the buffers
-    finally:
-        rt.close()
 
 
 def test_a_read_ahead_that_misses_blocks_now_on_l3_reads_them_before_it_is_done(
@@ -194,26 +204,10 @@ def test_a_read_ahead_that_misses_blocks_now_on_l3_reads_them_before_it_is_done(
     """A read ahead holding only some of the blocks the rank's map now places on L3 (the
     others came there without a write since it began) is not done until it has read the rest
     too; the prefetch then stages every block from the buffers, none from the disk."""
-    import time
-
-    import tpkv
-    from tests.multiproc.test_engine_tiered import BT
-    from tpkv.config import PolicyConfig
-    from tpkv.models.llama import build_model
-    from tpkv.models.tiered import tiered_config
     from tpkv.protocol.plan import Tier
 
-    model = build_model("tiny", seed=0, device="cpu")
-    cfg = tiered_config(model, 1, block_tokens=BT, l1_blocks=12, l2_blocks=12,
-                        ssd_root=str(tmp_path), policy=PolicyConfig(cooldown_s=0.0))
-    rt = tpkv.init(cfg, controller="local", device="cpu")
-    try:
+    with _sessions_on_l3(tmp_path) as (rt, names):
         worker = rt.worker
-        names = [f"s{i}" for i in range(8)]
-        for name in names:
-            rt.open_session(name)
-            rt.run_step([name], [4 * BT], lambda step: None)
-        worker.executor.wait_spills(time.monotonic() + 60, every=True)
         name = next(n for n in names if worker.returning.on_l3(n) == 4)
         logical = worker.mirror.session_logical(name, int(Tier.SSD))
         assert worker.store.read_ahead(name, logical[:2])  # as begun before two came to L3
@@ -230,5 +224,3 @@ def test_a_read_ahead_that_misses_blocks_now_on_l3_reads_them_before_it_is_done(
                 break
         assert worker.returning.on_l3(name) == 0, "the prefetch did not stage it"
         assert worker.store.ahead.num_served == 4 and worker.store.step_disk_blocks == disk
-    finally:
-        rt.close()
