@@ -179,9 +179,9 @@ class SsdStore:
         began = time.perf_counter_ns()
         paths = self._files.paths(sid)
         rest = np.flatnonzero(~hits)
-        if ahead:
-            self._reads.step_read(len(rest))
         if len(rest):
+            if ahead:  # a step's read: these blocks were in no read ahead
+                self._reads.step_read(len(rest))
             got = np.zeros(len(rest), dtype=bool)
             try:
                 self._await_drop(paths)

@@ -166,10 +166,11 @@ class SpillTracker:
         musts = [every or sp.name in names or (slots is not None and len(slots) > 0
                                                and bool(np.isin(sp.slots, slots).any()))
                  for sp in self.running]
-        waits = any(m and not sp.future.done() for m, sp in zip(musts, self.running))
-        started = time.perf_counter_ns() if waits else 0
-        awaited = ([(sp, sp.name in names) for m, sp in zip(musts, self.running)
-                    if m and not sp.future.done()] if waits else [])
+        # the spills this call waits for (not done yet), and whether for their own records
+        awaited = [(sp, sp.name in names) for m, sp in zip(musts, self.running)
+                   if m and not sp.future.done()]
+        waits = bool(awaited)
+        started = time.perf_counter_ns()
         # (a wait for writes: they stop yielding to reads until it is over)
         with self.store.writes_first() if waits and self.store else contextlib.nullcontext():
             for must, sp in zip(musts, self.running):
