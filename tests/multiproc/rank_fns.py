@@ -21,9 +21,11 @@ KINDS = {"d2h": (Tier.HBM, Tier.DRAM), "h2d": (Tier.DRAM, Tier.HBM),
 
 def consistency_rank(rank: int, world: int, num_plans: int, seed: int, ssd_root: str,
                      skip: tuple[int, int] | None = None,
-                     miss: tuple[int, int] | None = None) -> dict[str, Any]:
+                     miss: tuple[int, int] | None = None, checks: int = 1) -> dict[str, Any]:
     """Run the workload until `num_plans` plans; `skip` = (rank, epoch): that rank silently
-    skips a move of that plan; `miss` = (rank, epoch): its first L3 read from then misses."""
+    skips a move of that plan; `miss` = (rank, epoch): its first L3 read from then misses.
+    The slot maps and bytes are checked against the controller `checks` times, evenly over
+    the run (the last at its end); the blocks seen on each tier are summed over the checks."""
     import tpkv
 
     rt = tpkv.init(make_config(world, ssd_root), controller="local")
@@ -41,10 +43,13 @@ def consistency_rank(rank: int, world: int, num_plans: int, seed: int, ssd_root:
             for kind, (src, dst) in KINDS.items():
                 moves[kind] += int(plan.mask(src, dst).sum())
 
-    while rt.worker.epoch < num_plans:
-        workload_step(rt, workload, rank, forward)
-        steps += 1
-    counts = check_against_controller(rt)
+    counts = {"l1": 0, "l2": 0, "l3": 0}
+    for k in range(1, checks + 1):
+        while rt.worker.epoch < num_plans * k // checks:
+            workload_step(rt, workload, rank, forward)
+            steps += 1
+        for tier, n in check_against_controller(rt).items():
+            counts[tier] += n
     out = {"steps": steps, "plans": rt.worker.epoch, "seconds": time.monotonic() - started,
            "misses_injected": miss is not None and rank == miss[0]
            and rt.worker.fault_miss_from is None,

@@ -19,12 +19,14 @@ def _assert_all_ok(out: dict, tp: int) -> None:
 @pytest.mark.parametrize("tp", [2, 4])
 def test_1000_random_plans_every_slot_map_equals_the_controllers(tp, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("l3", numbered=True))
-    out = run_ranks(consistency_rank, tp, 1000, 7, root)
+    out = run_ranks(consistency_rank, tp, 1000, 7, root, None, None, 4)
     _assert_all_ok(out, tp)
     first = out[0]
     assert first["plans"] >= 1000
     assert first["mismatches"] == 0 and first["retries"] == 0
-    # every kind of move happened, and the final check saw blocks on every tier
+    # every kind of move happened, and the checks (one every 250 plans: how full each tier is
+    # at one instant depends on the disk's measured rate, which paces the spills) saw blocks
+    # on every tier
     assert all(n > 0 for n in first["moves"].values()), first["moves"]
     assert first["l1"] > 0 and first["l2"] > 0 and first["l3"] > 0
     for o in out.values():  # the same steps and plans everywhere

@@ -69,7 +69,10 @@ def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
     torch.set_num_threads(1)
     model = build_model("tiny", seed=0, device=device)
     rate = 1e12 if mode == "recompute" else 10.0  # prefill tokens/s the cost model assumes
-    policy = PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=rate)
+    # "l3small" must fill L3: unpaced, no spill is left unwritten because the disk (as this
+    # machine's load makes it measure) is behind
+    policy = PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=rate,
+                          spill_pacing=mode != "l3small")
     cfg = tiered_config(model, world, block_tokens=BT, l1_blocks=L1_BLOCKS,
                         l2_blocks=4 * L2_BLOCKS if mode == "kept" else L2_BLOCKS,
                         ssd_root=ssd_root, policy=policy,
