@@ -22,7 +22,6 @@ from tpkv.controller.cost import RateMeter
 from tpkv.controller.epochs import Epochs, PendingPlan
 from tpkv.controller.orders import likely_tiers, prepare_orders
 from tpkv.controller.planstate import PlanContext, PreparedOrders
-from tpkv.controller.policy import fold_access
 from tpkv.controller.sessions import SessionTable
 from tpkv.controller.snapshot import session_blocks
 from tpkv.controller.spillpace import SpillPacer
@@ -241,17 +240,12 @@ class Controller:
         return StepResult(**out.fields, **self.finish_step(out.builder))
 
     def prepare(self, force: Mapping[int, int] | None = None) -> None:
-        """Work the next schedule() would otherwise do first, done now: call it between steps,
-        while the host waits (the engine after launching a forward, the actor after replying).
-        Makes the eviction orders that step is likely to rebuild (planstate.PreparedOrders):
-        each tier's coldest sessions as the table is now, ranked at the next tick. The step
-        still applies what only it knows (its batch, the sessions it forbids, the blocks it
-        wants, anything changed since), so its result is exactly what it would be without
-        this call, however often it is called; calls after the first before the next step do
-        nothing new. Optional: without it, schedule() scans as before. `force` (tests): tiers
-        to prepare whatever the prediction, each with a prefix of at least that many blocks.
-        Also runs the young GC collection due soon (gcpause.collect_due) and the compaction
-        of the sessions' row arena due soon (RowArena.make_room)."""
+        """Between steps, while the host waits (after a forward's launch, after the actor's
+        reply), what the next schedule() would do first: the eviction orders it is likely to
+        rebuild (planstate.PreparedOrders, each tier's coldest sessions ranked at the next
+        tick), the GC pass due soon (gcpause.collect_due), the row arena's compaction due soon
+        (RowArena.make_room). The step's result is the same with or without it, however often
+        it is called. `force` (tests): tiers to prepare, each with at least that many blocks."""
         gcpause.collect_due()
         if self.awaiting_rebuild:
             return
@@ -298,14 +292,9 @@ class Controller:
         first (a refused batch adds nothing), then each report."""
         self.require_ready()
         for session_id, start, mass in updates:
-            self.attention_rows(session_id, mass, start)
+            calls.attention_rows(self.sessions, session_id, mass, start)
         for session_id, start, mass in updates:
             self.report_attention(session_id, mass, start)
-
-    def attention_rows(self, session_id: str, mass: Sequence[float] | np.ndarray,
-                       start: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """report_attention's checks, changing nothing: the rows and the mass to add."""
-        return calls.attention_rows(self.sessions, session_id, mass, start)
 
     def report_prefill(self, num_tokens: int, seconds: float) -> None:
         """A measured prefill (tokens, seconds) for the cost model."""
@@ -390,18 +379,11 @@ class Controller:
 
     def session_blocks(self, session_id: str) -> dict[str, Any]:
         """Per-block state of one session (access history folded in first)."""
-        rows = self.sessions.rows(self.sessions.lookup(session_id)).copy()
-        self.sync_access(rows)
+        S = self.sessions
+        rows = S.rows(S.lookup(session_id)).copy()
+        self.table.fold_runs(rows, S.runs, S.run_hist)
         return session_blocks(self.table, rows, session_id, self.tick, self.config.policy,
                               self.pin_threshold)
-
-    def sync_access(self, rows: np.ndarray) -> None:
-        """Fold the sessions' runs into the blocks' own access history (LRU-K)."""
-        T, S = self.table, self.sessions
-        sess = T.session[rows]
-        T.last_tick[rows], T.hist[rows], T.count[rows], T.runs_seen[rows] = fold_access(
-            T.last_tick[rows], T.hist[rows], T.count[rows], T.runs_seen[rows], S.runs[sess],
-            S.run_hist[:, sess].T)
 
     def metadata_bytes(self) -> int:
         """Bytes of every array the controller keeps (table, sessions, arena, caches)."""
@@ -420,10 +402,8 @@ class Controller:
     def _rebase_ticks(self) -> None:
         self.prepared = None
         shift = self.tick - (1 << 20)
-        T, S = self.table, self.sessions
-        for arr in (T.last_tick, T.hist, S.run_hist):
-            arr[...] = np.where(arr >= 0, np.maximum(arr - shift, 0), arr)
-        S.opened_tick -= shift
+        self.table.rebase_ticks(shift)
+        self.sessions.rebase_ticks(shift)
         self.tick -= shift
         self.autopin.rebase(shift)
         self.event("rebase_ticks", shift=shift)

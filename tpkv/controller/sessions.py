@@ -288,6 +288,12 @@ class SessionTable:
     def open_indices(self) -> np.ndarray:
         return np.flatnonzero(self.is_open)
 
+    def rebase_ticks(self, shift: int) -> None:
+        """Ticks `shift` earlier (never below 0; -1, none, stays)."""
+        h = self.run_hist
+        h[...] = np.where(h >= 0, np.maximum(h - shift, 0), h)
+        self.opened_tick -= shift
+
     def nbytes(self) -> int:
         arrays = [v for v in vars(self).values() if isinstance(v, np.ndarray) and v.flags.owndata]
         return int(sum(a.nbytes for a in arrays)) + self.arena.nbytes()

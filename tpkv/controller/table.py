@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tpkv.controller.policy import fold_access
 from tpkv.controller.slotstack import SlotStack
 from tpkv.controller.spillpace import SpillPacer
 from tpkv.controller.stepkernels import keep_promoted, written_kept
@@ -24,7 +25,7 @@ class BlockTable:
 
     A block id is `(generation << 32) | row`: rows are reused after a session closes, ids never.
     Access statistics (last_tick, hist, count) are folded in lazily from the session's run
-    history (see `Controller.sync_access`): every block of a session is read whenever it runs.
+    history (`fold_runs`): every block of a session is read whenever it runs.
     """
 
     # One entry per row; 43 bytes a block with lru_k=2 (plus 4 for the free-row stack).
@@ -130,6 +131,19 @@ class BlockTable:
         names = ("gen", "tier", "slot", "session", "logical", "attn", "last_tick", "hist",
                  "count", "runs_seen", "pinned", "in_flight", "demoted_at", "l3copy")
         return sum(getattr(self, n).nbytes for n in names) + self.free_rows.stack.nbytes
+
+    def fold_runs(self, rows: np.ndarray, runs: np.ndarray, run_hist: np.ndarray) -> None:
+        """Fold the runs of the rows' sessions (SessionTable.runs, run_hist) into the blocks'
+        own access history (LRU-K)."""
+        sess = self.session[rows]
+        self.last_tick[rows], self.hist[rows], self.count[rows], self.runs_seen[rows] = \
+            fold_access(self.last_tick[rows], self.hist[rows], self.count[rows],
+                        self.runs_seen[rows], runs[sess], run_hist[:, sess].T)
+
+    def rebase_ticks(self, shift: int) -> None:
+        """Ticks `shift` earlier (never below 0; -1, none, stays)."""
+        for arr in (self.last_tick, self.hist):
+            arr[...] = np.where(arr >= 0, np.maximum(arr - shift, 0), arr)
 
     # ---- ids -----------------------------------------------------------------------------------
     def ids(self, rows: np.ndarray) -> np.ndarray:
