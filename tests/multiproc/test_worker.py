@@ -54,7 +54,7 @@ def test_plans_apply_in_epoch_order_only(worker):
 
 def test_round_trip_through_all_tiers_keeps_bytes_layer_by_layer(worker):
     bb = worker.hbm.block_bytes
-    assert worker.executor.layers_per_copy == 1  # make_config: one copy (and event) per layer
+    assert worker.executor.layers.layers_per_copy == 1  # make_config: a copy (and event) a layer
     worker.apply_plan(plan(1, [(0, H, 0, D, 5), (1, H, 1, D, 6)]))
     worker.apply_plan(plan(2, [(0, D, 5, S, -1)]))
     worker.apply_plan(plan(3, [(0, S, -1, D, 7)]))

@@ -11,9 +11,9 @@ import torch
 
 from tpkv.protocol.plan import MovePlan, Tier
 from tpkv.ssd.store import SsdStore
-from tpkv.workers import cuda_rt
 from tpkv.workers.chain import Chain
 from tpkv.workers.copy_engine import CopyEngine, CopyHandle
+from tpkv.workers.layer_copies import LayerCopies
 from tpkv.workers.mirror import Relocation
 from tpkv.workers.outcome import ExecOutcome, blocked, spill_waits, wait_handle
 from tpkv.workers.pieces import DemotionPieces
@@ -91,15 +91,11 @@ class PlanExecutor:
         self.hbm, self.host = engine.hbm, engine.host
         self.store = store
         self.timeout_s = timeout_s
-        self.layer_events = layer_events
-        g = self.hbm.geometry
-        self.layer_bytes, self.num_layers = g.layer_bytes, g.num_layers
-        self.layers_per_copy = min(g.num_layers, max(1, -(-layer_chunk_bytes // g.layer_bytes)))
+        self.layers = LayerCopies(engine, layer_events, layer_chunk_bytes)
         self.last: dict[str, CopyHandle | None] = {"h2d": None, "d2h": None}
         # L1 -> L2 pieces that may still run, and the slots they read and write
         self.demotions = DemotionPieces(self.hbm.num_slots, self.host.num_slots)
         self._l1_mark = np.zeros(self.hbm.num_slots, dtype=bool)  # scratch, kept all False
-        self.events: list[torch.cuda.Event | None] = [None] * g.num_layers
         self.spills = SpillTracker(store, self.host, timeout_s)
         self.reads = (L3Reader(store, self.host, self.hbm.block_bytes, timeout_s,
                                self.spills.await_manifest) if store is not None else None)
@@ -339,54 +335,13 @@ class PlanExecutor:
 
     # ---- copies ----------------------------------------------------------------------------
     def _h2d(self, host_slots: np.ndarray, hbm_slots: np.ndarray) -> None:
-        if not self.layer_events:  # the stream is ordered after compute (_mark)
-            handle = self.engine.h2d(host_slots, hbm_slots, ordered=True)
-            self.last["h2d"] = handle
-            self.events = [handle.event] * self.num_layers
-            return
-        n, step = len(hbm_slots), self.layers_per_copy
-        handle = CopyHandle(n, n * self.hbm.block_bytes, "layers", "h2d")
-        if not self.engine.on_gpu:
-            for start in range(0, self.num_layers, step):
-                self._copy_layers_torch(host_slots, hbm_slots, start, start + step)
-            self.last["h2d"] = handle
-            return
-        stream = self.engine.streams["h2d"]
-        stream.wait_stream(torch.cuda.current_stream(self.hbm.device))
-        use_dma = self.engine.choose_method("h2d") == "dma"
-        src0, dst0 = self.host.slot_ptrs(host_slots), self.hbm.slot_ptrs(hbm_slots)
-        with torch.cuda.stream(stream):
-            for start in range(0, self.num_layers, step):
-                stop = min(self.num_layers, start + step)
-                if use_dma:
-                    off, size = start * self.layer_bytes, (stop - start) * self.layer_bytes
-                    cuda_rt.memcpy_batch(dst0 + off, src0 + off, np.full(n, size, np.uint64),
-                                         stream.cuda_stream)
-                else:
-                    self._copy_layers_torch(host_slots, hbm_slots, start, stop)
-                event = torch.cuda.Event()
-                event.record(stream)
-                self.events[start:stop] = [event] * (stop - start)
-        handle.event = self.events[-1]
-        self.last["h2d"] = handle
-
-    def _copy_layers_torch(self, host_slots: np.ndarray, hbm_slots: np.ndarray, start: int,
-                           stop: int) -> None:
-        """Layers [start, stop) of each block by index ops per L2 arena (CPU, or no batch API)."""
-        device = self.hbm.device
-        for arena, pos, index in self.host.group_by_arena(host_slots):
-            rows = self.host.arenas[arena][torch.from_numpy(index), start:stop]
-            if self.engine.on_gpu:
-                rows = rows.pin_memory().to(device, non_blocking=True)
-            self.hbm.tensor[torch.from_numpy(hbm_slots[pos]).to(device), start:stop] = rows
+        self.last["h2d"] = self.layers.issue(host_slots, hbm_slots)
 
     # ---- what the engine waits on ----------------------------------------------------------
     def wait_layer(self, layer: int) -> None:
         """Make the current stream wait for layer `layer` of every block copied into L1 so far
-        (no host wait). On the CPU copies are done when issued."""
-        event = self.events[layer]
-        if event is not None and self.engine.on_gpu:
-            torch.cuda.current_stream(self.hbm.device).wait_event(event)
+        (LayerCopies.wait_layer)."""
+        self.layers.wait_layer(layer)
 
     def fence_compute(self, fresh_l1_slots: np.ndarray) -> None:
         """Make the current stream wait for the L1 -> L2 batches that empty any of the L1 slots
