@@ -70,11 +70,6 @@ class Sizes:
     # copy descriptors by the chunks (8 here: ~2.4 ms more host time a 768-block resume,
     # bench/results/copy_issue.json).
     layer_events: int = 0
-    # PolicyConfig.l1_reuse: "oldest" hands out the L1 slots freed longest ago, so a resume's
-    # copies and new K/V do not wait on the GPU for the demotion that just emptied their slots.
-    l1_reuse: str = "oldest"
-    # PolicyConfig.l2_reuse: "oldest" gives an L3 load L2 slots whose spill is long done.
-    l2_reuse: str = "oldest"
     # SsdConfig.write_piece_bytes in MiB: the most of a spill one write carries between the
     # pauses it makes while a resume reads L3 (per writing thread: write_threads).
     write_piece_mib: int = 4

@@ -39,7 +39,6 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
     cuda = device.type == "cuda"
     model = model_for(sizes.model, device)
     cfg = config_for(s, model, sizes.block_tokens, cuda, sizes.layer_events,
-                     sizes.l1_reuse, sizes.l2_reuse,
                      sizes.write_piece_mib << 20, sizes.write_threads,
                      sizes.prefetch_max_blocks, sizes.prefetch_stage_max_blocks)
     bt, bb = sizes.block_tokens, cfg.geometry.block_bytes

@@ -63,7 +63,7 @@ def ceilings(device: torch.device, ssd_root: str) -> dict[str, float]:
 
 
 def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool,
-               layer_events: int = 1, l1_reuse: str = "newest", l2_reuse: str = "newest",
+               layer_events: int = 1,
                write_piece_bytes: int = 4 << 20, write_threads: int = 8,
                prefetch_max_blocks: int = 1024,
                prefetch_stage_max_blocks: int = 1024) -> TpkvConfig:
@@ -80,7 +80,6 @@ def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool,
         # fill round's spill choices come before any L3 read; the default is this VM's disk)
         extra["ssd_read_bytes_per_s"] = s.emulate_gbps * 1e9
     policy = PolicyConfig(cooldown_s=0.0, auto_pin_fraction=0.0, spill=s.spill,
-                          l1_reuse=l1_reuse, l2_reuse=l2_reuse,  # type: ignore[arg-type]
                           prefetch_max_blocks=prefetch_max_blocks,
                           prefetch_stage_max_blocks=prefetch_stage_max_blocks, **extra)
     return TpkvConfig(geometry=g, l1=HbmConfig(num_blocks=s.l1_bytes // bb),

@@ -257,18 +257,6 @@ class PolicyConfig:
     # (models/returns.py). "always": spill whatever must leave L2, the step waiting for the
     # disk if it must (keeps the most).
     spill: Literal["cost", "always"] = "cost"
-    # Which free L1 slot a move into L1 or a new block gets: "newest" (the one given back last,
-    # as before the option; the controller's golden plans are recorded with it) or "oldest"
-    # (given back longest ago: its demotion copy is done, so a resume's copies and new K/V do
-    # not wait on the GPU for the demotion that just emptied it). bench/e2e.py runs "oldest":
-    # quick (b2) on the H200 TTFT from L2 13.7 -> 12.4 ms, traffic step 12.4 -> 11.3 ms
-    # (0e1dc01). "newest" stays the default until a GPU run measures "oldest" as the default.
-    l1_reuse: Literal["newest", "oldest"] = "newest"
-    # The same for L2: "oldest" gives an L3 load slots whose spill (a background disk write that
-    # read them) is long done, not those a spill just emptied, which the load must wait for.
-    # bench/e2e.py runs "oldest" (b1d68fa; not measured apart from l1_reuse and the promotions
-    # issued first, 75c3df2); the default stays "newest" for the same reason.
-    l2_reuse: Literal["newest", "oldest"] = "newest"
     # Controller knobs (checked by tpkv.controller when it starts):
     max_moves_per_step: int = 512  # watermark moves per step (bounds copy time); demand uncapped
     prefetch_max_blocks: int = 1024  # speculative promotions per step
@@ -299,8 +287,6 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         check_choice("policy kind", self.kind, ("heat", "lru", "lruk"))
         check_choice("policy spill", self.spill, ("cost", "always"))
-        for name in ("l1_reuse", "l2_reuse"):
-            check_choice(f"policy {name}", getattr(self, name), ("newest", "oldest"))
         try:
             check_float("policy w_attn", self.w_attn)
             check_float("policy w_recency", self.w_recency)

@@ -133,13 +133,13 @@ def run_paced(l3_root: str, monkeypatch: pytest.MonkeyPatch, **policy: Any) -> d
     disk = PacedDisk(DISK_BYTES_PER_S)
     disk.install(monkeypatch)
     waits = watch_spill_waits(monkeypatch)
-    # spill "always" and L2 slots reused oldest first: bench/e2e.py's configuration (c)
+    # spill "always": bench/e2e.py's configuration (c)
     # (pacing starts from the disk's rate, as a deployment that knows its disk would set it;
     # the ranks' measurements take over once spills are written)
     pace = {"ssd_write_bytes_per_s": DISK_BYTES_PER_S} if hasattr(PolicyConfig,
                                                                   "spill_pacing") else {}
     pol = PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=10.0, spill="always",
-                       l2_reuse="oldest", **pace, **policy)
+                       **pace, **policy)
     cfg = tiered_config(model, 1, block_tokens=BT, l1_blocks=L1_BLOCKS, l2_blocks=L2_BLOCKS,
                         ssd_root=l3_root, policy=pol)
     blocked: list[tuple[int, float]] = []  # (round, seconds) per step

@@ -10,7 +10,10 @@ spill pacing became the default (PolicyConfig.spill_pacing: spilled L2 slots han
 spills ahead of need; with it off, the digests before it pass in every case); and again
 when a prefetch into L2 took only clean slots (none a spill still reads: 2 of 30 cases
 changed); and again when L3 stages took a session in parts up to a step's room instead of
-whole sessions only (busy/heat/0 and 1 changed). To re-record after an intended change of
+whole sessions only (busy/heat/0 and 1 changed); and again when L1 and L2 slots given back
+were handed out after every slot free before them (PolicyConfig.l1_reuse/l2_reuse "oldest",
+then the only behaviour: all 30 changed; with "newest" put back in BlockTable, the digests
+before it passed in every case). To re-record after an intended change of
 behaviour, run this file with TPKV_GOLDEN_WRITE=1.
 """
 

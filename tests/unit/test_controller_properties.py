@@ -37,8 +37,6 @@ op = st.one_of(
 configs = st.sampled_from([
     dict(l1=12, l2=10, l3=24), dict(l1=8, l2=6, l3=0), dict(l1=16, l2=12, l3=10, kind="lru"),
     dict(l1=10, l2=16, l3=40, kind="lruk", max_moves_per_step=3),
-    dict(l1=12, l2=10, l3=24, l1_reuse="oldest"),
-    dict(l1=12, l2=10, l3=24, l1_reuse="oldest", l2_reuse="oldest"),
 ])
 
 

@@ -124,7 +124,7 @@ FIELDS: list[tuple[Any, dict[str, Any], str, list[Any]]] = [
     (PolicyConfig, {}, "gpu_share_weight", BAD_FLOAT + [-1.0]),
     *[(PolicyConfig, {}, f, BAD_FLOAT + [0.0, -1.0]) for f in
       ("prefill_tokens_per_s", "h2d_bytes_per_s", "ssd_read_bytes_per_s")],
-    *[(PolicyConfig, {}, f, [1, None, "LRU"]) for f in ("kind", "spill", "l1_reuse")],
+    *[(PolicyConfig, {}, f, [1, None, "LRU"]) for f in ("kind", "spill")],
     (TpkvConfig, {}, "wait_timeout_s", BAD_FLOAT + [0.0, -1.0, 1e12]),
     (TpkvConfig, {}, "heartbeat_s", BAD_FLOAT + [0.0, -1.0]),
     (TpkvConfig, {}, "dashboard_port", BAD_INT + [65536, "8470"]),

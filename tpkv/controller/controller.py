@@ -66,7 +66,7 @@ class Controller:
             Tier.SSD: (config.l3.high_watermark, config.l3.low_watermark)}
         capacity = table_capacity or min(l1 + l2 + l3 + 1024, 1 << 20)
         self.table = BlockTable(l1, l2, l3, pol.lru_k, min(capacity, pol.max_tracked_blocks),
-                                pol.l1_reuse, pol.l2_reuse, self.l3_enabled)
+                                self.l3_enabled)
         self.table.pace = SpillPacer(pol, g.block_bytes)
         self.sessions = SessionTable(pol.lru_k)
         self.batch_table = BatchTable()

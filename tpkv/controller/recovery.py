@@ -136,7 +136,7 @@ def rebuild(config: TpkvConfig, old: BlockTable, tick: int, next_epoch: int, res
     if cap > pol.max_tracked_blocks:
         raise BadRequestError(f"rebuild needs {cap} rows, at most {pol.max_tracked_blocks}")
     T = BlockTable(old.full_slots(Tier.HBM), old.full_slots(Tier.DRAM), old.l3_capacity,
-                   pol.lru_k, cap, pol.l1_reuse, pol.l2_reuse, config.l3.enabled)
+                   pol.lru_k, cap, config.l3.enabled)
     T.pace = old.pace  # (its measurements; the rebuilt L2 slots count as clean)
     S = SessionTable(pol.lru_k)
     taken = {t: np.zeros(T.full_slots(t), bool) for t in (Tier.HBM, Tier.DRAM)}

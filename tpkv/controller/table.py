@@ -45,8 +45,7 @@ class BlockTable:
     l3copy: np.ndarray  # uint8
 
     def __init__(self, l1_slots: int, l2_slots: int, l3_capacity: int, lru_k: int,
-                 capacity: int, l1_reuse: str = "newest", l2_reuse: str = "newest",
-                 keep_l3: bool = False) -> None:
+                 capacity: int, keep_l3: bool = False) -> None:
         self.l3_capacity = l3_capacity
         # A block loaded back from L3, or recomputed by choice from tokens its record holds
         # (demand.keep_records), keeps its record (an L3 copy) while it is not written:
@@ -64,8 +63,11 @@ class BlockTable:
         self.l3_held_now = 0
         self.l3_held_last = 0
         self.lru_k = lru_k
-        self.free = {HBM: SlotStack(l1_slots, "L1", l1_reuse),
-                     DRAM: SlotStack(l2_slots, "L2", l2_reuse)}
+        # Slots given back are handed out after every slot free before them (SlotStack's
+        # "oldest"): a copy into L1, or new K/V, does not wait for the demotion that just
+        # emptied its slot, nor an L3 load for the spill that still reads its L2 slot
+        self.free = {HBM: SlotStack(l1_slots, "L1", "oldest"),
+                     DRAM: SlotStack(l2_slots, "L2", "oldest")}
         self.owner = {HBM: np.full(l1_slots, -1, dtype=np.int32),
                       DRAM: np.full(l2_slots, -1, dtype=np.int32)}
         self.num_in = np.zeros(4, dtype=np.int64)  # live blocks per TIER_INDEX column
