@@ -78,7 +78,7 @@ class Sizes:
     # PolicyConfig.prefetch_max_blocks: blocks a step brings up ahead of need, into L1 and from
     # L3 into L2 each (a turn in line's L3 blocks come up in parts of at most this many)
     prefetch_max_blocks: int = 1024
-    # PolicyConfig.prefetch_stage_max_blocks: of those, L3 -> L2 stages per step
+    # PolicyConfig.prefetch_stage_max_blocks: of those, L3 -> L2 stages per step (0: measured)
     prefetch_stage_max_blocks: int = 1024
     seed: int = 0
     # 1: cProfile the resume steps (host time by function, in the config's "profile_top");

@@ -262,7 +262,9 @@ class PolicyConfig:
     prefetch_max_blocks: int = 1024  # speculative promotions per step
     # of those, L3 -> L2 stages per step (a turn in line's L3 blocks come up in parts of at
     # most this many): what the host copies beside one forward when the step's plans wait for
-    # its launch (Worker.apply_step's late_ok)
+    # its launch (Worker.apply_step's late_ok). 0: as many as the ranks' measured L3 -> L2
+    # rate moves in three quarters of a step (the median gap between recent steps), at least
+    # 16 (RateMeter.stage_blocks)
     prefetch_stage_max_blocks: int = 1024
     auto_pin_refresh_steps: int = 64  # how often the auto-pin attention threshold is recomputed
     gpu_share_weight: float = 1.0  # a recompute delays the other sessions of its step by this much
@@ -300,9 +302,10 @@ class PolicyConfig:
         check_float("policy auto_pin_fraction", self.auto_pin_fraction, 0.0, 1.0)
         check_int("policy max_auto_pin_blocks", self.max_auto_pin_blocks, 0)
         check_int("policy prefetch_steps", self.prefetch_steps, 0)
-        for name in ("max_moves_per_step", "prefetch_max_blocks", "prefetch_stage_max_blocks",
+        for name in ("max_moves_per_step", "prefetch_max_blocks",
                      "auto_pin_refresh_steps", "max_tracked_blocks", "max_pending_plans"):
             check_int(f"PolicyConfig.{name}", getattr(self, name))
+        check_int("PolicyConfig.prefetch_stage_max_blocks", self.prefetch_stage_max_blocks, 0)
         check_float("PolicyConfig.gpu_share_weight", self.gpu_share_weight)
         for name in ("prefill_tokens_per_s", "h2d_bytes_per_s", "ssd_read_bytes_per_s",
                      "ssd_write_bytes_per_s"):

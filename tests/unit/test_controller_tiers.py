@@ -159,6 +159,45 @@ def test_prefetch_from_l3_stages_a_session_in_parts(make_config, fake_clock, cap
         assert rig.c.sessions.l3_other[rig.c.sessions.lookup("a")] == 4
 
 
+def test_a_measured_stage_cap_stages_what_the_ranks_copy_in_a_step(make_config, fake_clock):
+    """prefetch_stage_max_blocks 0: a step stages the L3 blocks the measured L3 -> L2 rate
+    moves in three quarters of the median step time; the rest come up in the next step."""
+    rig = Rig(make_config(l1=32, l2=64, l3=512, prefetch_stage_max_blocks=0, cooldown_s=0.0),
+              fake_clock, l1=32, l2=64)
+    rig.open("a", "b", "c", "d", "e", tokens=96)  # 24 blocks each
+    for n in "abcde":
+        rig.step([n])
+    assert rig.where("a") == ["SSD"] * 24
+    for n in "bcd":
+        if "DRAM" in rig.where(n):
+            rig.c.close_session(n)
+    rig.step(["e"])
+    rates, bb = rig.c.rates, rig.c.config.geometry.block_bytes
+    rates.step_gaps.extend([0.010, 0.010, 0.5])  # median 10 ms: one slow step moves it not
+    rates.ssd_read_bytes_per_s, rates.samples["ssd_read"] = 20 * bb / (0.75 * 0.010), 1
+    assert rates.stage_blocks(bb, 1024) == 20
+    res = rig.step(["e"], upcoming={"a": 1})
+    assert moves(res, Tier.SSD, Tier.DRAM) == 20
+    res = rig.step(["e"], upcoming={"a": 1})
+    assert moves(res, Tier.SSD, Tier.DRAM) == 4 and "SSD" not in rig.where("a")
+
+
+def test_the_measured_stage_cap_waits_for_measures_and_skips_idle_gaps():
+    from tpkv.config import PolicyConfig
+    from tpkv.controller.cost import RateMeter
+
+    m = RateMeter(PolicyConfig(prefetch_stage_max_blocks=0))
+    assert m.stage_blocks(1 << 20, 777) == 777  # nothing measured yet
+    for t in (0.0, 0.008, 0.016, 5.0, 5.008):  # 8 ms steps; 5 s idle is no step
+        m.observe_step(t)
+    assert list(m.step_gaps) == pytest.approx([0.008, 0.008, 0.008])
+    assert m.stage_blocks(1 << 20, 777) == 777  # no L3 read measured yet
+    m.ssd_read_bytes_per_s, m.samples["ssd_read"] = 4e9, 1
+    assert m.stage_blocks(1 << 20, 777) == int(4e9 * 0.008 * 0.75) >> 20  # 22 blocks of 1 MiB
+    m.ssd_read_bytes_per_s = 1e8  # a slow disk: never fewer than 16 a step
+    assert m.stage_blocks(1 << 20, 777) == 16
+
+
 def test_l3_room_a_step_frees_is_held_until_the_step_is_applied(make_config, fake_clock):
     rig = small_l2_rig(make_config, fake_clock)
     rig.open("a", "b", "c", "d", "e")

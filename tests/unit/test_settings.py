@@ -117,9 +117,9 @@ FIELDS: list[tuple[Any, dict[str, Any], str, list[Any]]] = [
     (PolicyConfig, {}, "auto_pin_fraction", BAD_FLOAT + [-0.1, 1.1]),
     (PolicyConfig, {}, "lru_k", BAD_INT + [0, 10**6]),
     *[(PolicyConfig, {}, f, BAD_INT) for f in
-      ("max_auto_pin_blocks", "prefetch_steps")],
+      ("max_auto_pin_blocks", "prefetch_steps", "prefetch_stage_max_blocks")],
     *[(PolicyConfig, {}, f, BAD_INT + [0]) for f in
-      ("max_moves_per_step", "prefetch_max_blocks", "prefetch_stage_max_blocks",
+      ("max_moves_per_step", "prefetch_max_blocks",
        "auto_pin_refresh_steps", "max_tracked_blocks", "max_pending_plans")],
     (PolicyConfig, {}, "gpu_share_weight", BAD_FLOAT + [-1.0]),
     *[(PolicyConfig, {}, f, BAD_FLOAT + [0.0, -1.0]) for f in

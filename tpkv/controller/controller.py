@@ -235,6 +235,7 @@ class Controller:
         self.changing = True  # from here on the table changes
         self.tick += 1
         self.last_step_s = self.now_s()  # the dashboard tells idle from live by it
+        self.rates.observe_step(self.last_step_s)
         out = run_step(ctx, checked, session_ids, self.tick)
         self.names_cache = out.names_cache
         return StepResult(**out.fields, **self.finish_step(out.builder))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +14,10 @@ from tpkv.protocol.plan import MoveResult
 _EMA = 0.2  # weight of a new measurement
 _MIN_SAMPLE_BYTES = 1 << 20  # smaller transfers are dominated by latency, not bandwidth
 _MIN_SAMPLE_TOKENS = 256
+_STEP_GAPS = 32  # the step time is the median gap of this many recent steps
+_IDLE_GAP_S = 1.0  # a longer gap between two steps is idle time, not a step
+_STAGE_SHARE = 0.75  # of a step's time, what L3 -> L2 stages may take (stage_blocks)
+_MIN_STAGE_BLOCKS = 16
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,27 @@ class RateMeter:
         self.ssd_read_bytes_per_s = float(policy.ssd_read_bytes_per_s)
         self.prefill_tokens_per_s = float(policy.prefill_tokens_per_s)
         self.samples = {"h2d": 0, "ssd_read": 0, "prefill": 0}
+        self.step_gaps: deque[float] = deque(maxlen=_STEP_GAPS)  # seconds between steps
+        self._last_step_s: float | None = None
+
+    def observe_step(self, now_s: float) -> None:
+        """A step starts at `now_s` (seconds): the gap since the last one is a step's time,
+        unless the node sat idle in between (over _IDLE_GAP_S)."""
+        if self._last_step_s is not None and 0 < now_s - self._last_step_s <= _IDLE_GAP_S:
+            self.step_gaps.append(now_s - self._last_step_s)
+        self._last_step_s = now_s
+
+    def stage_blocks(self, block_bytes: int, default: int) -> int:
+        """PolicyConfig.prefetch_stage_max_blocks 0: the blocks the ranks' measured L3 -> L2
+        rate (ssd_read_bytes_per_s: read aheads served from memory and disk reads alike)
+        moves in _STAGE_SHARE of a step's time (the median recent gap), at least
+        _MIN_STAGE_BLOCKS: staged after the forward's launch, they take no more host time
+        than the forward covers. `default` until a step time or an L3 read is measured."""
+        if not self.step_gaps or not self.samples["ssd_read"]:
+            return default
+        step_s = statistics.median(self.step_gaps)
+        n = int(self.ssd_read_bytes_per_s * step_s * _STAGE_SHARE // max(block_bytes, 1))
+        return max(_MIN_STAGE_BLOCKS, n)
 
     def observe_plan(self, results: list[MoveResult]) -> None:
         """One plan's reports (one per rank): the slowest rank's time bounds the plan.

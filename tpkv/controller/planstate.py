@@ -39,6 +39,7 @@ class PlanContext:
     stale: np.ndarray = field(default_factory=lambda: _NO_SESSIONS)
     asked: dict[int, tuple[int, int]] = field(default_factory=dict)  # see orders._order
     rebuilds: dict[str, int] = field(default_factory=dict)  # from a prepared order, scanned
+    stage_max_blocks: int = 0  # L3 -> L2 prefetch cap of the step (0: the policy's)
 
 
 @dataclass

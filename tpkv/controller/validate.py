@@ -14,7 +14,8 @@ def check_policy(pol: PolicyConfig) -> None:
     """ConfigError naming the first policy field a controller cannot run with."""
     for name in ("max_moves_per_step", "prefetch_max_blocks", "prefetch_stage_max_blocks",
                  "auto_pin_refresh_steps", "max_tracked_blocks", "max_pending_plans"):
-        if not isinstance(getattr(pol, name), int) or getattr(pol, name) <= 0:
+        least = 0 if name == "prefetch_stage_max_blocks" else 1  # 0: measured (RateMeter)
+        if not isinstance(getattr(pol, name), int) or getattr(pol, name) < least:
             raise ConfigError(f"PolicyConfig.{name} must be a positive integer, "
                               f"got {getattr(pol, name)!r}")
     for name in ("prefill_tokens_per_s", "h2d_bytes_per_s", "ssd_read_bytes_per_s"):
