@@ -288,7 +288,7 @@ def _prefetch(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds, still_needed: 
     # into clean L2 slots only (no spill still reads them): a prefetch never waits for the disk
     free2 = t.free[DRAM].clean if t.pace.enabled else t.num_free(DRAM)
     room2 = min(int(math.floor(ctx.marks[DRAM][0] * slots2)) - t.used(DRAM), free2,
-                p.prefetch_max_blocks, ctx.stage_max_blocks or p.prefetch_stage_max_blocks)
+                p.prefetch_max_blocks, p.prefetch_stage_max_blocks or ctx.measured_stage_blocks)
     if room1 <= 0 and room2 <= 0:
         return
     ups = needs.upcoming[~b.touched[needs.upcoming]]  # none that gave up blocks this phase

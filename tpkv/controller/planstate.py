@@ -39,7 +39,9 @@ class PlanContext:
     stale: np.ndarray = field(default_factory=lambda: _NO_SESSIONS)
     asked: dict[int, tuple[int, int]] = field(default_factory=dict)  # see orders._order
     rebuilds: dict[str, int] = field(default_factory=dict)  # from a prepared order, scanned
-    stage_max_blocks: int = 0  # L3 -> L2 prefetch cap of the step (0: the policy's)
+    # the L3 -> L2 prefetch cap RateMeter.stage_blocks measured, for a policy whose
+    # prefetch_stage_max_blocks is 0 (step._plan)
+    measured_stage_blocks: int = 0
 
 
 @dataclass

@@ -113,6 +113,11 @@ def cooling(demoted_at: np.ndarray, now_s: float, cooldown_s: float) -> np.ndarr
     return (now_s - demoted_at.astype(np.float64)) < cooldown_s
 
 
+def shift_ticks(arr: np.ndarray, shift: int) -> None:
+    """Ticks in `arr` `shift` earlier, in place (never below 0; -1, none, stays)."""
+    arr[...] = np.where(arr >= 0, np.maximum(arr - shift, 0), arr)
+
+
 def fold_access(last: np.ndarray, hist: np.ndarray, count: np.ndarray, runs_seen: np.ndarray,
                 runs: np.ndarray, run_hist: np.ndarray) -> tuple[np.ndarray, ...]:
     """Fold the runs a block's session made since the block was last folded into the block's

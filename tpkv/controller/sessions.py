@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tpkv.controller.arena import RowArena
+from tpkv.controller.policy import shift_ticks
 from tpkv.controller.stepkernels import resolve_handles
 from tpkv.errors import (
     ArgumentTypeError,
@@ -290,8 +291,7 @@ class SessionTable:
 
     def rebase_ticks(self, shift: int) -> None:
         """Ticks `shift` earlier (never below 0; -1, none, stays)."""
-        h = self.run_hist
-        h[...] = np.where(h >= 0, np.maximum(h - shift, 0), h)
+        shift_ticks(self.run_hist, shift)
         self.opened_tick -= shift
 
     def nbytes(self) -> int:

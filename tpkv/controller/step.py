@@ -203,7 +203,7 @@ def _plan(ctx: StepContext, b: PlanBuilder, needs: StepNeeds, tick: int) -> np.n
     prep = ctx.prepared
     stale = (np.concatenate([needs.batch, np.asarray(prep.changed, dtype=np.int64)])
              if prep is not None and prep.tick == tick else EMPTY)
-    stage = pol.prefetch_stage_max_blocks or ctx.rates.stage_blocks(
+    stage = 0 if pol.prefetch_stage_max_blocks else ctx.rates.stage_blocks(
         ctx.config.geometry.block_bytes, pol.prefetch_max_blocks)
     plan = PlanContext(pol, ctx.marks, ctx.l3_enabled, tick, ctx.now_s(), threshold,
                        ctx.draining, ctx.eviction_orders, prep, stale, ctx.order_asks,

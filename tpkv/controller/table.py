@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tpkv.controller.policy import fold_access
+from tpkv.controller.policy import fold_access, shift_ticks
 from tpkv.controller.slotstack import SlotStack
 from tpkv.controller.spillpace import SpillPacer
 from tpkv.controller.stepkernels import keep_promoted, written_kept
@@ -144,8 +144,8 @@ class BlockTable:
 
     def rebase_ticks(self, shift: int) -> None:
         """Ticks `shift` earlier (never below 0; -1, none, stays)."""
-        for arr in (self.last_tick, self.hist):
-            arr[...] = np.where(arr >= 0, np.maximum(arr - shift, 0), arr)
+        shift_ticks(self.last_tick, shift)
+        shift_ticks(self.hist, shift)
 
     # ---- ids -----------------------------------------------------------------------------------
     def ids(self, rows: np.ndarray) -> np.ndarray:

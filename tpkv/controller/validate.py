@@ -16,8 +16,8 @@ def check_policy(pol: PolicyConfig) -> None:
                  "auto_pin_refresh_steps", "max_tracked_blocks", "max_pending_plans"):
         least = 0 if name == "prefetch_stage_max_blocks" else 1  # 0: measured (RateMeter)
         if not isinstance(getattr(pol, name), int) or getattr(pol, name) < least:
-            raise ConfigError(f"PolicyConfig.{name} must be a positive integer, "
-                              f"got {getattr(pol, name)!r}")
+            what = "a positive integer" if least else "an integer >= 0"
+            raise ConfigError(f"PolicyConfig.{name} must be {what}, got {getattr(pol, name)!r}")
     for name in ("prefill_tokens_per_s", "h2d_bytes_per_s", "ssd_read_bytes_per_s"):
         if not getattr(pol, name) > 0:
             raise ConfigError(f"PolicyConfig.{name} must be > 0, got {getattr(pol, name)}")
