@@ -119,7 +119,9 @@ def one_process(monkeypatch: pytest.MonkeyPatch) -> None:
 def tiers_config(model: Any, l1: int, l2: int, ssd_root: str | None) -> dict[str, Any]:
     """Tier sizes in blocks; loads always beat recomputes (a slow prefill rate). L3 through the
     POSIX backend, buffered (a tmp directory may not take O_DIRECT; "auto" could pick kvikio
-    on a GPU machine with GPUDirect Storage)."""
+    on a GPU machine with GPUDirect Storage). Spills unpaced: paced, a loaded machine's disk
+    (as the tiny blocks measure it) has L2 blocks dropped, not spilled, and their tokens
+    lost, where these tests check that every resume loads."""
     from tpkv.config import HbmConfig, HostConfig, PolicyConfig, SsdConfig
     from tpkv.models.hf_attach import model_geometry
 
@@ -128,7 +130,8 @@ def tiers_config(model: Any, l1: int, l2: int, ssd_root: str | None) -> dict[str
                     o_direct=False, io_threads=2) if ssd_root else SsdConfig())
     return {"l1": HbmConfig(num_blocks=l1),
             "l2": HostConfig(budget_bytes=l2 * block_bytes, arena_bytes=l2 * block_bytes),
-            "l3": l3, "policy": PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=10.0)}
+            "l3": l3, "policy": PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=10.0,
+                                             spill_pacing=False)}
 
 
 def run_tiered(model: Any, l1: int, l2: int, ssd_root: str | None,
