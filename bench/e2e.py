@@ -79,7 +79,7 @@ class Sizes:
     # L3 into L2 each (a turn in line's L3 blocks come up in parts of at most this many)
     prefetch_max_blocks: int = 1024
     # PolicyConfig.prefetch_stage_max_blocks: of those, L3 -> L2 stages per step (0: measured)
-    prefetch_stage_max_blocks: int = 1024
+    prefetch_stage_max_blocks: int = 0
     seed: int = 0
     # 1: cProfile the resume steps (host time by function, in the config's "profile_top");
     # 2: the decode steps, those with tier traffic and those without apart ("profile_traffic_top",
@@ -130,11 +130,6 @@ def parse() -> tuple[argparse.Namespace, Sizes]:
     ap.add_argument("--compare-local", action="store_true",
                     help="run each configuration again with the in-process controller "
                          "(results as '<config>-local'; ratios of step times between them)")
-    ap.add_argument("--switch-interval-us", type=float, default=None,
-                    help="the interpreter's thread switch interval for the run "
-                         "(sys.setswitchinterval; default Python's, 5000 us): how long a "
-                         "thread waking from the GPU may wait for the GIL while another "
-                         "runs Python")
     for f in dataclasses.fields(Sizes):
         kind = type(f.default)
         if kind is tuple:
@@ -206,8 +201,6 @@ def main() -> None:
     rng = np.random.default_rng(sizes.seed)
     contexts = rng.integers(sizes.context[0], sizes.context[1] + 1, sizes.sessions).tolist()
     started = time.time()
-    if args.switch_interval_us is not None:
-        sys.setswitchinterval(args.switch_interval_us / 1e6)
     rates = [float(g) for g in args.emulate_l3_gbps.split(",") if g.strip()]
     emulate = [k for k in args.emulate_configs.split(",") if k] if rates else []
     if any(g <= 0 for g in rates) or not set(emulate) <= {"c", "c2", "c3"}:
@@ -239,8 +232,7 @@ def main() -> None:
     head = {"command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "sizes": dataclasses.asdict(sizes), "ceilings_gbps": ceil, "sizing": sizing,
-            "bound_terms": TERMS, "definitions": DEFINITIONS,
-            "switch_interval_s": sys.getswitchinterval()}
+            "bound_terms": TERMS, "definitions": DEFINITIONS}
     if not args.no_warm_up:
         warm = warm_up(sizes, device, ceil, args.controller)
         print(f"== warm-up (not measured): {warm['seconds']:.1f} s, moves {warm['moves']}",

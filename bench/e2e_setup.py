@@ -66,7 +66,7 @@ def config_for(s: Setting, model: Llama, block_tokens: int, cuda: bool,
                layer_events: int = 1,
                write_piece_bytes: int = 4 << 20, write_threads: int = 8,
                prefetch_max_blocks: int = 1024,
-               prefetch_stage_max_blocks: int = 1024) -> TpkvConfig:
+               prefetch_stage_max_blocks: int = 0) -> TpkvConfig:
     g = model.kv_geometry(tp_size=1, block_tokens=block_tokens)
     bb = g.block_bytes
     l2 = max(s.l2_bytes, bb)
