@@ -5,9 +5,16 @@ kernels compiled (their disk cache is empty on a fresh machine), CUDA graphs cap
 allocator grown, library handles made. On the H200 (2026-12-02) the same (c2-em14) run as the
 first configuration of its process took 19.1 s for its first turn round against 14.4 s after
 another configuration: a comparison between configurations (the transports of --compare-local,
-an A/B) would measure the order. So every run starts with this one, at a quarter of the
-sessions' lengths and with small tiers, through every tier path (demotions, spills, L3 read
-aheads, loads and recomputes), and throws its result away.
+an A/B) would measure the order. So every run starts with this one, with small tiers, through
+every tier path (demotions, spills, L3 read aheads, loads and recomputes), and throws its
+result away.
+
+Its sessions span the run's context lengths evenly, so that every graph of a returning turn's
+prefill (one per key width bucket, `tpkv.models.paged.PREFIX_BUCKET_BLOCKS` blocks wide) and the
+kernels of every size are met here first. With a quarter of the lengths, as before, the first
+configuration captured them in its measured turns: on the H200 (2026-12-03, (b2) with
+--compare-local) its first 9 returning turns' forwards took 120-153 ms through the Ray actor
+against 46-51 ms for the same turns in process after it, 0.8 s of the 1.2 s between the two.
 """
 
 from __future__ import annotations
@@ -25,18 +32,24 @@ from bench.e2e_run import run_tiered
 from bench.e2e_setup import Setting
 from tpkv.config import GiB
 
-WARM_SESSIONS = 12
+WARM_SESSIONS = 16
 
 
 def warm_sizes(sizes: Any) -> Any:
-    """The run's sizes for the warm-up: a dozen sessions at a quarter of its contexts, L1 and
-    L3 a quarter of its own and L2 a 32nd (so that L1 and L2 overflow and L3 is read back),
-    two rounds of short turns."""
-    lo, hi = sizes.context
+    """The run's sizes for the warm-up: 16 sessions of its context lengths, its L1, an eighth of
+    its L2 and a quarter of its L3 (so that L1 and L2 overflow and L3 is read back), two rounds
+    of short turns."""
     return dataclasses.replace(
-        sizes, sessions=WARM_SESSIONS, context=(max(lo // 4, 16), max(hi // 4, 32)), rounds=2,
-        gen_tokens=max(2, sizes.gen_tokens // 4), l1_gib=sizes.l1_gib / 4,
-        l2_gib=sizes.l2_gib / 32, l3_gib=sizes.l3_gib / 4, profile=0, arrivals=0)
+        sizes, sessions=WARM_SESSIONS, rounds=2, gen_tokens=max(2, sizes.gen_tokens // 4),
+        l2_gib=sizes.l2_gib / 8, l3_gib=sizes.l3_gib / 4, profile=0, arrivals=0)
+
+
+def warm_contexts(small: Any) -> list[int]:
+    """Each warm-up session's first-turn tokens: evenly from the shortest context to the
+    longest, shuffled (seeded) so that short and long ones mix in the rounds."""
+    lo, hi = small.context
+    lengths = np.linspace(lo, hi, small.sessions).round().astype(int)
+    return np.random.default_rng(small.seed + 7).permutation(lengths).tolist()
 
 
 def warm_up(sizes: Any, device: torch.device, ceil: dict[str, float], controller: str,
@@ -44,8 +57,7 @@ def warm_up(sizes: Any, device: torch.device, ceil: dict[str, float], controller
     """One short tiered run on its own L3 directory (deleted after); returns its result, with
     its wall time as "seconds"."""
     small = warm_sizes(sizes)
-    rng = np.random.default_rng(sizes.seed + 7)
-    contexts = rng.integers(small.context[0], small.context[1] + 1, small.sessions).tolist()
+    contexts = warm_contexts(small)
     root = tempfile.mkdtemp(prefix="tpkv-e2e-warm-")
     setting = Setting("warm-up", "warm-up (not measured)", int(small.l1_gib * GiB),
                       int(small.l2_gib * GiB), root, int(small.l3_gib * GiB), spill=spill)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.e2e import CPU, settings
+from bench.e2e import CPU, FULL, settings
 from bench.e2e_arrive import schedule
 from bench.e2e_bound import TERMS, bound, quiet_decode_s
 from bench.e2e_emulate import Pace, fit, kv_bytes_per_token, model_config
@@ -236,7 +236,22 @@ def test_the_warm_up_goes_through_every_tier_path() -> None:
 
     small = warm_sizes(CPU)
     assert small.sessions == WARM_SESSIONS and small.rounds == 2
-    assert small.context[1] < CPU.context[1] and small.l2_gib < CPU.l2_gib
+    assert small.context == CPU.context and small.l2_gib < CPU.l2_gib
     r = warm_up(CPU, CPU_DEV, dict(CEIL), "local")
     assert r["oom_or_failures"] == 0 and r["seconds"] > 0
     assert all(r["moves"][k] > 0 for k in ("l1_l2", "l2_l1", "l2_l3", "l3_l2")), r["moves"]
+
+
+@pytest.mark.parametrize("sizes", [CPU, FULL], ids=["cpu", "full"])
+def test_the_warm_up_meets_every_prefill_width_of_the_run(sizes) -> None:
+    """The warm-up's sessions run from the run's shortest context to its longest in steps
+    narrower than one key width bucket of the prefill graphs, so no measured turn is the first
+    of its width."""
+    from bench.e2e_warm import warm_contexts, warm_sizes
+    from tpkv.models.paged import PREFIX_BUCKET_BLOCKS
+
+    lengths = sorted(warm_contexts(warm_sizes(sizes)))
+    assert lengths[0] == sizes.context[0] and lengths[-1] == sizes.context[1]
+    step = max(b - a for a, b in zip(lengths, lengths[1:]))
+    assert 0 < step < PREFIX_BUCKET_BLOCKS * sizes.block_tokens, (step, lengths)
+
