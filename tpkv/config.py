@@ -263,8 +263,8 @@ class PolicyConfig:
     # of those, L3 -> L2 stages per step (a turn in line's L3 blocks come up in parts of at
     # most this many): what the host copies beside one forward when the step's plans wait for
     # its launch (Worker.apply_step's late_ok). 0 (default): as many as the ranks' measured
-    # L3 -> L2 rate moves in three quarters of a step (the median gap between recent steps),
-    # at least 16 (RateMeter.stage_blocks); N > 0: at most N
+    # L3 -> L2 rate moves in three quarters of a step (the lower decile of recent step gaps:
+    # a decode step without staging), at least 16 (RateMeter.stage_blocks); N > 0: at most N
     prefetch_stage_max_blocks: int = 0
     auto_pin_refresh_steps: int = 64  # how often the auto-pin attention threshold is recomputed
     gpu_share_weight: float = 1.0  # a recompute delays the other sessions of its step by this much

@@ -161,7 +161,7 @@ def test_prefetch_from_l3_stages_a_session_in_parts(make_config, fake_clock, cap
 
 def test_a_measured_stage_cap_stages_what_the_ranks_copy_in_a_step(make_config, fake_clock):
     """prefetch_stage_max_blocks 0: a step stages the L3 blocks the measured L3 -> L2 rate
-    moves in three quarters of the median step time; the rest come up in the next step."""
+    moves in three quarters of a step's time; the rest come up in the next step."""
     rig = Rig(make_config(l1=32, l2=64, l3=512, prefetch_stage_max_blocks=0, cooldown_s=0.0),
               fake_clock, l1=32, l2=64)
     rig.open("a", "b", "c", "d", "e", tokens=96)  # 24 blocks each
@@ -173,7 +173,7 @@ def test_a_measured_stage_cap_stages_what_the_ranks_copy_in_a_step(make_config, 
             rig.c.close_session(n)
     rig.step(["e"])
     rates, bb = rig.c.rates, rig.c.config.geometry.block_bytes
-    rates.step_gaps.extend([0.010, 0.010, 0.5])  # median 10 ms: one slow step moves it not
+    rates.step_gaps.extend([0.010, 0.010, 0.5])  # a step: 10 ms; one slow step moves it not
     rates.ssd_read_bytes_per_s, rates.samples["ssd_read"] = 20 * bb / (0.75 * 0.010), 1
     assert rates.stage_blocks(bb, 1024) == 20
     res = rig.step(["e"], upcoming={"a": 1})
@@ -669,3 +669,17 @@ def test_while_the_disk_is_behind_l2_holds_as_many_sessions_as_without_l3(make_c
     assert without_l3 == 5  # 1 session in L1 (below its high mark), 4 in L2
     assert behind >= without_l3, (behind, without_l3)  # and any spilled before the queue filled
     rig.c.check_integrity()
+
+
+def test_the_measured_stage_cap_takes_a_step_without_staging():
+    """The steps that stage (and the resume steps) are longer than a decode step: a step's
+    time is the lower decile of the recent gaps, so that longer gaps of stages do not let the
+    next steps stage more."""
+    from tpkv.config import PolicyConfig
+    from tpkv.controller.cost import RateMeter
+
+    m = RateMeter(PolicyConfig(prefetch_stage_max_blocks=0))
+    m.ssd_read_bytes_per_s, m.samples["ssd_read"] = 10e9, 1
+    m.step_gaps.extend([0.007] * 6 + [0.017] * 20 + [0.150] * 6)  # median 17 ms
+    assert m.stage_blocks(1 << 20, 777) == int(10e9 * 0.007 * 0.75) >> 20  # 50, not 121
+
