@@ -85,10 +85,6 @@ def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
         if mode == "miss" and rank == 0:
             rt.worker.fault_miss_from = 1
         tiered = TieredEngine(rt, model, report_prefill=False)
-        if mode == "miss":  # the miss in the load of the step a turn joins, which runs again:
-            # turns read ahead join at once (staged ahead, a miss is a block lost before the
-            # step, which recomputes it without running again)
-            tiered.returns.stage_wait_steps = 0
         watched = _watch_steps(tiered, device == "cuda")
         got = drive(tiered.engine, stagger=stagger)
         if rank == 0:  # every token a step planned ahead added was fed by a later step

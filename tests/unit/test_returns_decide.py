@@ -76,9 +76,6 @@ class FakeWorker:
     def needed(self, name: str) -> bool:
         return self.on3.get(name, 0) > 0 and self.status.get(name) != "too_big"
 
-    def on_l3(self, name: str) -> int:
-        return self.on3.get(name, 0)
-
     def drop(self, name: str) -> None:
         self.dropped.append(name)
         self.ahead.held.discard(name)
@@ -93,11 +90,7 @@ def returns(rank: int = 0, **policy: Any) -> tuple[Returns, FakeWorker]:
                           geometry=SimpleNamespace(block_tokens=16))
     rt = SimpleNamespace(config=cfg, rank=rank, worker=worker,
                          from_rank0=lambda fn, what: fn())
-    r = Returns(rt)  # type: ignore[arg-type]
-    # 0: a turn read ahead goes in at the next sample, staged or not (the cases below that
-    # are not about staging)
-    r.stage_wait_steps = policy.get("stage_wait", 0)
-    return r, worker
+    return Returns(rt), worker  # type: ignore[arg-type]
 
 
 def seqs(*names: str) -> list[Any]:
@@ -530,42 +523,3 @@ def test_the_last_turns_in_the_disk_s_line_go_to_the_gpu_once_its_queue_drained(
     # (4.2 ms of s3's, then its own); then s3 (2.6 ms after s7's against its 4.2 ms read)
     assert r.admit([], line, idle=False) == ["s7", "s3"]
     assert set(r.recompute) == {"s3", "s7"} and not w.started and r.num_recomputed == 8
-
-
-def test_a_turn_read_ahead_waits_for_its_blocks_to_be_staged_a_bounded_while() -> None:
-    """Beside a running batch, a turn read ahead with blocks still on L3 waits outside while
-    the steps before it stage them into L2, at most `stage_wait_steps` samples: then it goes
-    in and its own step stages the rest."""
-    r, w = returns(stage_wait=2)
-    w.status = {"a": "started"}
-    w.on3 = {"a": 900}
-    r.admit(["a"], [], idle=False)
-    w.ahead.done_now.add("a")
-    assert r.sample(seqs("a")) == [] and r.admit([], ["a"], idle=False) == []
-    w.on3["a"] = 700  # a step staged 200 of them
-    assert r.sample(seqs("a")) == [] and r.admit([], ["a"], idle=False) == []
-    assert r.sample(seqs("a")) == ["a"]  # waited 2 samples: in, with 700 left to stage
-    assert r.admit([], ["a"], idle=False) == ["a"]
-
-
-def test_a_turn_read_ahead_goes_in_once_its_blocks_are_staged() -> None:
-    r, w = returns(stage_wait=8)
-    w.status = {"a": "started"}
-    w.on3 = {"a": 300}
-    r.admit(["a"], [], idle=False)
-    w.ahead.done_now.add("a")
-    assert r.sample(seqs("a")) == []
-    w.on3["a"] = 0  # staged: every block of it in L2 or L1
-    assert r.sample(seqs("a")) == ["a"]
-    assert r.admit([], ["a"], idle=False) == ["a"]
-
-
-def test_with_nothing_running_a_turn_read_ahead_goes_in_unstaged() -> None:
-    """No batch runs (no sample was taken): nothing waits for its staging, it goes in."""
-    r, w = returns(stage_wait=8)
-    w.status = {"a": "started"}
-    w.on3 = {"a": 300}
-    r.admit(["a"], [], idle=True)
-    w.ahead.done_now.add("a")
-    assert r.admit([], ["a"], idle=True) == ["a"]
-

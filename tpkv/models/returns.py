@@ -70,12 +70,6 @@ class Returns:
         # bytes they will read, in the order they queued: the disk's queue beyond the reads
         # started (store.ahead.pending_bytes)
         self._line: dict[str, int] = {}
-        # Rank 0: a turn read ahead waits outside the batch at most this many samples more
-        # while the steps before it stage its L3 blocks into L2 beside their forwards (the
-        # step it joins then loads from L2 only); turns read ahead and not yet staged -> the
-        # samples they waited
-        self.stage_wait_steps = 8
-        self._unstaged: dict[str, int] = {}
 
     @property
     def recompute(self) -> KeysView[str]:
@@ -100,26 +94,10 @@ class Returns:
         (`_pick`)."""
         if self.rt.rank != 0:
             return []
-        ready = self._pick([s.session for s in returning
-                            if self.ready(s.session) and self._staged(s.session)],
+        ready = self._pick([s.session for s in returning if self.ready(s.session)],
                            self.room())
         self._sample = set(ready)
         return ready
-
-    def _staged(self, name: str) -> bool:
-        """Rank 0, of a turn ready to go in beside a running batch: whether nothing of it is
-        left on L3 here (the plans of the steps before staged it), or it waited
-        `stage_wait_steps` samples for that already. A turn read ahead that joins with blocks
-        still on L3 stages them all in its own step, which the batch waits for (40-70 ms for
-        ~900 blocks on the H200, against a 7 ms decode step)."""
-        if name in self._straight or not self.rt.worker.returning.on_l3(name):
-            self._unstaged.pop(name, None)
-            return True
-        waited = self._unstaged.get(name, 0)
-        if waited >= self.stage_wait_steps:
-            return True
-        self._unstaged[name] = waited + 1
-        return False
 
     def ready(self, name: str) -> bool:
         """Rank 0: whether the turn of `name`, outside the batch, may go in: it needs no read
@@ -299,12 +277,11 @@ class Returns:
     def loaded(self, session_ids: Sequence[str]) -> None:
         """The sessions ran a step (their loads are planned) or closed: what was read ahead of
         them goes back."""
-        if not (self.reading or self.recompute or self._line or self._unstaged):
+        if not (self.reading or self.recompute or self._line):
             return
         for name in session_ids:
             self._recompute_tokens.pop(name, None)
             self._line.pop(name, None)
-            self._unstaged.pop(name, None)
             if name in self.reading:
                 self.reading.discard(name)
                 self.rt.worker.returning.drop(name)
