@@ -24,6 +24,7 @@ from bench.e2e_stats import (  # noqa: F401  (rerate: e2e.py's import)
     top_functions,
     ttft_summary,
 )
+from bench.gc_clock import GC_CLOCK
 from tpkv.config import GiB
 from tpkv.errors import TpkvError
 from tpkv.models.engine import Finished
@@ -61,6 +62,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
                               report_prefill=not s.always_load,
                               attention=attention)
         tiered.trace = cuda  # device times of each step's copies, for the resume records
+        gc_mark = GC_CLOCK.install().mark()
         if sizes.arrivals:
             from bench.e2e_arrive import Arrivals
 
@@ -74,6 +76,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         r["copy_blocks"], r["copy_descriptors"] = dict(eng.num_blocks), dict(eng.num_descriptors)
         r["events"] = rt.controller.snapshot()["event_counts"]  # the controller's, by kind
         r["late_steps"] = rt.worker.num_late
+        r["gc"] = GC_CLOCK.since(gc_mark)  # this process's collections during the run
         # steps planned ahead and used as planned, or applied without their forward
         r["ahead_steps"] = {"used": rt.num_ahead_used, "unused": rt.num_ahead_unused}
         r["chained_moves"] = rt.worker.executor.num_chained  # L2 -> L1 moves issued during reads
@@ -223,6 +226,7 @@ class Rounds:
         l2_before = self._l2_state()
         l3_before = self._l3_sources()
         captures0 = e.graphs.captures if e.graphs is not None else 0
+        gc0 = GC_CLOCK.total_s
         t0 = time.perf_counter()
         if step_prof is not None:
             finished = step_prof.runcall(e.step)
@@ -230,6 +234,7 @@ class Rounds:
             finished = e.step()
         t1 = time.perf_counter()
         ms = (t1 - t0) * 1e3
+        gc_ms = round(1e3 * (GC_CLOCK.total_s - gc0), 3)  # collections during the step
         self._first_tokens(t1)
         what = ("idle" if not batch else "resume" if returning else kind)
         self.spent.append((what, t1 - t0, self.tiered.last_times.get("forward", 0.0)
@@ -250,7 +255,7 @@ class Rounds:
             captured = e.graphs is not None and e.graphs.captures > captures0
             self.steps.append((ms, any(moved.values()), batch, kv_tokens, changed, captured))
             shape = {"batch": batch, "kv_tokens": kv_tokens, "batch_changed": changed,
-                     "captured_graph": captured}
+                     "captured_graph": captured, "gc_ms": gc_ms}
             if any(moved.values()):
                 self.traffic.append({"step_ms": round(ms, 3), "moved": moved, **shape,
                                      **self._parts(), **l2_before,
@@ -268,7 +273,8 @@ class Rounds:
                                   not (loaded["l2"] or loaded["l3"]), context))
             if returning:
                 self._resume(session, ms, moved, st.recompute_tokens > recompute0, loaded)
-                self.resumes[-1].update({**l2_before, **self._l3_sources(l3_before)})
+                self.resumes[-1].update({**l2_before, **self._l3_sources(l3_before),
+                                         "gc_ms": gc_ms})
         return batch, finished
 
     def _first_tokens(self, now: float) -> None:

@@ -82,6 +82,31 @@ def test_rounds_report_returning_ttft_and_bound(tmp_path: Path) -> None:
     assert sum(r["l3_from_read_ahead"] + r["l3_from_disk"] for r in loads) > 0
     assert c["bound"]["disk_write_s"] == pytest.approx(
         c["bound"]["work"]["bytes"]["l2_l3"] / 2e9, abs=1e-4)
+    # every step's record says how long Python's collections held the process during it
+    recs = [*c["resume_records"], *c["traffic_records"]]
+    assert recs and all(r["gc_ms"] >= 0 for r in recs)
+    assert c["gc"]["ms"] >= sum(r["gc_ms"] for r in recs) - 1e-6
+    assert len(c["gc"]["collections_by_generation"]) == 3
+
+
+def test_the_gc_clock_times_each_collection_by_generation() -> None:
+    import gc
+
+    from bench.gc_clock import GcClock
+
+    clock = GcClock().install()
+    try:
+        mark = clock.mark()
+        gc.collect()  # a full collection
+        gc.collect(0)
+        got = clock.since(mark)
+    finally:
+        clock.uninstall()
+    assert got["collections_by_generation"][2] >= 1 and got["collections_by_generation"][0] >= 1
+    assert got["ms"] >= got["max_ms"] > 0
+    n = len(clock.events)
+    gc.collect()  # uninstalled: not counted
+    assert len(clock.events) == n
 
 
 def test_arrivals_time_turns_from_add_and_arrival(tmp_path: Path) -> None:
