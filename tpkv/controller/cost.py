@@ -85,9 +85,9 @@ class RateMeter:
         moves in _STAGE_SHARE of a step's time, at least _MIN_STAGE_BLOCKS: staged after the
         forward's launch, they take no more host time than the forward covers. A step's time
         is the lower decile of the recent gaps: a decode step's without staging. (The median
-        counted the steps that staged and the resume steps: on the H200 a 12 ms median beside
-        7 ms decode steps let a step stage ~200 blocks, 10 ms of copies, and such steps took
-        16.6 ms.) `default` until a step time or an L3 read is measured."""
+        counted the steps that staged and the resume steps: on the H200, with 7 ms decode
+        steps, it let a step stage ~200 blocks, and such steps took 16.6 ms at the median.)
+        `default` until a step time or an L3 read is measured."""
         if not self.step_gaps or not self.samples["ssd_read"]:
             return default
         step_s = sorted(self.step_gaps)[len(self.step_gaps) // 10]
