@@ -51,7 +51,10 @@ def hf_tp_rank(rank: int, world: int, model_dir: str, ssd_root: str,
                                   arena_bytes=L2_BLOCKS * block_bytes),
                  "l3": SsdConfig(root=ssd_root, budget_bytes=4096 * block_bytes,
                                  o_direct=False, io_threads=2),
-                 "policy": PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=10.0),
+                 # spills unpaced, as hf_cases.tiers_config says why: "load" checks that
+                 # every resume loads
+                 "policy": PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=10.0,
+                                        spill_pacing=False),
                  "wait_timeout_s": 60.0}
     with tpkv.attach(model, tiers_cfg, block_tokens=BT, controller="local") as tiers:
         if mode == "miss" and rank == 0:
