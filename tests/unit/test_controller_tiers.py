@@ -682,4 +682,3 @@ def test_the_measured_stage_cap_takes_a_step_without_staging():
     m.ssd_read_bytes_per_s, m.samples["ssd_read"] = 10e9, 1
     m.step_gaps.extend([0.007] * 6 + [0.017] * 20 + [0.150] * 6)  # median 17 ms
     assert m.stage_blocks(1 << 20, 777) == int(10e9 * 0.007 * 0.75) >> 20  # 50, not 121
-

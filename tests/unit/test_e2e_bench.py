@@ -279,4 +279,3 @@ def test_the_warm_up_meets_every_prefill_width_of_the_run(sizes) -> None:
     assert lengths[0] == sizes.context[0] and lengths[-1] == sizes.context[1]
     step = max(b - a for a, b in zip(lengths, lengths[1:]))
     assert 0 < step < PREFIX_BUCKET_BLOCKS * sizes.block_tokens, (step, lengths)
-
