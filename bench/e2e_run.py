@@ -85,7 +85,11 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         ahead = rt.worker.store.ahead if rt.worker.store is not None else None
         r["returns"] = {"read_ahead": tiered.returns.num_read_ahead,
                         "recomputed": tiered.returns.num_recomputed,
-                        "served_blocks": ahead.num_served if ahead is not None else 0}
+                        "served_blocks": ahead.num_served if ahead is not None else 0,
+                        # kept outside while L2 had no room for their fresh K/V without a drop
+                        "held_for_disk": tiered.returns.num_held,
+                        "spill_wait_s": round(tiered.returns.spill_wait_s, 3)}
+        r["dropped_blocks"] = tiered.stats.dropped_blocks  # (after the fill: dropped_blocks_fill)
         if rt.worker.store is not None:  # where the L3 reads' time went
             # spill pieces that paused for a step's reads; steps that waited for spills (they
             # went first then)
@@ -132,6 +136,7 @@ class Rounds:
         self.resumes: list[dict[str, Any]] = []
         self.failures: list[str] = []
         self.held_after_fill = 0
+        self.dropped_fill = 0  # blocks dropped in the fill round
         self.traffic: list[dict[str, Any]] = []  # decode steps with moves: parts and copies
         self.quiet_parts: list[dict[str, float]] = []  # decode steps without: parts
         mode = sizes.profile
@@ -174,6 +179,7 @@ class Rounds:
             print(f"  round {rnd}: {time.perf_counter() - t0:.1f} s", flush=True)
             if rnd == 0:
                 self.held_after_fill = self._held(names)
+                self.dropped_fill = self.tiered.stats.dropped_blocks
             else:
                 t_turns += time.perf_counter() - t0
         return self._report(gen_tokens, t_turns)
@@ -369,6 +375,7 @@ class Rounds:
         busy = [s[0] for s in timed if s[1]]
         out: dict[str, Any] = {
             "sessions": len(self.contexts), "sessions_held": self.held_after_fill,
+            "dropped_blocks_fill": self.dropped_fill,
             "oom_or_failures": len(self.failures), "failures": self.failures,
             "decode_tokens_per_s": round(gen_tokens / t_turns, 1) if t_turns else None,
             "decode_step_tokens_per_s": round(sum(s[2] for s in steps) / (sum(ms) / 1e3), 1)

@@ -70,6 +70,7 @@ class World:
         self.miss_next = -1
         self.lost = False
         self.trace: list[bytes] = []
+        self.l2_room: list[int] = []  # StepResult.l2_room of each step
 
     def state(self) -> tuple:
         m = self.c.slot_map()
@@ -113,7 +114,11 @@ class World:
 
     def step(self, batch: list[str], tokens: int, upcoming: list[str]) -> StepResult:
         res = self.c.schedule(batch, [tokens] * len(batch), {n: 1 for n in upcoming})
-        self.trace.append(encode(res.to_dict()))
+        d = res.to_dict()
+        # the plans, drops and tables; the admission advice apart (the golden digests pin
+        # the first, test_spill_pace.py checks the advice)
+        self.l2_room.append(d.pop("l2_room"))
+        self.trace.append(encode(d))
         if res.plans and self.record_events:
             event(f"a step with {min(len(res.plans), 2)}+ plans")
         misses: dict[int, list[int]] = {}
@@ -283,6 +288,7 @@ def test_prepare_between_operations_changes_no_result(make_config, cfg, seed):
     runs = [_prepared_run(cfg, make_config, seed, mode) for mode in ("never", "predicted",
                                                                       "forced")]
     assert runs[0].trace == runs[1].trace == runs[2].trace
+    assert runs[0].l2_room == runs[1].l2_room == runs[2].l2_room
     assert not runs[0].c.order_rebuilds.get("prepared")
     if runs[2].c.order_rebuilds.get("prepared"):
         event("a forced prepared order was walked")

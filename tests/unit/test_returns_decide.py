@@ -55,9 +55,10 @@ class FakeWorker:
         n = (self.on3 if tier == int(Tier.SSD) else self.on2).get(name, 0)
         return np.arange(n)
 
-    def _wait_spills(self, deadline: float, names: set[str]) -> None:
-        self.waited_spills.append(set(names))
-        self.busy -= names
+    def _wait_spills(self, deadline: float, names: set[str] = frozenset(),  # type: ignore[assignment]
+                     every: bool = False) -> None:
+        self.waited_spills.append({"*"} if every else set(names))
+        self.busy = set() if every else self.busy - names
 
     def start(self, name: str) -> str:
         if name in self.ahead.held:
@@ -187,6 +188,60 @@ def test_a_session_the_gpu_recomputes_sooner_goes_in_to_be_recomputed() -> None:
     r2, w2 = returns(prefill=1e5, read=1e12)
     w2.status, w2.on3, w2.on2 = {"a": "started"}, {"a": 4}, {"a": 4}
     assert r2.admit(["a"], [], idle=False) == [] and w2.started == ["a"]
+
+
+def test_a_read_that_ends_before_the_gpu_reaches_the_turn_is_never_traded_for_a_recompute(
+        ) -> None:
+    """The same turn as above (recompute 3.8 ms, read 12.6 ms), with 10 ms of decoding
+    ahead of it (the batch's and the ready turns' tokens, 2 ms each): the read ends first, so
+    it is read ahead; turns that arrive before it and go in add their tokens to that work."""
+    def setup(ahead_tokens: int) -> tuple[Returns, FakeWorker]:
+        r, w = returns(prefill=1e5, read=1e9)
+        w.status = {"a": "started"}
+        w.on3, w.on2 = {"a": 4}, {"a": 4}
+        w.ahead.pending = 8 << 20
+        r.num_running = lambda: 2
+        r.decoded(2, 0.004)  # a 4 ms step of two: 2 ms a token
+        r.decode_ahead = lambda: ahead_tokens
+        r.turn_tokens = lambda names: 3 * len(names)
+        return r, w
+
+    r, w = setup(5)
+    assert r.decode_token_s == 0.002
+    assert r.admit(["a"], [], idle=False) == [] and w.started == ["a"] and not r.recompute
+    r, w = setup(2)  # 4 ms ahead: the recompute still ends first
+    assert r.admit(["a"], [], idle=False) == ["a"] and r.recompute == {"a"}
+    r, w = setup(2)  # with b (3 tokens: 6 ms more) going in before it, the read ends first
+    assert r.admit(["b", "a"], [], idle=False) == ["b"] and w.started == ["a"]
+
+
+def test_a_turn_with_more_fresh_kv_than_l2_room_waits_while_the_batch_runs() -> None:
+    """l2_room 40 blocks of 16 tokens: a (200 tokens, 13 blocks) and b (400, 25) fit; c
+    (20 blocks) waits outside while anything runs, and goes in once the room is back; with
+    nothing running the first turn goes in after this rank's spills are written; one kept
+    out max_held times goes in anyway."""
+    r, w = returns()
+    fresh = {"a": 200, "b": 400, "c": 320, "d": 16}
+    r.fresh_tokens = lambda n: fresh[n]
+    running = [True]
+    r.busy = lambda: running[0]
+    r.l2_room = 40
+    assert r.admit(["a", "b", "c", "d"], [], idle=False) == ["a", "b", "d"]
+    assert r.num_held == 1 and not w.waited_spills
+    r.l2_room = 10  # (their step's)
+    assert r.sample(seqs("c")) == []  # still no room: kept out at the launch too
+    r.l2_room = 20
+    assert r.sample(seqs("c")) == ["c"] and r.admit([], ["c"], idle=False) == ["c"]
+    r.l2_room = 0
+    assert r.admit(["a"], [], idle=False) == []
+    running[0] = False
+    assert r.admit([], ["a"], idle=True) == ["a"] and w.waited_spills == [{"*"}]
+    r.l2_room = -1  # no limit (no L3, or the disk never left behind)
+    assert r.admit(["b"], [], idle=False) == ["b"]
+    r.l2_room, running[0], r.max_held = 0, True, 3
+    held = [r.admit(["c"] if i == 0 else [], [] if i == 0 else ["c"], idle=False)
+            for i in range(4)]
+    assert held == [[], [], [], ["c"]] and r.num_held == 2 + 3 + 1
 
 
 def test_other_ranks_start_what_rank_0_decided() -> None:

@@ -14,6 +14,7 @@ from tpkv.controller import Controller, SlotMapReplica
 from tpkv.controller.slotstack import SlotStack
 from tpkv.controller.spillpace import SpillPacer
 from tpkv.errors import ConfigError
+from tpkv.protocol.messages import StepResult
 from tpkv.protocol.plan import Tier
 
 
@@ -269,3 +270,60 @@ def test_a_copy_into_l2_never_waits_for_a_spill_while_spills_pay(make_config: An
     else:
         assert waited > 0 and dropped == 0
     c.check_integrity()
+
+
+def test_intake_room_counts_clean_slots_kept_copies_and_the_queue_left() -> None:
+    p, stack = _pacer()  # the disk writes 50 blocks in the queue time
+    assert p.intake_room(stack, 0) == 64 + 50
+    stack.pop(48)
+    stack.push_cooling(np.arange(45, dtype=np.int32), epoch=3, step=p.step)
+    assert stack.clean == 16 and stack.in_flight() == 45
+    assert p.intake_room(stack, 7) == 16 + 7 + 5
+    stack.push_cooling(np.arange(45, 48, dtype=np.int32), epoch=4, step=p.step)
+    assert p.intake_room(stack, 0) == 16 + 2  # two more before the queue is full
+    full = SlotStack(64, "L2")
+    full.pop(60)
+    full.push_cooling(np.arange(52, dtype=np.int32), epoch=5, step=p.step)
+    assert p.intake_room(full, 0) == 4  # the queue is past full: clean slots only
+    # nothing is ever left unwritten: no limit
+    assert _pacer(spill="always")[0].intake_room(stack, 0) == -1
+    assert _pacer(spill_pacing=False)[0].intake_room(stack, 0) == -1
+    assert SpillPacer(PolicyConfig(), 4096, l3=False).intake_room(stack, 0) == -1
+
+
+def test_a_step_that_fits_the_last_l2_room_leaves_nothing_unwritten(make_config: Any,
+                                                                    fake_clock: Any) -> None:
+    """StepResult.l2_room is what the next step may copy into L2 before the controller
+    leaves L2 blocks unwritten: with the disk behind (no spill reported written), steps
+    whose intake fits it drop nothing, and a drop comes only in a step whose intake passed
+    it. The room is carried over the wire."""
+    bb = make_config(l1=8, l2=64, l3=512).geometry.block_bytes
+    cfg = make_config(l1=8, l2=64, l3=512, spill_queue_s=1.0,
+                      ssd_write_bytes_per_s=16 * bb // 2)  # (per rank: TP 2 halves a block)
+    c = Controller(cfg, fake_clock, check_invariants=True)
+    c.rates.ssd_read_bytes_per_s = 1e15  # any load beats a recompute: L2 spills
+    reps = [SlotMapReplica(r, 8, 64, 4) for r in range(2)]
+    room, fits, passed = -1, 0, 0
+    for i in range(60):
+        c.open_session(f"s{i}", 16 if i % 3 else 32)  # 4 or 8 blocks demoted into L2
+        before = c.snapshot()["event_counts"].get("drop_l2", 0)
+        res = c.schedule([f"s{i}"], [0])
+        intake = sum(int(p.mask(Tier.HBM, Tier.DRAM).sum() + p.mask(Tier.SSD, Tier.DRAM).sum())
+                     for p in res.plans)
+        dropped = c.snapshot()["event_counts"].get("drop_l2", 0) > before
+        if 0 <= intake <= room:
+            assert not dropped, (i, intake, room)
+            fits += 1
+        elif dropped:
+            passed += 1
+        assert StepResult.from_dict(res.to_dict()).l2_room == res.l2_room
+        room = res.l2_room
+        assert room >= 0
+        outs = [rep.apply_step(res) for rep in reps]
+        for k in range(len(res.plans)):  # nothing reported written: the disk falls behind
+            assert c.commit([o[k] for o in outs]).committed
+    assert fits > 10 and passed > 0, (fits, passed)
+    c.check_integrity()
+    no_l3 = Controller(make_config(l1=8, l2=64, l3=0), fake_clock)
+    no_l3.open_session("a", 16)
+    assert no_l3.schedule(["a"], [0]).l2_room == -1

@@ -67,7 +67,7 @@ class Controller:
         capacity = table_capacity or min(l1 + l2 + l3 + 1024, 1 << 20)
         self.table = BlockTable(l1, l2, l3, pol.lru_k, min(capacity, pol.max_tracked_blocks),
                                 self.l3_enabled)
-        self.table.pace = SpillPacer(pol, g.block_bytes)
+        self.table.pace = SpillPacer(pol, g.block_bytes, self.l3_enabled)
         self.sessions = SessionTable(pol.lru_k)
         self.batch_table = BatchTable()
         self.names_cache: tuple[np.ndarray, tuple[str, ...]] = (np.zeros(0, np.int64), ())

@@ -11,7 +11,7 @@ import numpy as np
 
 from tpkv.controller.builder import PlanBuilder, group_sorted
 from tpkv.controller.sessions import SessionTable, add_counts
-from tpkv.controller.table import SSD, BlockTable
+from tpkv.controller.table import DRAM, SSD, BlockTable
 from tpkv.errors import ArgumentTypeError, BadRequestError, PlanOrderError
 from tpkv.limits import check_count, check_counts
 from tpkv.protocol.digest import plan_digest, slot_map_digest
@@ -109,7 +109,8 @@ class Epochs:
                "released_block_ids": (np.concatenate(released) if released
                                       else np.zeros(0, dtype=np.int64)),
                "closed_sessions": tuple(self.closed),
-               "ssd_dropped_sessions": tuple(ssd_dropped)}
+               "ssd_dropped_sessions": tuple(ssd_dropped),
+               "l2_room": T.pace.intake_room(T.free[DRAM], T.num_kept)}
         self.released, self.lost = [], []
         self.closed, self.ssd_dropped = [], []
         T.end_l3_step(len(self.l3_emptied))

@@ -29,9 +29,13 @@ class SpillPacer:
     L2 never outgrow it. Off (`enabled` False): spilled slots are freed like others
     (PlanBuilder) and nothing is spilled ahead."""
 
-    def __init__(self, policy: PolicyConfig | None = None, block_bytes: int = 1) -> None:
+    def __init__(self, policy: PolicyConfig | None = None, block_bytes: int = 1,
+                 l3: bool = True) -> None:
         p = policy or PolicyConfig(spill_pacing=False)
         self.enabled = p.spill_pacing
+        # whether a step may leave L2 blocks unwritten when the disk is behind (with L3 and
+        # spill="cost": planner._unwritten_room)
+        self.may_leave = self.enabled and l3 and p.spill == "cost"
         self.block_bytes = max(int(block_bytes), 1)
         self.queue_s = p.spill_queue_s
         self.rate = float(p.ssd_write_bytes_per_s)  # bytes/s per rank; measured by the ranks
@@ -97,6 +101,16 @@ class SpillPacer:
         if not self.enabled or blocks <= 0:
             return False
         return (stack.in_flight() + blocks) * self.block_bytes > self.rate * self.queue_s
+
+    def intake_room(self, stack: SlotStack, kept: int) -> int:
+        """Blocks the next step may copy into L2 before any is left unwritten for want of a
+        clean slot (planner._unwritten_room): the clean slots, the kept copies (given back
+        without a write), and the spills the queue still takes at the measured rate. -1 when
+        nothing is ever left unwritten (no L3, spill="always", pacing off)."""
+        if not self.may_leave:
+            return -1
+        cap = int(self.rate * self.queue_s / self.block_bytes)
+        return stack.clean + kept + max(0, cap - stack.in_flight())
 
     def as_dict(self) -> dict[str, float | int]:
         return {"enabled": int(self.enabled), "write_bytes_per_s": self.rate,

@@ -70,6 +70,24 @@ class Returns:
         # bytes they will read, in the order they queued: the disk's queue beyond the reads
         # started (store.ahead.pending_bytes)
         self._line: dict[str, int] = {}
+        # Rank 0: blocks the next step may copy into L2 before the controller leaves L2 blocks
+        # unwritten because the disk is behind (StepResult.l2_room of the last step; -1: no
+        # limit). TieredEngine sets it after each schedule; `fresh_tokens` (the engine's) says
+        # how many tokens a turn's step computes anew.
+        self.l2_room = -1
+        self.fresh_tokens: Callable[[str], int] = lambda name: 0
+        self.busy: Callable[[], bool] = lambda: False  # turns decode or wait in the batch
+        self.num_held = 0  # times a turn was kept outside for the disk (samples and admits)
+        self.max_held = 64  # a turn kept outside this many times goes in anyway
+        self._held: dict[str, int] = {}  # rank 0: turn -> times kept outside for the disk
+        self.spill_wait_s = 0.0  # rank 0: time spent waiting for spills before a fresh turn
+        # Rank 0: the GPU's decode work ahead of a turn deciding between the disk and a
+        # recompute: decode tokens of the batch and of the turns outside it that are ready
+        # (decode_ahead), tokens a turn decodes (turn_tokens), and the seconds a decoded token
+        # takes (measured: decoded(); 0 until then). TieredEngine sets the hooks.
+        self.decode_ahead: Callable[[], int] = lambda: 0
+        self.turn_tokens: Callable[[Sequence[str]], int] = lambda names: 0
+        self.decode_token_s = 0.0
 
     @property
     def recompute(self) -> KeysView[str]:
@@ -94,8 +112,8 @@ class Returns:
         (`_pick`)."""
         if self.rt.rank != 0:
             return []
-        ready = self._pick([s.session for s in returning if self.ready(s.session)],
-                           self.room())
+        ready = self._fit_l2(self._pick([s.session for s in returning
+                                         if self.ready(s.session)], self.room()))
         self._sample = set(ready)
         return ready
 
@@ -124,6 +142,44 @@ class Returns:
                 self._passed[name] = self._passed.get(name, 0) + 1
         return [n for i, n in enumerate(ready) if i in take]
 
+    def _fit_l2(self, names: list[str], idle: bool = False,
+                taken: Sequence[str] = ()) -> list[str]:
+        """Rank 0: of the turns picked to go in, those whose fresh K/V (new tokens and
+        recomputed blocks: what their steps push down into L2) fits `l2_room` less what the
+        turns before them take. The others wait outside while the batch decodes and the disk
+        writes the spills that make room, instead of the controller dropping L2 blocks (whose
+        sessions would be recomputed). With nothing else to run, the first goes in anyway once
+        this rank's spills are written (at most `wait_s`); one kept out `max_held` times goes
+        in anyway. `taken`: turns going in already (their K/V counts first)."""
+        if self.l2_room < 0 or not names:
+            return names
+        room = self.l2_room - sum(self._fresh_blocks(n) for n in taken)
+        out: list[str] = []
+        for name in names:
+            need = self._fresh_blocks(name)
+            if need <= room or self._held.get(name, 0) >= self.max_held:
+                room -= need
+            elif idle and not out and not self.busy():
+                self._drain_spills()
+            else:
+                self._held[name] = self._held.get(name, 0) + 1
+                self.num_held += 1
+                continue
+            out.append(name)
+            self._held.pop(name, None)
+        return out
+
+    def _fresh_blocks(self, name: str) -> int:
+        tokens = self.fresh_tokens(name) + self._recompute_tokens.get(name, 0)
+        return -(-tokens // self.rt.config.geometry.block_tokens)
+
+    def _drain_spills(self) -> None:
+        """Rank 0, nothing to run: wait (at most `wait_s`) for this rank's spills, so that the
+        next step's report tells the controller their L2 slots are clean."""
+        t0 = time.monotonic()
+        self.rt.worker.executor.wait_spills(t0 + self.wait_s, every=True)
+        self.spill_wait_s += time.monotonic() - t0
+
     def hints(self, session_ids: Sequence[str]) -> dict[str, str] | None:
         """Schedule's `resume` for a batch: "load" for sessions read ahead, "recompute" for
         those sent in to be recomputed."""
@@ -146,6 +202,9 @@ class Returns:
             sample = None  # the sample names was, for them, though the batch ended meanwhile)
         back = set(returning)
         full = False  # the budget took no more: later turns outside wait their turn for it
+        # decode tokens the GPU has ahead of a turn: the batch's, those of turns outside it
+        # that are ready, and of the turns arrived before it that go in (counted as they do)
+        gpu_tokens, seen = self.decode_ahead(), 0
         for name in [*returning, *arrived]:
             if sample is not None and name in sample:  # the step planned ahead expects it
                 go.append(name)
@@ -156,7 +215,11 @@ class Returns:
                 if not waits:
                     ready.append(name)
                 continue
-            if name not in back and self._sooner_recomputed(name):
+            if name not in back:
+                fresh = [n for n in (*go, *ready)[seen:] if n not in back]
+                gpu_tokens += self.turn_tokens(fresh) if fresh else 0
+                seen = len(go) + len(ready)
+            if name not in back and self._sooner_recomputed(name, gpu_tokens=gpu_tokens):
                 self._send_to_gpu(name)
                 ready.append(name)
                 continue
@@ -183,7 +246,8 @@ class Returns:
                     ready.append(name)
         ready += self._unqueue(sample)
         room = self.room()
-        go += self._pick(ready, None if room is None else max(0, room - len(go)))
+        go += self._fit_l2(self._pick(ready, None if room is None else max(0, room - len(go))),
+                           idle=idle and not go, taken=go)
         if idle and not go:  # nothing else runs: wait for the first read ahead to end
             self._start_busy([*returning, *arrived], read)
             waiting = [n for n in [*returning, *arrived] if n in self.reading or n in read]
@@ -219,10 +283,11 @@ class Returns:
         GPU's queue drained, or the disk's grew): at most `most` a step, the last first.
         Those the sample did not name wait for the next sample."""
         moved: list[str] = []
+        gpu_tokens = self.decode_ahead() if self._line else 0
         while self._line and len(moved) < most:
             name = next(reversed(self._line))
             if not self._sooner_recomputed(name, queued_bytes=sum(self._line.values())
-                                           - self._line[name]):
+                                           - self._line[name], gpu_tokens=gpu_tokens):
                 break
             self._send_to_gpu(name)
             if sample is None or name in sample:
@@ -235,13 +300,16 @@ class Returns:
             return 0
         return len(worker.mirror.session_logical(name, int(Tier.SSD))) * worker.store.block_bytes
 
-    def _sooner_recomputed(self, name: str, queued_bytes: int | None = None) -> bool:
+    def _sooner_recomputed(self, name: str, queued_bytes: int | None = None,
+                           gpu_tokens: int = 0) -> bool:
         """Rank 0: the session has blocks on L3, and recomputing its blocks off L1 after the
-        recomputes sent in before it (weighed by the turns decoding, whom they delay) ends
-        sooner than reading its L3 blocks after the read aheads queued, those started and
-        those waiting in line for the budget (`queued_bytes`: all of the line when not
-        given): each queue counts, so a round of returns is split between the GPU and the
-        disk."""
+        GPU's work ahead of it (`gpu_tokens` to decode, at the measured time a decoded
+        token takes) and the recomputes sent in before it (weighed by the turns decoding,
+        whom they delay) ends sooner than reading its L3 blocks after the read aheads queued,
+        those started and those waiting in line for the budget (`queued_bytes`: all of the
+        line when not given): each queue counts, so a round of returns is split between the
+        GPU and the disk, and a read that ends before the GPU would reach the turn anyway is
+        never traded for a recompute (which would add to the GPU's work)."""
         store = self.rt.worker.store
         own = self._l3_bytes(name)
         if store is None or not own:
@@ -249,7 +317,8 @@ class Returns:
         weight = 1.0 + self.rt.config.policy.gpu_share_weight * self.num_running()
         queued = sum(self._recompute_tokens.values())
         off = self._off_tokens(name, own // store.block_bytes)
-        recompute_s = (queued + off) / self.prefill_tokens_per_s * weight
+        recompute_s = (gpu_tokens * self.decode_token_s
+                       + (queued + off) / self.prefill_tokens_per_s * weight)
         ahead = store.ahead
         # (the measured rate once a job is done: the busy time counts from the first start)
         rate = (ahead.read_bytes / ahead.read_s if ahead.read_bytes and ahead.read_s > 0
@@ -268,6 +337,13 @@ class Returns:
         off = l3_blocks + len(mirror.session_logical(name, int(Tier.DRAM)))
         return off * self.rt.config.geometry.block_tokens
 
+    def decoded(self, batch: int, seconds: float) -> None:
+        """A decode step's speed (seconds a decoded token takes), averaged into the estimate."""
+        if batch > 0 and seconds > 0:
+            sample = seconds / batch
+            self.decode_token_s = (sample if self.decode_token_s == 0
+                                   else 0.8 * self.decode_token_s + 0.2 * sample)
+
     def prefilled(self, num_tokens: int, seconds: float) -> None:
         """A prefill's speed (tokens a second), averaged into the estimate."""
         if num_tokens > 0 and seconds > 0:
@@ -277,9 +353,10 @@ class Returns:
     def loaded(self, session_ids: Sequence[str]) -> None:
         """The sessions ran a step (their loads are planned) or closed: what was read ahead of
         them goes back."""
-        if not (self.reading or self.recompute or self._line):
+        if not (self.reading or self.recompute or self._line or self._held):
             return
         for name in session_ids:
+            self._held.pop(name, None)
             self._recompute_tokens.pop(name, None)
             self._line.pop(name, None)
             if name in self.reading:

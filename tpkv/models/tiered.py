@@ -61,6 +61,7 @@ class TierStats:
     # from L3 (not in moves/bytes: nothing is written)
     kept_spills: int = 0
     recompute_blocks: int = 0  # blocks the controller asked to recompute
+    dropped_blocks: int = 0  # blocks the steps' plans dropped from every tier (or lost)
     recompute_tokens: int = 0  # tokens fed again because of them
     resume_s: dict[str, list[float]] = field(
         default_factory=lambda: {"l1": [], "l2": [], "l3": []})  # by farthest source tier
@@ -139,6 +140,11 @@ class TieredEngine:
                                   **engine_kwargs)
         self.returns.num_running = lambda: len(self.engine.running)
         self.returns.room = self.engine.room  # turns outside go in as the batch has places
+        self.returns.fresh_tokens = lambda name: self.engine.seqs[name].num_uncached
+        self.returns.busy = lambda: bool(self.engine.running or self.engine.waiting)
+        self.returns.decode_ahead = self._decode_ahead
+        self.returns.turn_tokens = lambda names: sum(
+            self.engine.seqs[n].max_new_tokens for n in names)
         self.block_tokens = self.engine.block_tokens
 
     def launched(self) -> None:
@@ -188,6 +194,7 @@ class TieredEngine:
         self.stats.retries += self.rt.num_retries - retries
         self.stats.steps += 1
         self.returns.loaded(session_ids)
+        self.returns.l2_room = step.l2_room
         self._resume = (started, TIER_NAMES[farthest]) if farthest != Tier.HBM else None
         self.last_times = {"schedule": time.perf_counter() - started,
                            **{f"schedule_{k}": v for k, v in self.rt.last_step_times.items()}}
@@ -229,6 +236,14 @@ class TieredEngine:
         names = [s for s in running[:self.engine.max_batch] if s not in now]
         names += [s for s in self._next_in_line() if s not in now and s not in names]
         return names or None
+
+    def _decode_ahead(self) -> int:
+        """Rank 0: tokens the turns decoding, queued for the batch, and ready outside it
+        (Returns.ready) have yet to decode."""
+        eng = self.engine
+        left = sum(q.max_new_tokens - len(q.generated) for q in (*eng.running, *eng.waiting))
+        return left + sum(q.max_new_tokens for q in eng.returning
+                          if self.returns.ready(q.session))
 
     def _next_in_line(self) -> list[str]:
         """Rank 0: the sessions of the turns queued for the batch (`waiting`), then of those
@@ -309,6 +324,8 @@ class TieredEngine:
                    zip(r.output.session_ids, r.output.block_mass) if len(mass)]
         if updates:  # sent, not waited for: the whole batch in one call
             self.rt.advise("report_attention", updates)
+        if r.kind == "decode":
+            self.returns.decoded(len(r.output.session_ids), r.forward_s)
         if self.report_prefill and r.kind == "prefill":  # (else the configured speed stands)
             self.returns.prefilled(int(sum(r.num_new_tokens)), r.forward_s)
             self.rt.advise("report_prefill", num_tokens=int(sum(r.num_new_tokens)),
@@ -340,6 +357,7 @@ class TieredEngine:
         farthest = int(Tier.HBM)
         batch = set(step.session_ids)
         bb = self.rt.worker.hbm.block_bytes
+        self.stats.dropped_blocks += sum(len(d) for d in step.drops)
         for plan in step.plans:
             if not plan.num_moves:
                 continue

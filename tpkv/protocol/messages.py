@@ -48,6 +48,10 @@ class StepResult:
     recompute_stop: np.ndarray = field(default_factory=lambda: _EMPTY)  # (exclusive)
     closed_sessions: tuple[str, ...] = ()  # workers drop their L3 files
     ssd_dropped_sessions: tuple[str, ...] = ()  # L3 records discarded (blocks recomputed)
+    # Blocks the next step may copy into L2 (demotions, L3 reads) before the controller leaves
+    # any L2 block unwritten because the disk is behind (-1: it never does): an engine admits
+    # a turn that brings more fresh K/V than this only when nothing else runs
+    l2_room: int = -1
 
     def session_slots(self, i: int) -> np.ndarray:
         return self.block_table[self.block_offsets[i]:self.block_offsets[i + 1]]
@@ -85,7 +89,8 @@ class StepResult:
         try:
             arrays = {f.name: _arr(d, f.name) for f in fields(cls)
                       if f.name not in ("tick", "session_ids", "plans", "drops",
-                                        "closed_sessions", "ssd_dropped_sessions")}
+                                        "closed_sessions", "ssd_dropped_sessions",
+                                        "l2_room")}
             arrays["block_table"] = arrays["block_table"].astype(np.int32)
             return cls(
                 tick=int(d["tick"]), session_ids=tuple(str(x) for x in d["session_ids"]),
@@ -93,7 +98,7 @@ class StepResult:
                 drops=tuple(np.asarray(x, dtype=_I64).reshape(-1) for x in d["drops"]),
                 closed_sessions=tuple(str(x) for x in d["closed_sessions"]),
                 ssd_dropped_sessions=tuple(str(x) for x in d["ssd_dropped_sessions"]),
-                **arrays)
+                l2_room=int(d.get("l2_room", -1)), **arrays)
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise WireFormatError(f"step result is missing or mistypes a field: {exc}") from exc
 
