@@ -103,11 +103,12 @@ def window_work(steps: list[tuple[float, bool, int, int, bool, bool]],
 def time_account(spent: list[tuple[str, float, float]], measured_s: float) -> dict[str, float]:
     """Where the window's wall time went: per kind of step (decode, prefill of a first turn,
     resume: a returning turn's prefill, idle: a step with nothing to run) its seconds and its
-    forwards' seconds, and the time outside any step."""
+    forwards' seconds, the engine's admission of turns before each step (admit: with nothing
+    to run, it waits for a read ahead) and the time outside any step."""
     out: dict[str, float] = {}
     for what, step_s, forward_s in spent:
         out[f"{what}_s"] = out.get(f"{what}_s", 0.0) + step_s
-        if what != "idle":
+        if what not in ("idle", "admit"):
             out[f"{what}_forward_s"] = out.get(f"{what}_forward_s", 0.0) + forward_s
     out["outside_steps_s"] = measured_s - sum(s for _, s, _ in spent)
     out["measured_s"] = measured_s

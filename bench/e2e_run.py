@@ -212,7 +212,9 @@ class Rounds:
         """One engine step, recorded; returns the batch's size (tokens made) and the turns
         it finished."""
         e, st = self.engine, self.tiered.stats
+        t_admit = time.perf_counter()
         e.admit_pending()  # whom the step runs, in waiting and running
+        self.spent.append(("admit", time.perf_counter() - t_admit, 0.0))
         prefill = e.prefill_next
         kind = "prefill" if prefill else "decode"
         session = e.waiting[0].session if prefill else None

@@ -67,9 +67,11 @@ def test_a_spill_returns_at_once_and_a_refill_of_its_slot_waits_for_it(tmp_path:
     assert out.spill_wait_ns >= 0.2e9  # counted as a wait for the spill
     assert out.elapsed_ns() == out.host_ns - out.blocked_ns < 0.2e9
     assert (host.block(0) == 2.0).all()  # the refill landed
-    # the manifest commit is queued on reap, on the store's commit thread
-    assert [c.name for c in ex.spills.commits] == ["sess"]
-    assert ex.spills.commits[0].future.result(5) is True
+    # the manifest commit is queued on reap, on the store's commit thread (and collected at
+    # once if that thread was quicker than the reap)
+    assert ex.spills.num_commits == 1
+    assert [c.name for c in ex.spills.commits] in ([], ["sess"])
+    assert all(c.future.result(5) is True for c in ex.spills.commits)
     buf = np.zeros(GEO.block_bytes, dtype=np.uint8)
     assert store.read_blocks("sess", np.array([0]), [buf])[0]
     assert np.array_equal(buf, want)  # L3 holds block 0, not the refill's bytes

@@ -61,7 +61,8 @@ def _check(r: dict[str, Any], sizes: Any) -> None:
     assert w["measured_s"] == pytest.approx(b["work"]["measured_s"], abs=2e-3)
     steps = [v for k, v in w.items() if k.endswith("_s") and "forward" not in k
              and k not in ("measured_s", "outside_steps_s")]
-    assert w["decode_s"] > 0 and w["resume_s"] > 0
+    assert w["decode_s"] > 0 and w["resume_s"] > 0 and w["admit_s"] > 0
+    assert "admit_forward_s" not in w
     assert 0 <= w["outside_steps_s"] < w["measured_s"]
     assert sum(steps) + w["outside_steps_s"] == pytest.approx(w["measured_s"], abs=1e-2)
     assert 0 < w["resume_forward_s"] <= w["resume_s"]
