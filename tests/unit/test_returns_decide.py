@@ -74,6 +74,9 @@ class FakeWorker:
     def done(self, name: str) -> bool:
         return name in self.ahead.done_now
 
+    def on_l3(self, name: str) -> int:
+        return self.on3.get(name, 0)
+
     def needed(self, name: str) -> bool:
         return self.on3.get(name, 0) > 0 and self.status.get(name) != "too_big"
 

@@ -204,7 +204,7 @@ class Returns:
         full = False  # the budget took no more: later turns outside wait their turn for it
         # decode tokens the GPU has ahead of a turn: the batch's, those of turns outside it
         # that are ready, and of the turns arrived before it that go in (counted as they do)
-        gpu_tokens, seen = self.decode_ahead(), 0
+        gpu_tokens, seen = -1, 0  # (asked once a turn needs it)
         for name in [*returning, *arrived]:
             if sample is not None and name in sample:  # the step planned ahead expects it
                 go.append(name)
@@ -215,11 +215,13 @@ class Returns:
                 if not waits:
                     ready.append(name)
                 continue
-            if name not in back:
+            if name not in back and worker.returning.on_l3(name):
+                if gpu_tokens < 0:
+                    gpu_tokens = self.decode_ahead()
                 fresh = [n for n in (*go, *ready)[seen:] if n not in back]
                 gpu_tokens += self.turn_tokens(fresh) if fresh else 0
                 seen = len(go) + len(ready)
-            if name not in back and self._sooner_recomputed(name, gpu_tokens=gpu_tokens):
+            if name not in back and self._sooner_recomputed(name, gpu_tokens=max(gpu_tokens, 0)):
                 self._send_to_gpu(name)
                 ready.append(name)
                 continue
