@@ -316,6 +316,8 @@ def summary_line(r: dict[str, Any]) -> dict[str, Any]:
             "step_ms_p99", "resume_ms_p50", "returning_ttft_ms_p50", "returning_ttft_ms_p99",
             "wall_s")
     out = {k: r.get(k) for k in keys}
+    if r.get("failures"):
+        out["failures"] = r["failures"]
     if "bound" in r:
         out["throughput_vs_bound"] = r["bound"].get("throughput_vs_bound")
         out["bound_limited_by"] = r["bound"]["limited_by"]
@@ -333,7 +335,7 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
         if a and key != "a":
             if a["sessions_held"]:
                 row["sessions_held_vs_a"] = round(r["sessions_held"] / a["sessions_held"], 2)
-            if a["decode_tokens_per_s"]:
+            if a["decode_tokens_per_s"] and r["decode_tokens_per_s"] is not None:
                 row["decode_tokens_per_s_vs_a"] = round(
                     r["decode_tokens_per_s"] / a["decode_tokens_per_s"], 2)
         for q in (50, 99):

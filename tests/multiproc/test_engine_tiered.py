@@ -71,7 +71,9 @@ def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
     rate = 1e12 if mode == "recompute" else 10.0  # prefill tokens/s the cost model assumes
     # "l3small" must fill L3: unpaced, no spill is left unwritten because the disk (as this
     # machine's load makes it measure) is behind
+    # "recompute": a read also so slow that no read ends before the GPU reaches its turn
     policy = PolicyConfig(cooldown_s=0.0, prefill_tokens_per_s=rate,
+                          ssd_read_bytes_per_s=1.0 if mode == "recompute" else 2.1e9,
                           spill_pacing=mode != "l3small")
     cfg = tiered_config(model, world, block_tokens=BT, l1_blocks=L1_BLOCKS,
                         l2_blocks=4 * L2_BLOCKS if mode == "kept" else L2_BLOCKS,

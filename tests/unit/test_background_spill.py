@@ -78,6 +78,23 @@ def test_a_spill_returns_at_once_and_a_refill_of_its_slot_waits_for_it(tmp_path:
     store.close()
 
 
+def test_wait_written_waits_at_most_its_time_without_an_error(tmp_path: Path) -> None:
+    """Returns waits for spills before a turn with fresh K/V when nothing else runs: past its
+    time the spill simply stays running; once written, it is finished (its commit queued)."""
+    ex, store, gate = _setup(tmp_path)
+    ex.hbm.tensor[0].fill_(1.0)
+    ex.run(_plan(1, 0, H, 0, D, 0), np.ones(1, dtype=bool))
+    ex.run(_plan(2, 0, D, 0, S, -1), np.ones(1, dtype=bool))
+    t0 = time.monotonic()
+    ex.spills.wait_written(0.2)  # the disk answers late: no error, the spill still runs
+    assert 0.15 <= time.monotonic() - t0 < 2 and len(ex.spills.running) == 1
+    gate.set()
+    ex.spills.wait_written(5)
+    assert not ex.spills.running and ex.spills.num_commits == 1
+    assert all(c.future.result(5) is True for c in ex.spills.commits)
+    store.close()
+
+
 def test_an_unrelated_d2h_does_not_wait_and_synchronize_finishes_every_spill(tmp_path: Path
                                                                           ) -> None:
     ex, store, gate = _setup(tmp_path)

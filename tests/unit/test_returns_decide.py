@@ -48,17 +48,21 @@ class FakeWorker:
         self.store = SimpleNamespace(ahead=self.ahead, block_bytes=1 << 20)
         self.mirror = SimpleNamespace(session_logical=self._logical)
         self.executor = SimpleNamespace(
-            spills=SimpleNamespace(busy=lambda n: n in self.busy),
+            spills=SimpleNamespace(busy=lambda n: n in self.busy,
+                                   wait_written=self._wait_written),
             wait_spills=self._wait_spills)
 
     def _logical(self, name: str, tier: int) -> np.ndarray:
         n = (self.on3 if tier == int(Tier.SSD) else self.on2).get(name, 0)
         return np.arange(n)
 
-    def _wait_spills(self, deadline: float, names: set[str] = frozenset(),  # type: ignore[assignment]
-                     every: bool = False) -> None:
-        self.waited_spills.append({"*"} if every else set(names))
-        self.busy = set() if every else self.busy - names
+    def _wait_spills(self, deadline: float, names: set[str]) -> None:
+        self.waited_spills.append(set(names))
+        self.busy -= names
+
+    def _wait_written(self, timeout_s: float) -> None:
+        self.waited_spills.append({"*"})
+        self.busy = set()
 
     def start(self, name: str) -> str:
         if name in self.ahead.held:

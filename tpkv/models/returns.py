@@ -177,7 +177,7 @@ class Returns:
         """Rank 0, nothing to run: wait (at most `wait_s`) for this rank's spills, so that the
         next step's report tells the controller their L2 slots are clean."""
         t0 = time.monotonic()
-        self.rt.worker.executor.wait_spills(t0 + self.wait_s, every=True)
+        self.rt.worker.executor.spills.wait_written(self.wait_s)
         self.spill_wait_s += time.monotonic() - t0
 
     def hints(self, session_ids: Sequence[str]) -> dict[str, str] | None:

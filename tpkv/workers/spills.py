@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -341,6 +342,13 @@ class SpillTracker:
                 old = self.write_bytes_per_s
                 self.write_bytes_per_s = sample if old == 0 else 0.75 * old + 0.25 * sample
                 self._wrote = self._busy_ns = 0
+
+    def wait_written(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` (no error past it) for the spills running to be written,
+        then finish those done (manifest commits queued, failures forgotten)."""
+        if self.running:
+            wait_futures([sp.future for sp in self.running], timeout=timeout_s)
+        self.wait(time.monotonic() + self.timeout_s)
 
     def progress(self) -> tuple[int, int]:
         """(the epoch below which this rank's spills have all written, so read their L2 slots
