@@ -249,6 +249,10 @@ def test_a_turn_with_more_fresh_kv_than_l2_room_waits_while_the_batch_runs() -> 
     held = [r.admit(["c"] if i == 0 else [], [] if i == 0 else ["c"], idle=False)
             for i in range(4)]
     assert held == [[], [], [], ["c"]] and r.num_held == 2 + 3 + 1
+    # one sent in to be recomputed counts its new tokens only: it was sent because the disk
+    # is busy, and holding it for the disk would idle the GPU
+    fresh["e"], r._recompute_tokens["e"], r.l2_room = 16, 5000, 1
+    assert r.admit(["e"], [], idle=False) == ["e"]
 
 
 def test_other_ranks_start_what_rank_0_decided() -> None:

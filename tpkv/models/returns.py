@@ -144,9 +144,8 @@ class Returns:
 
     def _fit_l2(self, names: list[str], idle: bool = False,
                 taken: Sequence[str] = ()) -> list[str]:
-        """Rank 0: of the turns picked to go in, those whose fresh K/V (new tokens and
-        recomputed blocks: what their steps push down into L2) fits `l2_room` less what the
-        turns before them take. The others wait outside while the batch decodes and the disk
+        """Rank 0: of the turns picked to go in, those whose fresh K/V (new tokens: what
+        their steps push down into L2) fits `l2_room` less what the turns before them take. The others wait outside while the batch decodes and the disk
         writes the spills that make room, instead of the controller dropping L2 blocks (whose
         sessions would be recomputed). With nothing else to run, the first goes in anyway once
         this rank's spills are written (at most `wait_s`); one kept out `max_held` times goes
@@ -170,8 +169,9 @@ class Returns:
         return out
 
     def _fresh_blocks(self, name: str) -> int:
-        tokens = self.fresh_tokens(name) + self._recompute_tokens.get(name, 0)
-        return -(-tokens // self.rt.config.geometry.block_tokens)
+        """Blocks of the turn's new tokens. (Not those of a turn sent in to be recomputed: it
+        was sent because the disk is busy, and holding it for the disk would idle the GPU.)"""
+        return -(-self.fresh_tokens(name) // self.rt.config.geometry.block_tokens)
 
     def _drain_spills(self) -> None:
         """Rank 0, nothing to run: wait (at most `wait_s`) for this rank's spills, so that the
