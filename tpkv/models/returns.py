@@ -145,9 +145,10 @@ class Returns:
     def _fit_l2(self, names: list[str], idle: bool = False,
                 taken: Sequence[str] = ()) -> list[str]:
         """Rank 0: of the turns picked to go in, those whose fresh K/V (new tokens: what
-        their steps push down into L2) fits `l2_room` less what the turns before them take. The others wait outside while the batch decodes and the disk
-        writes the spills that make room, instead of the controller dropping L2 blocks (whose
-        sessions would be recomputed). With nothing else to run, the first goes in anyway once
+        their steps push down into L2) fits `l2_room` less what the turns before them take.
+        The others wait outside while the batch decodes and the disk writes the spills that
+        make room, instead of the controller dropping L2 blocks (whose sessions would be
+        recomputed). With nothing else to run, the first goes in anyway once
         this rank's spills are written (at most `wait_s`); one kept out `max_held` times goes
         in anyway. `taken`: turns going in already (their K/V counts first)."""
         if self.l2_room < 0 or not names:
