@@ -222,14 +222,14 @@ def test_a_read_that_ends_before_the_gpu_reaches_the_turn_is_never_traded_for_a_
     assert r.admit(["b", "a"], [], idle=False) == ["b"] and w.started == ["a"]
 
 
-def test_a_turn_with_more_fresh_kv_than_l2_room_waits_while_the_batch_runs() -> None:
-    """l2_room 40 blocks of 16 tokens: a (200 tokens, 13 blocks) and b (400, 25) fit; c
-    (20 blocks) waits outside while anything runs, and goes in once the room is back; with
-    nothing running the first turn goes in after this rank's spills are written; one kept
-    out max_held times goes in anyway."""
+def test_a_new_session_with_more_kv_than_l2_room_waits_while_the_batch_runs() -> None:
+    """l2_room 40 blocks of 16 tokens: new sessions a (200 tokens, 13 blocks) and b (400,
+    25) fit; c (20 blocks) waits outside while anything runs, and goes in once the room is
+    back; with nothing running the first turn goes in after this rank's spills are written;
+    one kept out max_held times goes in anyway."""
     r, w = returns()
     fresh = {"a": 200, "b": 400, "c": 320, "d": 16}
-    r.fresh_tokens = lambda n: fresh[n]
+    r.new_session_tokens = lambda n: fresh[n]
     running = [True]
     r.busy = lambda: running[0]
     r.l2_room = 40
@@ -249,9 +249,8 @@ def test_a_turn_with_more_fresh_kv_than_l2_room_waits_while_the_batch_runs() -> 
     held = [r.admit(["c"] if i == 0 else [], [] if i == 0 else ["c"], idle=False)
             for i in range(4)]
     assert held == [[], [], [], ["c"]] and r.num_held == 2 + 3 + 1
-    # one sent in to be recomputed counts its new tokens only: it was sent because the disk
-    # is busy, and holding it for the disk would idle the GPU
-    fresh["e"], r._recompute_tokens["e"], r.l2_room = 16, 5000, 1
+    # a turn of a session that holds K/V (no new-session tokens) is never held
+    fresh["e"], r.l2_room = 0, 0
     assert r.admit(["e"], [], idle=False) == ["e"]
 
 

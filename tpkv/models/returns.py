@@ -72,10 +72,10 @@ class Returns:
         self._line: dict[str, int] = {}
         # Rank 0: blocks the next step may copy into L2 before the controller leaves L2 blocks
         # unwritten because the disk is behind (StepResult.l2_room of the last step; -1: no
-        # limit). TieredEngine sets it after each schedule; `fresh_tokens` (the engine's) says
-        # how many tokens a turn's step computes anew.
+        # limit). TieredEngine sets it after each schedule; `new_session_tokens` (the
+        # engine's): the prompt tokens of a turn whose session holds no K/V yet (0 for others).
         self.l2_room = -1
-        self.fresh_tokens: Callable[[str], int] = lambda name: 0
+        self.new_session_tokens: Callable[[str], int] = lambda name: 0
         self.busy: Callable[[], bool] = lambda: False  # turns decode or wait in the batch
         self.num_held = 0  # times a turn was kept outside for the disk (samples and admits)
         self.max_held = 64  # a turn kept outside this many times goes in anyway
@@ -144,8 +144,9 @@ class Returns:
 
     def _fit_l2(self, names: list[str], idle: bool = False,
                 taken: Sequence[str] = ()) -> list[str]:
-        """Rank 0: of the turns picked to go in, those whose fresh K/V (new tokens: what
-        their steps push down into L2) fits `l2_room` less what the turns before them take.
+        """Rank 0: of the turns picked to go in, those whose fresh K/V (a new session's
+        prompt: what its step pushes down into L2) fits `l2_room` less what the turns before
+        them take.
         The others wait outside while the batch decodes and the disk writes the spills that
         make room, instead of the controller dropping L2 blocks (whose sessions would be
         recomputed). With nothing else to run, the first goes in anyway once
@@ -170,9 +171,11 @@ class Returns:
         return out
 
     def _fresh_blocks(self, name: str) -> int:
-        """Blocks of the turn's new tokens. (Not those of a turn sent in to be recomputed: it
-        was sent because the disk is busy, and holding it for the disk would idle the GPU.)"""
-        return -(-self.fresh_tokens(name) // self.rt.config.geometry.block_tokens)
+        """Blocks of the prompt of a turn that starts a session; 0 for a turn of a session
+        that holds K/V. Only new sessions wait for L2 room: a returning turn adds a few blocks,
+        and one sent in to be recomputed was sent because the disk is busy; holding either
+        for the disk idled the GPU (docs/decisions.md)."""
+        return -(-self.new_session_tokens(name) // self.rt.config.geometry.block_tokens)
 
     def _drain_spills(self) -> None:
         """Rank 0, nothing to run: wait (at most `wait_s`) for this rank's spills, so that the

@@ -140,7 +140,7 @@ class TieredEngine:
                                   **engine_kwargs)
         self.returns.num_running = lambda: len(self.engine.running)
         self.returns.room = self.engine.room  # turns outside go in as the batch has places
-        self.returns.fresh_tokens = lambda name: self.engine.seqs[name].num_uncached
+        self.returns.new_session_tokens = self._new_session_tokens
         self.returns.busy = lambda: bool(self.engine.running or self.engine.waiting)
         self.returns.decode_ahead = self._decode_ahead
         self.returns.turn_tokens = lambda names: sum(
@@ -236,6 +236,10 @@ class TieredEngine:
         names = [s for s in running[:self.engine.max_batch] if s not in now]
         names += [s for s in self._next_in_line() if s not in now and s not in names]
         return names or None
+
+    def _new_session_tokens(self, name: str) -> int:
+        seq = self.engine.seqs[name]
+        return seq.num_uncached if seq.num_cached == 0 else 0
 
     def _decode_ahead(self) -> int:
         """Rank 0: tokens the turns decoding, queued for the batch, and ready outside it
