@@ -146,12 +146,11 @@ class Returns:
                 taken: Sequence[str] = ()) -> list[str]:
         """Rank 0: of the turns picked to go in, those whose fresh K/V (a new session's
         prompt: what its step pushes down into L2) fits `l2_room` less what the turns before
-        them take.
-        The others wait outside while the batch decodes and the disk writes the spills that
-        make room, instead of the controller dropping L2 blocks (whose sessions would be
-        recomputed). With nothing else to run, the first goes in anyway once
-        this rank's spills are written (at most `wait_s`); one kept out `max_held` times goes
-        in anyway. `taken`: turns going in already (their K/V counts first)."""
+        them take. The others wait outside while the batch decodes and the disk writes the
+        spills that make room, instead of the controller dropping L2 blocks (whose sessions
+        would be recomputed). With nothing else to run, the first goes in anyway once this
+        rank's spills are written (at most `wait_s`); one kept out `max_held` times goes in
+        anyway. `taken`: turns going in already (their K/V counts first)."""
         if self.l2_room < 0 or not names:
             return names
         room = self.l2_room - sum(self._fresh_blocks(n) for n in taken)
@@ -208,7 +207,7 @@ class Returns:
         full = False  # the budget took no more: later turns outside wait their turn for it
         # decode tokens the GPU has ahead of a turn: the batch's, those of turns outside it
         # that are ready, and of the turns arrived before it that go in (counted as they do)
-        gpu_tokens, seen = -1, 0  # (asked once a turn needs it)
+        gpu_tokens, seen_go, seen_ready = -1, 0, 0  # (asked once a turn needs it)
         for name in [*returning, *arrived]:
             if sample is not None and name in sample:  # the step planned ahead expects it
                 go.append(name)
@@ -222,9 +221,9 @@ class Returns:
             if name not in back and worker.returning.on_l3(name):
                 if gpu_tokens < 0:
                     gpu_tokens = self.decode_ahead()
-                fresh = [n for n in (*go, *ready)[seen:] if n not in back]
+                fresh = [n for n in (*go[seen_go:], *ready[seen_ready:]) if n not in back]
                 gpu_tokens += self.turn_tokens(fresh) if fresh else 0
-                seen = len(go) + len(ready)
+                seen_go, seen_ready = len(go), len(ready)
             if name not in back and self._sooner_recomputed(name, gpu_tokens=max(gpu_tokens, 0)):
                 self._send_to_gpu(name)
                 ready.append(name)
