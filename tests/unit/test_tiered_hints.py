@@ -198,3 +198,37 @@ def test_a_resume_into_a_full_l1_is_one_plan_with_the_same_outputs(
     assert split_one == 0 and up_one > 0  # the workload does resume into a full L1
     assert up_big == 0
     assert one == big
+
+
+def test_the_engine_feeds_returns_the_l2_room_new_sessions_and_decode_work(tmp_path: Any
+                                                                          ) -> None:
+    """TieredEngine hands Returns the last step's l2_room (paced spills to L3: a room, not
+    -1), a new session's prompt tokens (none once it holds K/V), the decode tokens left to
+    the turns in and ready, and the measured seconds a decoded token takes."""
+    from tpkv.models.tiered import TieredEngine
+
+    rt, model = _open(l2_blocks=8, ssd_root=str(tmp_path))
+    try:
+        tiered = TieredEngine(rt, model, report_prefill=False, max_batch=2)
+        e, r = tiered.engine, tiered.returns
+        rooms: list[int] = []
+        real = tiered.schedule
+
+        def schedule(ids: Any, new: Any) -> Any:
+            step = real(ids, new)
+            rooms.append(step.l2_room)
+            assert r.l2_room == step.l2_room
+            return step
+        e.schedule = schedule
+        e.add_turn("s0", list(range(20)), 3)
+        assert r.new_session_tokens("s0") == 20
+        e.admit_pending()
+        assert r.decode_ahead() == 3  # s0 queued for the batch: 3 tokens to make
+        e.step()  # its prefill makes the first
+        assert r.new_session_tokens("s0") == 0 and r.decode_ahead() == 2
+        while e.has_work:
+            e.step()
+        assert r.decode_token_s > 0
+        assert rooms and min(rooms) >= 0, rooms
+    finally:
+        rt.close()
