@@ -230,8 +230,6 @@ def test_a_new_session_with_more_kv_than_l2_room_waits_while_the_batch_runs() ->
     r, w = returns()
     fresh = {"a": 200, "b": 400, "c": 320, "d": 16}
     r.new_session_tokens = lambda n: fresh[n]
-    running = [True]
-    r.busy = lambda: running[0]
     r.l2_room = 40
     assert r.admit(["a", "b", "c", "d"], [], idle=False) == ["a", "b", "d"]
     assert r.num_held == 1 and not w.waited_spills
@@ -241,11 +239,10 @@ def test_a_new_session_with_more_kv_than_l2_room_waits_while_the_batch_runs() ->
     assert r.sample(seqs("c")) == ["c"] and r.admit([], ["c"], idle=False) == ["c"]
     r.l2_room = 0
     assert r.admit(["a"], [], idle=False) == []
-    running[0] = False
     assert r.admit([], ["a"], idle=True) == ["a"] and w.waited_spills == [{"*"}]
     r.l2_room = -1  # no limit (no L3, or the disk never left behind)
     assert r.admit(["b"], [], idle=False) == ["b"]
-    r.l2_room, running[0], r.max_held = 0, True, 3
+    r.l2_room, r.max_held = 0, 3
     held = [r.admit(["c"] if i == 0 else [], [] if i == 0 else ["c"], idle=False)
             for i in range(4)]
     assert held == [[], [], [], ["c"]] and r.num_held == 2 + 3 + 1

@@ -91,7 +91,7 @@ class SpillPacer:
         slots clean); a large number when pacing is off."""
         if not self.enabled:
             return 1 << 62
-        cap = max(int(self.rate * self.queue_s / self.block_bytes), max(self.recent, default=0))
+        cap = max(self._queue_blocks(), max(self.recent, default=0))
         return max(0, cap - stack.in_flight() - short)
 
     def would_hold(self, stack: SlotStack, blocks: int) -> bool:
@@ -109,8 +109,11 @@ class SpillPacer:
         nothing is ever left unwritten (no L3, spill="always", pacing off)."""
         if not self.may_leave:
             return -1
-        cap = int(self.rate * self.queue_s / self.block_bytes)
-        return stack.clean + kept + max(0, cap - stack.in_flight())
+        return stack.clean + kept + max(0, self._queue_blocks() - stack.in_flight())
+
+    def _queue_blocks(self) -> int:
+        """Blocks the disk writes in `spill_queue_s` at the measured rate."""
+        return int(self.rate * self.queue_s / self.block_bytes)
 
     def as_dict(self) -> dict[str, float | int]:
         return {"enabled": int(self.enabled), "write_bytes_per_s": self.rate,

@@ -76,7 +76,6 @@ class Returns:
         # engine's): the prompt tokens of a turn whose session holds no K/V yet (0 for others).
         self.l2_room = -1
         self.new_session_tokens: Callable[[str], int] = lambda name: 0
-        self.busy: Callable[[], bool] = lambda: False  # turns decode or wait in the batch
         self.num_held = 0  # times a turn was kept outside for the disk (samples and admits)
         self.max_held = 64  # a turn kept outside this many times goes in anyway
         self._held: dict[str, int] = {}  # rank 0: turn -> times kept outside for the disk
@@ -159,7 +158,7 @@ class Returns:
             need = self._fresh_blocks(name)
             if need <= room or self._held.get(name, 0) >= self.max_held:
                 room -= need
-            elif idle and not out and not self.busy():
+            elif idle and not out:
                 self._drain_spills()
             else:
                 self._held[name] = self._held.get(name, 0) + 1
@@ -224,10 +223,10 @@ class Returns:
                 fresh = [n for n in (*go[seen_go:], *ready[seen_ready:]) if n not in back]
                 gpu_tokens += self.turn_tokens(fresh) if fresh else 0
                 seen_go, seen_ready = len(go), len(ready)
-            if name not in back and self._sooner_recomputed(name, gpu_tokens=max(gpu_tokens, 0)):
-                self._send_to_gpu(name)
-                ready.append(name)
-                continue
+                if self._sooner_recomputed(name, gpu_tokens=gpu_tokens):
+                    self._send_to_gpu(name)
+                    ready.append(name)
+                    continue
             if name in self.recompute:  # sent in to be recomputed: waits for a place
                 if not waits:
                     ready.append(name)

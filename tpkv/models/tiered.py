@@ -61,8 +61,8 @@ class TierStats:
     # from L3 (not in moves/bytes: nothing is written)
     kept_spills: int = 0
     recompute_blocks: int = 0  # blocks the controller asked to recompute
-    dropped_blocks: int = 0  # blocks the steps' plans dropped from every tier (or lost)
     recompute_tokens: int = 0  # tokens fed again because of them
+    dropped_blocks: int = 0  # blocks the steps' plans dropped from every tier (or lost)
     resume_s: dict[str, list[float]] = field(
         default_factory=lambda: {"l1": [], "l2": [], "l3": []})  # by farthest source tier
 
@@ -141,7 +141,6 @@ class TieredEngine:
         self.returns.num_running = lambda: len(self.engine.running)
         self.returns.room = self.engine.room  # turns outside go in as the batch has places
         self.returns.new_session_tokens = self._new_session_tokens
-        self.returns.busy = lambda: bool(self.engine.running or self.engine.waiting)
         self.returns.decode_ahead = self._decode_ahead
         self.returns.turn_tokens = lambda names: sum(
             self.engine.seqs[n].max_new_tokens for n in names)

@@ -49,8 +49,8 @@ class StepResult:
     closed_sessions: tuple[str, ...] = ()  # workers drop their L3 files
     ssd_dropped_sessions: tuple[str, ...] = ()  # L3 records discarded (blocks recomputed)
     # Blocks the next step may copy into L2 (demotions, L3 reads) before the controller leaves
-    # any L2 block unwritten because the disk is behind (-1: it never does): an engine admits
-    # a turn that brings more fresh K/V than this only when nothing else runs
+    # any L2 block unwritten because the disk is behind (-1: it never does): the tiered engine
+    # admits a turn that starts a session with more K/V than this only when nothing else runs
     l2_room: int = -1
 
     def session_slots(self, i: int) -> np.ndarray:
@@ -98,7 +98,7 @@ class StepResult:
                 drops=tuple(np.asarray(x, dtype=_I64).reshape(-1) for x in d["drops"]),
                 closed_sessions=tuple(str(x) for x in d["closed_sessions"]),
                 ssd_dropped_sessions=tuple(str(x) for x in d["ssd_dropped_sessions"]),
-                l2_room=int(d.get("l2_room", -1)), **arrays)
+                l2_room=int(d["l2_room"]), **arrays)
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise WireFormatError(f"step result is missing or mistypes a field: {exc}") from exc
 
