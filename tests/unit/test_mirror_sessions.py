@@ -189,3 +189,29 @@ def test_session_logical_makes_no_pass_over_the_whole_map() -> None:
         tracemalloc.stop()
     assert on3.tolist() == list(range(8))
     assert peak < 64 << 10, f"session_logical allocated {peak} bytes at its peak"
+
+
+def test_an_unchanged_sessions_answer_is_kept_and_read_only() -> None:
+    """A turn outside the batch is asked about every step: while none of its session's rows
+    changes, session_logical gives the same read-only array; a change to another session
+    keeps it, one to its own rows (a move, a drop, a release) gives a new answer. (The random
+    updates above check each answer against a scan of the map.)"""
+    m = SlotMirror(SlotAllocator(4, "L1"), SlotAllocator(4, "L2"), capacity=16)
+    m.put(np.arange(3), np.full(3, S), np.full(3, -1), ["a"] * 3, np.arange(3))
+    m.put(np.arange(3, 5), np.full(2, S), np.full(2, -1), ["b"] * 2, np.arange(2))
+    first = m.session_logical("a", S)
+    assert not first.flags.writeable and first.tolist() == [0, 1, 2]
+    m.drop(np.array([4]))  # session b's
+    assert m.session_logical("a", S) is first
+    plan = MovePlan(epoch=1, block_ids=np.array([1]), src_tier=np.array([S], np.int8),
+                    src_slot=np.array([-1]), dst_tier=np.array([D], np.int8),
+                    dst_slot=np.array([2]), session_idx=np.array([0], np.int32),
+                    logical_idx=np.array([1]), session_names=("a",))
+    m.apply(plan, np.ones(1, dtype=bool))
+    moved = m.session_logical("a", S)
+    assert moved is not first and moved.tolist() == [0, 2]
+    assert m.session_logical("a", D).tolist() == [1]
+    m.drop(np.array([0]))
+    assert m.session_logical("a", S).tolist() == [2]
+    m.release(np.arange(3))
+    assert m.session_logical("a", S).tolist() == [] and m.session_logical("a", D).tolist() == []

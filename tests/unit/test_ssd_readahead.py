@@ -260,10 +260,15 @@ def test_a_read_ahead_is_extended_to_blocks_it_did_not_start_with(tmp_path: Path
     assert store.read_ahead("s", np.arange(N))  # the rest: 3 more blocks, one more job
     wait_done(store)
     assert store.ahead.covers("s", np.arange(N))
+    frozen = np.arange(N)
+    frozen.flags.writeable = False  # (as a mirror's answer: the covers() answer is kept)
+    assert store.ahead.covers("s", frozen) and store.ahead.covers("s", frozen)
     hits, out = read_all(store)
     assert hits.all() and store.ahead.num_served == N and store.step_disk_blocks == 0
     for got, want in zip(out, blocks):
         np.testing.assert_array_equal(got, want)
+    store.ahead.changed("s")  # stale: discarded, and the kept answer with it
+    assert not store.ahead.covers("s", frozen)
     store.close()
 
 

@@ -57,6 +57,8 @@ class _Session:
     num_done: int = 0  # jobs done
     readers: int = 0  # take() calls copying out of its buffers now
     freed: bool = False  # its buffers are back in the pool
+    # the last read-only index array covers() found held (jobs are only ever added: it stays)
+    covered: np.ndarray | None = None
 
 
 class ReadAhead:
@@ -103,7 +105,9 @@ class ReadAhead:
         jobs do not hold read by more jobs, as the budget allows (blocks that came to L3
         since without a write, whose records were on disk: no change discarded the read
         ahead); True either way."""
-        idx = np.unique(np.asarray(logical_idx, dtype=np.int64))
+        idx = np.asarray(logical_idx, dtype=np.int64)
+        if len(idx) > 1 and not (idx[1:] > idx[:-1]).all():  # (a map's are sorted, unique)
+            idx = np.unique(idx)
         if len(idx) and idx[0] < 0:
             raise ArgumentError(f"session {sid}: logical index {int(idx[0])} is negative")
         with self._lock:
@@ -134,11 +138,20 @@ class ReadAhead:
         return True
 
     def covers(self, sid: str, logical_idx: np.ndarray) -> bool:
-        """Whether the session's read ahead has a job for each of `logical_idx`."""
+        """Whether the session's read ahead has a job for each of `logical_idx`. (Asked for
+        every turn outside the batch each step: the answer for a read-only array, such as
+        SlotMirror.session_logical's while the session is unchanged, is kept.)"""
         with self._lock:
             entry = self._sessions.get(sid)
-            return entry is not None and bool(
-                np.isin(logical_idx, self._held_indices(entry)).all())
+            if entry is None:
+                return False
+            if entry.covered is logical_idx:
+                return True
+            if not np.isin(logical_idx, self._held_indices(entry)).all():
+                return False
+            if isinstance(logical_idx, np.ndarray) and not logical_idx.flags.writeable:
+                entry.covered = logical_idx
+            return True
 
     @staticmethod
     def _held_indices(entry: _Session) -> np.ndarray:

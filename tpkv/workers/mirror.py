@@ -70,6 +70,10 @@ class SlotMirror:
         # Per session index: the rows it was placed in (each chunk sorted, unique), a superset
         # of its rows that lookups narrow to those the map still gives it (_session_rows)
         self._rows: dict[int, list[np.ndarray]] = {}
+        # Per session index: a count bumped by every change to its rows (placed, moved,
+        # dropped, released), and session_logical's answers as of a count (read-only arrays)
+        self._changes = np.zeros(16, dtype=np.int64)
+        self._logical: dict[int, dict[int, tuple[int, np.ndarray]]] = {}
         # check()'s scratch: per L1 / L2 slot, zero between calls (the pools never resize)
         self._count = (np.zeros(l1.num_slots, np.int64), np.zeros(l2.num_slots, np.int64))
 
@@ -90,12 +94,20 @@ class SlotMirror:
 
     def session_logical(self, name: str, tier: int) -> np.ndarray:
         """Sorted logical indices of the session's blocks this map places on `tier` (its own
-        rows only: no pass over the map)."""
+        rows only: no pass over the map). Read-only: the same array while none of the
+        session's rows changes (a turn outside the batch is asked about every step)."""
         i = self._name_idx.get(name)
         if i is None:
             return np.zeros(0, dtype=np.int64)
+        seen = self._logical.setdefault(i, {})
+        hit = seen.get(tier)
+        if hit is not None and hit[0] == self._changes[i]:
+            return hit[1]
         rows = self._session_rows(i)  # (stable sort: see _sorted_unique)
-        return np.sort(self.logical[rows[self.tier[rows] == tier]], kind="stable")
+        out = np.sort(self.logical[rows[self.tier[rows] == tier]], kind="stable")
+        out.flags.writeable = False
+        seen[tier] = (int(self._changes[i]), out)
+        return out
 
     def holder(self, tier: int, slots: np.ndarray) -> np.ndarray:
         """Block ids this map places at (tier, slots[i]), or -1."""
@@ -138,6 +150,7 @@ class SlotMirror:
         self._vacate(rows[known])
         self.tier[rows[known]] = NONE
         self.slot[rows[known]] = -1
+        self._changed(rows[known])
 
     def release(self, block_ids: np.ndarray) -> None:
         """Forget the blocks (their session closed)."""
@@ -146,11 +159,13 @@ class SlotMirror:
         rows, known = self.rows(block_ids)
         rows = rows[known]
         self._vacate(rows)
+        self._changed(rows)
         gone = _sorted_unique(self.session[rows])
         self.ids[rows], self.tier[rows], self.slot[rows] = -1, NONE, -1
         self.session[rows], self.logical[rows] = -1, -1
         for i in gone[gone >= 0].tolist():  # their index keeps only the rows still theirs
-            self._session_rows(i)
+            if not len(self._session_rows(i)):
+                self._logical.pop(i, None)
 
     def add_fresh(self, block_ids: np.ndarray, slots: np.ndarray, sessions: Sequence[str],
                   logical: np.ndarray) -> np.ndarray:
@@ -218,7 +233,7 @@ class SlotMirror:
             self.owner[t][:] = -1
         self.ids[:], self.tier[:], self.slot[:] = -1, NONE, -1
         self.session[:], self.logical[:] = -1, -1
-        self._rows = {}
+        self._rows, self._logical = {}, {}
         self.put(ids, tiers, slots, sess, logical)
         self.tokens = {str(k): int(v) for k, v in dict(slot_map.get("session_tokens", {})).items()}
         return relocation
@@ -242,12 +257,19 @@ class SlotMirror:
                 self.owner[t][slots[on]] = self.ids[rows[on]]
         self.tier[rows] = tiers
         self.slot[rows] = slots
+        self._changed(rows)
+
+    def _changed(self, rows: np.ndarray) -> None:
+        """The rows' sessions changed (a session named twice counts once: enough)."""
+        sessions = self.session[rows]
+        self._changes[sessions[sessions >= 0]] += 1
 
     def _index(self, rows: np.ndarray, sessions: np.ndarray) -> None:
         """Note that rows[k] now holds a block of session sessions[k] (put: the only place
         that gives a row a session, so the index misses none)."""
         if len(rows) == 0:
             return
+        self._changes[sessions] += 1
         order = np.argsort(sessions, kind="stable")
         sessions, rows = sessions[order], rows[order]
         cuts = np.flatnonzero(np.diff(sessions)) + 1
@@ -280,6 +302,8 @@ class SlotMirror:
         if i is None:
             i = self._name_idx[name] = len(self.names)
             self.names.append(name)
+            if i >= len(self._changes):
+                self._changes = np.concatenate([self._changes, np.zeros_like(self._changes)])
         return i
 
     def _grow(self, need: int) -> None:
