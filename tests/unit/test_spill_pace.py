@@ -327,3 +327,36 @@ def test_a_step_that_fits_the_last_l2_room_leaves_nothing_unwritten(make_config:
     no_l3 = Controller(make_config(l1=8, l2=64, l3=0), fake_clock)
     no_l3.open_session("a", 16)
     assert no_l3.schedule(["a"], [0]).l2_room == -1
+
+
+def test_a_drain_ahead_of_need_takes_clean_l2_slots_and_never_drops(make_config: Any,
+                                                                     fake_clock: Any) -> None:
+    """An L1 past its high watermark drains into L2 ahead of need. With the disk behind (no
+    spill reported written) the drain takes only the clean L2 slots and stops there: nothing
+    is dropped for it. Only a step whose own blocks find no room in L1 may leave L2 blocks
+    unwritten. Before, the drain's copies counted as needed, and whole L2 sessions were
+    dropped to make clean slots for blocks nobody asked to move (bench/e2e.py --full, c2:
+    22-30 of 96 sessions lost in the fill round)."""
+    bb = make_config(l1=64, l2=16, l3=512).geometry.block_bytes
+    cfg = make_config(l1=64, l2=16, l3=512, l1_marks=(0.3, 0.2), spill_queue_s=1.0,
+                      ssd_write_bytes_per_s=4 * bb // 2)  # (per rank: TP 2 halves a block)
+    c = Controller(cfg, fake_clock, check_invariants=True)
+    c.rates.ssd_read_bytes_per_s = 1e15  # any load beats a recompute: L2 spills
+    reps = [SlotMapReplica(r, 64, 16, 4) for r in range(2)]
+    stack = c.table.free[Tier.DRAM]
+    demoted = waited = 0
+    for i in range(12):  # 48 blocks: L1 never runs out of room
+        c.open_session(f"s{i}", 16)
+        cooling = set(stack.stack[:stack.cool].tolist())
+        res = c.schedule([f"s{i}"], [0])
+        into = np.concatenate([np.zeros(0, np.int32)]
+                              + [p.dst_slot[p.mask(Tier.HBM, Tier.DRAM)] for p in res.plans])
+        demoted += len(into)
+        waited += len(cooling & set(into.tolist()))
+        outs = [rep.apply_step(res) for rep in reps]
+        for k in range(len(res.plans)):  # nothing reported written: the disk falls behind
+            assert c.commit([o[k] for o in outs]).committed
+    assert c.snapshot()["event_counts"].get("drop_l2", 0) == 0
+    assert demoted >= 16 and waited == 0, (demoted, waited)  # L2 took what was clean
+    assert c.table.used(Tier.HBM) > 0.3 * 64  # the drain stopped short of the low mark
+    c.check_integrity()

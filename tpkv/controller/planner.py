@@ -50,11 +50,17 @@ def _plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray
         victims, units, sizes = _pick_l1(ctx, b, shield, protect, room1, extra1)
         free2 = t.num_free(DRAM)
         intake = len(in3) + len(victims)  # blocks copied into L2 in this phase
+        needed = len(in3) + min(len(victims), room1)  # of which the step needs (not ahead)
+        # copies the step needs that would find no clean L2 slot: they would wait for the
+        # disk (spills read those slots), so whole sessions leave L2 for clean slots now
+        # instead (_make_l2_room). A drain ahead of need never does that: it takes the clean
+        # slots only when the rest would wait (`clean_only`).
+        must = _unwritten_room(ctx, t, needed) if ctx.l3_enabled else 0
+        clean_only = ctx.l3_enabled and (must > 0 or _unwritten_room(ctx, t, intake) > 0)
+        if clean_only:
+            intake = max(needed, min(intake, t.free[DRAM].clean + t.num_kept))
         short2 = max(0, intake - free2)
         extra2 = 0
-        # copies that would find no clean L2 slot: they would wait for the disk (spills read
-        # those slots), so whole sessions leave L2 for clean slots now instead (_make_l2_room)
-        must = _unwritten_room(ctx, t, intake) if ctx.l3_enabled else 0
         if phase == 0 and ctx.l3_enabled:  # L1 draining goes first
             projected = t.used(DRAM) + intake - min(len(in2), free1 + len(victims))
             extra2 = _watermark(ctx, DRAM, projected, t.slots(DRAM))
@@ -74,8 +80,8 @@ def _plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray
             extra2 = min(extra2, max(budget - extra1, budget // 4))
         _make_l2_room(ctx, b, shield, short2, extra2, budget, must)
         free2 = t.num_free(DRAM)
-        if must:  # this phase's copies take clean slots only; the rest go in the next phase
-            free2 = min(free2, t.free[DRAM].clean + t.num_kept)
+        if clean_only:  # this phase's copies take clean slots only; the rest go in the next
+            free2 = min(free2, max(0 if must else needed, t.free[DRAM].clean + t.num_kept))
         stage = in3[:free2]
         b.move(stage, SSD, DRAM)
         demoted = victims[:free2 - len(stage)]
