@@ -83,7 +83,8 @@ class Sizes:
     seed: int = 0
     # 1: cProfile the resume steps (host time by function, in the config's "profile_top");
     # 2: the decode steps, those with tier traffic and those without apart ("profile_traffic_top",
-    # "profile_quiet_top", ms per step)
+    # "profile_quiet_top", ms per step); 3: the admission before each step ("profile_admit_top",
+    # ms per step)
     profile: int = 0
     # 1: sessions arrive as a Poisson process of arrival_per_s and come back think_s (mean,
     # exponential) after each answer, instead of the rounds; at most `admit` turns in the engine

@@ -143,7 +143,8 @@ class Rounds:
         self.profile = cProfile.Profile() if mode == 1 else None
         # mode 2: each decode step profiled alone, then added to the traffic or the quiet sum
         self.step_stats: dict[str, tuple[pstats.Stats | None, int]] | None = (
-            {"traffic": (None, 0), "quiet": (None, 0)} if mode == 2 else None)
+            {"traffic": (None, 0), "quiet": (None, 0)} if mode == 2
+            else {"admit": (None, 0)} if mode == 3 else None)
         # prefill steps: (tokens fed, forward ms, whether none of its blocks was loaded,
         # tokens cached before it)
         self.prefills: list[tuple[int, float, bool, int]] = []
@@ -213,7 +214,10 @@ class Rounds:
         it finished."""
         e, st = self.engine, self.tiered.stats
         t_admit = time.perf_counter()
-        e.admit_pending()  # whom the step runs, in waiting and running
+        if self.step_stats is not None and "admit" in self.step_stats:
+            self._add_profile("admit", e.admit_pending)
+        else:
+            e.admit_pending()  # whom the step runs, in waiting and running
         self.spent.append(("admit", time.perf_counter() - t_admit, 0.0))
         prefill = e.prefill_next
         kind = "prefill" if prefill else "decode"
@@ -230,7 +234,7 @@ class Rounds:
         if profiled:  # the host side of a resume: its schedule and wait, not the forward
             e.schedule, e.wait = self._profiled(self.tiered.schedule, self.tiered.wait)
         step_prof = (cProfile.Profile() if self.step_stats is not None and kind == "decode"
-                     else None)
+                     and "quiet" in self.step_stats else None)
         l2_before = self._l2_state()
         l3_before = self._l3_sources()
         captures0 = e.graphs.captures if e.graphs is not None else 0
@@ -250,14 +254,8 @@ class Rounds:
         if profiled:
             e.schedule, e.wait = self.tiered.schedule, self.tiered.wait
         moved = {k: st.moves[k] - moves0[k] for k in st.moves}
-        if step_prof is not None and self.step_stats is not None:
-            key = "traffic" if any(moved.values()) else "quiet"
-            acc, n = self.step_stats[key]
-            if acc is None:
-                acc = pstats.Stats(step_prof)
-            else:
-                acc.add(step_prof)
-            self.step_stats[key] = (acc, n + 1)
+        if step_prof is not None:
+            self._add_stats("traffic" if any(moved.values()) else "quiet", step_prof)
         if kind == "decode":
             changed, self._members = members != self._members, members
             captured = e.graphs is not None and e.graphs.captures > captures0
@@ -343,6 +341,20 @@ class Rounds:
         now = {"l3_from_read_ahead": store.ahead.num_served,
                "l3_from_disk": store.step_disk_blocks}
         return now if before is None else {k: v - before.get(k, 0) for k, v in now.items()}
+
+    def _add_profile(self, key: str, fn: Any) -> None:
+        prof = cProfile.Profile()
+        prof.runcall(fn)
+        self._add_stats(key, prof)
+
+    def _add_stats(self, key: str, prof: cProfile.Profile) -> None:
+        assert self.step_stats is not None
+        acc, n = self.step_stats[key]
+        if acc is None:
+            acc = pstats.Stats(prof)
+        else:
+            acc.add(prof)
+        self.step_stats[key] = (acc, n + 1)
 
     def _profiled(self, *fns: Any) -> list[Any]:
         prof = self.profile
