@@ -339,3 +339,16 @@ def test_a_promotion_into_a_slot_its_plan_empties_waits_for_that_piece(monkeypat
     ex.run(MovePlan(1, b, st, ss, dt, ds, np.zeros(3), b, ("s",)), np.ones(3, dtype=bool))
     assert issued == [("wait", None), ("h2d", [6]), ("wait", None), ("d2h", [1]),
                       ("wait", handles[0]), ("h2d", [1])]
+
+
+def test_an_l3_read_or_spill_waits_only_for_the_pieces_that_write_its_l2_slots():
+    """An L3 read fills L2 slots and a spill reads them: each waits for the newest running
+    piece that writes one of its slots, not for the whole last batch (a resume's reads run
+    beside the demotion that makes its L1 room)."""
+    ex, h = _pieces(([10, 11], [0, 1], False), ([12, 13], [2, 3], False), ([14], [4], True))
+    assert ex.newest_writing(np.array([7, 8])) is None
+    assert ex.newest_writing(np.array([1, 7])) is h[0]
+    assert ex.newest_writing(np.array([3, 0])) is h[1]
+    assert ex.newest_writing(np.array([], dtype=np.int64)) is None
+    h[0].finished = h[1].finished = True
+    assert ex.newest_writing(np.array([0, 3, 4])) is None and not ex.running

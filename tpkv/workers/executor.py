@@ -67,9 +67,10 @@ class PlanExecutor:
     resume into free slots runs beside the demotions that make room for the next one, and one
     into slots being emptied follows the pieces that empty them); compute that writes
     new K/V waits the same way for the demotions out of its fresh slots (`fence_compute`). An
-    L1 -> L2 batch waits for the previous L2 -> L1 batch (L2 slots), SSD writes on the host for
-    the previous L1 -> L2 batch (their source) and SSD reads for both (an L2 slot they fill may
-    still be read by an H2D, or written by the D2H of a block dropped since).
+    L1 -> L2 batch waits for the previous L2 -> L1 batch (L2 slots). On the host, SSD writes
+    wait for the L1 -> L2 pieces that write their source slots, and SSD reads for the previous
+    L2 -> L1 batch and the pieces that write the L2 slots they fill (a block dropped since), so
+    a resume's reads run beside the demotion that makes its L1 room.
 
     Spills (L2 -> L3) run in the background (SpillTracker, `spills`): a plan returns once they
     are queued, and reports them done. Whatever would overwrite their L2 source slots (an
@@ -140,7 +141,7 @@ class PlanExecutor:
         demotions_only = len(pick["d2h"]) + out.done.sum() == int(ok.sum())
         if self.deferred and not (self.defer_d2h and demotions_only):
             self.flush()
-        prev_d2h, prev_h2d = self.last["d2h"], self.last["h2d"]
+        prev_h2d = self.last["h2d"]
         block_bytes = self.hbm.block_bytes
 
         # A plan's moves touch disjoint slots (PlanBuilder), but for L1 slots its demotions
@@ -205,7 +206,8 @@ class PlanExecutor:
         elif len(i := pick["load"]):  # into L2 slots earlier batches may still read or fill
             with blocked(out):
                 wait_handle(prev_h2d, deadline, f"epoch {plan.epoch} L3 -> L2")
-                wait_handle(prev_d2h, deadline, f"epoch {plan.epoch} L3 -> L2")
+                wait_handle(self.demotions.newest_writing(plan.dst_slot[i]), deadline,
+                            f"epoch {plan.epoch} L3 -> L2")
             names = {plan.session_names[s] for s in set(plan.session_idx[i].tolist())}
             with spill_waits(out):
                 self.spills.wait(deadline, slots=plan.dst_slot[i], names=names)
@@ -222,8 +224,9 @@ class PlanExecutor:
         # between the two (on the H200, reads beside a spill of the same size ran at 1.0 GB/s
         # against the disk's 1.75). The two touch other L2 slots (PlanBuilder).
         if self.store is not None and len(i := pick["spill"]):
-            with blocked(out):
-                wait_handle(prev_d2h, deadline, f"epoch {plan.epoch} L2 -> L3")
+            with blocked(out):  # (the pieces that write their source slots)
+                wait_handle(self.demotions.newest_writing(plan.src_slot[i]), deadline,
+                            f"epoch {plan.epoch} L2 -> L3")
             self.spills.submit(plan, i)
             out.done[i], out.bytes_ssd_write = True, len(i) * block_bytes
         self.spills.ran(plan)

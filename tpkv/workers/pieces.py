@@ -48,6 +48,17 @@ class DemotionPieces:
         l2 = np.full(len(l1), -1, dtype=np.int64) if l2_slots is None else l2_slots  # no slot
         return self.groups(l1, l2)[-1][0]
 
+    def newest_writing(self, l2_slots: np.ndarray) -> CopyHandle | None:
+        """The newest L1 -> L2 piece still running that writes one of `l2_slots` (an L3 read
+        into them waits for it, and for no other piece)."""
+        while self.running and self.running[0].handle.done():
+            self.running.popleft()
+        if not len(l2_slots) or not self.running:
+            return None
+        dep = int(self.piece_of[1][np.asarray(l2_slots, dtype=np.int64)].max())
+        at = dep - self.running[0].serial
+        return self.running[at].handle if at >= 0 else None
+
     def groups(self, l1_slots: np.ndarray, l2_slots: np.ndarray
                ) -> list[tuple[CopyHandle | None, np.ndarray]]:
         """Copies into L1 (positions into l1_slots / l2_slots) grouped by the newest L1 -> L2
