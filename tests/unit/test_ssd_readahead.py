@@ -282,3 +282,31 @@ def test_an_extension_the_budget_cannot_hold_starts_nothing(tmp_path: Path) -> N
     hits, _ = read_all(store)
     assert hits.all() and store.ahead.num_served == 3 and store.step_disk_blocks == 3
     store.close()
+
+
+def test_blocks_read_ahead_into_an_l2_pools_views_are_copied_by_address(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Into an L2 pool's BlockViews (slots in any order) the read ahead is copied by address in
+    one call, bit-exact, and the slots not read stay as they were."""
+    from tpkv.ssd import kernels
+    from tpkv.ssd.backend import BlockViews
+
+    store, blocks = written(tmp_path)
+    assert store.read_ahead("s", np.arange(N))
+    wait_done(store)
+    pool = np.full((2 * N, store.block_bytes), 0xAB, dtype=np.uint8)
+    base = pool.__array_interface__["data"][0]
+    slots = np.array([9, 2, 7, 0, 11, 4])
+    views = BlockViews(lambda k: pool[k], slots, store.block_bytes, False,
+                       lambda s: base + s * store.block_bytes)
+    np.testing.assert_array_equal(views.addresses(np.array([1, 3])),
+                                  [base + 2 * store.block_bytes, base])
+    if kernels.available():  # the views are never taken one by one
+        monkeypatch.setattr(kernels, "copy_many", lambda *a: pytest.fail("copied by view"))
+    hits = store.read_blocks("s", np.arange(N), views)
+    assert hits.all() and store.ahead.num_served == N and store.step_disk_blocks == 0
+    for k, want in zip(slots, blocks):
+        np.testing.assert_array_equal(pool[k], want.reshape(-1).view(np.uint8))
+    rest = np.setdiff1d(np.arange(2 * N), slots)
+    assert (pool[rest] == 0xAB).all()
+    store.close()

@@ -54,11 +54,20 @@ class BlockViews(Sequence[np.ndarray]):
     HostPool.block_views over its block_bytes_view."""
 
     def __init__(self, view_of: Callable[[int], np.ndarray], slots: np.ndarray,
-                 block_bytes: int, page_aligned: bool) -> None:
+                 block_bytes: int, page_aligned: bool,
+                 addresses_of: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         self._view_of = view_of
         self.slots = slots
         self.block_bytes = block_bytes
         self.page_aligned = page_aligned
+        self._addresses_of = addresses_of
+
+    def addresses(self, idx: np.ndarray) -> np.ndarray | None:
+        """Host addresses (uint64) of blocks `idx`, in one vectorized call (None where the pool
+        gave no way to compute them: take each view's)."""
+        if self._addresses_of is None:
+            return None
+        return self._addresses_of(self.slots[idx]).astype(np.uint64)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -71,7 +80,8 @@ class BlockViews(Sequence[np.ndarray]):
 
     def __getitem__(self, i: int | slice) -> np.ndarray | BlockViews:
         if isinstance(i, slice):
-            return BlockViews(self._view_of, self.slots[i], self.block_bytes, self.page_aligned)
+            return BlockViews(self._view_of, self.slots[i], self.block_bytes, self.page_aligned,
+                              self._addresses_of)
         return self._view_of(int(self.slots[i]))
 
 

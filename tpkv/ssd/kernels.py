@@ -283,6 +283,19 @@ def fill_headers(headers: np.ndarray, template: np.ndarray, indices: np.ndarray,
     return True
 
 
+def copy_addresses(dsts: np.ndarray, srcs: np.ndarray, nbytes: int) -> bool:
+    """Copy `nbytes` from each address srcs[i] to dsts[i] (uint64 arrays of addresses the
+    caller owns), in one call without the GIL. False (nothing copied) where the kernels do
+    not run."""
+    found = _kernel()
+    if found is None:
+        return False
+    lens = np.full(len(dsts), nbytes, dtype=np.uint64)
+    found["copy_many"](np.ascontiguousarray(dsts, dtype=np.uint64),
+                       np.ascontiguousarray(srcs, dtype=np.uint64), lens)
+    return True
+
+
 def copy_many(dsts: Sequence[np.ndarray], srcs: Sequence[np.ndarray]) -> bool:
     """Copy each srcs[i] into dsts[i] (same sizes), in one call without the GIL. False
     (nothing copied) where the kernels do not run or a buffer is strided, read-only or of

@@ -214,7 +214,14 @@ class HostPool:
         if len(slots) and (slots.min() < 0 or slots.max() >= self.num_slots):
             bad = int(slots[(slots < 0) | (slots >= self.num_slots)][0])
             raise SlotError(f"L2 slot {bad} outside 0..{self.num_slots - 1}")
-        return BlockViews(self.block_bytes_view, slots, self.block_bytes, self.page_aligned)
+        return BlockViews(self.block_bytes_view, slots, self.block_bytes, self.page_aligned,
+                          self._slot_addresses)
+
+    def _slot_addresses(self, slots: np.ndarray) -> np.ndarray:
+        """Host addresses of `slots` (no wait for pinning: the store's threads copy into them
+        on the host)."""
+        arena, index = np.divmod(np.asarray(slots, dtype=np.int64), self.slots_per_arena)
+        return self.arena_ptrs[arena] + index * self.block_bytes
 
     def slot_ptrs(self, slots: np.ndarray) -> np.ndarray:
         """Host addresses of `slots`, for copies: waits for arenas still being pinned."""
