@@ -281,7 +281,9 @@ def test_a_long_queue_outside_costs_one_look_a_step_while_the_budget_is_full() -
     for _ in range(3):
         assert r.sample(seqs(*names)) == []
         assert r.admit([], names, idle=False) == []
-    assert looked == ["s0"] * 3  # only the one read ahead
+    # only the one read ahead: by the sample, and by admit weighing the line (the GPU's
+    # work ahead of its last turn)
+    assert looked == ["s0"] * 6
     assert asked == ["s0", "s1"] * 3  # s0 held, s1 full: the rest wait in line
     w.status["s1"] = "started"
     w.ahead.done_now.add("s0")
@@ -585,3 +587,29 @@ def test_the_last_turns_in_the_disk_s_line_go_to_the_gpu_once_its_queue_drained(
     # (4.2 ms of s3's, then its own); then s3 (2.6 ms after s7's against its 4.2 ms read)
     assert r.admit([], line, idle=False) == ["s7", "s3"]
     assert set(r.recompute) == {"s3", "s7"} and not w.started and r.num_recomputed == 8
+
+
+def test_a_disk_faster_than_the_gpu_reads_every_turn_in_line() -> None:
+    """Twenty turns come back at once, the read-ahead budget full (each reads 4 MiB: 4.2 ms
+    at 1 GB/s; each recomputes 128 tokens: 1.3 ms at 1e5 tokens/s) and the GPU spends 32 ms
+    decoding each turn (16 tokens at 2 ms). The first is recomputed (the GPU has nothing
+    ahead of it); every later one has the decoding of the turns before it ahead of it on the
+    GPU, which the disk outruns, so it is read, and the line is never moved to the GPU.
+    Before, only the batch's and the ready turns' decoding counted: the turns in line were
+    recomputed as the GPU's queue drained (on the H200, c2-em14 recomputed 45 of 112
+    returns, the GPU the bound)."""
+    r, w = returns(prefill=1e5, read=1e9)
+    names = [f"s{i}" for i in range(20)]
+    w.status = {n: "full" for n in names}
+    w.on3 = {n: 4 for n in names}
+    w.on2 = {n: 4 for n in names}
+    r.decoded(1, 0.002)
+    r.turn_tokens = lambda ns: 16 * len(ns)
+    assert r.admit(names, [], idle=False) == ["s0"] and r.recompute == {"s0"}
+    r.loaded(["s0"])
+    for _ in range(3):  # the GPU's queue drained: the line still waits for the disk
+        assert r.admit([], names[1:], idle=False) == []
+    assert not r.recompute and r.num_recomputed == 1 and list(r._line) == names[1:]
+    # with the GPU idle and the disk slow (0.1 GB/s: 42 ms a turn), the last go to the GPU
+    w.ahead.read_bytes, w.ahead.read_s = 1 << 20, 0.01
+    assert r.admit([], names[1:], idle=False) == ["s19", "s18", "s17", "s16"]
