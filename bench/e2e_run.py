@@ -62,6 +62,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
                               report_prefill=not s.always_load,
                               attention=attention)
         tiered.trace = cuda  # device times of each step's copies, for the resume records
+        tiered.engine.time_device = cuda  # and of each forward (parts: forward_device_ms)
         gc_mark = GC_CLOCK.install().mark()
         if sizes.arrivals:
             from bench.e2e_arrive import Arrivals

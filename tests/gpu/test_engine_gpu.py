@@ -55,6 +55,23 @@ def test_small_fp32_matches_dense_token_for_token():
         assert list(f.token_ids) == want, f.session
 
 
+def test_a_forward_timed_on_the_device_fits_inside_its_host_time():
+    """time_device: every step's forward is timed on the device too (forward_device_s), within
+    the host's time for it (which also waits for sampling and the work once launched), for
+    the graph-replayed decode steps and the eager prefills alike."""
+    model = build_model("small", seed=0, device="cuda")
+    seen: list[tuple[str, float, float]] = []
+    engine = _engine(model, 256)
+    engine.report = lambda r: seen.append((r.kind, r.forward_s, engine.forward_device_s))
+    engine.time_device = True
+    for i, p in enumerate(_prompts([15, 100], model.config.vocab_size, seed=1)):
+        engine.add_turn(str(i), p, 6)
+    engine.run()
+    assert {k for k, _, _ in seen} == {"prefill", "decode"}
+    for kind, host_s, device_s in seen:
+        assert device_s is not None and 0 < device_s <= host_s + 1e-4, (kind, host_s, device_s)
+
+
 def test_1b_fp32_logits_match_dense():
     model = build_model(ModelConfig.preset("1b", dtype="float32"), seed=0, device="cuda")
     prompts = _prompts([1, 31, 64, 257, 700], model.config.vocab_size, seed=1)

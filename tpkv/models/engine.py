@@ -143,6 +143,11 @@ class PagedEngine:
         self.graphs = DecodeGraphs(model, hbm_tensor, attention) if cuda_graphs else None
         # tokens and attention mass read back past the copy engines' queues (tier copies)
         self.readback = HostReadback(hbm_tensor.device)
+        # time_device = True (GPU): each forward is also timed on the device, from its first
+        # kernel to its logits (forward_device_s): a forward slower on the host than there
+        # waited for the host (work once launched), one slow there for the device
+        self.time_device = False
+        self.forward_device_s: float | None = None
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         self.eos_token_id = eos_token_id
         self.seqs: dict[str, Seq] = {}
@@ -351,6 +356,10 @@ class PagedEngine:
                 raise BadRequestError(f"session {seq.session!r} has no token to feed")
         seq_lens, q_lens = [len(s.token_ids) for s in seqs], [s.num_uncached for s in seqs]
         block_mass: torch.Tensor | None
+        timed = self.time_device and self.model.device.type == "cuda"
+        if timed:
+            begun, ended = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            begun.record()
         if self.graphs is not None and max(q_lens) == 1:  # decode: one graph replay
             tables, _, _, nb = check_tables(slots, seq_lens, q_lens, self.block_tokens,
                                             self.num_slots)
@@ -371,8 +380,13 @@ class PagedEngine:
             attn = PagedAttention(self.pool, meta, self.attention)
             logits = self.model(token_ids, meta.positions, attn, meta.last_rows)  # [B, vocab]
             block_mass, nb = attn.block_mass, -(-np.asarray(seq_lens) // self.block_tokens)
+        if timed:
+            ended.record()
         self.launched()
         tokens = self.readback.tolist(logits.argmax(dim=-1))
+        if timed:  # (the read back is past `ended`: no wait)
+            ended.synchronize()
+            self.forward_device_s = begun.elapsed_time(ended) / 1e3
         mass: tuple[np.ndarray, ...] = tuple(np.zeros(0, dtype=np.float32) for _ in seqs)
         if block_mass is not None:
             per_session = self.readback.numpy(block_mass)  # [B, NB]

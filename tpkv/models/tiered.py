@@ -304,6 +304,8 @@ class TieredEngine:
 
     def report(self, r: StepReport) -> None:
         self.last_times["forward"] = r.forward_s
+        if self.engine.forward_device_s is not None:  # (engine.time_device)
+            self.last_times["forward_device"] = self.engine.forward_device_s
         # L3 manifest commits (fsyncs) made on this thread in the step, wherever they fell
         self.last_times["commits"] = (self.rt.worker.executor.commit_ns - self._commit_ns) / 1e9
         # of the plans' host time, what they spent blocked on other work (spills still reading
