@@ -9,6 +9,7 @@ import pytest
 
 from tpkv.config import HostConfig, KvGeometry, SsdConfig
 from tpkv.errors import SlotError, SsdRequestError
+from tpkv.ssd import kernels
 from tpkv.ssd.backend import BlockViews
 from tpkv.ssd.store import SsdStore
 from tpkv.workers.pools import HostPool
@@ -38,6 +39,10 @@ def test_views_are_the_slots_blocks_across_arenas(pool: HostPool) -> None:
     assert isinstance(part, BlockViews) and part.slots.tolist() == [0, 3, 9]
     assert [v.ctypes.data for v in part] == [pool.block_bytes_view(s).ctypes.data
                                              for s in (0, 3, 9)]
+    # their addresses at once (the store's CRCs and copies take them so, not view by view)
+    assert views.addresses(np.arange(5)).tolist() == [
+        pool.block_bytes_view(s).ctypes.data for s in slots.tolist()]
+    assert part.addresses(np.array([2])).tolist() == [pool.block_bytes_view(9).ctypes.data]
     views[2][:] = 5  # writable, into the pool
     assert (pool.block_bytes_view(3) == 5).all()
 
@@ -51,9 +56,16 @@ def test_a_slot_outside_the_pool_is_refused_with_its_number(pool: HostPool) -> N
 
 @pytest.mark.parametrize("o_direct", [True, False])
 def test_the_store_writes_and_reads_views_bit_exact(pool: HostPool, tmp_path: Path,
-                                                    o_direct: bool) -> None:
+                                                    o_direct: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """...with the records' headers (CRCs) made from the views' addresses in one call."""
     store = SsdStore(SsdConfig(root=str(tmp_path), backend="posix", o_direct=o_direct),
                      GEO, "m", 0)
+    given: list[type] = []
+    real = kernels.fill_headers
+    monkeypatch.setattr(kernels, "fill_headers",
+                        lambda h, t, i, n, payloads: given.append(type(payloads))
+                        or real(h, t, i, n, payloads))
     try:
         want = [pool.block_bytes_view(s).copy() for s in (2, 5, 8)]
         assert store.write_blocks("s", np.array([0, 1, 2]), pool.block_views(np.array([2, 5, 8])))
@@ -65,6 +77,7 @@ def test_the_store_writes_and_reads_views_bit_exact(pool: HostPool, tmp_path: Pa
         assert hits.all()
         for got, w in zip(dst, want):
             assert np.array_equal(got, w)
+        assert given == [BlockViews]  # one chunk: the pool's views, not a list of them
     finally:
         store.close()
 

@@ -163,7 +163,7 @@ class SegmentIo:
             num = end - start
             scratch = self.buffer("scratch", num * ALIGN_BYTES + num_staged * self.padded_bytes)
             headers = scratch[:num * ALIGN_BYTES].reshape(num, ALIGN_BYTES)
-            chunk = [blocks[k] for k in range(start, end)]
+            chunk = blocks[start:end]  # (an L2 pool's BlockViews stays one: fill_headers)
             bufs: list[np.ndarray] = []
             stage_at = num * ALIGN_BYTES
             for k in range(start, end):
