@@ -9,8 +9,16 @@ import numpy as np
 import pytest
 
 from tests.unit.test_ssd_store import SMALL, empty_out, geometry, make_stores, random_blocks
+from tpkv.errors import SsdFormatError
 from tpkv.ssd import kernels
-from tpkv.ssd.format import SegmentIdentity, check_record_header, crc_many, pack_record_header
+from tpkv.ssd.format import (
+    HEADER_CRC_BYTES,
+    SegmentIdentity,
+    check_record_header,
+    check_record_headers,
+    crc_many,
+    pack_record_header,
+)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no SSE4.2 kernels here")
 
@@ -83,3 +91,47 @@ def test_copy_many_copies_bit_exact_and_refuses_what_it_cannot_copy() -> None:
     assert not kernels.copy_many([frozen], [np.ones(8, np.uint8)])
     assert not kernels.copy_many([np.zeros(8, np.uint8)], [np.ones(9, np.uint8)])
     assert not frozen.any()
+
+
+# (byte offset, what) of each field of a record header the batch check reads
+_FIELDS = [(0, "magic"), (8, "logical index"), (16, "payload bytes"), (24, "payload crc"),
+           (28, "rank"), (32, "record number"), (40, "segment id"), (48, "session hash"),
+           (79, "session hash, last byte"), (4092, "seal")]
+
+
+@pytest.mark.parametrize("offset,what", _FIELDS)
+def test_the_batch_header_check_finds_any_field_changed(offset: int, what: str) -> None:
+    """check_record_headers agrees with check_record_header record by record: all five good
+    headers pass; one byte changed in any field of one of them (resealed, so that only the
+    field is wrong, except for the seal itself) fails that record alone, as the one-record
+    check raises for it. A payload CRC that does not match fails its record too."""
+    ident = SegmentIdentity(bytes(range(32)), 3, 4, 8192, b"g" * 32, b"m" * 32, 0x1234_5678_9abc)
+    rng = np.random.default_rng(2)
+    payloads = [rng.integers(0, 256, 8192, dtype=np.uint8) for _ in range(5)]
+    indices = np.array([4, 7, 2**40, 0, 2**63 - 1], dtype=np.int64)
+    headers = np.zeros((5, 4096), np.uint8)
+    for k in range(5):
+        pack_record_header(ident, headers[k], int(indices[k]), crc32c.crc32c(payloads[k].data),
+                           11 + k)
+    crcs = np.array([crc32c.crc32c(p.data) for p in payloads], np.uint32)
+
+    def seals() -> np.ndarray:
+        return np.array([crc32c.crc32c(h[:HEADER_CRC_BYTES].data) for h in headers], np.uint32)
+
+    assert check_record_headers(headers, ident, indices, 11, seals(), crcs).all()
+    headers[2, offset] ^= 0x40
+    if offset != 4092:  # reseal: only the field is wrong
+        headers[2, 4092:] = np.frombuffer(
+            np.uint32(crc32c.crc32c(headers[2, :HEADER_CRC_BYTES].data)).tobytes(), np.uint8)
+    ok = check_record_headers(headers, ident, indices, 11, seals(), crcs)
+    if offset == 24:  # the stored payload CRC no longer matches the payload's
+        assert ok.tolist() == [True, True, False, True, True]
+        assert check_record_header(headers[2], ident, int(indices[2]), 13) != crcs[2]
+        return
+    assert ok.tolist() == [True, True, False, True, True], what
+    with pytest.raises(SsdFormatError):
+        check_record_header(headers[2], ident, int(indices[2]), 13)
+    bad_payload = crcs.copy()
+    bad_payload[4] ^= 1
+    assert check_record_headers(headers, ident, indices, 11, seals(),
+                                bad_payload).tolist() == [True, True, False, True, False]

@@ -194,6 +194,37 @@ def check_record_header(
     return int(payload_crc)
 
 
+# A record header's fields where _RECORD packs them, over ALIGN_BYTES per header, and its seal
+_RECORD_ROW = np.dtype({
+    "names": ["magic", "index", "payload_bytes", "payload_crc", "rank", "number", "segment_id",
+              "session_hash", "seal"],
+    "formats": [("u1", 8), "<i8", "<u8", "<u4", "<u4", "<u8", "<u8", ("u1", 32), "<u4"],
+    "offsets": [0, 8, 16, 24, 28, 32, 40, 48, _CRC_OFFSET], "itemsize": ALIGN_BYTES})
+
+
+def check_record_headers(headers: np.ndarray, ident: SegmentIdentity, logical: np.ndarray,
+                         first_record_no: int, header_crcs: np.ndarray,
+                         payload_crcs: np.ndarray) -> np.ndarray:
+    """check_record_header for consecutive records at once: `headers` [n, ALIGN_BYTES] uint8
+    (contiguous) of records first_record_no.., which must hold `logical`; `header_crcs` and
+    `payload_crcs` the CRC32C of each header's first HEADER_CRC_BYTES and of each payload.
+    Returns the mask of records that check out (header and payload); the caller takes
+    check_record_header's message for the others."""
+    n = len(headers)
+    rows = np.ascontiguousarray(headers).reshape(-1).view(_RECORD_ROW)[:n]
+    magic = np.frombuffer(RECORD_MAGIC, np.uint8)
+    session = np.frombuffer(ident.session_hash, np.uint8)
+    return ((rows["seal"] == np.asarray(header_crcs, np.uint32))
+            & (rows["magic"] == magic).all(axis=1)
+            & (rows["index"] == np.asarray(logical, np.int64))
+            & (rows["payload_bytes"] == ident.block_bytes)
+            & (rows["rank"] == ident.rank)
+            & (rows["number"] == np.arange(first_record_no, first_record_no + n, dtype=np.uint64))
+            & (rows["segment_id"] == ident.segment_id)
+            & (rows["session_hash"] == session).all(axis=1)
+            & (rows["payload_crc"] == np.asarray(payload_crcs, np.uint32)))
+
+
 @dataclass(frozen=True)
 class CommitRecord:
     """One rank's committed state of one session: records [0, num_records) are durable."""

@@ -257,6 +257,18 @@ def addresses(bufs: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return addrs, lens
 
 
+def crc_at(addrs: np.ndarray, nbytes: int) -> np.ndarray | None:
+    """CRC32C of `nbytes` at each address (uint64, memory the caller holds), in one call
+    without the GIL; None where the kernels do not run."""
+    found = _kernel()
+    if found is None:
+        return None
+    out = np.empty(len(addrs), dtype=np.uint32)
+    found["crc_many"](np.ascontiguousarray(addrs, dtype=np.uint64),
+                      np.full(len(addrs), nbytes, dtype=np.uint64), found["tables"], out)
+    return out
+
+
 def crc_batch(bufs: Sequence[np.ndarray]) -> list[int]:
     """CRC32C of each buffer (numpy arrays), in one call without the GIL where it can."""
     found = _kernel()

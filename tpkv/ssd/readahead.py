@@ -31,7 +31,7 @@ import numpy as np
 
 from tpkv.errors import ArgumentError
 from tpkv.ssd import kernels
-from tpkv.ssd.backend import aligned_empty
+from tpkv.ssd.backend import PAGE_BYTES, BlockViews, aligned_empty
 
 # A session's records are read in jobs of about this size across the read-ahead threads.
 AHEAD_JOB_BYTES = 32 << 20
@@ -165,7 +165,12 @@ class ReadAhead:
             job.base = aligned_empty(self._job_rows * self.block_bytes, populate=True).reshape(
                 self._job_rows, self.block_bytes)
             job.buffers = job.base[:len(job.indices)]
-        return read(sid, job.indices, list(job.buffers))
+        # its rows as views with their addresses at once (the read's CRCs take them so)
+        rows, base = job.buffers, job.buffers.__array_interface__["data"][0]
+        return read(sid, job.indices, BlockViews(
+            rows.__getitem__, np.arange(len(rows)), self.block_bytes,
+            self.block_bytes % PAGE_BYTES == 0,
+            lambda k: base + np.asarray(k, dtype=np.int64) * self.block_bytes))
 
     def _release(self, entry: _Session) -> None:
         """(Under the lock) once a discarded session's jobs are done and nothing copies out of

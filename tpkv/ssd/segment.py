@@ -24,6 +24,7 @@ from tpkv.ssd.format import (
     HEADER_CRC_BYTES,
     SegmentIdentity,
     check_record_header,
+    check_record_headers,
     check_segment_header,
     crc_many,
     pack_record_header,
@@ -250,23 +251,45 @@ class SegmentIo:
         with self._stats_lock:
             self.read_syscall_ns += took
         num_read = min(num, got // self.record_bytes)
-        headers = [scratch[k * ALIGN_BYTES:(k + 1) * ALIGN_BYTES] for k in range(num_read)]
-        # every payload's and header's CRC in one call (crc_many: one GIL release for all)
-        crcs = crc_many(payloads[:num_read] + [h[:HEADER_CRC_BYTES] for h in headers])
-        actuals, header_crcs = crcs[:num_read], crcs[num_read:]
-        for k, req in enumerate(reqs[:num_read]):
+        headers = scratch[:num_read * ALIGN_BYTES].reshape(num_read, ALIGN_BYTES)
+        actuals, header_crcs = self._crcs(headers, reqs[:num_read], staged, out,
+                                          payloads[:num_read])
+        # the headers checked all at once; a record that fails is looked at alone for the log
+        ok = check_record_headers(headers, ident, stored[first:first + num_read], first,
+                                  header_crcs, actuals)
+        for k in np.flatnonzero(~ok).tolist():
             record_no = first + k
             try:
                 crc = check_record_header(headers[k], ident, int(stored[record_no]), record_no,
-                                          header_crcs[k])
-                actual = actuals[k]
-                if actual != crc:
-                    raise SsdFormatError(f"record {record_no} payload crc32c {actual:#010x} != "
-                                         f"stored {crc:#010x}")
+                                          int(header_crcs[k]))
+                if int(actuals[k]) != crc:
+                    raise SsdFormatError(f"record {record_no} payload crc32c "
+                                         f"{int(actuals[k]):#010x} != stored {crc:#010x}")
+                raise SsdFormatError(f"record {record_no} header fails the batch check")
             except SsdFormatError as exc:
                 log.warning("L3 rank %d: segment %s: miss: %s", ident.rank,
                             ident.session_hash.hex()[:16], exc)
-                continue
+        for k in np.flatnonzero(ok).tolist():
             if staged[k]:
-                out[int(req)][:] = payloads[k]
-            hits[req] = True
+                out[int(reqs[k])][:] = payloads[k]
+        hits[reqs[:num_read][ok]] = True
+
+    @staticmethod
+    def _crcs(headers: np.ndarray, reqs: np.ndarray, staged: Sequence[bool],
+              out: Sequence[np.ndarray], payloads: list[np.ndarray]
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """(payload CRC32Cs, header CRC32Cs) of the records read. Into a pool's views with
+        nothing staged, from addresses taken at once (no view or address a record under the
+        GIL); else over the buffers, in one call (crc_many)."""
+        if isinstance(out, BlockViews) and not any(staged):
+            addrs = out.addresses(reqs)
+            base = headers.__array_interface__["data"][0]
+            at = base + np.arange(len(headers), dtype=np.uint64) * np.uint64(ALIGN_BYTES)
+            header_crcs = kernels.crc_at(at, HEADER_CRC_BYTES) if addrs is not None else None
+            if addrs is not None and header_crcs is not None:
+                payload_crcs = kernels.crc_at(addrs, out.block_bytes)
+                assert payload_crcs is not None  # (the kernels ran just now)
+                return payload_crcs, header_crcs
+        crcs = np.asarray(crc_many(payloads + [h[:HEADER_CRC_BYTES] for h in headers]),
+                          dtype=np.uint32)
+        return crcs[:len(payloads)], crcs[len(payloads):]
