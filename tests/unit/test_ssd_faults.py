@@ -18,7 +18,8 @@ from tpkv.config import KvGeometry, SsdConfig
 from tpkv.errors import SsdIoError
 from tpkv.ssd import backend as ssd_backend
 from tpkv.ssd import format as ssd_format
-from tpkv.ssd.backend import PosixFile, aligned_empty
+from tpkv.ssd import kernels
+from tpkv.ssd.backend import BlockViews, PosixFile, aligned_empty
 from tpkv.ssd.store import SsdStore
 
 PAGE = 4096
@@ -537,3 +538,39 @@ def test_enospc_while_writing_the_commit_keeps_the_old_commit(
     out = [np.empty(setup.geo.block_bytes, np.uint8)]
     assert setup.stores[0].read_blocks("s1", np.array([9]), out).all()
     np.testing.assert_array_equal(out[0], setup.truth[("s1", 0)][0])
+
+
+def _read_views(setup: Setup) -> list[bool]:
+    """Setup.read into an L2 pool's kind of views (BlockViews: the CRCs from addresses taken
+    at once), over one page-aligned array in a shuffled slot order."""
+    bb = setup.geo.block_bytes
+    pool = aligned_empty(2 * NUM_BLOCKS * bb).reshape(2 * NUM_BLOCKS, bb)
+    pool.fill(0xAB)
+    base = pool.__array_interface__["data"][0]
+    slots = np.array([5, 0, 7, 2])[:NUM_BLOCKS]
+    views = BlockViews(pool.__getitem__, slots, bb, bb % PAGE == 0,
+                       lambda s: base + np.asarray(s, dtype=np.int64) * bb)
+    hits = setup.stores[0].read_blocks("s1", np.arange(NUM_BLOCKS), views)
+    for k, slot in enumerate(slots.tolist()):
+        if hits[k]:
+            np.testing.assert_array_equal(pool[slot], setup.truth[("s1", 0)][k])
+        else:
+            assert not pool[slot].any()
+    return hits.tolist()
+
+
+@pytest.mark.parametrize("where", [0, 8, 100, 4091, 4092, PAGE, PAGE + 1])
+def test_a_flipped_byte_read_into_pool_views_misses_that_record(
+        setup: Setup, where: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Headers and payloads read into BlockViews are checked as into buffers: a byte flipped
+    in record 2's header (or seal), or in its payload, misses that record alone. (Buffered,
+    their CRCs come from the views' addresses; with O_DIRECT these blocks, not whole pages,
+    are staged and checked as buffers.)"""
+    sizes: list[int] = []
+    real = kernels.crc_at
+    monkeypatch.setattr(kernels, "crc_at", lambda a, n: sizes.append(n) or real(a, n))
+    assert _read_views(setup) == ALL
+    direct = setup.stores[0].direct_io
+    assert bool(sizes) != direct, (direct, sizes)
+    flip(files(setup.root, "s1")["seg0"], setup.record_at(2) + where)
+    assert _read_views(setup) == [True, True, False, True]

@@ -85,6 +85,15 @@ class BlockViews(Sequence[np.ndarray]):
         return self._view_of(int(self.slots[i]))
 
 
+def pick_buffers(bufs: Sequence[np.ndarray], idx: np.ndarray) -> Sequence[np.ndarray]:
+    """bufs[idx[0]], bufs[idx[1]], ...: an L2 pool's BlockViews stays one (its addresses are
+    then taken at once, not a view a block), anything else becomes a list."""
+    if isinstance(bufs, BlockViews):
+        return BlockViews(bufs._view_of, bufs.slots[np.asarray(idx, dtype=np.int64)],
+                          bufs.block_bytes, bufs.page_aligned, bufs._addresses_of)
+    return [bufs[int(i)] for i in idx]
+
+
 class BlockFile(abc.ABC):
     """An open segment file: positional gather writes and scatter reads of host buffers."""
 

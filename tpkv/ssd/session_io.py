@@ -11,7 +11,13 @@ import numpy as np
 
 from tpkv.config import SsdConfig
 from tpkv.errors import SsdError, SsdIoError
-from tpkv.ssd.backend import atomic_write, fsync_dir, select_backend, unlink_missing_ok
+from tpkv.ssd.backend import (
+    atomic_write,
+    fsync_dir,
+    pick_buffers,
+    select_backend,
+    unlink_missing_ok,
+)
 from tpkv.ssd.files import RankFiles
 from tpkv.ssd.format import ALIGN_BYTES, CommitRecord, SegmentIdentity, pack_commit, parse_commit
 from tpkv.ssd.manifest import Manifests
@@ -147,5 +153,5 @@ class SessionIo:
         got = np.zeros(len(keep), dtype=bool)
         with self.backend.open(paths.segment(rank), write=False, create=False) as f:
             self._io.read_records(f, ident, manifest.logical_indices, indices[keep],
-                                  [out[int(i)] for i in keep], got)
+                                  pick_buffers(out, keep), got)
         hits[keep] = got

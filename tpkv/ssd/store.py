@@ -15,7 +15,7 @@ import numpy as np
 from tpkv.config import KvGeometry, SsdConfig
 from tpkv.errors import ConfigError, SsdError, SsdIoError
 from tpkv.ssd import kernels
-from tpkv.ssd.backend import fsync_dir, unlink_missing_ok
+from tpkv.ssd.backend import fsync_dir, pick_buffers, unlink_missing_ok
 from tpkv.ssd.budget import Budget
 from tpkv.ssd.checks import check_buffers, check_indices
 from tpkv.ssd.files import RankFiles
@@ -187,8 +187,7 @@ class SsdStore:
                 self._await_drop(paths)
                 # a step's reads go before spills (ReadsFirst); reads ahead share the disk
                 with self._threads.gate.reading() if ahead else contextlib.nullcontext():
-                    self._sessions.read(sid, paths, indices[rest],
-                                        [out[int(i)] for i in rest], got)
+                    self._sessions.read(sid, paths, indices[rest], pick_buffers(out, rest), got)
             except FileNotFoundError as exc:
                 log.debug("L3 rank %d: session %s not on disk: %s", self.rank, sid, exc)
             except (SsdError, OSError) as exc:
