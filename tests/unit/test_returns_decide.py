@@ -200,7 +200,7 @@ def test_a_session_the_gpu_recomputes_sooner_goes_in_to_be_recomputed() -> None:
 def test_a_read_that_ends_before_the_gpu_reaches_the_turn_is_never_traded_for_a_recompute(
         ) -> None:
     """The same turn as above (recompute 3.8 ms, read 12.6 ms), with 10 ms of decoding
-    ahead of it (the batch's and the ready turns' tokens, 2 ms each): the read ends first, so
+    ahead of it (the batch's tokens, 2 ms each): the read ends first, so
     it is read ahead; turns that arrive before it and go in add their tokens to that work."""
     def setup(ahead_tokens: int) -> tuple[Returns, FakeWorker]:
         r, w = returns(prefill=1e5, read=1e9)

@@ -204,7 +204,8 @@ def test_the_engine_feeds_returns_the_l2_room_new_sessions_and_decode_work(tmp_p
                                                                           ) -> None:
     """TieredEngine hands Returns the last step's l2_room (paced spills to L3: a room, not
     -1), a new session's prompt tokens (none once it holds K/V), the decode tokens left to
-    the turns in and ready, and the measured seconds a decoded token takes."""
+    the turns in the batch and queued for it, and the measured seconds a decoded token
+    takes."""
     from tpkv.models.tiered import TieredEngine
 
     rt, model = _open(l2_blocks=8, ssd_root=str(tmp_path))

@@ -81,7 +81,7 @@ class Returns:
         self._held: dict[str, int] = {}  # rank 0: turn -> times kept outside for the disk
         self.spill_wait_s = 0.0  # rank 0: time spent waiting for spills before a fresh turn
         # Rank 0: the GPU's decode work ahead of a turn deciding between the disk and a
-        # recompute: decode tokens of the batch and of the turns outside it that are ready
+        # recompute: decode tokens the turns in the batch and queued for it have left
         # (decode_ahead), tokens a turn decodes (turn_tokens), and the seconds a decoded token
         # takes (measured: decoded(); 0 until then). TieredEngine sets the hooks.
         self.decode_ahead: Callable[[], int] = lambda: 0
@@ -281,16 +281,18 @@ class Returns:
     def _gpu_ahead(self, order: Sequence[str], back: set[str]) -> dict[str, int]:
         """Rank 0: for each turn outside the batch (`order`: arrival order; `back`: those
         outside since an earlier step), the decode tokens the GPU has ahead of it: the
-        batch's and the ready turns' (decode_ahead), and those of each turn before it that
-        decode_ahead leaves out (its read not done, or just arrived). The batch takes turns
-        in arrival order, so while the disk reads a turn faster than the GPU decodes one, a
-        read in line ends before the GPU would reach it, and a recompute only adds to the
-        GPU's work (on the H200, c2-em14 recomputed 45 of 112 returns with the GPU the bound)."""
-        total = self.decode_ahead()
+        batch's and its queue's (decode_ahead), those of every turn outside that is ready (it
+        goes in first), and those of each turn before it that is not (its read not done, or
+        just arrived). The batch takes turns in arrival order, so while the disk reads a turn
+        faster than the GPU decodes one, a read in line ends before the GPU would reach it,
+        and a recompute only adds to the GPU's work (on the H200, c2-em14 recomputed 45 of
+        112 returns with the GPU the bound)."""
+        ready = {name for name in order if name in back and self.ready(name)}
+        total = self.decode_ahead() + (self.turn_tokens(list(ready)) if ready else 0)
         out: dict[str, int] = {}
         for name in order:
             out[name] = total
-            if not (name in back and self.ready(name)):
+            if name not in ready:
                 total += self.turn_tokens([name])
         return out
 

@@ -241,12 +241,9 @@ class TieredEngine:
         return seq.num_uncached if seq.num_cached == 0 else 0
 
     def _decode_ahead(self) -> int:
-        """Rank 0: tokens the turns decoding, queued for the batch, and ready outside it
-        (Returns.ready) have yet to decode."""
+        """Rank 0: tokens the turns decoding and queued for the batch have yet to decode."""
         eng = self.engine
-        left = sum(q.max_new_tokens - len(q.generated) for q in (*eng.running, *eng.waiting))
-        return left + sum(q.max_new_tokens for q in eng.returning
-                          if self.returns.ready(q.session))
+        return sum(q.max_new_tokens - len(q.generated) for q in (*eng.running, *eng.waiting))
 
     def _next_in_line(self) -> list[str]:
         """Rank 0: the sessions of the turns queued for the batch (`waiting`), then of those

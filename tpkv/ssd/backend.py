@@ -80,18 +80,27 @@ class BlockViews(Sequence[np.ndarray]):
 
     def __getitem__(self, i: int | slice) -> np.ndarray | BlockViews:
         if isinstance(i, slice):
-            return BlockViews(self._view_of, self.slots[i], self.block_bytes, self.page_aligned,
-                              self._addresses_of)
+            return self.pick(i)
         return self._view_of(int(self.slots[i]))
+
+    def pick(self, sel: slice | np.ndarray) -> BlockViews:
+        """The blocks `sel` (a slice, or positions) as views of the same pool."""
+        return BlockViews(self._view_of, self.slots[sel], self.block_bytes, self.page_aligned,
+                          self._addresses_of)
 
 
 def pick_buffers(bufs: Sequence[np.ndarray], idx: np.ndarray) -> Sequence[np.ndarray]:
     """bufs[idx[0]], bufs[idx[1]], ...: an L2 pool's BlockViews stays one (its addresses are
     then taken at once, not a view a block), anything else becomes a list."""
     if isinstance(bufs, BlockViews):
-        return BlockViews(bufs._view_of, bufs.slots[np.asarray(idx, dtype=np.int64)],
-                          bufs.block_bytes, bufs.page_aligned, bufs._addresses_of)
+        return bufs.pick(np.asarray(idx, dtype=np.int64))
     return [bufs[int(i)] for i in idx]
+
+
+def row_addresses(rows: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """Host addresses (uint64) of rows `idx` of a 2-D array whose rows are contiguous."""
+    base = rows.__array_interface__["data"][0]
+    return (np.uint64(base) + np.asarray(idx, dtype=np.uint64) * np.uint64(rows.strides[0]))
 
 
 class BlockFile(abc.ABC):

@@ -291,9 +291,8 @@ def fill_headers(headers: np.ndarray, template: np.ndarray, indices: np.ndarray,
         return False
     # an L2 pool's BlockViews: blocks of one size, contiguous, their addresses at once (no
     # view or check a block: each held the GIL ~3 us beside the step, ~28K blocks/s at 14 GB/s)
-    addrs = (payloads.addresses(np.arange(len(payloads))) if isinstance(payloads, BlockViews)
-             else None)
-    if isinstance(payloads, BlockViews) and addrs is not None:
+    if isinstance(payloads, BlockViews) and (
+            addrs := payloads.addresses(np.arange(len(payloads)))) is not None:
         nbytes = payloads.block_bytes
     elif all(p.flags.c_contiguous and p.nbytes == payloads[0].nbytes for p in payloads):
         addrs, nbytes = addresses(payloads)[0], payloads[0].nbytes

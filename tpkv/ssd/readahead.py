@@ -31,7 +31,7 @@ import numpy as np
 
 from tpkv.errors import ArgumentError
 from tpkv.ssd import kernels
-from tpkv.ssd.backend import PAGE_BYTES, BlockViews, aligned_empty
+from tpkv.ssd.backend import PAGE_BYTES, BlockViews, aligned_empty, row_addresses
 
 # A session's records are read in jobs of about this size across the read-ahead threads.
 AHEAD_JOB_BYTES = 32 << 20
@@ -166,11 +166,10 @@ class ReadAhead:
                 self._job_rows, self.block_bytes)
             job.buffers = job.base[:len(job.indices)]
         # its rows as views with their addresses at once (the read's CRCs take them so)
-        rows, base = job.buffers, job.buffers.__array_interface__["data"][0]
+        rows = job.buffers
         return read(sid, job.indices, BlockViews(
             rows.__getitem__, np.arange(len(rows)), self.block_bytes,
-            self.block_bytes % PAGE_BYTES == 0,
-            lambda k: base + np.asarray(k, dtype=np.int64) * self.block_bytes))
+            self.block_bytes % PAGE_BYTES == 0, functools.partial(row_addresses, rows)))
 
     def _release(self, entry: _Session) -> None:
         """(Under the lock) once a discarded session's jobs are done and nothing copies out of
@@ -269,7 +268,6 @@ class ReadAhead:
                   hits: np.ndarray) -> int:
         want = np.asarray(logical_idx, dtype=np.int64)
         served = 0
-        addresses = getattr(out, "addresses", None)  # (an L2 pool's BlockViews)
         for job in jobs:
             if job.future is None or job.future.exception() is not None:
                 continue
@@ -286,10 +284,9 @@ class ReadAhead:
             # one compiled call for the job's blocks without the GIL, their addresses computed
             # at once (taking each view's address held the GIL ~2 us a block, beside the
             # step's host work); else one kernel call over the views, else a copy each
-            dst = addresses(serve) if addresses is not None else None
-            src = (job.buffers.__array_interface__["data"][0]
-                   + pos[serve].astype(np.uint64) * np.uint64(self.block_bytes))
-            if dst is None or not kernels.copy_addresses(dst, src, self.block_bytes):
+            dst = out.addresses(serve) if isinstance(out, BlockViews) else None
+            if dst is None or not kernels.copy_addresses(
+                    dst, row_addresses(job.buffers, pos[serve]), self.block_bytes):
                 dsts = [out[int(i)].reshape(-1).view(np.uint8) for i in serve]
                 srcs = [job.buffers[int(pos[i])] for i in serve]
                 if not kernels.copy_many(dsts, srcs):

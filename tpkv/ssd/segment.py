@@ -18,6 +18,7 @@ from tpkv.ssd.backend import (
     BlockViews,
     aligned_empty,
     is_direct_capable,
+    row_addresses,
 )
 from tpkv.ssd.format import (
     ALIGN_BYTES,
@@ -283,9 +284,8 @@ class SegmentIo:
         GIL); else over the buffers, in one call (crc_many)."""
         if isinstance(out, BlockViews) and not any(staged):
             addrs = out.addresses(reqs)
-            base = headers.__array_interface__["data"][0]
-            at = base + np.arange(len(headers), dtype=np.uint64) * np.uint64(ALIGN_BYTES)
-            header_crcs = kernels.crc_at(at, HEADER_CRC_BYTES) if addrs is not None else None
+            header_crcs = (kernels.crc_at(row_addresses(headers, np.arange(len(headers))),
+                                          HEADER_CRC_BYTES) if addrs is not None else None)
             if addrs is not None and header_crcs is not None:
                 payload_crcs = kernels.crc_at(addrs, out.block_bytes)
                 assert payload_crcs is not None  # (the kernels ran just now)

@@ -51,8 +51,7 @@ class DemotionPieces:
     def newest_writing(self, l2_slots: np.ndarray) -> CopyHandle | None:
         """The newest L1 -> L2 piece still running that writes one of `l2_slots` (an L3 read
         into them waits for it, and for no other piece)."""
-        while self.running and self.running[0].handle.done():
-            self.running.popleft()
+        self._forget_done()
         if not len(l2_slots) or not self.running:
             return None
         dep = int(self.piece_of[1][np.asarray(l2_slots, dtype=np.int64)].max())
@@ -65,8 +64,7 @@ class DemotionPieces:
         piece still running that reads one of the copy's L1 slot or writes its L2 slot: that
         piece's handle (None: no wait), oldest piece first, so the groups can be issued in
         order on one stream as their pieces finish."""
-        while self.running and self.running[0].handle.done():
-            self.running.popleft()
+        self._forget_done()
         n = len(l1_slots)
         if not n or not self.running:
             return [(None, np.arange(n))]
@@ -83,3 +81,8 @@ class DemotionPieces:
         cuts = np.flatnonzero(np.diff(dep[order])) + 1
         return [(None if dep[g[0]] < 0 else self.running[int(dep[g[0]])].handle, g)
                 for g in np.split(order, cuts)]
+
+    def _forget_done(self) -> None:
+        """Drop the pieces done from the front (the stream runs them in order)."""
+        while self.running and self.running[0].handle.done():
+            self.running.popleft()

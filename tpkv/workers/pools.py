@@ -227,8 +227,7 @@ class HostPool:
         """Host addresses of `slots`, for copies: waits for arenas still being pinned."""
         slots = np.asarray(slots, dtype=np.int64)
         self.await_pinned(slots)
-        arena, index = np.divmod(slots, self.slots_per_arena)
-        return self.arena_ptrs[arena] + index * self.block_bytes
+        return self._slot_addresses(slots)
 
     def group_by_arena(self, slots: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """[(arena, positions into `slots`, indices within the arena)] for index-op copies."""
