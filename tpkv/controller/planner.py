@@ -51,15 +51,14 @@ def _plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray
         free2 = t.num_free(DRAM)
         intake = len(in3) + len(victims)  # blocks copied into L2 in this phase
         needed = len(in3) + min(len(victims), room1)  # of which the step needs (not ahead)
-        # copies the step needs past the L2 room (_l2_room: slots clean now, or within the
-        # queue time) would wait longer for the disk (spills read those slots), so whole
-        # sessions leave L2 for clean slots now instead (_make_l2_room). A drain ahead of
-        # need never does that: it takes the room only and stops (`within`).
-        room2 = _l2_room(ctx, t) if ctx.l3_enabled else -1
-        must = max(0, needed - room2) if room2 >= 0 else 0
-        within = 0 <= room2 < intake
-        if within:
-            intake = max(needed, room2)
+        # copies the step needs that would find no clean L2 slot: they would wait for the
+        # disk (spills read those slots), so whole sessions leave L2 for clean slots now
+        # instead (_make_l2_room). A drain ahead of need never does that: it takes the clean
+        # slots only when the rest would wait (`clean_only`).
+        must = _unwritten_room(ctx, t, needed) if ctx.l3_enabled else 0
+        clean_only = ctx.l3_enabled and (must > 0 or _unwritten_room(ctx, t, intake) > 0)
+        if clean_only:
+            intake = max(needed, min(intake, t.free[DRAM].clean + t.num_kept))
         short2 = max(0, intake - free2)
         extra2 = 0
         if phase == 0 and ctx.l3_enabled:  # L1 draining goes first
@@ -81,8 +80,8 @@ def _plan_step(ctx: PlanContext, b: PlanBuilder, needs: StepNeeds) -> np.ndarray
             extra2 = min(extra2, max(budget - extra1, budget // 4))
         _make_l2_room(ctx, b, shield, short2, extra2, budget, must)
         free2 = t.num_free(DRAM)
-        if within:  # this phase's copies take the room only; the rest go in the next
-            free2 = min(free2, max(0 if must else needed, _l2_room(ctx, t)))
+        if clean_only:  # this phase's copies take clean slots only; the rest go in the next
+            free2 = min(free2, max(0 if must else needed, t.free[DRAM].clean + t.num_kept))
         stage = in3[:free2]
         b.move(stage, SSD, DRAM)
         demoted = victims[:free2 - len(stage)]
@@ -150,19 +149,22 @@ def _pick_l1(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, protect: np.n
     return rows, units, sizes
 
 
-def _l2_room(ctx: PlanContext, t: BlockTable) -> int:
-    """spill="cost" with paced spills: how many copies into L2 find a slot without waiting
-    longer than `spill_queue_s` for the disk (SpillPacer.intake_room: clean slots, kept
-    copies given back, and the slots of the oldest spills, or of spills at need, written
-    within that time); -1 for no limit ("always" lets copies wait: it keeps the most)."""
-    return t.pace.intake_room(t.free[DRAM], t.num_kept)
+def _unwritten_room(ctx: PlanContext, t: BlockTable, intake: int) -> int:
+    """spill="cost" with paced spills: how many of `intake` copies into L2 find no clean slot
+    (free and read by no spill, or a kept copy given back), when they would wait longer than
+    `spill_queue_s` for the disk to write the spills in flight and those at need (0 for a
+    shorter wait: they are spilled). "always" lets them wait (it keeps the most)."""
+    if ctx.policy.spill != "cost" or not t.pace.enabled:
+        return 0
+    short = max(0, intake - t.free[DRAM].clean - t.num_kept)
+    return short if t.pace.would_hold(t.free[DRAM], short) else 0
 
 
 def _make_l2_room(ctx: PlanContext, b: PlanBuilder, shield: np.ndarray, short: int, extra: int,
                   budget: int, must: int = 0) -> None:
     """Free L2: without L3, drop the coldest sessions' L2 blocks now; with L3, spill whole
     sessions (their slots free at the end of this phase), dropping L3 sessions if it is full.
-    `must` (past _l2_room): blocks that leave L2 now without a write, coldest whole sessions
+    `must` (_unwritten_room): blocks that leave L2 now without a write, coldest whole sessions
     first (dropped, or kept spills where L3 holds their records), so that the phase's copies
     find clean slots instead of waiting for the disk; then only `extra` is spilled."""
     t = b.t

@@ -132,38 +132,6 @@ class SlotStack:
         """Blocks of the spills not known written (free here or refilled since)."""
         return self.flying
 
-    def written_before(self, short: int) -> int:
-        """Blocks the disk writes before `short` copies that find no clean slot have slots
-        (spills written in the order queued): they take the cooling slots oldest spill first,
-        each waiting for its spill and the spills queued before it; past the cooling slots,
-        slots of spills at need queued behind every spill in flight."""
-        if short <= 0:
-            return 0
-        free = 0
-        flying = 0
-        for entry in self.cooling:
-            free += entry[1]
-            flying += entry[2]
-            if free >= short:
-                return flying
-        return self.flying + short - self.cool
-
-    def usable_within(self, blocks: int) -> int:
-        """The most copies without a clean slot whose slots are there once the disk has
-        written `blocks` blocks (written_before(n) <= blocks)."""
-        if blocks <= 0:
-            return 0
-        best = 0
-        free = 0
-        flying = 0
-        for entry in self.cooling:
-            free += entry[1]
-            flying += entry[2]
-            if flying > blocks:
-                return best
-            best = free
-        return max(best, self.cool + blocks - self.flying)
-
     def _under(self, group: np.ndarray, above: int) -> None:
         """Put `group` under the free slots, with the lowest `above` of them still under it."""
         n = len(group)

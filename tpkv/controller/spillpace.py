@@ -34,7 +34,7 @@ class SpillPacer:
         p = policy or PolicyConfig(spill_pacing=False)
         self.enabled = p.spill_pacing
         # whether a step may leave L2 blocks unwritten when the disk is behind (with L3 and
-        # spill="cost": planner._l2_room)
+        # spill="cost": planner._unwritten_room)
         self.may_leave = self.enabled and l3 and p.spill == "cost"
         self.block_bytes = max(int(block_bytes), 1)
         self.queue_s = p.spill_queue_s
@@ -94,15 +94,22 @@ class SpillPacer:
         cap = max(self._queue_blocks(), max(self.recent, default=0))
         return max(0, cap - stack.in_flight() - short)
 
+    def would_hold(self, stack: SlotStack, blocks: int) -> bool:
+        """Copies into L2 that find no clean slot for `blocks` blocks would wait longer than
+        `spill_queue_s` for the disk: the spills in flight and those blocks' own, at the
+        measured rate (False when pacing is off)."""
+        if not self.enabled or blocks <= 0:
+            return False
+        return (stack.in_flight() + blocks) * self.block_bytes > self.rate * self.queue_s
+
     def intake_room(self, stack: SlotStack, kept: int) -> int:
         """Blocks the next step may copy into L2 before any is left unwritten for want of a
-        clean slot (planner._l2_room): the clean slots, the kept copies (given back
-        without a write), and the slots the disk frees within the queue time at the measured
-        rate (SlotStack.usable_within). -1 when nothing is ever left unwritten (no L3,
-        spill="always", pacing off)."""
+        clean slot (planner._unwritten_room): the clean slots, the kept copies (given back
+        without a write), and the spills the queue still takes at the measured rate. -1 when
+        nothing is ever left unwritten (no L3, spill="always", pacing off)."""
         if not self.may_leave:
             return -1
-        return stack.clean + kept + stack.usable_within(self._queue_blocks())
+        return stack.clean + kept + max(0, self._queue_blocks() - stack.in_flight())
 
     def _queue_blocks(self) -> int:
         """Blocks the disk writes in `spill_queue_s` at the measured rate."""
