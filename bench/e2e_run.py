@@ -21,6 +21,8 @@ from bench.e2e_stats import (  # noqa: F401  (rerate: e2e.py's import)
     pct,
     rerate,
     resume_summary,
+    thread_cpu,
+    thread_cpu_since,
     top_functions,
     ttft_summary,
 )
@@ -201,7 +203,8 @@ class Rounds:
         """From now on steps, bytes and recomputed tokens count toward the run's bound."""
         st = self.tiered.stats
         self.window = {"decode": len(self.steps), "prefill": len(self.prefills),
-                       "bytes": dict(st.bytes), "spent": len(self.spent)}
+                       "bytes": dict(st.bytes), "spent": len(self.spent),
+                       "threads": thread_cpu()}
 
     def _drain(self) -> int:
         """Step until the queued turns are done; returns tokens generated."""
@@ -435,4 +438,6 @@ class Rounds:
             out["bound"] = bound(window_work(steps, self.prefills, self.window, dict(st.bytes),
                                              t_turns, gen_tokens), self.ceil)
             out["window_s"] = time_account(self.spent[self.window["spent"]:], t_turns)
+            # CPU seconds of each kind of thread in the window: what runs beside the step
+            out["window_thread_cpu_s"] = thread_cpu_since(self.window["threads"])
         return out

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pstats
+import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +118,30 @@ def rerate(result: dict[str, Any], ceil: dict[str, float]) -> None:
         from bench.e2e_bound import bound
 
         result["bound"] = bound(result["bound"]["work"], ceil)
+
+
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds of every thread of this process so far, by its id: Python's thread name
+    where the thread is Python's, else the kernel's (Ray's, torch's, numba's own threads)."""
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:  # (it ended meanwhile)
+            continue
+        comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:]
+        fields = rest.split()  # from the state on: utime and stime are the 12th and 13th
+        out[int(tid)] = (names.get(int(tid), comm), (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def thread_cpu_since(before: dict[int, tuple[str, float]], rows: int = 16) -> dict[str, float]:
+    """CPU seconds each kind of thread spent since `before` (threads named alike, such as a
+    pool's, summed), the busiest first: which threads run beside the step in a window."""
+    spent: dict[str, float] = {}
+    for tid, (name, cpu) in thread_cpu().items():
+        kind = re.sub(r"[_-]?\d+$", "", name)
+        spent[kind] = spent.get(kind, 0.0) + cpu - before.get(tid, (name, 0.0))[1]
+    top = sorted(spent.items(), key=lambda kv: -kv[1])[:rows]
+    return {k: round(v, 2) for k, v in top if v > 0}
