@@ -144,8 +144,8 @@ class PagedEngine:
         # tokens and attention mass read back past the copy engines' queues (tier copies)
         self.readback = HostReadback(hbm_tensor.device)
         # time_device = True (GPU): each forward is also timed on the device, from its first
-        # kernel to its logits (forward_device_s): a forward slower on the host than there
-        # waited for the host (work once launched), one slow there for the device
+        # copy or kernel (a replay's inputs, once built) to its logits (forward_device_s); the
+        # rest of its host time is the host's (building inputs, work once launched, the GIL)
         self.time_device = False
         self.forward_device_s: float | None = None
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
@@ -357,20 +357,24 @@ class PagedEngine:
         seq_lens, q_lens = [len(s.token_ids) for s in seqs], [s.num_uncached for s in seqs]
         block_mass: torch.Tensor | None
         timed = self.time_device and self.model.device.type == "cuda"
-        if timed:
+        graphs = self.graphs if self.graphs is not None and (max(q_lens) == 1 or (
+            len(seqs) == 1 and self.graphs.takes_prefill(q_lens[0], seq_lens[0]))) else None
+        if timed:  # from a replay's inputs (built on the host first), or an eager forward's
             begun, ended = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            begun.record()
-        if self.graphs is not None and max(q_lens) == 1:  # decode: one graph replay
+            if graphs is not None:
+                graphs.begun = begun
+            else:
+                begun.record()
+        if graphs is not None and max(q_lens) == 1:  # decode: one graph replay
             tables, _, _, nb = check_tables(slots, seq_lens, q_lens, self.block_tokens,
                                             self.num_slots)
-            logits, block_mass = self.graphs.forward([s.token_ids[-1] for s in seqs], tables,
-                                                     seq_lens)
-        elif (self.graphs is not None and len(seqs) == 1
-              and self.graphs.takes_prefill(q_lens[0], seq_lens[0])):  # a turn: one replay
+            logits, block_mass = graphs.forward([s.token_ids[-1] for s in seqs], tables,
+                                                seq_lens)
+        elif graphs is not None:  # a turn: one replay
             tables, _, _, nb = check_tables(slots, seq_lens, q_lens, self.block_tokens,
                                             self.num_slots)
-            logits = self.graphs.forward_prefill(seqs[0].token_ids[seqs[0].num_cached:],
-                                                 tables[0], seq_lens[0])
+            logits = graphs.forward_prefill(seqs[0].token_ids[seqs[0].num_cached:], tables[0],
+                                            seq_lens[0])
             block_mass = None
         else:
             meta = build_meta(slots, seq_lens, q_lens, self.block_tokens, self.num_slots,

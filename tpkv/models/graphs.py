@@ -72,6 +72,9 @@ class DecodeGraphs:
         self.graphs: OrderedDict[tuple[int, int, int], _Graph] = OrderedDict()
         self.captures = 0
         self.replays = 0
+        # A timing event (engine.time_device) the next replay records as its inputs go, after
+        # the host has built them: its device time leaves that host work out.
+        self.begun: torch.cuda.Event | None = None
         # Turns of up to this many new tokens after a cached prefix replay a prefill graph.
         self.max_prefill_tokens = max_prefill_tokens if attention is paged_attention_sdpa else 0
 
@@ -115,6 +118,9 @@ class DecodeGraphs:
     def _replay(self, key: tuple[int, int, int], host: np.ndarray) -> _Graph:
         """Replay the graph of `key` ((B, width, 0) decode, (-1, rows, width) prefill) on the
         inputs `host`, capturing it first if new."""
+        if self.begun is not None:
+            self.begun.record()
+            self.begun = None
         entry = self.graphs.get(key)
         if entry is None:
             entry = self._capture(key, host)
