@@ -16,12 +16,11 @@ import numpy as np
 
 from tpkv.config import SsdConfig
 from tpkv.errors import ConfigError, SsdFormatError
-from tpkv.ssd import vector_io
 
 log = logging.getLogger(__name__)
 
 PAGE_BYTES = 4096
-IOV_MAX = vector_io.IOV_MAX
+IOV_MAX = int(os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -109,8 +108,6 @@ class BlockFile(abc.ABC):
 
     # True: every buffer handed to write_at/read_at must satisfy is_direct_capable.
     direct: bool = False
-    # True: write_iov/read_iov take the buffers as iovecs by address (vector_io)
-    vector_io: bool = False
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -122,13 +119,6 @@ class BlockFile(abc.ABC):
     @abc.abstractmethod
     def read_at(self, bufs: Sequence[np.ndarray], offset_bytes: int) -> int:
         """Fill the buffers back to back from `offset_bytes`; return bytes read (short at EOF)."""
-
-    # write_at / read_at of memory given as iovecs (vector_io.IOVEC), where vector_io is True
-    def write_iov(self, iov: np.ndarray, offset_bytes: int) -> None:
-        raise NotImplementedError(f"{type(self).__name__} takes no iovecs")
-
-    def read_iov(self, iov: np.ndarray, offset_bytes: int) -> int:
-        raise NotImplementedError(f"{type(self).__name__} takes no iovecs")
 
     def size_bytes(self) -> int:
         return os.fstat(self.fd).st_size
@@ -180,19 +170,9 @@ def _advance(views: list[memoryview], start: int, done_bytes: int) -> int:
 
 
 class PosixFile(BlockFile):
-    vector_io = vector_io.PWRITEV is not None and vector_io.PREADV is not None
-
     def __init__(self, fd: int, direct: bool) -> None:
         super().__init__(fd)
         self.direct = direct
-
-    def write_iov(self, iov: np.ndarray, offset_bytes: int) -> None:  # (without the GIL)
-        assert vector_io.PWRITEV is not None
-        vector_io.transfer(vector_io.PWRITEV, self.fd, iov, offset_bytes, write=True)
-
-    def read_iov(self, iov: np.ndarray, offset_bytes: int) -> int:
-        assert vector_io.PREADV is not None
-        return vector_io.transfer(vector_io.PREADV, self.fd, iov, offset_bytes, write=False)
 
     def write_at(self, bufs: Sequence[np.ndarray], offset_bytes: int) -> None:
         views = [b.data.cast("B") for b in bufs]

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from tpkv.errors import SsdFormatError
-from tpkv.ssd import kernels, vector_io
+from tpkv.ssd import kernels
 from tpkv.ssd.backend import (
     IOV_MAX,
     BlockFile,
@@ -155,7 +155,6 @@ class SegmentIo:
         """One record per block, contiguous from offset_bytes, numbered from first_record_no.
         With `pause`, in pieces of write_piece_bytes, calling pause() before each."""
         staged = self._staged(f, blocks)
-        by_address = self._by_address(f, blocks, staged)
         start = 0
         while start < len(blocks):
             end, num_staged = self._chunk_end(start, staged,
@@ -167,10 +166,20 @@ class SegmentIo:
             scratch = self.buffer("scratch", num * ALIGN_BYTES + num_staged * self.padded_bytes)
             headers = scratch[:num * ALIGN_BYTES].reshape(num, ALIGN_BYTES)
             chunk = blocks[start:end]  # (an L2 pool's BlockViews stays one: fill_headers)
-            if by_address and isinstance(chunk, BlockViews):
-                iov = self._iovecs(headers, chunk.addresses(np.arange(num)), self._zero_pad)
-            else:
-                bufs = self._write_buffers(scratch, headers, chunk, staged[start:end])
+            bufs: list[np.ndarray] = []
+            stage_at = num * ALIGN_BYTES
+            for k in range(start, end):
+                bufs.append(headers[k - start])
+                if staged[k]:
+                    slot = scratch[stage_at:stage_at + self.padded_bytes]
+                    stage_at += self.padded_bytes
+                    slot[:self.block_bytes] = chunk[k - start]
+                    slot[self.block_bytes:] = 0
+                    bufs.append(slot)
+                else:
+                    bufs.append(chunk[k - start])
+                    if len(self._zero_pad):
+                        bufs.append(self._zero_pad)
             # payload CRCs and sealed headers in one compiled call, which takes the GIL back
             # once (kernels); where it does not run, crc_many and the headers here
             if not kernels.fill_headers(headers, self._template(ident), indices[start:end],
@@ -179,51 +188,8 @@ class SegmentIo:
                 for k in range(num):
                     pack_record_header(ident, headers[k], int(indices[start + k]), crcs[k],
                                        first_record_no + start + k)
-            if by_address:
-                f.write_iov(iov, offset_bytes + start * self.record_bytes)
-            else:
-                f.write_at(bufs, offset_bytes + start * self.record_bytes)
+            f.write_at(bufs, offset_bytes + start * self.record_bytes)
             start = end
-
-    def _write_buffers(self, scratch: np.ndarray, headers: np.ndarray,
-                       chunk: Sequence[np.ndarray], staged: Sequence[bool]) -> list[np.ndarray]:
-        """write_at's buffers for the records of `chunk`: each header row, its payload (or its
-        copy staged in `scratch` past the headers) and the padding."""
-        bufs: list[np.ndarray] = []
-        stage_at = len(headers) * ALIGN_BYTES
-        for k, block in enumerate(chunk):
-            bufs.append(headers[k])
-            if staged[k]:
-                slot = scratch[stage_at:stage_at + self.padded_bytes]
-                stage_at += self.padded_bytes
-                slot[:self.block_bytes] = block
-                slot[self.block_bytes:] = 0
-                bufs.append(slot)
-            else:
-                bufs.append(block)
-                if len(self._zero_pad):
-                    bufs.append(self._zero_pad)
-        return bufs
-
-    @staticmethod
-    def _by_address(f: BlockFile, bufs: Sequence[np.ndarray], staged: Sequence[bool]) -> bool:
-        """Whether records move between the file and `bufs` as iovecs by address: an L2
-        pool's views (BlockViews, their addresses at once) that need no staging, on a file
-        that takes iovecs (PosixFile.write_iov / read_iov)."""
-        return bool(f.vector_io and isinstance(bufs, BlockViews) and not any(staged)
-                    and bufs.addresses(np.zeros(0, dtype=np.int64)) is not None)
-
-    def _iovecs(self, headers: np.ndarray, payloads: np.ndarray | None,
-                pad: np.ndarray) -> np.ndarray:
-        """Each record's iovecs, as write_at/read_at's buffers would be: its header row, its
-        payload (at an address of `payloads`), then `pad` where the payload is padded."""
-        assert payloads is not None
-        cols: list[tuple[np.ndarray | int, int]] = [
-            (row_addresses(headers, np.arange(len(headers))), ALIGN_BYTES),
-            (payloads, self.block_bytes)]
-        if len(pad):
-            cols.append((pad.ctypes.data, len(pad)))
-        return vector_io.iovecs(cols, len(headers))
 
     def read_records(self, f: BlockFile, ident: SegmentIdentity, stored: np.ndarray,
                      wanted: np.ndarray, out: Sequence[np.ndarray], hits: np.ndarray) -> None:
@@ -260,17 +226,24 @@ class SegmentIo:
         num = len(reqs)
         scratch = self.buffer("scratch", num * ALIGN_BYTES + sum(staged) * self.padded_bytes)
         sink = self.buffer("sink", len(self._zero_pad))
-        iov, payloads = None, None
         bufs: list[np.ndarray] = []
-        if self._by_address(f, out, staged) and isinstance(out, BlockViews):
-            iov = self._iovecs(scratch[:num * ALIGN_BYTES].reshape(num, ALIGN_BYTES),
-                               out.addresses(reqs), sink)  # (_crcs takes the addresses)
-        else:
-            bufs, payloads = self._read_buffers(scratch, sink, reqs, staged, out)
+        payloads: list[np.ndarray] = []
+        stage_at = num * ALIGN_BYTES
+        for k, req in enumerate(reqs):
+            bufs.append(scratch[k * ALIGN_BYTES:(k + 1) * ALIGN_BYTES])
+            if staged[k]:
+                slot = scratch[stage_at:stage_at + self.padded_bytes]
+                stage_at += self.padded_bytes
+                bufs.append(slot)
+                payloads.append(slot[:self.block_bytes])
+            else:
+                bufs.append(out[int(req)])
+                payloads.append(out[int(req)])
+                if len(sink):
+                    bufs.append(sink)
         began = time.perf_counter_ns()
         try:
-            at = ALIGN_BYTES + first * self.record_bytes
-            got = f.read_at(bufs, at) if iov is None else f.read_iov(iov, at)
+            got = f.read_at(bufs, ALIGN_BYTES + first * self.record_bytes)
         except OSError as exc:
             log.warning("L3 rank %d: segment %s: reading records %d..%d failed, misses: %s",
                         ident.rank, ident.session_hash.hex()[:16], first, first + num - 1, exc)
@@ -281,7 +254,7 @@ class SegmentIo:
         num_read = min(num, got // self.record_bytes)
         headers = scratch[:num_read * ALIGN_BYTES].reshape(num_read, ALIGN_BYTES)
         actuals, header_crcs = self._crcs(headers, reqs[:num_read], staged, out,
-                                          None if payloads is None else payloads[:num_read])
+                                          payloads[:num_read])
         # the headers checked all at once; a record that fails is looked at alone for the log
         ok = check_record_headers(headers, ident, stored[first:first + num_read], first,
                                   header_crcs, actuals)
@@ -299,36 +272,12 @@ class SegmentIo:
                             ident.session_hash.hex()[:16], exc)
         for k in np.flatnonzero(ok).tolist():
             if staged[k]:
-                assert payloads is not None  # (a staged record is read through bufs)
                 out[int(reqs[k])][:] = payloads[k]
         hits[reqs[:num_read][ok]] = True
 
-    def _read_buffers(self, scratch: np.ndarray, sink: np.ndarray, reqs: np.ndarray,
-                      staged: Sequence[bool], out: Sequence[np.ndarray]
-                      ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """read_at's buffers for records into out[reqs] (each header row in `scratch`, its
-        payload, or a slot staged past the headers, and the padding into `sink`), and where
-        each payload lands."""
-        bufs: list[np.ndarray] = []
-        payloads: list[np.ndarray] = []
-        stage_at = len(reqs) * ALIGN_BYTES
-        for k, req in enumerate(reqs):
-            bufs.append(scratch[k * ALIGN_BYTES:(k + 1) * ALIGN_BYTES])
-            if staged[k]:
-                slot = scratch[stage_at:stage_at + self.padded_bytes]
-                stage_at += self.padded_bytes
-                bufs.append(slot)
-                payloads.append(slot[:self.block_bytes])
-            else:
-                bufs.append(out[int(req)])
-                payloads.append(out[int(req)])
-                if len(sink):
-                    bufs.append(sink)
-        return bufs, payloads
-
     @staticmethod
     def _crcs(headers: np.ndarray, reqs: np.ndarray, staged: Sequence[bool],
-              out: Sequence[np.ndarray], payloads: list[np.ndarray] | None
+              out: Sequence[np.ndarray], payloads: list[np.ndarray]
               ) -> tuple[np.ndarray, np.ndarray]:
         """(payload CRC32Cs, header CRC32Cs) of the records read. Into a pool's views with
         nothing staged, from addresses taken at once (no view or address a record under the
@@ -341,8 +290,6 @@ class SegmentIo:
                 payload_crcs = kernels.crc_at(addrs, out.block_bytes)
                 assert payload_crcs is not None  # (the kernels ran just now)
                 return payload_crcs, header_crcs
-        if payloads is None:  # (read by address: each payload is its out view)
-            payloads = [out[int(r)] for r in reqs]
         crcs = np.asarray(crc_many(payloads + [h[:HEADER_CRC_BYTES] for h in headers]),
                           dtype=np.uint32)
         return crcs[:len(payloads)], crcs[len(payloads):]
