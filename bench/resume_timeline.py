@@ -52,6 +52,26 @@ SWITCHES: dict[str, tuple[int, int]] = {}  # its (voluntary, involuntary) contex
 _SWITCH_AT = ("start", "run<", "schedule<")
 
 
+# What install() times: (owner, attribute, label)
+WRAPPED: tuple[tuple[Any, str, str], ...] = (
+    (runtime.TpkvRuntime, "_begin_step", "begin"),
+    (controller.Controller, "schedule", "controller"),
+    (step, "demand", "demand"), (step, "plan_step", "plan_step"),
+    (builder.PlanBuilder, "end_phase", "end_phase"),
+    (controller.Controller, "finish_step", "finish_step"),
+    (worker.Worker, "apply_step", "apply_step"),
+    (mirror.SlotMirror, "check", "check"),
+    (executor.PlanExecutor, "run", "run"),
+    (pieces.DemotionPieces, "groups", "piece_lookup"),
+    (executor.PlanExecutor, "_mark", "stream_mark"),
+    (executor.PlanExecutor, "_h2d", "h2d"),
+    (executor.PlanExecutor, "_demote", "demote"),
+    (copy_engine, "merged_copies", "descriptors"),
+    (cuda_rt, "memcpy_batch", "memcpy_batch"),
+    (tiered.TieredEngine, "wait", "wait"),
+)
+
+
 PROFILE: str | None = os.environ.get("RESUME_PROFILE") or None
 _PROFILES: list[Any] = []  # one cProfile.Profile per step whose schedule issued a copy into L1
 _profiling: Any = None
@@ -102,22 +122,7 @@ def install() -> None:
         finally:
             _mark("schedule<")
     tiered.TieredEngine.schedule = timed_schedule  # type: ignore[method-assign]
-    for owner, name, label in (
-            (runtime.TpkvRuntime, "_begin_step", "begin"),
-            (controller.Controller, "schedule", "controller"),
-            (step, "_demand", "demand"), (step, "plan_step", "plan_step"),
-            (builder.PlanBuilder, "end_phase", "end_phase"),
-            (controller.Controller, "finish_step", "finish_step"),
-            (worker.Worker, "apply_step", "apply_step"),
-            (mirror.SlotMirror, "check", "check"),
-            (executor.PlanExecutor, "run", "run"),
-            (pieces.DemotionPieces, "groups", "piece_lookup"),
-            (executor.PlanExecutor, "_mark", "stream_mark"),
-            (executor.PlanExecutor, "_h2d", "h2d"),
-            (executor.PlanExecutor, "_demote", "demote"),
-            (copy_engine, "merged_copies", "descriptors"),
-            (cuda_rt, "memcpy_batch", "memcpy_batch"),
-            (tiered.TieredEngine, "wait", "wait")):
+    for owner, name, label in WRAPPED:
         _wrap(owner, name, label)
     if os.environ.get("RESUME_HOST_END") == "1":
         wait = tiered.TieredEngine.wait

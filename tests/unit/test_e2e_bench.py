@@ -280,3 +280,13 @@ def test_the_warm_up_meets_every_prefill_width_of_the_run(sizes) -> None:
     assert lengths[0] == sizes.context[0] and lengths[-1] == sizes.context[1]
     step = max(b - a for a, b in zip(lengths, lengths[1:]))
     assert 0 < step < PREFIX_BUCKET_BLOCKS * sizes.block_tokens, (step, lengths)
+
+
+def test_resume_timeline_wraps_only_what_exists() -> None:
+    """bench/resume_timeline.py times these by name: a rename in tpkv must show here, not as
+    an AttributeError on the GPU machine."""
+    import bench.resume_timeline as timeline
+
+    missing = [f"{getattr(owner, '__name__', owner)}.{name}"
+               for owner, name, _ in timeline.WRAPPED if not callable(getattr(owner, name, None))]
+    assert not missing, missing
