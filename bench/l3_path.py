@@ -16,7 +16,10 @@ thread's path can at best run at 1 / (1/raw + 1/crc32c): each phase's `ceiling_g
     python bench/l3_path.py --out bench/results/l3_path.json
 
 `--contend N` runs N pure-Python threads beside it (a serving process's busy main thread, which
-holds the GIL while the store's threads wait for it after each system call).
+holds the GIL while the store's threads wait for it after each system call). `--by-address 0`
+hands the blocks without their addresses: records then move through os.pwritev/os.preadv with a
+view a block, as lists of buffers do (with 1, the default, by address in one compiled call
+without the GIL, whose system calls the syscall clock does not see: its `syscall_s` is then 0).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tpkv.config import KvGeometry, SsdConfig  # noqa: E402
-from tpkv.ssd.backend import BlockViews, aligned_empty  # noqa: E402
+from tpkv.ssd.backend import BlockViews, aligned_empty, row_addresses  # noqa: E402
 from tpkv.ssd.format import crc_of  # noqa: E402
 from tpkv.ssd.store import SsdStore  # noqa: E402
 from tpkv.workers.reads import READ_CHUNK_BYTES  # noqa: E402
@@ -83,13 +86,18 @@ class SyscallClock:
 class Arena:
     """Page-aligned block slots, handed out as BlockViews like an L2 pool's."""
 
-    def __init__(self, num_blocks: int, block_bytes: int) -> None:
+    def __init__(self, num_blocks: int, block_bytes: int, by_address: bool = True) -> None:
         self.block_bytes = block_bytes
         self.mem = aligned_empty(num_blocks * block_bytes).reshape(num_blocks, block_bytes)
         self.mem[:] = 0  # fault it in, as a pinned pool is
+        # as an L2 pool's: their addresses at once (records move as iovecs by address);
+        # without, a view a block (the path a list of buffers takes)
+        self.addresses_of = ((lambda slots: row_addresses(self.mem, slots)) if by_address
+                             else None)
 
     def views(self, slots: np.ndarray) -> BlockViews:
-        return BlockViews(lambda s: self.mem[s], slots, self.block_bytes, True)
+        return BlockViews(lambda s: self.mem[s], slots, self.block_bytes, True,
+                          self.addresses_of)
 
 
 def ceilings(nbytes: int, repeat: int) -> dict[str, float]:
@@ -177,10 +185,10 @@ def run_once(root: str, args: argparse.Namespace, clock: SyscallClock) -> dict[s
                     o_direct=bool(args.o_direct), io_threads=args.io_threads,
                     write_threads=args.io_threads, read_ahead_bytes=n * per_session * bb)
     store = SsdStore(cfg, GEOMETRY, "bench-l3-path", 0)
-    src = Arena(per_session, bb)
+    src = Arena(per_session, bb, bool(args.by_address))
     rng = np.random.default_rng(1)
     src.mem[:] = rng.integers(0, 256, src.mem.shape, dtype=np.uint8)
-    dst = Arena(per_session * n, bb)
+    dst = Arena(per_session * n, bb, bool(args.by_address))
     idx = np.arange(per_session, dtype=np.int64)
     sids = [f"s{i}" for i in range(n)]
     out: dict[str, Any] = {"direct_io": None}
@@ -260,6 +268,8 @@ def main() -> None:
     ap.add_argument("--o-direct", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--contend", type=int, default=0, help="busy pure-Python threads beside it")
+    ap.add_argument("--by-address", type=int, default=1,
+                    help="0: blocks as views one by one, not by address")
     ap.add_argument("--profile", type=int, default=0, help="cProfile one run; print the top N")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

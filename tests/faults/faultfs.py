@@ -10,13 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from tpkv.ssd import backend, files, manifest, session_io, store
+from tpkv.ssd import backend, files, fsutil, manifest, session_io, store
 
 _SECTOR = 512
 # Calls that need no model update but must fail once the "machine" is down.
 _READ_ONLY = {"lstat", "stat", "fstat", "scandir", "pread", "preadv", "read", "listdir"}
 # The store's modules whose `os` calls go through the fault layer (not reclaim's, not segment's).
-STORE_MODULES = (backend, files, manifest, session_io, store)
+STORE_MODULES = (backend, files, fsutil, manifest, session_io, store)
 
 
 class SimulatedCrash(BaseException):
@@ -237,12 +237,17 @@ def _garble(op: tuple[int, bytes | None], rng: np.random.Generator
 
 @contextlib.contextmanager
 def installed(fault_os: FaultOs) -> Iterator[FaultOs]:
-    """The store modules see `fault_os` as their `os` while inside; the real `os` is untouched."""
+    """The store modules see `fault_os` as their `os` while inside; the real `os` is untouched.
+    Records by address (vector_io's system calls, which no `os` sees) are off meanwhile: an L2
+    pool's blocks go through os.pwritev/os.preadv, the same calls on the same bytes."""
     saved = [module.os for module in STORE_MODULES]
+    by_address = backend.PosixFile.by_address
     for module in STORE_MODULES:
         module.os = fault_os  # type: ignore[assignment]
+    backend.PosixFile.by_address = lambda self: False  # type: ignore[method-assign]
     try:
         yield fault_os
     finally:
         for module, real in zip(STORE_MODULES, saved):
             module.os = real
+        backend.PosixFile.by_address = by_address  # type: ignore[method-assign]

@@ -32,7 +32,7 @@ from tpkv.integrations.disk_format import (
     rank_dir,
 )
 from tpkv.integrations.prefix_index import KEY_BYTES, block_key
-from tpkv.ssd.backend import atomic_write, unlink_missing_ok
+from tpkv.ssd.fsutil import atomic_write, unlink_missing_ok
 from tpkv.ssd.owner import RootLock
 
 log = logging.getLogger(__name__)

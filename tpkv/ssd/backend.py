@@ -1,4 +1,4 @@
-"""L3 I/O: POSIX (O_DIRECT, preadv/pwritev) and kvikio backends, and atomic small-file writes."""
+"""L3 I/O: POSIX (O_DIRECT, preadv/pwritev, records by address) and kvikio backends."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ from typing import Any, overload
 import numpy as np
 
 from tpkv.config import SsdConfig
-from tpkv.errors import ConfigError, SsdFormatError
+from tpkv.errors import ConfigError
+from tpkv.ssd import vector_io
 
 log = logging.getLogger(__name__)
 
 PAGE_BYTES = 4096
-IOV_MAX = int(os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
+IOV_MAX = vector_io.IOV_MAX
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -120,6 +121,21 @@ class BlockFile(abc.ABC):
     def read_at(self, bufs: Sequence[np.ndarray], offset_bytes: int) -> int:
         """Fill the buffers back to back from `offset_bytes`; return bytes read (short at EOF)."""
 
+    def by_address(self) -> bool:
+        """Whether write_records/read_records run here (records with payloads by address)."""
+        return False
+
+    def write_records(self, headers: np.ndarray, payloads: np.ndarray, payload_bytes: int,
+                      pad: np.ndarray, offset_bytes: int) -> None:
+        """Write records back to back at `offset_bytes`, each headers[k], `payload_bytes` at
+        the address payloads[k] and `pad` (vector_io.move_records); all of them or OSError."""
+        raise NotImplementedError(f"{type(self).__name__} takes no payloads by address")
+
+    def read_records(self, headers: np.ndarray, payloads: np.ndarray, payload_bytes: int,
+                     sink: np.ndarray, offset_bytes: int) -> int:
+        """write_records' reverse, the pad read into `sink`; bytes read (short at EOF)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no payloads by address")
+
     def size_bytes(self) -> int:
         return os.fstat(self.fd).st_size
 
@@ -173,6 +189,19 @@ class PosixFile(BlockFile):
     def __init__(self, fd: int, direct: bool) -> None:
         super().__init__(fd)
         self.direct = direct
+
+    def by_address(self) -> bool:
+        return vector_io.available()
+
+    def write_records(self, headers: np.ndarray, payloads: np.ndarray, payload_bytes: int,
+                      pad: np.ndarray, offset_bytes: int) -> None:
+        vector_io.move_records(self.fd, headers, payloads, payload_bytes, pad, offset_bytes,
+                               write=True)
+
+    def read_records(self, headers: np.ndarray, payloads: np.ndarray, payload_bytes: int,
+                     sink: np.ndarray, offset_bytes: int) -> int:
+        return vector_io.move_records(self.fd, headers, payloads, payload_bytes, sink,
+                                      offset_bytes, write=False)
 
     def write_at(self, bufs: Sequence[np.ndarray], offset_bytes: int) -> None:
         views = [b.data.cast("B") for b in bufs]
@@ -326,64 +355,3 @@ def _gds_active(kvikio: Any) -> bool:
         return str(mode).upper().endswith("OFF") or mode is False
     except Exception:  # any doubt: treat it as compat mode
         return False
-
-
-# ---- small files (commit records, manifests): plain buffered I/O on every backend -------------
-
-
-def read_small_file(path: str, limit_bytes: int) -> bytes:
-    """Read a whole file that must not be a symlink nor larger than `limit_bytes`."""
-    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
-    try:
-        size_bytes = os.fstat(fd).st_size
-        if size_bytes > limit_bytes:
-            raise SsdFormatError(f"{os.path.basename(path)} is {size_bytes} bytes, above the "
-                                 f"{limit_bytes}-byte limit")
-        chunks = []
-        while size_bytes > 0:
-            chunk = os.read(fd, size_bytes)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size_bytes -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def unlink_missing_ok(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def fsync_dir(path: str) -> None:
-    """Make the directory's entries (creations, renames, removals) durable."""
-    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str, data: bytes, tmp_path: str) -> None:
-    """temp + fsync + rename + directory fsync: readers see the old file or the new one, whole."""
-    try:
-        fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC | _O_NOFOLLOW,
-                     0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp_path, path)
-    except BaseException:
-        try:
-            unlink_missing_ok(tmp_path)
-        except OSError:
-            pass
-        raise
-    fsync_dir(os.path.dirname(path))

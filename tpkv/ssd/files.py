@@ -7,8 +7,8 @@ import stat
 from dataclasses import replace
 
 from tpkv.errors import SsdError
-from tpkv.ssd.backend import fsync_dir, read_small_file
 from tpkv.ssd.format import CommitRecord, SegmentIdentity, digest32, parse_commit
+from tpkv.ssd.fsutil import fsync_dir, read_small_file
 from tpkv.ssd.paths import SessionPaths
 
 _MAX_META_BYTES = 64 << 20  # commit records and manifests above this are rejected unread

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import numpy as np
 
 from tpkv.errors import SsdError, SsdFormatError, SsdIoError
-from tpkv.ssd.backend import atomic_write
 from tpkv.ssd.files import RankFiles
 from tpkv.ssd.format import CommitRecord, Manifest, pack_manifest, parse_commit, parse_manifest
+from tpkv.ssd.fsutil import atomic_write
 from tpkv.ssd.paths import MANIFEST_RE, SessionPaths, fanout_dirs
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from tpkv.errors import SsdError, SsdFormatError
-from tpkv.ssd.backend import fsync_dir, unlink_missing_ok
 from tpkv.ssd.files import RankFiles
 from tpkv.ssd.format import (
     ALIGN_BYTES,
@@ -18,6 +17,7 @@ from tpkv.ssd.format import (
     parse_commit,
     parse_manifest,
 )
+from tpkv.ssd.fsutil import fsync_dir, unlink_missing_ok
 from tpkv.ssd.paths import MANIFEST_RE, fanout_dirs
 from tpkv.ssd.paths import SessionPaths as _Paths
 

@@ -155,6 +155,7 @@ class SegmentIo:
         """One record per block, contiguous from offset_bytes, numbered from first_record_no.
         With `pause`, in pieces of write_piece_bytes, calling pause() before each."""
         staged = self._staged(f, blocks)
+        by_address = self._by_address(f, blocks, staged)
         start = 0
         while start < len(blocks):
             end, num_staged = self._chunk_end(start, staged,
@@ -166,20 +167,8 @@ class SegmentIo:
             scratch = self.buffer("scratch", num * ALIGN_BYTES + num_staged * self.padded_bytes)
             headers = scratch[:num * ALIGN_BYTES].reshape(num, ALIGN_BYTES)
             chunk = blocks[start:end]  # (an L2 pool's BlockViews stays one: fill_headers)
-            bufs: list[np.ndarray] = []
-            stage_at = num * ALIGN_BYTES
-            for k in range(start, end):
-                bufs.append(headers[k - start])
-                if staged[k]:
-                    slot = scratch[stage_at:stage_at + self.padded_bytes]
-                    stage_at += self.padded_bytes
-                    slot[:self.block_bytes] = chunk[k - start]
-                    slot[self.block_bytes:] = 0
-                    bufs.append(slot)
-                else:
-                    bufs.append(chunk[k - start])
-                    if len(self._zero_pad):
-                        bufs.append(self._zero_pad)
+            if not by_address:
+                bufs = self._write_buffers(scratch, headers, chunk, staged[start:end])
             # payload CRCs and sealed headers in one compiled call, which takes the GIL back
             # once (kernels); where it does not run, crc_many and the headers here
             if not kernels.fill_headers(headers, self._template(ident), indices[start:end],
@@ -188,8 +177,43 @@ class SegmentIo:
                 for k in range(num):
                     pack_record_header(ident, headers[k], int(indices[start + k]), crcs[k],
                                        first_record_no + start + k)
-            f.write_at(bufs, offset_bytes + start * self.record_bytes)
+            at = offset_bytes + start * self.record_bytes
+            if by_address:
+                addrs = chunk.addresses(np.arange(num)) if isinstance(chunk, BlockViews) else None
+                assert addrs is not None  # (_by_address: a pool's views, their addresses)
+                f.write_records(headers, addrs, self.block_bytes, self._zero_pad, at)
+            else:
+                f.write_at(bufs, at)
             start = end
+
+    def _write_buffers(self, scratch: np.ndarray, headers: np.ndarray,
+                       chunk: Sequence[np.ndarray], staged: Sequence[bool]) -> list[np.ndarray]:
+        """write_at's buffers for the records of `chunk`: each header row, its payload (or its
+        copy staged in `scratch` past the headers) and the padding."""
+        bufs: list[np.ndarray] = []
+        stage_at = len(headers) * ALIGN_BYTES
+        for k, block in enumerate(chunk):
+            bufs.append(headers[k])
+            if staged[k]:
+                slot = scratch[stage_at:stage_at + self.padded_bytes]
+                stage_at += self.padded_bytes
+                slot[:self.block_bytes] = block
+                slot[self.block_bytes:] = 0
+                bufs.append(slot)
+            else:
+                bufs.append(block)
+                if len(self._zero_pad):
+                    bufs.append(self._zero_pad)
+        return bufs
+
+    @staticmethod
+    def _by_address(f: BlockFile, bufs: Sequence[np.ndarray], staged: Sequence[bool]) -> bool:
+        """Whether records move between the file and `bufs` with their payloads by address
+        (BlockFile.write_records / read_records, one call without the GIL): an L2 pool's views
+        (BlockViews, their addresses at once) that need no staging, where the file can."""
+        return bool(isinstance(bufs, BlockViews) and not any(staged)
+                    and bufs.addresses(np.zeros(0, dtype=np.int64)) is not None
+                    and f.by_address())
 
     def read_records(self, f: BlockFile, ident: SegmentIdentity, stored: np.ndarray,
                      wanted: np.ndarray, out: Sequence[np.ndarray], hits: np.ndarray) -> None:
@@ -226,24 +250,18 @@ class SegmentIo:
         num = len(reqs)
         scratch = self.buffer("scratch", num * ALIGN_BYTES + sum(staged) * self.padded_bytes)
         sink = self.buffer("sink", len(self._zero_pad))
+        addrs, payloads = None, None
         bufs: list[np.ndarray] = []
-        payloads: list[np.ndarray] = []
-        stage_at = num * ALIGN_BYTES
-        for k, req in enumerate(reqs):
-            bufs.append(scratch[k * ALIGN_BYTES:(k + 1) * ALIGN_BYTES])
-            if staged[k]:
-                slot = scratch[stage_at:stage_at + self.padded_bytes]
-                stage_at += self.padded_bytes
-                bufs.append(slot)
-                payloads.append(slot[:self.block_bytes])
-            else:
-                bufs.append(out[int(req)])
-                payloads.append(out[int(req)])
-                if len(sink):
-                    bufs.append(sink)
+        if self._by_address(f, out, staged) and isinstance(out, BlockViews):
+            addrs = out.addresses(reqs)  # (_crcs takes them again)
+        else:
+            bufs, payloads = self._read_buffers(scratch, sink, reqs, staged, out)
         began = time.perf_counter_ns()
         try:
-            got = f.read_at(bufs, ALIGN_BYTES + first * self.record_bytes)
+            at = ALIGN_BYTES + first * self.record_bytes
+            got = (f.read_at(bufs, at) if addrs is None else
+                   f.read_records(scratch[:num * ALIGN_BYTES].reshape(num, ALIGN_BYTES), addrs,
+                                  self.block_bytes, sink, at))
         except OSError as exc:
             log.warning("L3 rank %d: segment %s: reading records %d..%d failed, misses: %s",
                         ident.rank, ident.session_hash.hex()[:16], first, first + num - 1, exc)
@@ -254,7 +272,7 @@ class SegmentIo:
         num_read = min(num, got // self.record_bytes)
         headers = scratch[:num_read * ALIGN_BYTES].reshape(num_read, ALIGN_BYTES)
         actuals, header_crcs = self._crcs(headers, reqs[:num_read], staged, out,
-                                          payloads[:num_read])
+                                          None if payloads is None else payloads[:num_read])
         # the headers checked all at once; a record that fails is looked at alone for the log
         ok = check_record_headers(headers, ident, stored[first:first + num_read], first,
                                   header_crcs, actuals)
@@ -272,12 +290,36 @@ class SegmentIo:
                             ident.session_hash.hex()[:16], exc)
         for k in np.flatnonzero(ok).tolist():
             if staged[k]:
+                assert payloads is not None  # (a staged record is read through bufs)
                 out[int(reqs[k])][:] = payloads[k]
         hits[reqs[:num_read][ok]] = True
 
+    def _read_buffers(self, scratch: np.ndarray, sink: np.ndarray, reqs: np.ndarray,
+                      staged: Sequence[bool], out: Sequence[np.ndarray]
+                      ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """read_at's buffers for records into out[reqs] (each header row in `scratch`, its
+        payload, or a slot staged past the headers, and the padding into `sink`), and where
+        each payload lands."""
+        bufs: list[np.ndarray] = []
+        payloads: list[np.ndarray] = []
+        stage_at = len(reqs) * ALIGN_BYTES
+        for k, req in enumerate(reqs):
+            bufs.append(scratch[k * ALIGN_BYTES:(k + 1) * ALIGN_BYTES])
+            if staged[k]:
+                slot = scratch[stage_at:stage_at + self.padded_bytes]
+                stage_at += self.padded_bytes
+                bufs.append(slot)
+                payloads.append(slot[:self.block_bytes])
+            else:
+                bufs.append(out[int(req)])
+                payloads.append(out[int(req)])
+                if len(sink):
+                    bufs.append(sink)
+        return bufs, payloads
+
     @staticmethod
     def _crcs(headers: np.ndarray, reqs: np.ndarray, staged: Sequence[bool],
-              out: Sequence[np.ndarray], payloads: list[np.ndarray]
+              out: Sequence[np.ndarray], payloads: list[np.ndarray] | None
               ) -> tuple[np.ndarray, np.ndarray]:
         """(payload CRC32Cs, header CRC32Cs) of the records read. Into a pool's views with
         nothing staged, from addresses taken at once (no view or address a record under the
@@ -290,6 +332,8 @@ class SegmentIo:
                 payload_crcs = kernels.crc_at(addrs, out.block_bytes)
                 assert payload_crcs is not None  # (the kernels ran just now)
                 return payload_crcs, header_crcs
+        if payloads is None:  # (read by address: each payload is its out view)
+            payloads = [out[int(r)] for r in reqs]
         crcs = np.asarray(crc_many(payloads + [h[:HEADER_CRC_BYTES] for h in headers]),
                           dtype=np.uint32)
         return crcs[:len(payloads)], crcs[len(payloads):]

@@ -11,15 +11,10 @@ import numpy as np
 
 from tpkv.config import SsdConfig
 from tpkv.errors import SsdError, SsdIoError
-from tpkv.ssd.backend import (
-    atomic_write,
-    fsync_dir,
-    pick_buffers,
-    select_backend,
-    unlink_missing_ok,
-)
+from tpkv.ssd.backend import pick_buffers, select_backend
 from tpkv.ssd.files import RankFiles
 from tpkv.ssd.format import ALIGN_BYTES, CommitRecord, SegmentIdentity, pack_commit, parse_commit
+from tpkv.ssd.fsutil import atomic_write, fsync_dir, unlink_missing_ok
 from tpkv.ssd.manifest import Manifests
 from tpkv.ssd.paths import SessionPaths
 from tpkv.ssd.segment import SegmentIo, last_positions

@@ -14,8 +14,8 @@ import numpy as np
 
 from tpkv.config import KvGeometry, SsdConfig
 from tpkv.errors import ConfigError, SsdError, SsdIoError
-from tpkv.ssd import kernels
-from tpkv.ssd.backend import fsync_dir, pick_buffers, unlink_missing_ok
+from tpkv.ssd import kernels, vector_io
+from tpkv.ssd.backend import pick_buffers
 from tpkv.ssd.budget import Budget
 from tpkv.ssd.checks import check_buffers, check_indices
 from tpkv.ssd.files import RankFiles
@@ -26,6 +26,7 @@ from tpkv.ssd.format import (
     digest32,
     validate_session_id,
 )
+from tpkv.ssd.fsutil import fsync_dir, unlink_missing_ok
 from tpkv.ssd.jobs import ReadMeter, ReadStats, StoreThreads
 from tpkv.ssd.manifest import Manifests
 from tpkv.ssd.owner import RootLock
@@ -88,6 +89,7 @@ class SsdStore:
         self._budget = Budget(rank, self.budget_bytes)
         self._reads = ReadMeter()
         kernels.available()  # compile or load the CRC kernel now, not in the first read
+        vector_io.available()  # and the by-address record I/O, not in the first spill
         # session id -> drops asked so far: a write submitted before a drop does not land
         # after it (submit_write)
         self._drops: dict[str, int] = {}
