@@ -12,6 +12,7 @@ from tpkv.controller.actor import NAME, NAMESPACE, ControllerClient, get_existin
 from tpkv.errors import (
     ArgumentError,
     ArgumentTypeError,
+    BadRequestError,
     ControllerRecoveringError,
     PlanOrderError,
     UnknownSessionError,
@@ -95,6 +96,24 @@ def test_actor_steps_kill_restart_rebuild(ray_cluster, tmp_path):
     attention = client.session_blocks(session_id="a")["attention"]
     with pytest.raises(ArgumentTypeError, match="start must be an integer"):
         client.report_attention([("a", 0, [0.5]), ("b", "x", [0.5])])  # neither is applied
+    assert client.session_blocks(session_id="a")["attention"] == attention
+    # calls sent together (a step's held commits and reports, then its schedule): one actor
+    # call, run in order; an error is its own call's alone
+    parts = client.send_many([("report_attention", ([("a", "x", [0.5])],), {}),
+                              ("no_such_call", (), {}), ("schedule", (["b"], [1]), {})])
+    assert isinstance(parts[1], BadRequestError) and "no_such_call" in str(parts[1])
+    with pytest.raises(ArgumentTypeError, match="start must be an integer"):
+        parts[0].result()
+    res = parts[2].result()
+    reports = [r.apply_step(res) for r in reps]
+    parts = client.send_many([("commit", ([rep[i] for rep in reports],), {})
+                              for i in range(len(res.plans))] + [("schedule", (["c"], [1]), {})])
+    assert len(parts) == len(res.plans) + 1
+    assert all(p.result().committed for p in parts[:-1])
+    res = parts[-1].result()
+    reports = [r.apply_step(res) for r in reps]
+    for i in range(len(res.plans)):
+        assert client.commit([rep[i] for rep in reports]).committed
     assert client.session_blocks(session_id="a")["attention"] == attention
     client.check_integrity()
 

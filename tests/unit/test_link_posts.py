@@ -1,11 +1,14 @@
-"""RayLink's posts (commits, reports): held until the next flush or send once the caller says
-it flushes each step, so the sending thread runs while a forward does."""
+"""RayLink's posts (commits, reports): held, once the caller says it schedules each step, until
+the next call, which takes them along in the same actor call; sent alone at a flush."""
 
 from __future__ import annotations
 
 import threading
 from typing import Any
 
+import pytest
+
+from tpkv.errors import BadRequestError, PlanOrderError
 from tpkv.launch.link import RayLink
 
 
@@ -17,81 +20,119 @@ class _Answer:
         return True
 
     def result(self, timeout: float | None = None) -> Any:
+        if isinstance(self.value, BaseException):
+            raise self.value
         return self.value
 
 
 class FakeClient:
-    """The actor client's surface RayLink uses, recording what reaches the 'actor'."""
+    """The actor client's surface RayLink uses, recording each actor call's methods."""
 
-    log: list[str] = []
+    log: list[list[str]] = []
     lock = threading.Lock()
+    threads: list[str] = []
 
     def __init__(self, handle: Any = None, timeout_s: float = 5.0) -> None:
         self.handle, self.timeout_s = handle, timeout_s
 
-    def send(self, method: str, *args: Any, **kwargs: Any) -> _Answer:
+    def send_many(self, calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]]
+                  ) -> list[Any]:
+        out: list[Any] = []
+        for method, args, _ in calls:
+            if method == "bad":  # arguments that cannot go on the wire: not sent
+                out.append(BadRequestError("controller has no method 'bad'"))
+            elif args and args[0] == "refuse":  # the controller's typed error
+                out.append(_Answer(PlanOrderError(f"{method} refused")))
+            else:
+                out.append(_Answer(method))
         with self.lock:
-            self.log.append(method)
-        return _Answer(method)
+            self.threads.append(threading.current_thread().name)
+            sent = [m for m, *_ in calls if m != "bad"]
+            if sent:
+                self.log.append(sent)
+        return out
 
 
 def _link() -> RayLink:
-    FakeClient.log = []
+    FakeClient.log, FakeClient.threads = [], []
     return RayLink(FakeClient())
 
 
-def _sent(link: RayLink) -> list[str]:
-    if link._poster is not None:  # what the posting thread has taken
-        link._poster.submit(lambda: None).result(timeout=5)
+def _sent(link: RayLink) -> list[list[str]]:
+    if link._sender is not None:  # what the sending thread has taken
+        link._sender.submit(lambda: None).result(timeout=5)
     return list(FakeClient.log)
 
 
 def test_posts_go_at_once_unless_held() -> None:
     link = _link()
-    link.post("commit", [])
-    assert _sent(link) == ["commit"]
+    assert link.post("commit", []).result(timeout=5) == "commit"
+    assert _sent(link) == [["commit"]]
     link.close()
 
 
-def test_held_posts_wait_for_the_flush_and_go_in_order() -> None:
+def test_held_posts_ride_with_the_next_call_ahead_of_it_in_order() -> None:
     link = _link()
     link.hold_posts = True
     a = link.post("commit", [])
     b = link.post("report_attention", [])
     assert _sent(link) == [] and not a.done()
-    link.flush()
-    assert _sent(link) == ["commit", "report_attention"]
+    reply = link.send("schedule", [])
+    assert reply.result(timeout=5) == "schedule"
+    assert _sent(link) == [["commit", "report_attention", "schedule"]]  # one actor call
     assert a.result(timeout=5) == "commit" and b.result(timeout=5) == "report_attention"
+    link.post("commit", [])
+    assert link.send("snapshot").result() == "snapshot"  # any call takes them along
+    assert _sent(link)[-1] == ["commit", "snapshot"]
     link.close()
 
 
-def test_a_send_or_a_wait_on_a_held_post_flushes_it_first() -> None:
+def test_a_flush_or_a_wait_on_a_held_post_sends_it_alone() -> None:
     link = _link()
     link.hold_posts = True
     link.post("commit", [])
-    link.send("snapshot")  # (through another client: no order between the two)
-    assert sorted(_sent(link)) == ["commit", "snapshot"]
+    link.post("commit", [])
+    link.flush()
+    assert _sent(link) == [["commit", "commit"]]
     c = link.post("commit", [])
     assert c.result(timeout=5) == "commit"  # waiting sends it: no wait on a held post hangs
-    assert sorted(_sent(link)) == ["commit", "commit", "snapshot"]
+    assert _sent(link)[-1] == ["commit"]
+    link.flush()  # nothing held: no actor call
     link.post("commit", [])
     link.close()  # nothing held is lost at close
-    assert sorted(FakeClient.log) == ["commit", "commit", "commit", "snapshot"]
+    assert _sent(link) == [["commit", "commit"], ["commit"], ["commit"]]
+
+
+def test_an_error_is_its_own_calls_alone() -> None:
+    link = _link()
+    link.hold_posts = True
+    refused = link.post("commit", "refuse")
+    unsendable = link.post("bad")
+    fine = link.post("report_prefill", [])
+    reply = link.send("schedule", [])
+    assert reply.result(timeout=5) == "schedule"
+    with pytest.raises(PlanOrderError, match="commit refused"):
+        refused.result(timeout=5)
+    with pytest.raises(BadRequestError, match="'bad'"):
+        unsendable.result(timeout=5)
+    assert fine.result(timeout=5) == "report_prefill"
+    assert _sent(link) == [["commit", "report_prefill", "schedule"]]
+    with pytest.raises(BadRequestError):  # a call that cannot be sent raises at send
+        link.send("bad")
+    link.close()
 
 
 def test_sends_go_from_one_thread_in_order_and_a_schedule_returns_at_once() -> None:
     link = _link()
     gate = threading.Event()
-    threads: list[str] = []
-    real_send = FakeClient.send
+    real = FakeClient.send_many
 
-    def slow(self: FakeClient, method: str, *args: Any, **kwargs: Any) -> _Answer:
-        threads.append(threading.current_thread().name)
-        if method == "schedule":
+    def slow(self: FakeClient, calls: list[Any]) -> list[Any]:
+        if calls[-1][0] == "schedule":
             gate.wait(timeout=5)
-        return real_send(self, method, *args, **kwargs)
+        return real(self, calls)
 
-    FakeClient.send = slow  # type: ignore[method-assign]
+    FakeClient.send_many = slow  # type: ignore[method-assign]
     try:
         reply = link.send("schedule", [])  # its encoding is held at the gate
         assert not reply.done()
@@ -99,7 +140,8 @@ def test_sends_go_from_one_thread_in_order_and_a_schedule_returns_at_once() -> N
         assert link.send("snapshot").result() == "snapshot"  # goes after the schedule
         assert reply.result(timeout=5) == "schedule"
     finally:
-        FakeClient.send = real_send  # type: ignore[method-assign]
-    assert FakeClient.log == ["schedule", "snapshot"]
-    assert len(threads) == 2 and all(t.startswith("tpkv-send") for t in threads)
+        FakeClient.send_many = real  # type: ignore[method-assign]
+    assert FakeClient.log == [["schedule"], ["snapshot"]]
+    assert len(FakeClient.threads) == 2
+    assert all(t.startswith("tpkv-send") for t in FakeClient.threads)
     link.close()

@@ -66,6 +66,12 @@ def _ray_says_reconstructed() -> bool:
         return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
+def _error(exc: errors.TpkvError) -> dict[str, Any]:
+    """A typed error as an answer (the client raises it again by name)."""
+    message = str(exc.args[0]) if exc.args else str(exc)  # KeyError's str() quotes
+    return {"error": type(exc).__name__, "message": message}
+
+
 class ControllerActor:
     """Holds one Controller; each method decodes its request and encodes its answer."""
 
@@ -135,24 +141,41 @@ class ControllerActor:
     async def call(self, method: str, payload: bytes, order: Any = None) -> bytes:
         """One Controller call. `order` = [client id, sequence number]: a client's calls run
         in the order it sent them (ControllerClient sends without waiting for answers)."""
+        return await self.call_many([[method, payload]], order, one=True)
+
+    async def call_many(self, calls: Any, order: Any = None, one: bool = False) -> bytes:
+        """Controller calls ([method, payload] each) in one actor call, run in this order
+        under one `order` (a step's held commits and reports, then its schedule): the list of
+        their answers, each as `call` gives it (with `one`, that answer alone)."""
         if self._dashboard_task is None:
             self._dashboard_task = asyncio.get_running_loop().create_task(self._serve())
         turn = await self._turns.wait(order)
         try:
+            if not (isinstance(calls, list) and calls and all(
+                    isinstance(c, list) and len(c) == 2 for c in calls)):
+                return encode(_error(errors.WireFormatError(
+                    "calls must be a list of [method, payload]")))
+            answers = [self._answer(method, payload) for method, payload in calls]
+            if any(method == "schedule" for method, _ in calls):  # the next step's work,
+                # once this reply is on its way
+                self._prepare_task = asyncio.get_running_loop().create_task(self._prepare())
+            return encode(answers[0] if one else answers)
+        finally:
+            self._turns.done(turn)
+
+    def _answer(self, method: Any, payload: Any) -> dict[str, Any]:
+        try:
             if method not in METHODS:
                 raise errors.BadRequestError(f"controller has no method {method!r}")
+            if not isinstance(payload, bytes):
+                raise errors.WireFormatError(f"{method} payload is {type(payload).__name__}, "
+                                             f"not bytes")
             args = decode(payload)
             if not isinstance(args, dict):
                 raise errors.WireFormatError("request must be a map of arguments")
-            answer = encode({"ok": self._dispatch(method, args)})
-            if method == "schedule":  # the next step's work, once this reply is on its way
-                self._prepare_task = asyncio.get_running_loop().create_task(self._prepare())
-            return answer
+            return {"ok": self._dispatch(method, args)}
         except errors.TpkvError as exc:
-            message = str(exc.args[0]) if exc.args else str(exc)  # KeyError's str() quotes
-            return encode({"error": type(exc).__name__, "message": message})
-        finally:
-            self._turns.done(turn)
+            return _error(exc)
 
     async def _prepare(self) -> None:
         """Controller.prepare() after a step's reply: it runs while the engine computes, off

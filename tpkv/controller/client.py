@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -76,30 +77,71 @@ _ANSWERS: dict[str, Callable[[Any], Any]] = {
 
 
 class Sent:
-    """One call on its way: `result()` waits (bounded) for its answer, or raises its typed
-    error. While the actor restarts (it was killed; max_restarts=-1) the call is sent again
-    until the client's timeout: the restarted controller then answers, if only with
+    """Calls sent together in one actor call (ControllerActor.call_many for more than one):
+    each Part's `result()` waits (bounded) for the answers, once for all of them, or raises its
+    typed error. While the actor restarts (it was killed; max_restarts=-1) the calls are sent
+    again until the client's timeout: the restarted controller then answers, if only with
     ControllerRecoveringError (the runtime rebuilds it from the ranks)."""
 
-    def __init__(self, client: ControllerClient, method: str, payload: bytes) -> None:
-        self.client, self.method, self.payload = client, method, payload
+    def __init__(self, client: ControllerClient, calls: list[tuple[str, bytes]]) -> None:
+        self.client, self.calls = client, calls
+        self.method = calls[0][0] if len(calls) == 1 else "+".join(m for m, _ in calls)
         self.seq = client.next_seq()
-        self.ref: Any = client.send_ref(method, payload, self.seq)
-        self._answer: Any = None
-        self._done = False
+        self.ref: Any = client.send_ref(calls, self.seq)
+        self._answers: list[dict[str, Any]] | None = None
+        self._lock = threading.Lock()  # (the parts may be read on several threads)
 
     def done(self) -> bool:
-        """Whether the answer is here (result() then returns without waiting)."""
-        if self._done:
+        """Whether the answers are here (result() then returns without waiting)."""
+        if self._answers is not None:
             return True
         ready, _ = ray.wait([self.ref], timeout=0)
         return bool(ready)
 
+    def answers(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        with self._lock:
+            if self._answers is None:
+                self._answers = self._fetch(self.client.timeout_s if timeout is None
+                                            else timeout)
+            return self._answers
+
+    def _fetch(self, timeout: float) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                answer = decode(ray.get(self.ref, timeout=max(deadline - time.monotonic(),
+                                                              0.001)))
+            except ray.exceptions.GetTimeoutError as exc:
+                raise errors.WaitTimeoutError(
+                    f"controller did not answer {self.method} within {timeout:g} s") from exc
+            except ray.exceptions.RayActorError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+                self.ref = self.client.send_ref(self.calls, self.seq)
+                continue
+            if isinstance(answer, dict):  # one call's answer, or one error for them all
+                return [answer] * len(self.calls)
+            if not (isinstance(answer, list) and len(answer) == len(self.calls)
+                    and all(isinstance(a, dict) for a in answer)):
+                raise errors.WireFormatError(
+                    f"controller answered {self.method} with {type(answer).__name__}, not "
+                    f"{len(self.calls)} maps")
+            return answer
+
+
+class Part:
+    """One call of a Sent: its answer, typed, or its typed error."""
+
+    def __init__(self, sent: Sent, index: int) -> None:
+        self.sent, self.index = sent, index
+        self.method = sent.calls[index][0]
+
+    def done(self) -> bool:
+        return self.sent.done()
+
     def result(self, timeout: float | None = None) -> Any:
-        if not self._done:
-            self._answer = self._fetch(self.client.timeout_s if timeout is None else timeout)
-            self._done = True
-        answer = self._answer
+        answer = self.sent.answers(timeout)[self.index]
         if "error" in answer:
             cls = getattr(errors, str(answer["error"]), None)
             if not (isinstance(cls, type) and issubclass(cls, errors.TpkvError)):
@@ -108,24 +150,18 @@ class Sent:
         convert = _ANSWERS.get(self.method)
         return convert(answer["ok"]) if convert is not None else answer["ok"]
 
-    def _fetch(self, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                answer = decode(ray.get(self.ref, timeout=max(deadline - time.monotonic(),
-                                                              0.001)))
-                if not isinstance(answer, dict):
-                    raise errors.WireFormatError(f"controller answered {self.method} with "
-                                                 f"{type(answer).__name__}, not a map")
-                return answer
-            except ray.exceptions.GetTimeoutError as exc:
-                raise errors.WaitTimeoutError(
-                    f"controller did not answer {self.method} within {timeout:g} s") from exc
-            except ray.exceptions.RayActorError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-                self.ref = self.client.send_ref(self.method, self.payload, self.seq)
+
+def payload(method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """A call's arguments in their wire form."""
+    if method not in METHODS:
+        raise errors.BadRequestError(f"controller has no method {method!r}")
+    to_wire = _ARGS.get(method)
+    if to_wire is not None and args:
+        kwargs = to_wire(*args, **kwargs)
+    elif args:
+        raise errors.ArgumentTypeError(f"controller.{method} takes keyword arguments only, "
+                                       f"got {len(args)} positional")
+    return encode(kwargs)
 
 
 class ControllerClient:
@@ -145,23 +181,40 @@ class ControllerClient:
         self._seq += 1
         return self._seq
 
-    def send_ref(self, method: str, payload: bytes, seq: int) -> Any:
-        return self.handle.call.remote(method, payload, [self.client_id, seq])
+    def send_ref(self, calls: list[tuple[str, bytes]], seq: int) -> Any:
+        order = [self.client_id, seq]
+        if len(calls) == 1:
+            return self.handle.call.remote(calls[0][0], calls[0][1], order)
+        return self.handle.call_many.remote([list(c) for c in calls], order)
 
-    def send(self, method: str, *args: Any, **kwargs: Any) -> Sent:
-        """Send one controller call now; its answer comes with Sent.result(). Positional
+    def send(self, method: str, *args: Any, **kwargs: Any) -> Part:
+        """Send one controller call now; its answer comes with Part.result(). Positional
         arguments are typed ones, as Controller takes them (schedule, commit, report_attention
         as a list of updates), put into their wire form here; keyword arguments go as given
         (the actor checks them: a typed error names what is missing or unknown)."""
-        if method not in METHODS:
-            raise errors.BadRequestError(f"controller has no method {method!r}")
-        to_wire = _ARGS.get(method)
-        if to_wire is not None and args:
-            kwargs = to_wire(*args, **kwargs)
-        elif args:
-            raise errors.ArgumentTypeError(f"controller.{method} takes keyword arguments only, "
-                                           f"got {len(args)} positional")
-        return Sent(self, method, encode(kwargs))
+        return Part(Sent(self, [(method, payload(method, args, kwargs))]), 0)
+
+    def send_many(self, calls: Sequence[tuple[str, tuple[Any, ...], dict[str, Any]]]
+                  ) -> list[Part | BaseException]:
+        """Send calls (method, args, kwargs, as `send` takes them) in one actor call: they run
+        in this order, one after another, before any call this client sends later. A call
+        whose arguments cannot go on the wire is its error here and is not sent."""
+        out: list[Part | BaseException | None] = []
+        good: list[tuple[str, bytes]] = []
+        for method, args, kwargs in calls:
+            try:
+                good.append((method, payload(method, args, kwargs)))
+                out.append(None)
+            except Exception as exc:
+                out.append(exc)
+        sent = Sent(self, good) if good else None
+        k = 0
+        for i, item in enumerate(out):
+            if item is None:
+                assert sent is not None
+                out[i] = Part(sent, k)
+                k += 1
+        return [x for x in out if x is not None]
 
     def call(self, method: str, **args: Any) -> Any:
         """One controller call, waiting for its answer."""

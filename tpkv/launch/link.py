@@ -149,48 +149,38 @@ class LocalLink:
 
 
 class RayLink:
-    """The controller actor through its ControllerClient: calls are encoded and submitted on
-    one sending thread, in order, and the actor runs this client's calls in that order
-    (controller.client). A schedule's answer is
-    fetched and decoded on a thread as soon as it is in, so the step that reads it finds it
-    ready. Commits and reports (`post`) are sent from a thread of their own through a second
-    client, in order among themselves; the step does not wait to send them, and with
-    `hold_posts` they go only at the next flush or send (while the next forward runs, so the
-    sending thread does not take the interpreter from the step between two forwards). (The
-    controller takes a step's schedule before or after the commits of earlier plans alike; a
-    caller that needs them in first waits for their answers, which flushes them.) `close`
-    ends the actor when this process made it for its runtime (ControllerClient.owned): the
-    next tpkv.init in the same Ray cluster gets a fresh controller from its own config, as in
-    process."""
+    """The controller actor through its ControllerClient. Calls are encoded and submitted on
+    one sending thread, in the order made, and the actor runs them in that order
+    (controller.client). A schedule's answer is fetched and decoded on a thread as soon as it
+    is in, so the step that reads it finds it ready. Commits and reports (`post`) do not wait:
+    with `hold_posts` they are held, and the next call sent takes them along, ahead of it, in
+    the same actor call (a step's commit rides with the next step's schedule: one round trip
+    a step); a flush, or waiting for a held post's answer, sends them alone. (The controller
+    takes a step's schedule before or after the commits of earlier plans alike; a caller that
+    needs them in first waits for their answers.) `close` ends the actor when this process
+    made it for its runtime (ControllerClient.owned): the next tpkv.init in the same Ray
+    cluster gets a fresh controller from its own config, as in process."""
 
     def __init__(self, client: Any) -> None:
         self.target = client
         self._fetcher: ThreadPoolExecutor | None = None
         self._sender: ThreadPoolExecutor | None = None
-        self._poster: ThreadPoolExecutor | None = None
-        self._collector: ThreadPoolExecutor | None = None
-        self._reporter: Any = None
         self._held: list[tuple[str, tuple[Any, ...], dict[str, Any], Future[Any]]] = []
         self._lock = threading.Lock()
-        # Posts wait for the next flush (or send) instead of going at once: set by a caller
-        # that flushes at a moment of its own each step (the runtime, once its engine applies
-        # late plans: while a forward runs)
+        # Posts wait for the next send or flush instead of going at once: set by a caller
+        # that schedules each step (the runtime, once its engine applies late plans)
         self.hold_posts = False
 
     def send(self, method: str, *args: Any, **kwargs: Any) -> Reply:
-        """Encoding and submitting run on one sending thread, in the order of the calls. A
-        schedule returns at once (the step launches its forward meanwhile) with its answer
-        fetched on another thread; any other call returns once it is submitted."""
-        self.flush()
-        if self._sender is None:
-            self._sender = ThreadPoolExecutor(1, thread_name_prefix="tpkv-send")
-        going: Future[Any] = self._sender.submit(self.target.send, method, *args, **kwargs)
+        """The held posts and this call go in one actor call. A schedule returns at once
+        (the step launches its forward meanwhile) with its answer fetched on another thread;
+        any other call returns once it is submitted."""
+        going = self._submit((method, args, kwargs))
+        assert going is not None
         if method != "schedule":
-            return going.result()  # type: ignore[no-any-return]
-        if self._fetcher is None:
-            self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="tpkv-fetch")
-        return _Waiting(self._fetcher.submit(lambda: going.result().result()), method,
-                        self.target.timeout_s + 1.0)
+            return _sent_part(going.result())
+        return _Waiting(self._pool("fetch").submit(lambda: _sent_part(going.result()).result()),
+                        method, self.target.timeout_s + 1.0)
 
     def post(self, method: str, *args: Any, **kwargs: Any) -> Reply:
         answer: Future[Any] = Future()
@@ -202,38 +192,40 @@ class RayLink:
         return reply
 
     def flush(self) -> None:
-        """Send the posts held since the last flush, in order, from the posting thread."""
+        """Send the posts held since the last send or flush, in order, in one actor call."""
+        self._submit(None)
+
+    def _submit(self, call: tuple[str, tuple[Any, ...], dict[str, Any]] | None
+                ) -> Future[list[Any]] | None:
+        """The held posts, then `call`, to the sending thread as one actor call; each held
+        post's answer is handed on from the fetching thread."""
         with self._lock:
             held, self._held = self._held, []
-        if not held:
-            return
-        if self._poster is None:
-            self._poster = ThreadPoolExecutor(1, thread_name_prefix="tpkv-report")
-            self._collector = ThreadPoolExecutor(1, thread_name_prefix="tpkv-answers")
-            self._reporter = type(self.target)(self.target.handle, self.target.timeout_s)
-        reporter, collector = self._reporter, self._collector
-        assert collector is not None
+            if not held and call is None:
+                return None
+            calls = [(m, a, k) for m, a, k, _ in held] + ([call] if call is not None else [])
+            going = self._pool("send").submit(self.target.send_many, calls)
+        if held:
+            self._pool("fetch").submit(_settle, going, [answer for *_, answer in held])
+        return going
 
-        def send(method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 answer: Future[Any]) -> None:  # its answer is read on the collector's thread
-            try:
-                sent = reporter.send(method, *args, **kwargs)
-            except BaseException as exc:
-                answer.set_exception(exc)
-                return
-            collector.submit(_settle, sent, answer)
-        for item in held:
-            self._poster.submit(send, *item)
+    def _pool(self, name: str) -> ThreadPoolExecutor:
+        attr = "_sender" if name == "send" else "_fetcher"
+        pool: ThreadPoolExecutor | None = getattr(self, attr)
+        if pool is None:
+            pool = ThreadPoolExecutor(1, thread_name_prefix=f"tpkv-{name}")
+            setattr(self, attr, pool)
+        return pool
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self.send(method, *args, **kwargs).result()
 
     def close(self) -> None:
         self.flush()
-        for pool in (self._sender, self._fetcher, self._poster, self._collector):
+        for pool in (self._sender, self._fetcher):
             if pool is not None:
                 pool.shutdown(wait=True)
-        self._sender = self._fetcher = self._poster = self._collector = None
+        self._sender = self._fetcher = None
         if getattr(self.target, "owned", False):
             self.target.owned = False
             import ray
@@ -244,12 +236,30 @@ class RayLink:
                 actor.end(self.target.handle, self.target.timeout_s)
 
 
-def _settle(sent: Any, answer: Future[Any]) -> None:
-    """The collector's work: wait for a sent call's answer and hand it on."""
+def _sent_part(parts: list[Any]) -> Reply:
+    """The last call's reply of a send_many (the call itself), or its error."""
+    last = parts[-1]
+    if isinstance(last, BaseException):
+        raise last
+    return last  # type: ignore[no-any-return]
+
+
+def _settle(going: Future[list[Any]], answers: list[Future[Any]]) -> None:
+    """The fetching thread's work: each held post's answer (or error), handed on."""
     try:
-        answer.set_result(sent.result())
+        parts = going.result()
     except BaseException as exc:
-        answer.set_exception(exc)
+        for answer in answers:
+            answer.set_exception(exc)
+        return
+    for part, answer in zip(parts, answers):
+        if isinstance(part, BaseException):
+            answer.set_exception(part)
+            continue
+        try:
+            answer.set_result(part.result())
+        except BaseException as exc:
+            answer.set_exception(exc)
 
 
 def make_link(controller: Any, timeout_s: float) -> Link:

@@ -100,8 +100,10 @@ class TpkvRuntime(SessionCalls, Recovery):
         """The batch the caller will run next (every rank calls it; rank 0 acts): its schedule
         is sent now, while this step's forward runs, and read at the next begin_step. Nothing
         is sent while one is already on its way; a wrong guess costs one step applied without
-        its forward (ahead.py)."""
+        its forward (ahead.py). The commits and reports held for the next call go with it,
+        or now where nothing is sent."""
         if self.rank != 0 or self._ahead is not None or not len(session_ids):
+            self.send_posts()
             return
         ids = tuple(session_ids)
         n = check_counts("num_new_tokens", num_new_tokens, MAX_SESSION_TOKENS,
@@ -129,15 +131,20 @@ class TpkvRuntime(SessionCalls, Recovery):
         return self._recovering(
             lambda: self._begin_step(session_ids, num_new_tokens, upcoming, late_ok, resume))
 
+    def send_posts(self) -> None:
+        """Rank 0: the commits and reports held for the next call, sent now (a step that plans
+        none ahead; Link.flush)."""
+        if self.link is not None:
+            self.link.flush()
+
     def apply_late(self) -> None:
         """Once the step's forward is launched: apply its plans that wait (begin_step's
-        late_ok) and start their confirmation (the next begin_step collects it). Rank 0 then
-        sends the commits and reports held since the last step (Link.flush): sent now, they
-        take no host time between the step's end and the next forward."""
+        late_ok) and start their confirmation (the next begin_step collects it). From then on
+        rank 0's commits and reports wait for the next call to the controller (a schedule,
+        this step's planned ahead or the next one's) and go in the same actor call (Link)."""
         self.worker.apply_late()
         if self.link is not None:
-            self.link.hold_posts = True  # this caller flushes each step
-            self.link.flush()
+            self.link.hold_posts = True  # this caller schedules each step
 
     def _end_late_step(self) -> None:
         """end_step for a step whose forward read none of its plans' blocks (its plans were

@@ -162,6 +162,8 @@ class TieredEngine:
             ids, new, running = nxt
             self.rt.schedule_ahead(ids, new, self._upcoming(ids, running),
                                    self.returns.hints(ids))
+        else:  # the commits and reports held for a schedule go alone
+            self.rt.send_posts()
         self.last_times["launched_apply"] = t1 - t0
         self.last_times["launched_ahead"] = time.perf_counter() - t1
 
