@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -129,8 +130,14 @@ def parse() -> tuple[argparse.Namespace, Sizes]:
                     help="skip the short run that warms the process before the measured "
                          "configurations (bench/e2e_warm.py)")
     ap.add_argument("--compare-local", action="store_true",
-                    help="run each configuration again with the in-process controller "
-                         "(results as '<config>-local'; ratios of step times between them)")
+                    help="run each configuration again with the in-process controller, in "
+                         "the order actor, in process, in process, actor (results as "
+                         "'<config>', '<config>-local', '<config>-local-2', '<config>-2'; "
+                         "ratios of the means of their step times)")
+    ap.add_argument("--compare-pairs", type=int, default=2, choices=[1, 2],
+                    help="with --compare-local: 2 runs each in that order (a drift over "
+                         "the process's life or a first run's cost falls on both alike), "
+                         "1: actor then in process")
     for f in dataclasses.fields(Sizes):
         kind = type(f.default)
         if kind is tuple:
@@ -245,12 +252,16 @@ def main() -> None:
             print(json.dumps(summary_line(results[key])), flush=True)
             write(args.out, head, results, started)  # what is done survives a cut-off run
             if args.compare_local and args.controller != "local":
-                print(f"== ({key}) the same, in-process controller", flush=True)
-                shutil.rmtree(Path(ssd_root) / f"l3-{key}", ignore_errors=True)
-                results[f"{key}-local"] = run_tiered(setting, sizes, contexts, device, ceil,
-                                                     "local")
-                print(json.dumps(summary_line(results[f"{key}-local"])), flush=True)
-                write(args.out, head, results, started)
+                again = [("local", "-local")] + ([("local", "-local-2"),
+                                                  (args.controller, "-2")]
+                                                 if args.compare_pairs == 2 else [])
+                for controller, suffix in again:
+                    print(f"== ({key}{suffix}) the same, {controller} controller", flush=True)
+                    shutil.rmtree(Path(ssd_root) / f"l3-{key}", ignore_errors=True)
+                    results[key + suffix] = run_tiered(setting, sizes, contexts, device, ceil,
+                                                       controller)
+                    print(json.dumps(summary_line(results[key + suffix])), flush=True)
+                    write(args.out, head, results, started)
             # its L3 files go before the next configuration starts (the disk holds one L3;
             # deleting tens of GiB takes seconds)
             shutil.rmtree(Path(ssd_root) / f"l3-{key}", ignore_errors=True)
@@ -360,11 +371,7 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
                 r["step_ms_p99_traffic"] / r["step_ms_p50_quiet"], 3)
         if r.get("step_ms_traffic_vs_matched_quiet") is not None:
             row["step_traffic_vs_matched_quiet_p50"] = r["step_ms_traffic_vs_matched_quiet"]
-        local = results.get(f"{key}-local")
-        if local is not None:  # the same run through the Ray actor against in process
-            for k in ("step_ms_p50", "step_ms_p99", "decode_tokens_per_s"):
-                if r.get(k) and local.get(k):
-                    row[f"{k}_ray_vs_local"] = round(r[k] / local[k], 3)
+        row.update(ray_vs_local(results, key))
         out[key] = row
     out["goals"] = {"sessions_held_vs_a": ">= 16 (c), 0 failures",
                     "decode_tokens_per_s_vs_a": ">= 2.5", "resume_vs_ceiling": "<= 1.15",
@@ -378,6 +385,24 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
                                 "(a)'s; emulated at 14 GB/s (c2-em14): sessions_held_vs_a >= 16 "
                                 "and decode_tokens_per_s_vs_a >= 2.5"}
     return out
+
+
+def ray_vs_local(results: dict[str, Any], key: str) -> dict[str, float]:
+    """Through the Ray actor against in process, for the runs of `key` that --compare-local
+    made: each step time's mean over the actor's runs over its mean over the in-process runs
+    (one pair, or two in the order actor, in process, in process, actor)."""
+    ray_runs = [r for r in (results.get(key), results.get(f"{key}-2")) if r]
+    local_runs = [r for r in (results.get(f"{key}-local"), results.get(f"{key}-local-2")) if r]
+    row: dict[str, float] = {}
+    if not local_runs:
+        return row
+    for k in ("step_ms_p50", "step_ms_p99", "decode_tokens_per_s"):
+        mine = [r[k] for r in ray_runs if r.get(k)]
+        theirs = [r[k] for r in local_runs if r.get(k)]
+        if len(mine) == len(ray_runs) and len(theirs) == len(local_runs) and mine and theirs:
+            row[f"{k}_ray_vs_local"] = round(statistics.fmean(mine) / statistics.fmean(theirs),
+                                             3)
+    return row
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.e2e import CPU, FULL, settings
+from bench.e2e import CPU, FULL, ray_vs_local, settings
 from bench.e2e_arrive import schedule
 from bench.e2e_bound import TERMS, bound, quiet_decode_s
 from bench.e2e_emulate import Pace, fit, kv_bytes_per_token, model_config
@@ -290,3 +290,21 @@ def test_resume_timeline_wraps_only_what_exists() -> None:
     missing = [f"{getattr(owner, '__name__', owner)}.{name}"
                for owner, name, _ in timeline.WRAPPED if not callable(getattr(owner, name, None))]
     assert not missing, missing
+
+
+def test_ray_vs_local_is_the_ratio_of_the_means_of_each_transports_runs() -> None:
+    run = {"step_ms_p50": 7.0, "step_ms_p99": 15.0, "decode_tokens_per_s": 280.0}
+    results = {"b2": run, "b2-local": {**run, "step_ms_p50": 6.0, "decode_tokens_per_s": 300.0}}
+    assert ray_vs_local(results, "b2") == {"step_ms_p50_ray_vs_local": round(7 / 6, 3),
+                                           "step_ms_p99_ray_vs_local": 1.0,
+                                           "decode_tokens_per_s_ray_vs_local": round(280 / 300,
+                                                                                     3)}
+    # two pairs, actor / in process / in process / actor: means over each transport's runs
+    results["b2-local-2"] = {**run, "step_ms_p50": 7.0}
+    results["b2-2"] = {**run, "step_ms_p50": 6.5}
+    got = ray_vs_local(results, "b2")
+    assert got["step_ms_p50_ray_vs_local"] == round(6.75 / 6.5, 3)
+    assert ray_vs_local(results, "c") == {} and ray_vs_local(results, "b2-local") == {}
+    results["b2-2"] = {**run, "step_ms_p50": None}  # a run that measured none: no ratio
+    assert "step_ms_p50_ray_vs_local" not in ray_vs_local(results, "b2")
+
