@@ -40,6 +40,12 @@ class PlanMismatchError(TpkvError):
     """TP ranks disagree after applying a plan; names the ranks and the epoch."""
 
 
+class ControllerError(TpkvError, RuntimeError):
+    """A controller call failed on a bug of the controller (not a refusal of the request):
+    its message names the call and the exception. The controller marks itself broken where
+    its table may have changed; the runtime rebuilds it at its next call."""
+
+
 class WireFormatError(TpkvError, ValueError):
     """A message failed to decode (bad msgpack, unknown type, limits exceeded)."""
 

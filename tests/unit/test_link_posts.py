@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from tpkv.errors import BadRequestError, PlanOrderError
+from tpkv.errors import BadRequestError, ControllerError, PlanOrderError
 from tpkv.launch.link import RayLink
+from tpkv.launch.sent import SentCalls
 
 
 class _Answer:
@@ -145,3 +146,29 @@ def test_sends_go_from_one_thread_in_order_and_a_schedule_returns_at_once() -> N
     assert len(FakeClient.threads) == 2
     assert all(t.startswith("tpkv-send") for t in FakeClient.threads)
     link.close()
+
+
+class _Link:
+    """A link whose posts answer at once, each with the next of `answers`."""
+
+    def __init__(self, answers: list[Any]) -> None:
+        self.answers = answers
+
+    def post(self, method: str, *args: Any, **kwargs: Any) -> _Answer:
+        return _Answer(self.answers.pop(0))
+
+
+def test_a_commit_the_controller_failed_on_is_a_refusal_once() -> None:
+    """A commit whose answer is a controller bug (ControllerError) is not committed: the
+    runtime resyncs, once; the look goes on past it (on 96ca0ae it raised at every look)."""
+    class Outcome:
+        committed = True
+
+    sent = SentCalls(timeout_s=5.0)
+    link = _Link([Outcome(), ControllerError("controller.commit raised KeyError: 3"),
+                  Outcome()])
+    for _ in range(3):
+        sent.commit(link, [])
+    assert sent.take_refusal() and sent.num_refusals == 1
+    assert sent.commits == [] and not sent.take_refusal()
+

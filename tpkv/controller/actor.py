@@ -176,6 +176,11 @@ class ControllerActor:
             return {"ok": self._dispatch(method, args)}
         except errors.TpkvError as exc:
             return _error(exc)
+        except Exception as exc:  # a bug: this call's error alone (the calls sent with it
+            # ran, or run next, as if sent one by one)
+            log.exception("controller.%s failed", method)
+            return _error(errors.ControllerError(
+                f"controller.{method} raised {type(exc).__name__}: {exc}"))
 
     async def _prepare(self) -> None:
         """Controller.prepare() after a step's reply: it runs while the engine computes, off

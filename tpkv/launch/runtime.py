@@ -11,7 +11,7 @@ import numpy as np
 
 from tpkv import errors
 from tpkv.config import TpkvConfig
-from tpkv.errors import RankMismatchError, TpkvError
+from tpkv.errors import ControllerError, RankMismatchError, TpkvError
 from tpkv.launch.ahead import Ahead, Credits, as_upcoming
 from tpkv.launch.bootstrap import RankContext, shutdown_ray
 from tpkv.launch.collective import all_results, as_step, from_rank0, misses_hit_batch
@@ -200,6 +200,8 @@ class TpkvRuntime(SessionCalls, Recovery):
             return None
         try:
             step = ahead.reply.result()
+        except ControllerError:  # a bug, not a refusal: raised, as in process
+            raise
         except TpkvError as exc:
             log.debug("rank 0: the schedule sent ahead was refused: %s", exc)
             return None

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from tpkv.errors import ControllerRecoveringError, TpkvError
+from tpkv.errors import ControllerError, ControllerRecoveringError, TpkvError
 from tpkv.launch.link import Reply
 from tpkv.protocol.plan import MoveResult
 
@@ -45,6 +45,11 @@ class SentCalls:
                 outcome = reply.result(timeout=self.timeout_s)
             except ControllerRecoveringError:  # the next scheduling call rebuilds it
                 log.warning("controller restarted before a commit reached it")
+                continue
+            except ControllerError as exc:  # not committed: the runtime resyncs every rank
+                log.error("controller failed a commit (%s); resyncing", exc)
+                self.refused = True
+                self.num_refusals += 1
                 continue
             if not outcome.committed:
                 log.error("controller refused epoch %d (ranks %s) after the all-gather "
