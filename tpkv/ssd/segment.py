@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeGuard
 
 import numpy as np
 
@@ -155,7 +156,9 @@ class SegmentIo:
         """One record per block, contiguous from offset_bytes, numbered from first_record_no.
         With `pause`, in pieces of write_piece_bytes, calling pause() before each."""
         staged = self._staged(f, blocks)
-        by_address = self._by_address(f, blocks, staged)
+        # an L2 pool's blocks move by address: their addresses, all at once
+        addrs = (blocks.addresses(np.arange(len(blocks))) if self._by_address(blocks, staged, f)
+                 else None)
         start = 0
         while start < len(blocks):
             end, num_staged = self._chunk_end(start, staged,
@@ -167,7 +170,7 @@ class SegmentIo:
             scratch = self.buffer("scratch", num * ALIGN_BYTES + num_staged * self.padded_bytes)
             headers = scratch[:num * ALIGN_BYTES].reshape(num, ALIGN_BYTES)
             chunk = blocks[start:end]  # (an L2 pool's BlockViews stays one: fill_headers)
-            if not by_address:
+            if addrs is None:
                 bufs = self._write_buffers(scratch, headers, chunk, staged[start:end])
             # payload CRCs and sealed headers in one compiled call, which takes the GIL back
             # once (kernels); where it does not run, crc_many and the headers here
@@ -178,12 +181,10 @@ class SegmentIo:
                     pack_record_header(ident, headers[k], int(indices[start + k]), crcs[k],
                                        first_record_no + start + k)
             at = offset_bytes + start * self.record_bytes
-            if by_address:
-                addrs = chunk.addresses(np.arange(num)) if isinstance(chunk, BlockViews) else None
-                assert addrs is not None  # (_by_address: a pool's views, their addresses)
-                f.write_records(headers, addrs, self.block_bytes, self._zero_pad, at)
-            else:
+            if addrs is None:
                 f.write_at(bufs, at)
+            else:
+                f.write_records(headers, addrs[start:end], self.block_bytes, self._zero_pad, at)
             start = end
 
     def _write_buffers(self, scratch: np.ndarray, headers: np.ndarray,
@@ -207,7 +208,8 @@ class SegmentIo:
         return bufs
 
     @staticmethod
-    def _by_address(f: BlockFile, bufs: Sequence[np.ndarray], staged: Sequence[bool]) -> bool:
+    def _by_address(bufs: Sequence[np.ndarray], staged: Sequence[bool], f: BlockFile
+                    ) -> TypeGuard[BlockViews]:
         """Whether records move between the file and `bufs` with their payloads by address
         (BlockFile.write_records / read_records, one call without the GIL): an L2 pool's views
         (BlockViews, their addresses at once) that need no staging, where the file can."""
@@ -250,11 +252,10 @@ class SegmentIo:
         num = len(reqs)
         scratch = self.buffer("scratch", num * ALIGN_BYTES + sum(staged) * self.padded_bytes)
         sink = self.buffer("sink", len(self._zero_pad))
-        addrs, payloads = None, None
+        addrs = out.addresses(reqs) if self._by_address(out, staged, f) else None
+        payloads: list[np.ndarray] | None = None
         bufs: list[np.ndarray] = []
-        if self._by_address(f, out, staged) and isinstance(out, BlockViews):
-            addrs = out.addresses(reqs)  # (_crcs takes them again)
-        else:
+        if addrs is None:
             bufs, payloads = self._read_buffers(scratch, sink, reqs, staged, out)
         began = time.perf_counter_ns()
         try:
@@ -272,7 +273,8 @@ class SegmentIo:
         num_read = min(num, got // self.record_bytes)
         headers = scratch[:num_read * ALIGN_BYTES].reshape(num_read, ALIGN_BYTES)
         actuals, header_crcs = self._crcs(headers, reqs[:num_read], staged, out,
-                                          None if payloads is None else payloads[:num_read])
+                                          None if payloads is None else payloads[:num_read],
+                                          None if addrs is None else addrs[:num_read])
         # the headers checked all at once; a record that fails is looked at alone for the log
         ok = check_record_headers(headers, ident, stored[first:first + num_read], first,
                                   header_crcs, actuals)
@@ -317,19 +319,20 @@ class SegmentIo:
                     bufs.append(sink)
         return bufs, payloads
 
-    @staticmethod
-    def _crcs(headers: np.ndarray, reqs: np.ndarray, staged: Sequence[bool],
-              out: Sequence[np.ndarray], payloads: list[np.ndarray] | None
-              ) -> tuple[np.ndarray, np.ndarray]:
+    def _crcs(self, headers: np.ndarray, reqs: np.ndarray, staged: Sequence[bool],
+              out: Sequence[np.ndarray], payloads: list[np.ndarray] | None,
+              addrs: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """(payload CRC32Cs, header CRC32Cs) of the records read. Into a pool's views with
-        nothing staged, from addresses taken at once (no view or address a record under the
-        GIL); else over the buffers, in one call (crc_many)."""
-        if isinstance(out, BlockViews) and not any(staged):
+        nothing staged, from the payloads' addresses (`addrs` where the read took them, else
+        taken at once: no view or address a record under the GIL); else over the buffers, in
+        one call (crc_many)."""
+        if addrs is None and isinstance(out, BlockViews) and not any(staged):
             addrs = out.addresses(reqs)
-            header_crcs = (kernels.crc_at(row_addresses(headers, np.arange(len(headers))),
-                                          HEADER_CRC_BYTES) if addrs is not None else None)
-            if addrs is not None and header_crcs is not None:
-                payload_crcs = kernels.crc_at(addrs, out.block_bytes)
+        if addrs is not None:
+            header_crcs = kernels.crc_at(row_addresses(headers, np.arange(len(headers))),
+                                         HEADER_CRC_BYTES)
+            if header_crcs is not None:
+                payload_crcs = kernels.crc_at(addrs, self.block_bytes)
                 assert payload_crcs is not None  # (the kernels ran just now)
                 return payload_crcs, header_crcs
         if payloads is None:  # (read by address: each payload is its out view)
