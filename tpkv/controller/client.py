@@ -199,22 +199,16 @@ class ControllerClient:
         """Send calls (method, args, kwargs, as `send` takes them) in one actor call: they run
         in this order, one after another, before any call this client sends later. A call
         whose arguments cannot go on the wire is its error here and is not sent."""
-        out: list[Part | BaseException | None] = []
-        good: list[tuple[str, bytes]] = []
+        wire: list[tuple[str, bytes] | BaseException] = []
         for method, args, kwargs in calls:
             try:
-                good.append((method, payload(method, args, kwargs)))
-                out.append(None)
+                wire.append((method, payload(method, args, kwargs)))
             except Exception as exc:
-                out.append(exc)
+                wire.append(exc)
+        good = [w for w in wire if not isinstance(w, BaseException)]
         sent = Sent(self, good) if good else None
-        k = 0
-        for i, item in enumerate(out):
-            if item is None:
-                assert sent is not None
-                out[i] = Part(sent, k)
-                k += 1
-        return [x for x in out if x is not None]
+        parts = iter([Part(sent, k) for k in range(len(good))] if sent is not None else [])
+        return [w if isinstance(w, BaseException) else next(parts) for w in wire]
 
     def call(self, method: str, **args: Any) -> Any:
         """One controller call, waiting for its answer."""
