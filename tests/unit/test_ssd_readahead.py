@@ -310,3 +310,35 @@ def test_blocks_read_ahead_into_an_l2_pools_views_are_copied_by_address(
     rest = np.setdiff1d(np.arange(2 * N), slots)
     assert (pool[rest] == 0xAB).all()
     store.close()
+
+
+def test_reads_in_chunks_across_many_jobs_are_served_bit_exact(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session read ahead in many jobs, then read in chunks that straddle the jobs and come
+    in no order (as a step's read jobs do): each chunk is served from the jobs that hold its
+    blocks, bit exact, and blocks outside every job come from the disk."""
+    geo = geometry(SMALL)
+    [store] = make_stores(tmp_path, geo)
+    n = 23
+    blocks = random_blocks(np.random.default_rng(7), geo, n)
+    store.write_blocks("s", np.arange(n), blocks)
+    assert store.commit_manifest("s")
+    monkeypatch.setattr(store.ahead, "_job_rows", 3)  # jobs of 3 blocks: 7 of them
+    ahead = np.setdiff1d(np.arange(n), [0, 11, 22])  # three blocks only on disk
+    assert store.ahead.start("s", ahead, lambda s, idx, out: store._read(s, idx, out, False))
+    wait_done(store)
+    assert len(store.ahead._sessions["s"].jobs) == -(-len(ahead) // 3)
+    order = np.random.default_rng(3).permutation(n)
+    served = 0
+    for chunk in np.array_split(order, 5):
+        out = empty_out(geo, len(chunk))
+        for buf in out:
+            buf.fill(0xAB)
+        hits = store.read_blocks("s", chunk, out)
+        assert hits.all()
+        for i, got in zip(chunk.tolist(), out):
+            np.testing.assert_array_equal(got, blocks[i])
+        served += int(np.isin(chunk, ahead).sum())
+        assert store.ahead.num_served == served
+    assert store.step_disk_blocks == 3
+    store.close()

@@ -268,7 +268,15 @@ class ReadAhead:
                   hits: np.ndarray) -> int:
         want = np.asarray(logical_idx, dtype=np.int64)
         served = 0
+        if not len(want):
+            return served
+        # a step reads a session in chunks, each against all of its jobs: a job whose indices
+        # (sorted) lie outside the chunk's is passed over without an array op
+        lo, hi = int(want.min()), int(want.max())
         for job in jobs:
+            if (not len(job.indices) or int(job.indices[0]) > hi
+                    or int(job.indices[-1]) < lo):
+                continue
             if job.future is None or job.future.exception() is not None:
                 continue
             good = np.asarray(job.future.result(), dtype=bool)
