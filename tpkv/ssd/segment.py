@@ -159,11 +159,14 @@ class SegmentIo:
         # an L2 pool's blocks move by address: their addresses, all at once
         addrs = (blocks.addresses(np.arange(len(blocks))) if self._by_address(blocks, staged, f)
                  else None)
+        template = self._template(ident)  # (the same for every chunk)
+        piece = None if pause is None else self.write_piece_bytes
+        # nothing staged (an L2 pool's blocks): every chunk holds the same number of records
+        per_chunk = self._chunk_end(0, [False] * len(blocks), piece)[0] if not any(staged) else 0
         start = 0
         while start < len(blocks):
-            end, num_staged = self._chunk_end(start, staged,
-                                              None if pause is None else
-                                              self.write_piece_bytes)
+            end, num_staged = ((min(len(blocks), start + per_chunk), 0) if per_chunk
+                               else self._chunk_end(start, staged, piece))
             if pause is not None:
                 pause()
             num = end - start
@@ -174,7 +177,7 @@ class SegmentIo:
                 bufs = self._write_buffers(scratch, headers, chunk, staged[start:end])
             # payload CRCs and sealed headers in one compiled call, which takes the GIL back
             # once (kernels); where it does not run, crc_many and the headers here
-            if not kernels.fill_headers(headers, self._template(ident), indices[start:end],
+            if not kernels.fill_headers(headers, template, indices[start:end],
                                         first_record_no + start, chunk):
                 crcs = crc_many(chunk)
                 for k in range(num):
