@@ -130,9 +130,15 @@ class SegmentIo:
         return (ident.segment_id, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), st.st_size
 
     def _staged(self, f: BlockFile, bufs: Sequence[np.ndarray]) -> list[bool]:
-        if not f.direct or (isinstance(bufs, BlockViews) and bufs.page_aligned):
+        if not self._may_stage(f, bufs):
             return [False] * len(bufs)
         return [not is_direct_capable(b) for b in bufs]
+
+    @staticmethod
+    def _may_stage(f: BlockFile, bufs: Sequence[np.ndarray]) -> bool:
+        """Whether any of `bufs` may need a staged copy: O_DIRECT I/O, into buffers other than
+        a page-aligned pool's views."""
+        return f.direct and not (isinstance(bufs, BlockViews) and bufs.page_aligned)
 
     def _chunk_end(self, start: int, staged: Sequence[bool],
                    max_bytes: int | None = None) -> tuple[int, int]:
@@ -237,7 +243,10 @@ class SegmentIo:
                         len(stored), cut)
         order = np.flatnonzero((positions >= 0) & (positions < on_disk))
         order = order[np.argsort(positions[order], kind="stable")]
-        staged = self._staged(f, [out[int(i)] for i in order])
+        # (a view a block only where a buffer may need staging: O_DIRECT, not a page-aligned
+        # pool's views)
+        staged = (self._staged(f, [out[int(i)] for i in order]) if self._may_stage(f, out)
+                  else [False] * len(order))
         start = 0
         while start < len(order):
             end, _ = self._chunk_end(start, staged)
