@@ -129,24 +129,26 @@ class SegmentIo:
         st = os.fstat(f.fd)
         return (ident.segment_id, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), st.st_size
 
-    def _staged(self, f: BlockFile, bufs: Sequence[np.ndarray]) -> list[bool]:
-        if not self._may_stage(f, bufs):
-            return [False] * len(bufs)
-        return [not is_direct_capable(b) for b in bufs]
+    def _staged(self, f: BlockFile, bufs: Sequence[np.ndarray],
+                order: np.ndarray | None = None) -> list[bool]:
+        """Whether O_DIRECT needs each buffer staged (bufs[order[i]] with `order`): none without
+        O_DIRECT or into a page-aligned pool's views, and no view a block is taken then."""
+        num = len(bufs) if order is None else len(order)
+        if not f.direct or (isinstance(bufs, BlockViews) and bufs.page_aligned):
+            return [False] * num
+        picked = bufs if order is None else [bufs[int(i)] for i in order]
+        return [not is_direct_capable(b) for b in picked]
 
-    @staticmethod
-    def _may_stage(f: BlockFile, bufs: Sequence[np.ndarray]) -> bool:
-        """Whether any of `bufs` may need a staged copy: O_DIRECT I/O, into buffers other than
-        a page-aligned pool's views."""
-        return f.direct and not (isinstance(bufs, BlockViews) and bufs.page_aligned)
+    def _max_records(self, max_bytes: int | None) -> int:
+        """Most records one syscall carries: IOV_MAX iovecs, and max_bytes (at least one)."""
+        most = max(1, IOV_MAX // _IOVECS_PER_RECORD)
+        return most if max_bytes is None else min(most, max(1, max_bytes // self.record_bytes))
 
     def _chunk_end(self, start: int, staged: Sequence[bool],
                    max_bytes: int | None = None) -> tuple[int, int]:
         """End of the chunk from `start`: at most IOV_MAX iovecs, STAGE_BYTES staged and
         max_bytes of records (at least one record)."""
-        max_records = max(1, IOV_MAX // _IOVECS_PER_RECORD)
-        if max_bytes is not None:
-            max_records = min(max_records, max(1, max_bytes // self.record_bytes))
+        max_records = self._max_records(max_bytes)
         end, num_staged = start, 0
         while end < len(staged) and end - start < max_records:
             if staged[end]:
@@ -168,7 +170,7 @@ class SegmentIo:
         template = self._template(ident)  # (the same for every chunk)
         piece = None if pause is None else self.write_piece_bytes
         # nothing staged (an L2 pool's blocks): every chunk holds the same number of records
-        per_chunk = self._chunk_end(0, [False] * len(blocks), piece)[0] if not any(staged) else 0
+        per_chunk = 0 if any(staged) else self._max_records(piece)
         start = 0
         while start < len(blocks):
             end, num_staged = ((min(len(blocks), start + per_chunk), 0) if per_chunk
@@ -243,10 +245,7 @@ class SegmentIo:
                         len(stored), cut)
         order = np.flatnonzero((positions >= 0) & (positions < on_disk))
         order = order[np.argsort(positions[order], kind="stable")]
-        # (a view a block only where a buffer may need staging: O_DIRECT, not a page-aligned
-        # pool's views)
-        staged = (self._staged(f, [out[int(i)] for i in order]) if self._may_stage(f, out)
-                  else [False] * len(order))
+        staged = self._staged(f, out, order)
         start = 0
         while start < len(order):
             end, _ = self._chunk_end(start, staged)
