@@ -83,6 +83,8 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         # steps planned ahead and used as planned, or applied without their forward
         r["ahead_steps"] = {"used": rt.num_ahead_used, "unused": rt.num_ahead_unused}
         r["chained_moves"] = rt.worker.executor.num_chained  # L2 -> L1 moves issued during reads
+        direct = rt.worker.executor.direct  # of those, copied from read-ahead buffers
+        r["direct_blocks"] = 0 if direct is None else direct.num_blocks
         # turns back from L3: read ahead while they waited outside the batch (sessions, and the
         # blocks their steps took from memory), or sent in to be recomputed (models/returns.py)
         ahead = rt.worker.store.ahead if rt.worker.store is not None else None

@@ -148,3 +148,65 @@ def test_tp2_on_one_gpu_agrees_with_the_controller(tmp_path):
     for rank, o in out.items():
         assert o["ok"], f"rank {rank}: {o.get('message')}\n{o.get('trace')}"
     assert out[0]["mismatches"] == 0
+
+
+def _read_ahead_x(w: Worker) -> list[int]:
+    """Blocks X = 0..31 (session "s", logical = id) on L3 only, read ahead into pinned buffers."""
+    import time
+
+    from tpkv.protocol.messages import StepResult
+
+    store = w.store
+    assert store is not None
+    bb = w.hbm.block_bytes
+    x = list(range(32))
+    store.write_blocks("s", np.array(x), [pattern(b, 3, bb) for b in x])
+    assert store.commit_manifest("s")
+    w.mirror.put(np.array(x), np.full(32, S), np.full(32, -1), ["s"] * 32, np.array(x))
+    assert store.read_ahead("s", np.array(x))
+    deadline = time.monotonic() + 60
+    while not store.ahead.done("s"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    empty = np.zeros(0, dtype=np.int64)
+    loads = plan(1, x, S, [-1] * 32, D, range(32, 64))
+    ups = plan(2, x, D, range(32, 64), H, range(32))
+    w.apply_step(StepResult(tick=1, session_ids=(), num_tokens=empty,
+                            block_offsets=np.zeros(1, dtype=np.int64),
+                            block_table=np.zeros(0, dtype=np.int32), plans=(loads, ups),
+                            drops=(empty,) * 3))
+    assert w.executor.direct is not None and w.executor.direct.num_blocks == 32
+    return x
+
+
+@pytest.mark.parametrize("layer_events", [True, False])
+def test_blocks_read_ahead_go_straight_into_l1_and_fill_l2_from_there(tmp_path, layer_events):
+    w = big_worker(tmp_path, layer_events)
+    bb = w.hbm.block_bytes
+    x = _read_ahead_x(w)
+    w.executor.synchronize()
+    for b in x:
+        assert np.array_equal(l1(w, b), pattern(b, 3, bb)), f"L1 slot {b}"
+        assert np.array_equal(w.host.block_bytes_view(32 + b), pattern(b, 3, bb)), f"L2 {b}"
+    assert w.store is not None and w.store.ahead.held_bytes == 0  # lease given back
+    w.close()
+
+
+def test_a_demotion_into_l2_slots_a_direct_load_fills_runs_after_that_fill(tmp_path):
+    """Right after the direct loads, with no host wait, a plan demotes Y (L1 32..63) into the
+    L2 slots X's fill from L1 writes, and another promotes Y back: Y's bytes survive."""
+    w = big_worker(tmp_path, False)
+    bb = w.hbm.block_bytes
+    y = list(range(100, 132))
+    w.mirror.put(np.array(y), np.full(32, H), np.arange(32, 64), ["s"] * 32, np.array(y))
+    for i, b in enumerate(y):
+        w.hbm.tensor[32 + i].reshape(-1).view(torch.uint8).copy_(
+            torch.from_numpy(pattern(b, 0, bb)).cuda())
+    x = _read_ahead_x(w)
+    w.apply_plan(plan(3, y, H, range(32, 64), D, range(32, 64)))
+    w.executor.synchronize()
+    for i, b in enumerate(y):
+        assert np.array_equal(w.host.block_bytes_view(32 + i), pattern(b, 0, bb)), f"L2 {i}"
+    for b in x:
+        assert np.array_equal(l1(w, b), pattern(b, 3, bb)), f"L1 slot {b}"
+    w.close()

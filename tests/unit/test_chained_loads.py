@@ -231,6 +231,7 @@ def test_the_engine_gives_the_tokens_of_a_large_l1_with_chained_loads(tmp_path: 
 
     on, ex_on = engine_run(tmp_path / "on")
     assert ex_on.num_chained > 0
+    assert ex_on.direct.num_blocks > 0  # blocks read ahead went straight into L1
     assert on == reference(build_model("tiny", seed=0, device="cpu"))
 
 

@@ -16,14 +16,21 @@ for the next read ahead once given back, at most the budget's worth: the kernel 
 buffer's pages in one by one while it copied into them (bench/l3_path.py on the CPU VM: a read
 ahead into fresh buffers ran at 0.16 GB/s, 97% of it inside preadv). A new one is mapped on the
 job's thread with its pages made present at once (MAP_POPULATE).
+
+On a GPU the buffers are pinned as they are mapped (`pin_with`), and a step may lease a session's
+blocks (`lease`): their addresses, for copies straight into L1 (workers/direct.py). A lease keeps
+its buffers out of the pool until it is given back, which its caller does once those copies are
+done; a change to the session after the lease began does not touch the bytes leased (a buffer is
+only ever written by the job that reads into it).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -33,10 +40,14 @@ from tpkv.errors import ArgumentError
 from tpkv.ssd import kernels
 from tpkv.ssd.backend import PAGE_BYTES, BlockViews, aligned_empty, row_addresses
 
+log = logging.getLogger(__name__)
+
 # A session's records are read in jobs of about this size across the read-ahead threads.
 AHEAD_JOB_BYTES = 32 << 20
 
 ReadFn = Callable[[str, np.ndarray, Sequence[np.ndarray]], np.ndarray]
+Register = Callable[[int, int], None]  # pin a host range: (address, bytes)
+Unregister = Callable[[int], None]
 _NO_BUFFER = np.empty((0, 0), np.uint8)  # a job's until its thread maps one (none was free)
 
 
@@ -46,6 +57,7 @@ class _Job:
     base: np.ndarray  # [rows per job, block_bytes] uint8: the pooled buffer (or _NO_BUFFER)
     buffers: np.ndarray  # [len(indices), block_bytes] uint8: its first rows
     future: Future[np.ndarray] | None = None  # the hit mask when done
+    pinned: bool = False  # its buffer is pinned (pin_with)
 
 
 @dataclass
@@ -59,6 +71,19 @@ class _Session:
     freed: bool = False  # its buffers are back in the pool
     # the last read-only index array covers() found held (jobs are only ever added: it stays)
     covered: np.ndarray | None = None
+
+
+@dataclass
+class Lease:
+    """Blocks of a session held in read-ahead buffers for a caller's copies (ReadAhead.lease):
+    `rows` (positions into the indices asked) are hits read under the session's current
+    generation, at host `addresses`; `blocks` gives their rows as arrays. Give it back with
+    ReadAhead.release once nothing reads those addresses any more."""
+
+    rows: np.ndarray
+    addresses: np.ndarray  # uint64, one per row
+    blocks: list[np.ndarray]
+    entry: _Session
 
 
 class ReadAhead:
@@ -84,6 +109,14 @@ class ReadAhead:
         # which overlap, would count a busy disk's time once per session read at once)
         self.read_bytes, self.read_s = 0, 0.0
         self._in_flight, self._mark = 0, 0.0
+        self._pin: tuple[Register, Unregister] | None = None
+        self._pinned: set[int] = set()  # addresses of the buffers pinned so far
+        self.pin_error: str | None = None  # the first pin that failed (buffers stay unpinned)
+
+    def pin_with(self, register: Register, unregister: Unregister) -> None:
+        """Pin each buffer mapped from now on with `register` (unpinned with `unregister` when
+        it leaves the pool or at close): copies into L1 may then read the leased blocks."""
+        self._pin = (register, unregister)
 
     @property
     def held_bytes(self) -> int:
@@ -165,11 +198,33 @@ class ReadAhead:
             job.base = aligned_empty(self._job_rows * self.block_bytes, populate=True).reshape(
                 self._job_rows, self.block_bytes)
             job.buffers = job.base[:len(job.indices)]
+            self._pin_buffer(job.base)
+        job.pinned = job.base.ctypes.data in self._pinned
         # its rows as views with their addresses at once (the read's CRCs take them so)
         rows = job.buffers
         return read(sid, job.indices, BlockViews(
             rows.__getitem__, np.arange(len(rows)), self.block_bytes,
             self.block_bytes % PAGE_BYTES == 0, functools.partial(row_addresses, rows)))
+
+    def _pin_buffer(self, base: np.ndarray) -> None:
+        """Pin a new buffer (pin_with); one that fails stays unpinned, its blocks never leased."""
+        if self._pin is None or self.pin_error is not None:
+            return
+        try:
+            self._pin[0](base.ctypes.data, base.nbytes)
+        except Exception as exc:  # a memory limit: the reads still serve the step's copies
+            self.pin_error = str(exc)
+            log.warning("read ahead: pinning a %d-byte buffer failed (%s); blocks read ahead "
+                        "are copied through L2 from now on", base.nbytes, exc)
+            return
+        with self._lock:
+            self._pinned.add(base.ctypes.data)
+
+    def _unpin(self, base: np.ndarray) -> None:
+        """(Under the lock) a buffer leaving the pool: unpin it first."""
+        if self._pin is not None and base.ctypes.data in self._pinned:
+            self._pinned.discard(base.ctypes.data)
+            self._pin[1](base.ctypes.data)
 
     def _release(self, entry: _Session) -> None:
         """(Under the lock) once a discarded session's jobs are done and nothing copies out of
@@ -180,8 +235,12 @@ class ReadAhead:
         entry.freed = True
         self._held -= entry.num_bytes
         for job in entry.jobs:
-            if job.base.size and len(self._free) < self._free_cap:
+            if not job.base.size:
+                continue
+            if len(self._free) < self._free_cap:
                 self._free.append(job.base)
+            else:
+                self._unpin(job.base)
 
     def _busy_until_now(self) -> None:
         """(Under the lock) adds the time since the last start or job end to read_s if a job
@@ -264,12 +323,43 @@ class ReadAhead:
                 return
             self.num_served += served
 
-    def _copy_out(self, jobs: list[_Job], logical_idx: np.ndarray, out: Sequence[np.ndarray],
-                  hits: np.ndarray) -> int:
+    def lease(self, sid: str, logical_idx: np.ndarray, pinned: bool = True) -> Lease | None:
+        """The blocks of `logical_idx` that finished jobs of the session hold as hits read
+        under its current generation (`pinned`: in pinned buffers only), held for the caller
+        until release(); None when there are none."""
         want = np.asarray(logical_idx, dtype=np.int64)
-        served = 0
+        with self._lock:
+            entry = self._sessions.get(sid)
+            if entry is None or entry.generation != self._generation.get(sid, 0):
+                return None
+            jobs = [job for job in entry.jobs if job.future is not None and job.future.done()
+                    and (job.pinned or not pinned)]
+            taken = np.zeros(len(want), dtype=bool)
+            rows, addresses, blocks = [], [], []
+            for job, serve, pos in self._matches(jobs, want, taken):
+                taken[serve] = True
+                rows.append(serve)
+                addresses.append(row_addresses(job.buffers, pos))
+                blocks += [job.buffers[int(p)] for p in pos]
+            if not rows:
+                return None
+            entry.readers += 1  # its buffers stay out of the pool until release()
+            self.num_served += len(blocks)
+        return Lease(np.concatenate(rows), np.concatenate(addresses), blocks, entry)
+
+    def release(self, lease: Lease) -> None:
+        """Nothing reads the leased blocks any more: their buffers may go back to the pool."""
+        with self._lock:
+            lease.entry.readers -= 1
+            self._release(lease.entry)
+
+    @staticmethod
+    def _matches(jobs: list[_Job], want: np.ndarray, skip: np.ndarray
+                 ) -> Iterator[tuple[_Job, np.ndarray, np.ndarray]]:
+        """For each job that holds hits of `want` not in `skip`: (the job, their positions in
+        `want`, their rows in the job)."""
         if not len(want):
-            return served
+            return
         # a step reads a session in chunks, each against all of its jobs: a job whose indices
         # (sorted) lie outside the chunk's is passed over without an array op
         lo, hi = int(want.min()), int(want.max())
@@ -284,19 +374,25 @@ class ReadAhead:
             inside = pos < len(job.indices)
             found = np.zeros(len(want), dtype=bool)
             found[inside] = job.indices[pos[inside]] == want[inside]
-            found &= ~hits
+            found &= ~skip
             found[found] = good[pos[found]]
             serve = np.flatnonzero(found)
-            if not len(serve):
-                continue
+            if len(serve):
+                yield job, serve, pos[serve]
+
+    def _copy_out(self, jobs: list[_Job], logical_idx: np.ndarray, out: Sequence[np.ndarray],
+                  hits: np.ndarray) -> int:
+        want = np.asarray(logical_idx, dtype=np.int64)
+        served = 0
+        for job, serve, rows in self._matches(jobs, want, hits):
             # one compiled call for the job's blocks without the GIL, their addresses computed
             # at once (taking each view's address held the GIL ~2 us a block, beside the
             # step's host work); else one kernel call over the views, else a copy each
             dst = out.addresses(serve) if isinstance(out, BlockViews) else None
             if dst is None or not kernels.copy_addresses(
-                    dst, row_addresses(job.buffers, pos[serve]), self.block_bytes):
+                    dst, row_addresses(job.buffers, rows), self.block_bytes):
                 dsts = [out[int(i)].reshape(-1).view(np.uint8) for i in serve]
-                srcs = [job.buffers[int(pos[i])] for i in serve]
+                srcs = [job.buffers[int(r)] for r in rows]
                 if not kernels.copy_many(dsts, srcs):
                     for d, s in zip(dsts, srcs):
                         np.copyto(d, s)
@@ -305,6 +401,11 @@ class ReadAhead:
         return served
 
     def close(self) -> None:
+        """Stop the jobs; unpin every buffer (nothing may read a lease after this)."""
         self._pool.shutdown(wait=True)
         with self._lock:
             self._free.clear()
+            if self._pin is not None:
+                for address in sorted(self._pinned):
+                    self._pin[1](address)
+            self._pinned.clear()

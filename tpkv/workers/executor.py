@@ -13,6 +13,7 @@ from tpkv.protocol.plan import MovePlan, Tier
 from tpkv.ssd.store import SsdStore
 from tpkv.workers.chain import Chain
 from tpkv.workers.copy_engine import CopyEngine, CopyHandle
+from tpkv.workers.direct import DirectLoads
 from tpkv.workers.layer_copies import LayerCopies
 from tpkv.workers.mirror import Relocation
 from tpkv.workers.outcome import ExecOutcome, blocked, spill_waits, wait_handle
@@ -100,6 +101,8 @@ class PlanExecutor:
         self.spills = SpillTracker(store, self.host, timeout_s)
         self.reads = (L3Reader(store, self.host, self.hbm.block_bytes, timeout_s,
                                self.spills.await_manifest) if store is not None else None)
+        # chained loads of blocks read ahead, copied from those buffers into L1 (direct.py)
+        self.direct = DirectLoads(store, self.layers) if store is not None else None
         self.defer_d2h = defer_d2h  # see above; set only through Worker.defer_demotions
         self.deferred: list[_Deferred] = []
         # Set while plans applied after the forward was launched run (Worker.apply_late): an
@@ -200,6 +203,9 @@ class PlanExecutor:
             self.spills.wait(deadline)
         jobs: ReadJobs = []
         self.spills.before_loads(plan, out, deadline)  # TP > 1: agreed before a load
+        if chain is not None and len(chain.rows) and self.store is not None:
+            chain.begin()
+            self.chained = chain
         if self.reads is None:  # (no store)
             if len(pick["spill"]) or len(pick["load"]):
                 out.error = f"epoch {plan.epoch}: moves to or from L3, but L3 is disabled here"
@@ -211,10 +217,10 @@ class PlanExecutor:
             names = {plan.session_names[s] for s in set(plan.session_idx[i].tolist())}
             with spill_waits(out):
                 self.spills.wait(deadline, slots=plan.dst_slot[i], names=names)
+            if self.chained is not None and self.direct is not None and self.direct.usable:
+                i = np.setdiff1d(i, self._load_direct(plan, i, self.chained, out),
+                                 assume_unique=True)
             jobs += self.reads.submit(plan, i, deadline)
-        if chain is not None and len(chain.rows) and self.store is not None:
-            chain.begin()
-            self.chained = chain
         if self.reads is not None:
             chained = self.chained
             self.reads.collect(plan, jobs, out, deadline,
@@ -312,6 +318,35 @@ class PlanExecutor:
         self._span(chain.out, "h2d", start)
         chain.mark_issued(ready)
 
+    def _load_direct(self, plan: MovePlan, i: np.ndarray, chain: Chain, out: ExecOutcome
+                     ) -> np.ndarray:
+        """The loads `i` whose blocks the chain promotes and the read ahead holds: copied from
+        the read-ahead buffers into their L1 slots now, then from L1 into their L2 slots as a
+        demotion piece (DirectLoads). Returns those loads, done."""
+        assert self.direct is not None and chain.out is not None
+        got = self.direct.lease(plan, i, chain)
+        if got is None:
+            return i[:0]
+        l1 = chain.plan.dst_slot[chain.rows[got.rows]]
+        start = None
+        for piece, part in self.demotions.groups(l1, np.full(len(l1), -1)):
+            mark = self._mark("h2d", piece)
+            start = mark if start is None else start
+            self.last["h2d"] = self.layers.issue_from(
+                got.addresses[part], [got.blocks[int(k)] for k in part], l1[part])
+        chain.out.h2d_issued_ns = chain.out.h2d_issued_ns or time.perf_counter_ns()
+        self._span(chain.out, "h2d", start)
+        issued = np.zeros(len(chain.rows), dtype=bool)
+        issued[got.rows] = True
+        chain.mark_issued(issued)
+        h2d = self.last["h2d"]
+        assert h2d is not None
+        self._demote(l1, plan.dst_slot[got.loads], None, out, after=h2d.event)
+        self.direct.hold(h2d, got.leases)
+        out.done[got.loads] = True
+        out.bytes_ssd_read += len(got.loads) * self.hbm.block_bytes
+        return got.loads
+
     def _take_chained(self, plan: MovePlan, ok: np.ndarray, out: ExecOutcome
                       ) -> np.ndarray | None:
         """The moves of `plan` issued during the plan before's reads (Chain), now done here;
@@ -364,6 +399,8 @@ class PlanExecutor:
         deadline = time.monotonic() + self.timeout_s
         for direction, handle in self.last.items():
             wait_handle(handle, deadline, f"synchronize {direction}")
+        if self.direct is not None:
+            self.direct.drain()
         self.spills.wait(deadline, every=True)
 
     # ---- resync ----------------------------------------------------------------------------

@@ -43,11 +43,42 @@ class LayerCopies:
         stream = self.engine.streams["h2d"]
         stream.wait_stream(torch.cuda.current_stream(self.hbm.device))
         use_dma = self.engine.choose_method("h2d") == "dma"
-        src0, dst0 = self.host.slot_ptrs(host_slots), self.hbm.slot_ptrs(hbm_slots)
+        return self._by_layer(self.host.slot_ptrs(host_slots), hbm_slots, handle,
+                              None if use_dma else host_slots)
+
+    @property
+    def reads_addresses(self) -> bool:
+        """Whether issue_from can copy from host addresses here: on the CPU, or through the
+        batched DMA entry."""
+        return not self.engine.on_gpu or self.engine.choose_method("h2d") == "dma"
+
+    def issue_from(self, addresses: np.ndarray, blocks: list[np.ndarray],
+                   hbm_slots: np.ndarray) -> CopyHandle:
+        """Copy whole blocks from host memory outside L2 (pinned; `addresses`, and the same
+        bytes as arrays, `blocks`) into L1 `hbm_slots`, as issue() does from L2 (only where
+        reads_addresses); ordered after compute, as issue() is."""
+        n = len(hbm_slots)
+        handle = CopyHandle(n, n * self.hbm.block_bytes, "layers", "h2d")
+        if not self.engine.on_gpu:
+            for slot, block in zip(hbm_slots.tolist(), blocks):
+                self.hbm.block(slot).view(torch.uint8).reshape(-1).copy_(torch.from_numpy(block))
+            return handle
+        assert self.reads_addresses
+        self.engine.streams["h2d"].wait_stream(torch.cuda.current_stream(self.hbm.device))
+        return self._by_layer(np.asarray(addresses, dtype=np.uint64), hbm_slots, handle, None,
+                              self.layers_per_copy if self.layer_events else self.num_layers)
+
+    def _by_layer(self, src0: np.ndarray, hbm_slots: np.ndarray, handle: CopyHandle,
+                  host_slots: np.ndarray | None, step: int = 0) -> CopyHandle:
+        """The copies of issue(), `step` layers at a time (default `layers_per_copy`) from host
+        addresses `src0` (DMA), or from L2 `host_slots` by index ops where given."""
+        n, step = len(hbm_slots), step or self.layers_per_copy
+        stream = self.engine.streams["h2d"]
+        dst0 = self.hbm.slot_ptrs(hbm_slots)
         with torch.cuda.stream(stream):
             for start in range(0, self.num_layers, step):
                 stop = min(self.num_layers, start + step)
-                if use_dma:
+                if host_slots is None:
                     off, size = start * self.layer_bytes, (stop - start) * self.layer_bytes
                     cuda_rt.memcpy_batch(dst0 + off, src0 + off, np.full(n, size, np.uint64),
                                          stream.cuda_stream)

@@ -15,7 +15,7 @@ from tpkv.protocol.digest import plan_digest
 from tpkv.protocol.messages import StepResult
 from tpkv.protocol.plan import MovePlan, MoveResult, Tier
 from tpkv.ssd.store import SsdStore
-from tpkv.workers import kernels
+from tpkv.workers import cuda_rt, kernels
 from tpkv.workers.agreement import SpillLedger
 from tpkv.workers.applied import NO_IDS, AppliedPlan, AppliedStep, StepReport
 from tpkv.workers.chain import find_chain
@@ -60,6 +60,8 @@ class Worker:
                       if config.l3.enabled else None)
         self.executor = PlanExecutor(self.engine, self.store, config.wait_timeout_s,
                                      config.layer_events, config.layer_chunk_bytes)
+        if self.store is not None and self.engine.on_gpu:  # read ahead straight into L1
+            self.store.ahead.pin_with(cuda_rt.host_register, cuda_rt.host_unregister)
         self.mirror = SlotMirror(self.hbm.slots, self.host.slots)
         # returning sessions' L3 blocks read ahead (models/returns.py decides which)
         self.returning = ReturningReads(self.store, self.mirror, self.executor.spills)
@@ -90,6 +92,8 @@ class Worker:
         beside the forward), or at the next call that needs this rank's map whole. Nothing
         the step's forward reads or writes depends on them."""
         self.apply_late()
+        if self.executor.direct is not None:  # read-ahead buffers whose copies are done
+            self.executor.direct.reap()
         if late_ok and self.executor.engine.on_gpu:
             self._step_mark = torch.cuda.Event()
             self._step_mark.record(torch.cuda.current_stream(self.hbm.device))
