@@ -12,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+# one_block_jobs: a fixture, taken by usefixtures below
 from tests.unit.test_chained_loads import Rig, l1_bytes, one_block_jobs  # noqa: E402,F401
 from tpkv.protocol.plan import Tier  # noqa: E402
 from tpkv.ssd.readahead import ReadAhead  # noqa: E402
@@ -32,8 +33,8 @@ def l2_bytes(rig: Rig, slot: int) -> np.ndarray:
     return rig.w.host.block_bytes_view(slot).copy()
 
 
-def test_blocks_read_ahead_reach_l1_and_l2_bit_exact_without_a_read(
-        tmp_path: Path, one_block_jobs: None) -> None:
+@pytest.mark.usefixtures("one_block_jobs")
+def test_blocks_read_ahead_reach_l1_and_l2_bit_exact_without_a_read(tmp_path: Path) -> None:
     rig = Rig(tmp_path / "l3")
     store = rig.w.store
     assert store is not None
@@ -58,8 +59,8 @@ def test_blocks_read_ahead_reach_l1_and_l2_bit_exact_without_a_read(
         rig.close()
 
 
-def test_blocks_not_read_ahead_go_through_l2_beside_those_read_ahead(
-        tmp_path: Path, one_block_jobs: None) -> None:
+@pytest.mark.usefixtures("one_block_jobs")
+def test_blocks_not_read_ahead_go_through_l2_beside_those_read_ahead(tmp_path: Path) -> None:
     rig = Rig(tmp_path / "l3")
     try:
         read_ahead(rig, [0, 2])
@@ -75,7 +76,8 @@ def test_blocks_not_read_ahead_go_through_l2_beside_those_read_ahead(
         rig.close()
 
 
-def test_a_read_ahead_made_stale_is_not_leased(tmp_path: Path, one_block_jobs: None) -> None:
+@pytest.mark.usefixtures("one_block_jobs")
+def test_a_read_ahead_made_stale_is_not_leased(tmp_path: Path) -> None:
     """The session's records changed on this rank after its read ahead (a commit): nothing is
     leased, every block is read from the disk again, bit-exact."""
     rig = Rig(tmp_path / "l3")
