@@ -190,3 +190,25 @@ def test_a_buffer_that_cannot_be_pinned_is_never_leased_for_a_gpu_copy(tmp_path:
         ra.release(lease)
     finally:
         ra.close()
+
+
+def test_an_unpin_that_fails_loses_nothing(tmp_path: Path) -> None:
+    bb = 4096
+    ra = ReadAhead(bb, 64 * bb, threads=1, rank=0)
+    ra._job_rows = 1
+    ra._free_cap = 0  # every buffer leaves the pool when given back
+
+    def refuse(addr: int) -> None:
+        raise RuntimeError("cudaHostUnregister failed")
+    ra.pin_with(lambda addr, n: None, refuse)
+    try:
+        assert ra.start("s", np.arange(2), lambda sid, idx, out: np.ones(len(idx), dtype=bool))
+        deadline = time.monotonic() + 30
+        while not ra.done("s"):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        ra.drop("s")  # unpins both: the failures are logged, the budget is given back
+        assert ra.held_bytes == 0
+        assert ra.start("t", np.arange(2), lambda sid, idx, out: np.ones(len(idx), dtype=bool))
+    finally:
+        ra.close()

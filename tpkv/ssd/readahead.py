@@ -224,7 +224,14 @@ class ReadAhead:
         """(Under the lock) a buffer leaving the pool: unpin it first."""
         if self._pin is not None and base.ctypes.data in self._pinned:
             self._pinned.discard(base.ctypes.data)
-            self._pin[1](base.ctypes.data)
+            self._unregister(base.ctypes.data)
+
+    def _unregister(self, address: int) -> None:
+        assert self._pin is not None
+        try:
+            self._pin[1](address)
+        except Exception as exc:  # nothing lost: the buffer is no longer used
+            log.warning("read ahead: unpinning a buffer failed: %s", exc)
 
     def _release(self, entry: _Session) -> None:
         """(Under the lock) once a discarded session's jobs are done and nothing copies out of
@@ -404,8 +411,8 @@ class ReadAhead:
         """Stop the jobs; unpin every buffer (nothing may read a lease after this)."""
         self._pool.shutdown(wait=True)
         with self._lock:
-            self._free.clear()
-            if self._pin is not None:
+            if self._pin is not None:  # (before the buffers can be unmapped)
                 for address in sorted(self._pinned):
-                    self._pin[1](address)
+                    self._unregister(address)
             self._pinned.clear()
+            self._free.clear()
