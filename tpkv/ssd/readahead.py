@@ -27,7 +27,6 @@ only ever written by the job that reads into it).
 from __future__ import annotations
 
 import functools
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -39,15 +38,12 @@ import numpy as np
 from tpkv.errors import ArgumentError
 from tpkv.ssd import kernels
 from tpkv.ssd.backend import PAGE_BYTES, BlockViews, aligned_empty, row_addresses
-
-log = logging.getLogger(__name__)
+from tpkv.ssd.pinned import PinnedBuffers, Register, Unregister
 
 # A session's records are read in jobs of about this size across the read-ahead threads.
 AHEAD_JOB_BYTES = 32 << 20
 
 ReadFn = Callable[[str, np.ndarray, Sequence[np.ndarray]], np.ndarray]
-Register = Callable[[int, int], None]  # pin a host range: (address, bytes)
-Unregister = Callable[[int], None]
 _NO_BUFFER = np.empty((0, 0), np.uint8)  # a job's until its thread maps one (none was free)
 
 
@@ -109,14 +105,16 @@ class ReadAhead:
         # which overlap, would count a busy disk's time once per session read at once)
         self.read_bytes, self.read_s = 0, 0.0
         self._in_flight, self._mark = 0, 0.0
-        self._pin: tuple[Register, Unregister] | None = None
-        self._pinned: set[int] = set()  # addresses of the buffers pinned so far
-        self.pin_error: str | None = None  # the first pin that failed (buffers stay unpinned)
+        # buffers pinned as mapped, once pin_with gave the hooks; unpinned as they leave
+        self.pinned = PinnedBuffers()
 
     def pin_with(self, register: Register, unregister: Unregister) -> None:
-        """Pin each buffer mapped from now on with `register` (unpinned with `unregister` when
-        it leaves the pool or at close): copies into L1 may then read the leased blocks."""
-        self._pin = (register, unregister)
+        """Pin each buffer mapped from now on (copies into L1 may then read leased blocks)."""
+        self.pinned.use(register, unregister)
+
+    @property
+    def pin_error(self) -> str | None:
+        return self.pinned.error
 
     @property
     def held_bytes(self) -> int:
@@ -198,40 +196,13 @@ class ReadAhead:
             job.base = aligned_empty(self._job_rows * self.block_bytes, populate=True).reshape(
                 self._job_rows, self.block_bytes)
             job.buffers = job.base[:len(job.indices)]
-            self._pin_buffer(job.base)
-        job.pinned = job.base.ctypes.data in self._pinned
+            self.pinned.pin(job.base)
+        job.pinned = self.pinned.holds(job.base)
         # its rows as views with their addresses at once (the read's CRCs take them so)
         rows = job.buffers
         return read(sid, job.indices, BlockViews(
             rows.__getitem__, np.arange(len(rows)), self.block_bytes,
             self.block_bytes % PAGE_BYTES == 0, functools.partial(row_addresses, rows)))
-
-    def _pin_buffer(self, base: np.ndarray) -> None:
-        """Pin a new buffer (pin_with); one that fails stays unpinned, its blocks never leased."""
-        if self._pin is None or self.pin_error is not None:
-            return
-        try:
-            self._pin[0](base.ctypes.data, base.nbytes)
-        except Exception as exc:  # a memory limit: the reads still serve the step's copies
-            self.pin_error = str(exc)
-            log.warning("read ahead: pinning a %d-byte buffer failed (%s); blocks read ahead "
-                        "are copied through L2 from now on", base.nbytes, exc)
-            return
-        with self._lock:
-            self._pinned.add(base.ctypes.data)
-
-    def _unpin(self, base: np.ndarray) -> None:
-        """(Under the lock) a buffer leaving the pool: unpin it first."""
-        if self._pin is not None and base.ctypes.data in self._pinned:
-            self._pinned.discard(base.ctypes.data)
-            self._unregister(base.ctypes.data)
-
-    def _unregister(self, address: int) -> None:
-        assert self._pin is not None
-        try:
-            self._pin[1](address)
-        except Exception as exc:  # nothing lost: the buffer is no longer used
-            log.warning("read ahead: unpinning a buffer failed: %s", exc)
 
     def _release(self, entry: _Session) -> None:
         """(Under the lock) once a discarded session's jobs are done and nothing copies out of
@@ -247,7 +218,7 @@ class ReadAhead:
             if len(self._free) < self._free_cap:
                 self._free.append(job.base)
             else:
-                self._unpin(job.base)
+                self.pinned.unpin(job.base)
 
     def _busy_until_now(self) -> None:
         """(Under the lock) adds the time since the last start or job end to read_s if a job
@@ -411,8 +382,5 @@ class ReadAhead:
         """Stop the jobs; unpin every buffer (nothing may read a lease after this)."""
         self._pool.shutdown(wait=True)
         with self._lock:
-            if self._pin is not None:  # (before the buffers can be unmapped)
-                for address in sorted(self._pinned):
-                    self._unregister(address)
-            self._pinned.clear()
+            self.pinned.close()  # (before the buffers can be unmapped)
             self._free.clear()
