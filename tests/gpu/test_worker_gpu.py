@@ -38,6 +38,16 @@ def fill(w: Worker, blocks: range) -> None:
             torch.from_numpy(pattern(b, 0, w.hbm.block_bytes)).cuda())
 
 
+def y_in_l1(w: Worker) -> list[int]:
+    """Blocks Y = 100..131 in L1 slots 32..63, their bytes pattern(b, 0)."""
+    y = list(range(100, 132))
+    w.mirror.put(np.array(y), np.full(32, H), np.arange(32, 64), ["s"] * 32, np.array(y))
+    for i, b in enumerate(y):
+        w.hbm.tensor[32 + i].reshape(-1).view(torch.uint8).copy_(
+            torch.from_numpy(pattern(b, 0, w.hbm.block_bytes)).cuda())
+    return y
+
+
 def plan(epoch: int, block_ids, src_tier, src_slots, dst_tier, dst_slots) -> MovePlan:
     n = len(block_ids)
     return MovePlan(epoch, np.asarray(block_ids), np.full(n, src_tier), np.asarray(src_slots),
@@ -97,11 +107,7 @@ def test_copies_after_a_load_plan_keep_every_byte(tmp_path, clash):
     into other slots (they run beside them). Both keep every byte."""
     w = big_worker(tmp_path, False)
     bb = w.hbm.block_bytes
-    y = list(range(100, 132))
-    w.mirror.put(np.array(y), np.full(32, H), np.arange(32, 64), ["s"] * 32, np.array(y))
-    for i, b in enumerate(y):
-        w.hbm.tensor[32 + i].reshape(-1).view(torch.uint8).copy_(
-            torch.from_numpy(pattern(b, 0, bb)).cuda())
+    y = y_in_l1(w)
     x = list(range(32))
     w.mirror.put(np.array(x), np.full(32, D), np.arange(32), ["s"] * 32, np.array(x))
     for rnd in range(10):
@@ -194,14 +200,10 @@ def test_blocks_read_ahead_go_straight_into_l1_and_fill_l2_from_there(tmp_path, 
 
 def test_a_demotion_into_l2_slots_a_direct_load_fills_runs_after_that_fill(tmp_path):
     """Right after the direct loads, with no host wait, a plan demotes Y (L1 32..63) into the
-    L2 slots X's fill from L1 writes, and another promotes Y back: Y's bytes survive."""
+    L2 slots X's fill from L1 writes: Y's bytes are what those slots hold once both are done."""
     w = big_worker(tmp_path, False)
     bb = w.hbm.block_bytes
-    y = list(range(100, 132))
-    w.mirror.put(np.array(y), np.full(32, H), np.arange(32, 64), ["s"] * 32, np.array(y))
-    for i, b in enumerate(y):
-        w.hbm.tensor[32 + i].reshape(-1).view(torch.uint8).copy_(
-            torch.from_numpy(pattern(b, 0, bb)).cuda())
+    y = y_in_l1(w)
     x = _read_ahead_x(w)
     w.apply_plan(plan(3, y, H, range(32, 64), D, range(32, 64)))
     w.executor.synchronize()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -96,6 +97,19 @@ def test_a_read_ahead_made_stale_is_not_leased(tmp_path: Path) -> None:
         rig.close()
 
 
+def _all_hits(sid: str, idx: np.ndarray, out: object) -> np.ndarray:
+    return np.ones(len(idx), dtype=bool)
+
+
+def _read_done(ra: ReadAhead, sid: str, n: int, read: Any = _all_hits) -> None:
+    """Read blocks 0..n-1 of `sid` ahead and wait until the read ahead is done."""
+    assert ra.start(sid, np.arange(n), read)
+    deadline = time.monotonic() + 30
+    while not ra.done(sid):
+        assert time.monotonic() < deadline, "read ahead not done"
+        time.sleep(0.005)
+
+
 def _ahead(tmp_path: Path, n: int = 6, bb: int = 4096) -> tuple[ReadAhead, list[np.ndarray]]:
     """A ReadAhead of 2-block jobs over a fake store holding `n` known blocks (block 3 a miss)."""
     rng = np.random.default_rng(3)
@@ -112,11 +126,7 @@ def _ahead(tmp_path: Path, n: int = 6, bb: int = 4096) -> tuple[ReadAhead, list[
     ra = ReadAhead(bb, 64 * bb, threads=2, rank=0)
     ra._job_rows = 2
     ra._free_cap = 2
-    assert ra.start("s", np.arange(n), read)
-    deadline = time.monotonic() + 30
-    while not ra.done("s"):
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    _read_done(ra, "s", n, read)
     return ra, truth
 
 
@@ -150,15 +160,8 @@ def test_buffers_are_pinned_as_mapped_and_unpinned_as_they_leave(tmp_path: Path)
     ra._free_cap = 1
     ra.pin_with(lambda addr, n: calls.append(("pin", n)),
                 lambda addr: calls.append(("unpin", 0)))
-
-    def read(sid: str, idx: np.ndarray, out: object) -> np.ndarray:
-        return np.ones(len(idx), dtype=bool)
     try:
-        assert ra.start("s", np.arange(6), read)  # three jobs of 2 blocks
-        deadline = time.monotonic() + 30
-        while not ra.done("s"):
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        _read_done(ra, "s", 6)  # three jobs of 2 blocks
         assert calls == [("pin", 2 * bb)] * 3
         lease = ra.lease("s", np.arange(6), pinned=True)
         assert lease is not None and len(lease.rows) == 6
@@ -178,11 +181,7 @@ def test_a_buffer_that_cannot_be_pinned_is_never_leased_for_a_gpu_copy(tmp_path:
         raise RuntimeError("cudaHostRegister: out of memory")
     ra.pin_with(refuse, lambda addr: None)
     try:
-        assert ra.start("s", np.arange(2), lambda sid, idx, out: np.ones(len(idx), dtype=bool))
-        deadline = time.monotonic() + 30
-        while not ra.done("s"):
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        _read_done(ra, "s", 2)
         assert ra.pin_error is not None and "out of memory" in ra.pin_error
         assert ra.lease("s", np.arange(2), pinned=True) is None
         lease = ra.lease("s", np.arange(2), pinned=False)
@@ -202,13 +201,9 @@ def test_an_unpin_that_fails_loses_nothing(tmp_path: Path) -> None:
         raise RuntimeError("cudaHostUnregister failed")
     ra.pin_with(lambda addr, n: None, refuse)
     try:
-        assert ra.start("s", np.arange(2), lambda sid, idx, out: np.ones(len(idx), dtype=bool))
-        deadline = time.monotonic() + 30
-        while not ra.done("s"):
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        _read_done(ra, "s", 2)
         ra.drop("s")  # unpins both: the failures are logged, the budget is given back
         assert ra.held_bytes == 0
-        assert ra.start("t", np.arange(2), lambda sid, idx, out: np.ones(len(idx), dtype=bool))
+        _read_done(ra, "t", 2)
     finally:
         ra.close()
