@@ -135,12 +135,17 @@ def test_a_lease_gives_the_hits_asked_and_keeps_their_buffers_until_released(
     ra, truth = _ahead(tmp_path)
     try:
         want = np.array([5, 3, 0, 9, 2])
-        lease = ra.lease("s", want, pinned=False)
+        lease = ra.lease("s", want, pinned=False, views=True)
         assert lease is not None
         assert sorted(lease.rows.tolist()) == [0, 2, 4]  # 3 is a miss, 9 never read ahead
+        assert len(lease.blocks) == len(lease.addresses) == 3
         for row, block, address in zip(lease.rows.tolist(), lease.blocks, lease.addresses):
             np.testing.assert_array_equal(block, truth[int(want[row])])
             assert int(address) == block.ctypes.data
+        bare = ra.lease("s", want, pinned=False)  # addresses only
+        assert bare is not None and bare.blocks == []
+        assert bare.addresses.tolist() == lease.addresses.tolist()
+        ra.release(bare)
         assert ra.lease("s", want, pinned=True) is None  # nothing here is pinned
         held = ra.held_bytes
         ra.drop("s")

@@ -34,7 +34,7 @@ from tpkv.workers.layer_copies import LayerCopies
 @dataclass
 class Leased:
     """What DirectLoads.lease found: per block, the plan's load move, the chain's row, its
-    host address and bytes; and the leases that hold them."""
+    host address and (on the CPU) bytes; and the leases that hold them."""
 
     loads: np.ndarray
     rows: np.ndarray
@@ -76,7 +76,9 @@ class DirectLoads:
             r = rows[group]
             loads = chain.loads[r]
             name = plan.session_names[int(plan.session_idx[loads[0]])]
-            lease = self.store.ahead.lease(name, plan.logical_idx[loads], pinned=pinned)
+            # on a GPU the copies take addresses; on the CPU they copy the rows as arrays
+            lease = self.store.ahead.lease(name, plan.logical_idx[loads], pinned=pinned,
+                                           views=not pinned)
             if lease is None:
                 continue
             got.append(r[lease.rows])

@@ -333,7 +333,8 @@ class PlanExecutor:
             mark = self._mark("h2d", piece)
             start = mark if start is None else start
             self.last["h2d"] = self.layers.issue_from(
-                got.addresses[part], [got.blocks[int(k)] for k in part], l1[part])
+                got.addresses[part], [got.blocks[int(k)] for k in part] if got.blocks else [],
+                l1[part])
         chain.out.h2d_issued_ns = chain.out.h2d_issued_ns or time.perf_counter_ns()
         self._span(chain.out, "h2d", start)
         issued = np.zeros(len(chain.rows), dtype=bool)

@@ -54,9 +54,9 @@ class LayerCopies:
 
     def issue_from(self, addresses: np.ndarray, blocks: list[np.ndarray],
                    hbm_slots: np.ndarray) -> CopyHandle:
-        """Copy whole blocks from host memory outside L2 (pinned; `addresses`, and the same
-        bytes as arrays, `blocks`) into L1 `hbm_slots`, as issue() does from L2 (only where
-        reads_addresses); ordered after compute, as issue() is."""
+        """Copy whole blocks from host memory outside L2 (pinned, at `addresses`; on the CPU
+        the same bytes as arrays, `blocks`) into L1 `hbm_slots`, as issue() does from L2 (only
+        where reads_addresses); ordered after compute, as issue() is."""
         n = len(hbm_slots)
         handle = CopyHandle(n, n * self.hbm.block_bytes, "layers", "h2d")
         if not self.engine.on_gpu:
