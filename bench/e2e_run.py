@@ -285,8 +285,11 @@ class Rounds:
                                   not (loaded["l2"] or loaded["l3"]), context))
             if returning:
                 self._resume(session, ms, moved, st.recompute_tokens > recompute0, loaded)
+                # tokens recomputed against those the session held: all of them where the
+                # turn was sent to the GPU, part where blocks of it were dropped
                 self.resumes[-1].update({**l2_before, **self._l3_sources(l3_before),
-                                         "gc_ms": gc_ms})
+                                         "gc_ms": gc_ms, "context_tokens": context,
+                                         "recomputed_tokens": st.recompute_tokens - recompute0})
         return batch, finished
 
     def _first_tokens(self, now: float) -> None:

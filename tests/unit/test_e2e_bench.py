@@ -76,6 +76,11 @@ def test_rounds_report_returning_ttft_and_bound(tmp_path: Path) -> None:
         assert r["mode"] == "rounds"
         assert r["decode_steps_capturing_a_graph"] == 0  # (no CUDA graphs on the CPU)
     assert a["recompute_tokens"] > 0  # (a) recomputes what L1 lost
+    # each resume says how many tokens it recomputed, out of those its session held before
+    for r in (*a["resume_records"], *c["resume_records"]):
+        assert (r["recomputed_tokens"] > 0) == (r["source"] == "recompute")
+        assert 0 <= r["recomputed_tokens"] <= r["context_tokens"]
+    assert sum(r["recomputed_tokens"] for r in a["resume_records"]) <= a["recompute_tokens"]
     assert c["bound"]["work"]["bytes"]["l2_l3"] > 0  # (c) spilled to L3
     # where each step's L3 blocks came from: read-ahead buffers or the disk
     loads = [r for r in (*c["resume_records"], *c["traffic_records"]) if r["moved"]["l3_l2"]]
