@@ -103,6 +103,7 @@ def tiered_rank(rank: int, world: int, ssd_root: str, mode: str = "load",
                "kept": s.kept_moves, "ahead": (rt.num_ahead_used, rt.num_ahead_unused),
                "kept_spills": s.kept_spills, "watched": watched,
                "chained": rt.worker.executor.num_chained,
+               "direct": rt.worker.executor.direct.num_blocks,
                "read_ahead": (tiered.returns.num_read_ahead, rt.worker.store.ahead.num_served,
                               rt.worker.store.ahead.held_bytes)}
     except BaseException as exc:
@@ -165,6 +166,8 @@ def check(out: dict[str, Any], mode: str = "load") -> None:
         assert out["kept_spills"] > 0, out
         # copied into L1 while the rest of their reads went on (chain.find_chain)
         assert out["chained"] > 0, out["chained"]
+        # those read ahead, straight from the read-ahead buffers (workers/direct.py)
+        assert out["direct"] > 0, out["direct"]
         # their turns waited outside the batch while their records were read ahead, and the
         # steps that loaded them took those from memory (models/returns.py)
         started, served, held = out["read_ahead"]
