@@ -142,9 +142,11 @@ def test_a_lease_gives_the_hits_asked_and_keeps_their_buffers_until_released(
         for row, block, address in zip(lease.rows.tolist(), lease.blocks, lease.addresses):
             np.testing.assert_array_equal(block, truth[int(want[row])])
             assert int(address) == block.ctypes.data
+        served = ra.num_served
         bare = ra.lease("s", want, pinned=False)  # addresses only
         assert bare is not None and bare.blocks == []
         assert bare.addresses.tolist() == lease.addresses.tolist()
+        assert ra.num_served == served + 3  # counted as served without the views too
         ra.release(bare)
         assert ra.lease("s", want, pinned=True) is None  # nothing here is pinned
         held = ra.held_bytes

@@ -74,8 +74,7 @@ class Lease:
     """Blocks of a session held in read-ahead buffers for a caller's copies (ReadAhead.lease):
     `rows` (positions into the indices asked) are hits read under the session's current
     generation, at host `addresses`; `blocks` gives their rows as arrays (when asked). Give it
-    back with
-    ReadAhead.release once nothing reads those addresses any more."""
+    back with ReadAhead.release once nothing reads those addresses any more."""
 
     rows: np.ndarray
     addresses: np.ndarray  # uint64, one per row
@@ -325,7 +324,7 @@ class ReadAhead:
             if not rows:
                 return None
             entry.readers += 1  # its buffers stay out of the pool until release()
-            self.num_served += len(blocks)
+            self.num_served += int(taken.sum())
         return Lease(np.concatenate(rows), np.concatenate(addresses), blocks, entry)
 
     def release(self, lease: Lease) -> None:
