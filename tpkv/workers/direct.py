@@ -93,22 +93,21 @@ class DirectLoads:
 
     def hold(self, handle: CopyHandle, leases: list[Lease]) -> None:
         """The copies that read `leases` end with `handle` (done already on the CPU)."""
-        if handle.event is None:
-            for lease in leases:
-                self.store.ahead.release(lease)
-            return
         self._held.append((handle, leases))
+        self.reap()
 
     def reap(self) -> None:
         """Give back the leases whose copies are done (they end in order, on one stream)."""
         while self._held and self._held[0][0].done():
-            for lease in self._held.pop(0)[1]:
-                self.store.ahead.release(lease)
+            self._give_back(self._held.pop(0)[1])
 
     def drain(self) -> None:
         """Wait for every copy that reads a lease, and give them all back."""
         while self._held:
             handle, leases = self._held.pop(0)
             handle.wait()
-            for lease in leases:
-                self.store.ahead.release(lease)
+            self._give_back(leases)
+
+    def _give_back(self, leases: list[Lease]) -> None:
+        for lease in leases:
+            self.store.ahead.release(lease)
