@@ -77,7 +77,10 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
             r["emulated_l3"] = paced.stats()
         eng = rt.worker.engine  # how well the slot placement let copies merge into runs
         r["copy_blocks"], r["copy_descriptors"] = dict(eng.num_blocks), dict(eng.num_descriptors)
-        r["events"] = rt.controller.snapshot()["event_counts"]  # the controller's, by kind
+        snap = rt.controller.snapshot()
+        r["events"] = snap["event_counts"]  # the controller's, by kind
+        # the spill pacer's disk: the write rate the ranks' spills measured, its lag in steps
+        r["spill_pace"] = snap.get("spill_pace", {})
         r["late_steps"] = rt.worker.num_late
         r["gc"] = GC_CLOCK.since(gc_mark)  # this process's collections during the run
         # steps planned ahead and used as planned, or applied without their forward

@@ -191,6 +191,8 @@ def test_a_spills_l2_slots_are_handed_out_last_until_the_ranks_report_it_written
                                        spill_write_bytes_per_s=5_000_000) for o in outs]
         assert c.commit(results).committed
     assert stack.cool == 0 and c.table.pace.rate == 5e6 and c.table.pace.samples > 0
+    pace = c.snapshot()["spill_pace"]  # (the dashboard's view of it)
+    assert pace["write_bytes_per_s"] == 5e6 and pace["samples"] == c.table.pace.samples
     c.check_integrity()
 
 

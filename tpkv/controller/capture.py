@@ -107,4 +107,5 @@ def capture(ctl: View, max_sessions: int = 256) -> Capture:
         rates=ctl.rates.as_dict(), policy=ctl.config.policy, capacity=T.capacity,
         live_blocks=T.capacity - T.free_rows.top, metadata_bytes=ctl.metadata_bytes(),
         events=[dict(e) for e in list(events)[-64:]] if events else [],
-        event_counts=dict(ctl.event_counts), l3_held=T.l3_held, last_step_s=ctl.last_step_s)
+        event_counts=dict(ctl.event_counts), l3_held=T.l3_held, last_step_s=ctl.last_step_s,
+        spill_pace=T.pace.as_dict())

@@ -83,6 +83,8 @@ class Capture:
     event_counts: dict[str, int]
     l3_held: int = 0  # L3 room freed but held until the ranks apply the last step
     last_step_s: float | None = None  # now_s() when the last step started (None: no step yet)
+    # the spill pacer's view of the disk (SpillPacer.as_dict: its measured write rate...)
+    spill_pace: dict[str, float | int] = field(default_factory=dict)
     _index: dict[str, int] = field(default_factory=dict)
 
     def snapshot(self) -> dict[str, Any]:
@@ -201,6 +203,7 @@ def render(cap: Capture) -> dict[str, Any]:
             "max": _num(float(lat.max())) if len(lat) else None},
         "auto_pin_threshold": _num(cap.pin_threshold),
         "rates": cap.rates,
+        "spill_pace": cap.spill_pace,
         "policy": dataclasses.asdict(cap.policy),
         "table": {"capacity": cap.capacity, "live_blocks": cap.live_blocks,
                   "metadata_bytes": cap.metadata_bytes,
