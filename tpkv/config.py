@@ -186,8 +186,7 @@ class SsdConfig:
     o_direct: bool = True
     io_threads: int = 4  # threads that read (a resume's reads); spills have their own
     # Threads that write spills: apart from the readers, so that a resume's reads never queue
-    # behind spills submitted before them. As many helpers again write parts of a large spill
-    # beside its writer (several writes in flight: a disk's queue depth).
+    # behind spills submitted before them.
     write_threads: int = 4
     high_watermark: float = 0.90
     low_watermark: float = 0.75

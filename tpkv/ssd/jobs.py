@@ -120,9 +120,6 @@ class StoreThreads:
     def __init__(self, rank: int, io_threads: int, write_threads: int) -> None:
         self.readers = ThreadPoolExecutor(io_threads, thread_name_prefix=f"tpkv-l3-r{rank}")
         self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix=f"tpkv-l3-w{rank}")
-        # parts of a writer's spill, written beside it (SegmentIo): as many as writers
-        self.write_parts = ThreadPoolExecutor(write_threads,
-                                              thread_name_prefix=f"tpkv-l3-wp{rank}")
         # drop_later: one thread deletes sessions' files in the order asked
         self._janitor = ThreadPoolExecutor(1, thread_name_prefix=f"tpkv-l3-drop-r{rank}")
         # manifest commits (two fsyncs each) off the caller's thread, in order
@@ -183,5 +180,4 @@ class StoreThreads:
         self._committer.shutdown(wait=True)
         self._janitor.shutdown(wait=True)
         self._writers.shutdown(wait=True)
-        self.write_parts.shutdown(wait=True)
         self.readers.shutdown(wait=True)

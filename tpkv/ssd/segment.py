@@ -7,9 +7,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future
-from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
 from typing import TypeGuard
 
 import numpy as np
@@ -53,38 +50,16 @@ def last_positions(stored: np.ndarray, wanted: np.ndarray) -> np.ndarray:
     return np.where(uniq[k] == wanted, last[k], -1).astype(np.int64)
 
 
-@dataclass(frozen=True)
-class _Run:
-    """One write_records call, as its parts share it."""
-
-    f: BlockFile
-    ident: SegmentIdentity
-    indices: np.ndarray
-    blocks: Sequence[np.ndarray]
-    first_record_no: int
-    offset_bytes: int
-    pause: Callable[[], None] | None
-    staged: list[bool]
-    addrs: np.ndarray | None
-    template: np.ndarray
-
-
 class SegmentIo:
     """Moves block records between host buffers and an open segment file.
 
     Record headers are built in a per-thread page-aligned buffer. Payloads go straight from and
     into the caller's buffers (one iovec each) unless O_DIRECT needs an alignment they lack; then
     they pass through that aligned buffer. Consecutive records become one preadv/pwritev.
-    With `helpers`, a write of several pieces splits into consecutive parts written at once,
-    one on the calling thread and the others on the helper threads: one spill keeps several
-    writes in flight (a disk's queue depth; on a RAM file system, several cores copying).
     """
 
-    def __init__(self, block_bytes: int, write_piece_bytes: int,
-                 helpers: Executor | None = None, num_helpers: int = 0) -> None:
+    def __init__(self, block_bytes: int, write_piece_bytes: int) -> None:
         self.block_bytes = block_bytes
-        self._helpers = helpers if num_helpers > 0 else None
-        self._num_helpers = num_helpers if helpers is not None else 0
         # With a pause between writes (a spill while its rank reads): the most bytes one pwritev
         # carries, so that a read waits behind at most this much of a spill per writing thread
         # (SsdConfig.write_piece_bytes).
@@ -169,14 +144,13 @@ class SegmentIo:
         most = max(1, IOV_MAX // _IOVECS_PER_RECORD)
         return most if max_bytes is None else min(most, max(1, max_bytes // self.record_bytes))
 
-    def _chunk_end(self, start: int, staged: Sequence[bool], max_bytes: int | None = None,
-                   stop: int | None = None) -> tuple[int, int]:
-        """End of the chunk from `start` (up to `stop`, default all): at most IOV_MAX iovecs,
-        STAGE_BYTES staged and max_bytes of records (at least one record)."""
+    def _chunk_end(self, start: int, staged: Sequence[bool],
+                   max_bytes: int | None = None) -> tuple[int, int]:
+        """End of the chunk from `start`: at most IOV_MAX iovecs, STAGE_BYTES staged and
+        max_bytes of records (at least one record)."""
         max_records = self._max_records(max_bytes)
         end, num_staged = start, 0
-        stop = len(staged) if stop is None else stop
-        while end < stop and end - start < max_records:
+        while end < len(staged) and end - start < max_records:
             if staged[end]:
                 if num_staged and (num_staged + 1) * self.padded_bytes > STAGE_BYTES:
                     break
@@ -188,69 +162,40 @@ class SegmentIo:
                       blocks: Sequence[np.ndarray], first_record_no: int,
                       offset_bytes: int, pause: Callable[[], None] | None = None) -> None:
         """One record per block, contiguous from offset_bytes, numbered from first_record_no.
-        With `pause`, in pieces of write_piece_bytes, calling pause() before each. Parts of
-        the records go to the helper threads (the class's note); every part has ended,
-        written or failed, when this returns or raises (the first part's error)."""
+        With `pause`, in pieces of write_piece_bytes, calling pause() before each."""
         staged = self._staged(f, blocks)
         # an L2 pool's blocks move by address: their addresses, all at once
         addrs = (blocks.addresses(np.arange(len(blocks))) if self._by_address(blocks, staged, f)
                  else None)
-        run = _Run(f, ident, indices, blocks, first_record_no, offset_bytes, pause, staged,
-                   addrs, self._template(ident))  # (the template: read only, by every part)
-        bounds = self._parts(len(blocks))
-        if len(bounds) == 2:
-            self._write_part(run, 0, len(blocks))
-            return
-        assert self._helpers is not None  # (_parts splits only with helpers)
-        futs: list[Future[None]] = []
-        try:
-            for lo, hi in zip(bounds[1:-1], bounds[2:]):
-                futs.append(self._helpers.submit(self._write_part, run, int(lo), int(hi)))
-            self._write_part(run, 0, int(bounds[1]))
-        finally:
-            wait_futures(futs)  # no part writes once the caller truncates or unlinks
-        for fut in futs:
-            fut.result()
-
-    def _parts(self, num: int) -> np.ndarray:
-        """Bounds of the parts a write of `num` records splits into: at most one per helper
-        and the caller, each of two write pieces at least ([0, num] for one part)."""
-        least = max(1, 2 * self.write_piece_bytes // self.record_bytes)
-        parts = max(1, min(self._num_helpers + 1, num // least))
-        return np.linspace(0, num, parts + 1).astype(np.int64)
-
-    def _write_part(self, run: _Run, lo: int, hi: int) -> None:
-        """Records lo..hi of `run`, in chunks of one pwritev each."""
-        piece = None if run.pause is None else self.write_piece_bytes
+        template = self._template(ident)  # (the same for every chunk)
+        piece = None if pause is None else self.write_piece_bytes
         # nothing staged (an L2 pool's blocks): every chunk holds the same number of records
-        per_chunk = 0 if any(run.staged[lo:hi]) else self._max_records(piece)
-        start = lo
-        while start < hi:
-            end, num_staged = ((min(hi, start + per_chunk), 0) if per_chunk
-                               else self._chunk_end(start, run.staged, piece, hi))
-            if run.pause is not None:
-                run.pause()
+        per_chunk = 0 if any(staged) else self._max_records(piece)
+        start = 0
+        while start < len(blocks):
+            end, num_staged = ((min(len(blocks), start + per_chunk), 0) if per_chunk
+                               else self._chunk_end(start, staged, piece))
+            if pause is not None:
+                pause()
             num = end - start
             scratch = self.buffer("scratch", num * ALIGN_BYTES + num_staged * self.padded_bytes)
             headers = scratch[:num * ALIGN_BYTES].reshape(num, ALIGN_BYTES)
-            chunk = run.blocks[start:end]  # (an L2 pool's BlockViews stays one: fill_headers)
-            if run.addrs is None:
-                bufs = self._write_buffers(scratch, headers, chunk, run.staged[start:end])
+            chunk = blocks[start:end]  # (an L2 pool's BlockViews stays one: fill_headers)
+            if addrs is None:
+                bufs = self._write_buffers(scratch, headers, chunk, staged[start:end])
             # payload CRCs and sealed headers in one compiled call, which takes the GIL back
             # once (kernels); where it does not run, crc_many and the headers here
-            first = run.first_record_no + start
-            if not kernels.fill_headers(headers, run.template, run.indices[start:end], first,
-                                        chunk):
+            if not kernels.fill_headers(headers, template, indices[start:end],
+                                        first_record_no + start, chunk):
                 crcs = crc_many(chunk)
                 for k in range(num):
-                    pack_record_header(run.ident, headers[k], int(run.indices[start + k]),
-                                       crcs[k], first + k)
-            at = run.offset_bytes + start * self.record_bytes
-            if run.addrs is None:
-                run.f.write_at(bufs, at)
+                    pack_record_header(ident, headers[k], int(indices[start + k]), crcs[k],
+                                       first_record_no + start + k)
+            at = offset_bytes + start * self.record_bytes
+            if addrs is None:
+                f.write_at(bufs, at)
             else:
-                run.f.write_records(headers, run.addrs[start:end], self.block_bytes,
-                                    self._zero_pad, at)
+                f.write_records(headers, addrs[start:end], self.block_bytes, self._zero_pad, at)
             start = end
 
     def _write_buffers(self, scratch: np.ndarray, headers: np.ndarray,

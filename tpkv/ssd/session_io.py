@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
 from dataclasses import replace
 
 import numpy as np
@@ -30,17 +29,15 @@ def new_segment_id() -> int:
 
 class SessionIo:
     """Reads and writes the files of rank `files.rank` through the I/O backend `config`
-    selects; a write waits on `pause` between its pieces (the store's reads go first), and
-    splits into parts over `helpers` (SegmentIo)."""
+    selects; a write waits on `pause` between its pieces (the store's reads go first)."""
 
     def __init__(self, config: SsdConfig, files: RankFiles, manifests: Manifests,
-                 pause: Callable[[], None], helpers: Executor | None = None) -> None:
+                 pause: Callable[[], None]) -> None:
         self.backend = select_backend(config)
         self._files = files
         self._manifests = manifests
         self._pause = pause
-        self._io = SegmentIo(files.ident0.block_bytes, config.write_piece_bytes, helpers,
-                             config.write_threads)
+        self._io = SegmentIo(files.ident0.block_bytes, config.write_piece_bytes)
 
     @property
     def direct_io(self) -> bool:

@@ -84,8 +84,7 @@ class SsdStore:
 
     def _start(self, config: SsdConfig, rank: int) -> None:
         self._threads = StoreThreads(rank, config.io_threads, config.write_threads)
-        self._sessions = SessionIo(config, self._files, self._manifests, self._threads.gate.pause,
-                                   self._threads.write_parts)
+        self._sessions = SessionIo(config, self._files, self._manifests, self._threads.gate.pause)
         self._stripes = [threading.Lock() for _ in range(_NUM_LOCK_STRIPES)]
         self._budget = Budget(rank, self.budget_bytes)
         self._reads = ReadMeter()
