@@ -81,6 +81,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         r["events"] = snap["event_counts"]  # the controller's, by kind
         # the spill pacer's disk: the write rate the ranks' spills measured, its lag in steps
         r["spill_pace"] = snap.get("spill_pace", {})
+        r["rates"] = snap["rates"]  # the cost model's measured rates (stage_blocks reads them)
         r["late_steps"] = rt.worker.num_late
         r["gc"] = GC_CLOCK.since(gc_mark)  # this process's collections during the run
         # steps planned ahead and used as planned, or applied without their forward

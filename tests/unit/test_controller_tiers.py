@@ -188,9 +188,11 @@ def test_the_measured_stage_cap_waits_for_measures_and_skips_idle_gaps():
 
     m = RateMeter(PolicyConfig(prefetch_stage_max_blocks=0))
     assert m.stage_blocks(1 << 20, 777) == 777  # nothing measured yet
+    assert m.as_dict()["step_s"] is None
     for t in (0.0, 0.008, 0.016, 5.0, 5.008):  # 8 ms steps; 5 s idle is no step
         m.observe_step(t)
     assert list(m.step_gaps) == pytest.approx([0.008, 0.008, 0.008])
+    assert m.as_dict()["step_s"] == pytest.approx(0.008)  # (the snapshot's rates show it)
     assert m.stage_blocks(1 << 20, 777) == 777  # no L3 read measured yet
     m.ssd_read_bytes_per_s, m.samples["ssd_read"] = 4e9, 1
     assert m.stage_blocks(1 << 20, 777) == int(4e9 * 0.008 * 0.75) >> 20  # 22 blocks of 1 MiB

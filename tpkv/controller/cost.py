@@ -88,11 +88,17 @@ class RateMeter:
         counted the steps that staged and the resume steps: on the H200, with 7 ms decode
         steps, it let a step stage ~200 blocks, and such steps took 16.6 ms at the median.)
         `default` until a step time or an L3 read is measured."""
-        if not self.step_gaps or not self.samples["ssd_read"]:
+        step_s = self._step_s()
+        if step_s is None or not self.samples["ssd_read"]:
             return default
-        step_s = sorted(self.step_gaps)[len(self.step_gaps) // 10]
         n = int(self.ssd_read_bytes_per_s * step_s * _STAGE_SHARE // max(block_bytes, 1))
         return max(_MIN_STAGE_BLOCKS, n)
+
+    def _step_s(self) -> float | None:
+        """The lower decile of the recent step gaps (None before any)."""
+        if not self.step_gaps:
+            return None
+        return sorted(self.step_gaps)[len(self.step_gaps) // 10]
 
     def observe_plan(self, results: list[MoveResult]) -> None:
         """One plan's reports (one per rank): the slowest rank's time bounds the plan.
@@ -120,8 +126,10 @@ class RateMeter:
         self.samples[name] += 1
         return new if self.samples[name] == 1 else (1 - _EMA) * old + _EMA * new
 
-    def as_dict(self) -> dict[str, float | dict[str, int]]:
+    def as_dict(self) -> dict[str, float | None | dict[str, int]]:
         return {"h2d_bytes_per_s": self.h2d_bytes_per_s,
                 "ssd_read_bytes_per_s": self.ssd_read_bytes_per_s,
                 "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                # a decode step's time as stage_blocks takes it (None: no gap measured)
+                "step_s": self._step_s(),
                 "samples": dict(self.samples)}
