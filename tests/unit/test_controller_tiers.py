@@ -200,6 +200,47 @@ def test_the_measured_stage_cap_waits_for_measures_and_skips_idle_gaps():
     assert m.stage_blocks(1 << 20, 777) == 16
 
 
+class _Event:
+    """A CUDA timing event's stand-in: done or not, at `t_ms`."""
+
+    def __init__(self, t_ms: float, done: bool = True) -> None:
+        self.t_ms, self.done = t_ms, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return end.t_ms - self.t_ms
+
+
+def test_a_plan_whose_copies_still_run_gives_the_rate_meter_no_sample():
+    """A plan reported before its copies end (one issued after the forward's launch, confirmed
+    at the next step) has no GPU time yet: it reports no elapsed time, and the rate meter
+    keeps its h2d rate, instead of taking the host's issue time as the copy's."""
+    from tpkv.config import PolicyConfig
+    from tpkv.controller.cost import RateMeter
+    from tpkv.protocol.plan import MoveResult
+    from tpkv.workers.outcome import ExecOutcome
+
+    out = ExecOutcome(done=np.ones(1, dtype=bool), bytes_h2d=400 << 20, host_ns=500_000)
+    out.timing = [("h2d", _Event(0.0), _Event(7.5, done=False))]
+    assert out.elapsed_ns() == 0
+    m = RateMeter(PolicyConfig())
+    m.observe_plan([MoveResult(epoch=1, rank=0, moves_applied=1, slot_map_digest=0,
+                               bytes_h2d=out.bytes_h2d, elapsed_ns=out.elapsed_ns())])
+    assert m.samples["h2d"] == 0 and m.h2d_bytes_per_s == PolicyConfig().h2d_bytes_per_s
+    out.timing[0][2].done = True  # once done: the GPU time (7.5 ms), longer than the host's
+    assert out.elapsed_ns() == 7_500_000
+    m.observe_plan([MoveResult(epoch=2, rank=0, moves_applied=1, slot_map_digest=0,
+                               bytes_h2d=out.bytes_h2d, elapsed_ns=out.elapsed_ns())])
+    assert m.samples["h2d"] == 1 and m.h2d_bytes_per_s < 60e9
+    # copies issued during the plan before's reads count their sum; the others their longest
+    out.timing = [("h2d", _Event(0.0), _Event(2.0)), ("h2d", _Event(10.0), _Event(13.0)),
+                  ("d2h", _Event(13.0), _Event(14.0))]
+    out.ahead_spans = 2
+    assert out.elapsed_ns() == 5_000_000
+
+
 def test_l3_room_a_step_frees_is_held_until_the_step_is_applied(make_config, fake_clock):
     rig = small_l2_rig(make_config, fake_clock)
     rig.open("a", "b", "c", "d", "e")
