@@ -42,7 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.e2e_bound import TERMS  # noqa: E402
-from bench.e2e_emulate import MODELS, fit, kv_bytes_per_token, model_config  # noqa: E402
+from bench.e2e_emulate import (  # noqa: E402
+    MODELS,
+    dir_speed,
+    fit,
+    kv_bytes_per_token,
+    model_config,
+    mount_of,
+)
 from bench.e2e_run import Setting, ceilings, rerate, run_tiered  # noqa: E402
 from bench.e2e_warm import warm_up  # noqa: E402
 from bench.transfer import raw_odirect, raw_odirect_read  # noqa: E402
@@ -225,6 +232,13 @@ def main() -> None:
         if free < need:
             raise SystemExit(f"--emulate-dir {args.emulate_dir} has {free / GiB:.1f} GiB free, "
                              f"the emulated L3 needs {need / GiB:.1f} GiB")
+        em_dir = {**mount_of(args.emulate_dir), "one_thread_gbps": dir_speed(args.emulate_dir)}
+        print("emulated L3 directory:", em_dir, flush=True)
+        if not em_dir["huge_pages"]:
+            print(f"note: {args.emulate_dir} is not a tmpfs with huge pages: its writes cost a "
+                  "page allocation per 4 KiB (1.3-1.5 GB/s a thread on the H200 host), so the "
+                  "pace may not be reached; `mount -t tmpfs -o huge=always,size=48G tmpfs DIR` "
+                  "and --emulate-dir DIR", flush=True)
     ssd_root = args.ssd_dir or tempfile.mkdtemp(prefix="tpkv-e2e-")
     Path(ssd_root).mkdir(parents=True, exist_ok=True)
     ceil = ceilings(device, ssd_root)
@@ -241,6 +255,8 @@ def main() -> None:
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "sizes": dataclasses.asdict(sizes), "ceilings_gbps": ceil, "sizing": sizing,
             "bound_terms": TERMS, "definitions": DEFINITIONS}
+    if emulate:
+        head["emulate_dir"] = em_dir
     if not args.no_warm_up:
         warm = warm_up(sizes, device, ceil, args.controller)
         print(f"== warm-up (not measured): {warm['seconds']:.1f} s, moves {warm['moves']}",

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from tpkv.config import GiB
 from tpkv.models.llama import ModelConfig
@@ -114,3 +118,46 @@ class PacedStore:
         metered = self.store.read_stats().bytes
         return {"gbps": self.gbps, "reads": self.reads.stats(), "writes": self.writes.stats(),
                 "paced_read_share": round(self.reads.bytes / metered, 3) if metered else None}
+
+
+def mount_of(path: str, mounts: str | None = None) -> dict[str, Any]:
+    """The mount that holds `path` (the longest mount point above it in /proc/self/mounts, or
+    `mounts`, that file's text): its point, file system type and options, and whether it
+    allocates huge pages (a tmpfs with huge= always or within_size)."""
+    if mounts is None:
+        mounts = Path("/proc/self/mounts").read_text()
+    real = os.path.realpath(path)
+    best: tuple[str, str, str] = ("", "", "")
+    for line in mounts.splitlines():
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        point = parts[1].replace("\\040", " ")
+        above = real == point or real.startswith(point.rstrip("/") + "/")
+        if above and len(point) >= len(best[0]):
+            best = (point, parts[2], parts[3])
+    options = best[2].split(",") if best[2] else []
+    huge = best[1] == "tmpfs" and any(o in ("huge=always", "huge=within_size") for o in options)
+    return {"mount": best[0], "fs": best[1], "options": options, "huge_pages": huge}
+
+
+def dir_speed(path: str, num_bytes: int = 256 << 20, piece: int = 16 << 20) -> dict[str, float]:
+    """One thread's write then read of a fresh file of `num_bytes` in `path` (GB/s): what a
+    store's thread can move there, the emulation's own ceiling per thread."""
+    buf = np.ones(piece, dtype=np.uint8)
+    out = np.empty_like(buf)
+    name = os.path.join(path, f".tpkv-speed-{os.getpid()}")
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        t0 = time.perf_counter()
+        for at in range(0, num_bytes, piece):
+            os.pwrite(fd, buf, at)
+        t1 = time.perf_counter()
+        for at in range(0, num_bytes, piece):
+            os.preadv(fd, [out], at)
+        t2 = time.perf_counter()
+    finally:
+        os.close(fd)
+        os.unlink(name)
+    return {"write": round(num_bytes / (t1 - t0) / 1e9, 2),
+            "read": round(num_bytes / (t2 - t1) / 1e9, 2)}

@@ -15,7 +15,7 @@ import torch
 from bench.e2e import CPU, FULL, ray_vs_local, settings
 from bench.e2e_arrive import schedule
 from bench.e2e_bound import TERMS, bound, quiet_decode_s
-from bench.e2e_emulate import Pace, fit, kv_bytes_per_token, model_config
+from bench.e2e_emulate import Pace, dir_speed, fit, kv_bytes_per_token, model_config, mount_of
 from bench.e2e_run import run_tiered
 
 # 8 sessions of 128..256 tokens of the tiny model (1.5 KiB of KV per token); L1 holds 2 of
@@ -142,6 +142,27 @@ def test_emulated_l3_paces_every_read_and_write(tmp_path: Path) -> None:
     # the returns were read ahead at the pace while they waited outside the batch, and their
     # steps took the blocks from memory
     assert r["returns"]["read_ahead"] > 0 and r["returns"]["served_blocks"] > 0, r["returns"]
+
+
+def test_the_emulated_l3_directory_is_described_and_timed(tmp_path: Path) -> None:
+    """The run records which mount holds the emulated L3 and whether it gives huge pages (a
+    tmpfs with huge=always writes several times faster than /dev/shm's 4 KiB pages), and one
+    thread's write and read speed there."""
+    mounts = ("overlay / overlay rw,relatime 0 0\n"
+              "tmpfs /dev/shm tmpfs rw,nosuid,nodev 0 0\n"
+              "tmpfs /mnt/em tmpfs rw,relatime,size=50331648k,huge=always 0 0\n"
+              "tmpfs /mnt/em\\040two tmpfs rw,huge=within_size 0 0\n"
+              "tmpfs /mnt/never tmpfs rw,huge=never 0 0\n")
+    assert mount_of("/dev/shm/tpkv-e2e-em-1", mounts) == {
+        "mount": "/dev/shm", "fs": "tmpfs", "options": ["rw", "nosuid", "nodev"],
+        "huge_pages": False}
+    assert mount_of("/mnt/em/x", mounts)["huge_pages"] is True
+    assert mount_of("/mnt/em two/x", mounts)["mount"] == "/mnt/em two"
+    assert mount_of("/mnt/emx", mounts)["mount"] == "/"  # a prefix of a name is no parent
+    assert mount_of("/mnt/never", mounts)["huge_pages"] is False
+    speed = dir_speed(str(tmp_path), num_bytes=4 << 20, piece=1 << 20)
+    assert speed["write"] > 0 and speed["read"] > 0
+    assert list(tmp_path.iterdir()) == []  # its file is gone
 
 
 def test_arrival_schedule_is_seeded_poisson() -> None:
