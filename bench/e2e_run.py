@@ -291,9 +291,13 @@ class Rounds:
                 self._resume(session, ms, moved, st.recompute_tokens > recompute0, loaded)
                 # tokens recomputed against those the session held: all of them where the
                 # turn was sent to the GPU, part where blocks of it were dropped
+                # whether its forward captured a CUDA graph (a prefill shape new to this
+                # configuration's engine: its time is mostly the capture's)
                 self.resumes[-1].update({**l2_before, **self._l3_sources(l3_before),
                                          "gc_ms": gc_ms, "context_tokens": context,
-                                         "recomputed_tokens": st.recompute_tokens - recompute0})
+                                         "recomputed_tokens": st.recompute_tokens - recompute0,
+                                         "captured_graph": e.graphs is not None
+                                         and e.graphs.captures > captures0})
         return batch, finished
 
     def _first_tokens(self, now: float) -> None:
@@ -412,6 +416,8 @@ class Rounds:
             "step_ms_p99_traffic": pct(busy, 99),
             "decode_steps": len(ms), "decode_steps_with_traffic": len(busy),
             "decode_steps_capturing_a_graph": len(steps) - len(timed),
+            "resume_steps_capturing_a_graph": sum(bool(r.get("captured_graph"))
+                                                  for r in self.resumes),
             "step_ms_traffic_vs_quiet": round(float(np.median(busy) / np.median(quiet)), 3)
             if busy and quiet else None,
             "step_ms_traffic_vs_matched_quiet": matched_ratio(timed),
