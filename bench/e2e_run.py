@@ -80,7 +80,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
         snap = rt.controller.snapshot()
         r["events"] = snap["event_counts"]  # the controller's, by kind
         # the spill pacer's disk: the write rate the ranks' spills measured, its lag in steps
-        r["spill_pace"] = snap.get("spill_pace", {})
+        r["spill_pace"] = snap["spill_pace"]
         r["rates"] = snap["rates"]  # the cost model's measured rates (stage_blocks reads them)
         r["late_steps"] = rt.worker.num_late
         r["gc"] = GC_CLOCK.since(gc_mark)  # this process's collections during the run
@@ -266,9 +266,11 @@ class Rounds:
         moved = {k: st.moves[k] - moves0[k] for k in st.moves}
         if step_prof is not None:
             self._add_stats("traffic" if any(moved.values()) else "quiet", step_prof)
+        # whether the step's forward captured a CUDA graph (a shape new to this
+        # configuration's engine: its time is mostly the capture's)
+        captured = e.graphs is not None and e.graphs.captures > captures0
         if kind == "decode":
             changed, self._members = members != self._members, members
-            captured = e.graphs is not None and e.graphs.captures > captures0
             self.steps.append((ms, any(moved.values()), batch, kv_tokens, changed, captured))
             shape = {"batch": batch, "kv_tokens": kv_tokens, "batch_changed": changed,
                      "captured_graph": captured, "gc_ms": gc_ms}
@@ -291,13 +293,10 @@ class Rounds:
                 self._resume(session, ms, moved, st.recompute_tokens > recompute0, loaded)
                 # tokens recomputed against those the session held: all of them where the
                 # turn was sent to the GPU, part where blocks of it were dropped
-                # whether its forward captured a CUDA graph (a prefill shape new to this
-                # configuration's engine: its time is mostly the capture's)
                 self.resumes[-1].update({**l2_before, **self._l3_sources(l3_before),
                                          "gc_ms": gc_ms, "context_tokens": context,
                                          "recomputed_tokens": st.recompute_tokens - recompute0,
-                                         "captured_graph": e.graphs is not None
-                                         and e.graphs.captures > captures0})
+                                         "captured_graph": captured})
         return batch, finished
 
     def _first_tokens(self, now: float) -> None:

@@ -177,12 +177,13 @@ def raw_odirect_read(path: Path, request_bytes: int = 64 << 20) -> float:
 
 
 def raw_odirect(path: Path, total_bytes: int, request_bytes: int = 64 << 20,
-                keep: bool = False) -> dict[str, float]:
+                keep: bool = False, direct: bool = True) -> dict[str, float]:
     """The disk's own O_DIRECT write then read speed (GB/s), 64 MiB requests, fsync at the end;
-    the file is deleted unless `keep`."""
+    the file is deleted unless `keep`. `direct` False: through the page cache (a RAM file
+    system's own speed)."""
     buf = mmap.mmap(-1, request_bytes)
     buf.write(os.urandom(1 << 20) * (request_bytes >> 20))
-    flags = os.O_CREAT | os.O_RDWR | getattr(os, "O_DIRECT", 0)
+    flags = os.O_CREAT | os.O_RDWR | (getattr(os, "O_DIRECT", 0) if direct else 0)
     fd = os.open(path, flags, 0o600)
     try:
         t0 = time.perf_counter()

@@ -162,7 +162,7 @@ def test_the_emulated_l3_directory_is_described_and_timed(tmp_path: Path) -> Non
     assert mount_of("/mnt/em two/x", mounts)["mount"] == "/mnt/em two"
     assert mount_of("/mnt/emx", mounts)["mount"] == "/"  # a prefix of a name is no parent
     assert mount_of("/mnt/never", mounts)["huge_pages"] is False
-    speed = dir_speed(str(tmp_path), num_bytes=4 << 20, piece=1 << 20)
+    speed = dir_speed(str(tmp_path), num_bytes=4 << 20, request_bytes=1 << 20)
     assert speed["write"] > 0 and speed["read"] > 0
     assert list(tmp_path.iterdir()) == []  # its file is gone
 
