@@ -65,6 +65,10 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
                               attention=attention)
         tiered.trace = cuda  # device times of each step's copies, for the resume records
         tiered.engine.time_device = cuda  # and of each forward (parts: forward_device_ms)
+        # every graph shape the run can meet, captured before it (as a server would at start)
+        t_graphs = time.perf_counter()
+        ahead = {"graphs": tiered.engine.capture_graphs(longest)}
+        ahead["seconds"] = round(time.perf_counter() - t_graphs, 2)
         gc_mark = GC_CLOCK.install().mark()
         if sizes.arrivals:
             from bench.e2e_arrive import Arrivals
@@ -72,6 +76,7 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
             r = Arrivals(tiered, sizes, contexts, bb, ceil).run()
         else:
             r = Rounds(tiered, sizes, contexts, bb, ceil).run()
+        r["graphs_captured_ahead"] = ahead
         if paced is not None:  # once every spill is written (spills run in the background)
             rt.worker.executor.wait_spills(time.monotonic() + 120, every=True)
             r["emulated_l3"] = paced.stats()

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from tpkv.errors import BadRequestError
 from tpkv.models.engine import PagedEngine, StepReport
 from tpkv.models.llama import build_model
 from tpkv.models.paged import paged_attention_ref, paged_attention_sdpa
@@ -142,3 +143,37 @@ def test_1b_bf16_turn_prefill_graph_logits_match_eager():
         diff = (got_logits[s][1] - want_logits[s][1]).abs()
         assert float(diff.max()) <= 0.25 and float(diff.mean()) <= 0.02, (diff.max(), diff.mean())
     assert engine.graphs is not None and any(k[0] == -1 for k in engine.graphs.graphs)
+
+
+def test_graphs_captured_ahead_serve_every_step_and_leave_slot_0_as_it_was():
+    """capture_graphs before the first turn: decode steps and turns replay without a capture,
+    the tokens are eager's, and slot 0 (written by the captures' eager runs) keeps its bytes."""
+    model = build_model("small", seed=0, device="cuda")
+    lengths, turns = [40, 300, 1100], [5, 17, 64, 1]
+    _, want, _, _ = _turns(model, False, lengths, turns)
+    pool = HbmPool(model.kv_geometry(block_tokens=BT), 2048, model.device)
+    pool.tensor[0].copy_(torch.randn_like(pool.tensor[0]))
+    before = pool.tensor[0].clone()
+    engine = PagedEngine(model, pool.tensor, attention=paged_attention_sdpa, cuda_graphs=True,
+                         scheduler_seed=1, max_prefill_tokens=1, max_batch=3)
+    longest = max(lengths) + sum(turns) + 3 * (len(turns) + 1)
+    made = engine.capture_graphs(longest)
+    assert engine.graphs is not None
+    # batches 1-3 x widths 64..128 blocks, and rows 16..512 that fit a width
+    assert made == len(engine.graphs.graphs) == 3 * 2 + 6 * 2, sorted(engine.graphs.graphs)
+    assert torch.equal(pool.tensor[0], before)
+    assert engine.capture_graphs(longest) == 0
+    rng = np.random.default_rng(3)
+    got: dict[str, list[int]] = {}
+    for i, n in enumerate(lengths):
+        engine.add_turn(str(i), rng.integers(0, model.config.vocab_size, n).tolist(), 1)
+    for rnd in [None, *turns]:
+        if rnd is not None:
+            for i in range(len(lengths)):
+                engine.add_turn(str(i), rng.integers(0, model.config.vocab_size, rnd).tolist(), 3)
+        for f in engine.run():
+            got.setdefault(f.session, []).extend(f.token_ids)
+    assert got == want
+    assert engine.graphs.captures == made and engine.graphs.replays > 0
+    with pytest.raises(BadRequestError, match="holds 3 sessions"):
+        engine.capture_graphs(longest)

@@ -184,7 +184,14 @@ def test_misuse_is_refused():
     with pytest.raises(ConfigError, match="needs"):
         PagedEngine(model, torch.zeros(8, 3, 2, 4, 3, 16))  # wrong head count
     engine = PagedEngine(model, _pool(model, 4))
+    with pytest.raises(ArgumentError, match="max_tokens 17 is 5 blocks, more than L1's 4"):
+        engine.capture_graphs(17)
+    with pytest.raises(BadRequestError, match="max_tokens"):
+        engine.capture_graphs(0)
+    assert engine.capture_graphs(16) == 0  # on the CPU: no graphs
     engine.add_turn("s", [1, 2], 2)
+    with pytest.raises(BadRequestError, match="before the first turn.*holds 1 sessions"):
+        engine.capture_graphs(16)
     with pytest.raises(BadRequestError, match="in progress"):
         engine.add_turn("s", [3], 2)
     with pytest.raises(BadRequestError, match="max_new_tokens"):

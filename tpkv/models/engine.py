@@ -189,6 +189,22 @@ class PagedEngine:
         return any(seq is s for q in (self.arrived, self.returning, self.waiting, self.running)
                    for s in q)
 
+    def capture_graphs(self, max_tokens: int) -> int:
+        """Before the first turn: capture the CUDA graph of every step shape that batches of up
+        to `max_batch` sessions of up to `max_tokens` tokens meet, so that no step pays for one
+        (DecodeGraphs.capture_ahead); returns how many it captured (0 without graphs)."""
+        blocks = -(-check_count("max_tokens", max_tokens, MAX_SESSION_TOKENS,
+                                "MAX_SESSION_TOKENS", low=1) // self.block_tokens)
+        if blocks > self.num_slots:
+            raise ArgumentError(f"max_tokens {max_tokens} is {blocks} blocks, more than L1's "
+                                f"{self.num_slots} slots")
+        if self.seqs:  # their blocks may be copied while a capture writes into L1
+            raise BadRequestError(f"capture_graphs runs before the first turn; the engine "
+                                  f"holds {len(self.seqs)} sessions")
+        if self.graphs is None:
+            return 0
+        return self.graphs.capture_ahead(self.graphs.ahead_keys(self.max_batch, max_tokens))
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.arrived or self.returning)

@@ -12,7 +12,9 @@ used is dropped past `max_graphs`.
 Inputs live in one int64 device buffer per graph, filled by one host-to-device copy from pinned
 memory before each replay: token ids, positions, sequence lengths, write slots and offsets, and
 the block table. A graph is captured the first time its shape is seen, after one eager run of the
-same step on a side stream (which also writes the step's K/V: the replay writes the same values).
+same step on a side stream (which also writes the step's K/V: the replay writes the same values),
+or ahead of serving by `capture_ahead`: every shape up to a session length, so that no step
+pays for a capture (64-852 ms each on the H200, measured in bench/e2e.py's rounds).
 Graphs and eager decoding run the same kernels, so a tiered run and an all-L1 run still give
 identical tokens when both use graphs.
 
@@ -70,6 +72,7 @@ class DecodeGraphs:
         self.bucket_blocks, self.max_graphs = bucket_blocks, max_graphs
         self.mempool = torch.cuda.graph_pool_handle()
         self.graphs: OrderedDict[tuple[int, int, int], _Graph] = OrderedDict()
+        self.kept: set[tuple[int, int, int]] = set()  # captured ahead: never dropped
         self.captures = 0
         self.replays = 0
         # A timing event (engine.time_device) the next replay records as its inputs go, after
@@ -132,6 +135,45 @@ class DecodeGraphs:
         self.replays += 1
         return entry
 
+    def ahead_keys(self, max_batch: int, max_tokens: int) -> list[tuple[int, int, int]]:
+        """The graph keys a run of batches up to `max_batch` sessions of up to `max_tokens`
+        tokens can meet: decode (B, width, 0) and, where turns replay, prefill (-1, rows,
+        width)."""
+        widths = range(self.bucket_blocks, bucket_width(-(-max_tokens // self.block_tokens),
+                                                        self.bucket_blocks) + 1,
+                       self.bucket_blocks)
+        keys = [(b, w, 0) for b in range(1, max_batch + 1) for w in widths]
+        if self.max_prefill_tokens:
+            rows = sorted({query_bucket(q) for q in range(2, self.max_prefill_tokens + 1)})
+            keys += [(-1, qb, w) for qb in rows for w in widths
+                     if qb < w * self.block_tokens]
+        return keys
+
+    def capture_ahead(self, keys: Sequence[tuple[int, int, int]]) -> int:
+        """Capture the graphs of `keys` (`ahead_keys`) not yet captured, and keep them (the
+        least recently used of the others still go past `max_graphs`); returns how many it
+        captured. Each capture's eager run writes K/V into slot 0, whose bytes are put back
+        after: call it while no copy of the tiers writes into L1."""
+        todo = [k for k in keys if k not in self.graphs]
+        self.kept.update(keys)
+        if not todo:
+            return 0
+        saved = self.pool[0].clone()
+        for key in todo:
+            if key[0] > 0:  # decode: one token at position 0 of a one-token session
+                host = np.zeros(key[0] * (_FIELDS + key[1]), dtype=np.int64)
+                host[2 * key[0]:3 * key[0]] = 1
+            else:  # a turn of `rows` tokens ending the table's last position, in slot 0
+                qn, seq = key[1], key[2] * self.block_tokens
+                host, _, _ = prefill_inputs([0] * qn, np.zeros(key[2], dtype=np.int64), seq,
+                                            self.block_tokens, self.bucket_blocks)
+            self._capture(key, host)
+        stream = torch.cuda.current_stream(self.pool.device)
+        stream.synchronize()
+        self.pool[0].copy_(saved)
+        stream.synchronize()
+        return len(todo)
+
     def _run(self, inputs: Tensor, b: int, width: int) -> tuple[Tensor, Tensor | None]:
         """The decode forward, reading its inputs from the device buffer `inputs`."""
         fields = inputs[:b * _FIELDS].view(_FIELDS, b)
@@ -168,8 +210,9 @@ class DecodeGraphs:
         # thread_local: the worker's copy threads keep issuing CUDA calls during a capture.
         with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
             logits, mass = run(inputs)
-        while len(self.graphs) >= self.max_graphs:
-            self.graphs.popitem(last=False)
+        dropped = [k for k in self.graphs if k not in self.kept]
+        for old in dropped[:max(0, len(dropped) + 1 - self.max_graphs)]:
+            del self.graphs[old]
         entry = _Graph(graph, staging, inputs, logits, mass)
         self.graphs[key] = entry
         self.captures += 1
