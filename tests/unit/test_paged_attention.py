@@ -84,6 +84,24 @@ def test_sdpa_prefill_matches_dense(seq_lens, q_lens):
     assert (mass is None) == (max(q_lens) > 1)  # decode steps still report block mass
 
 
+@pytest.mark.parametrize("length,rows", [(23, 32), (200, 256), (16, 16)])
+def test_sdpa_first_prefill_pads_its_rows_to_a_bucket(monkeypatch, length, rows):
+    """A prefill from nothing runs SDPA on rows padded to `query_bucket` (so its shapes repeat
+    across lengths and cuDNN plans each once), and its real rows still match dense attention."""
+    import tpkv.models.paged as paged
+
+    shapes, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        shapes.append((tuple(q.shape), tuple(k.shape)))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(paged.F, "scaled_dot_product_attention", spy)
+    out, _, ref, _, _ = _case([length], [length], impl=paged_attention_sdpa)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert shapes[0] == ((1, HQ, rows, D), (1, HKV, rows, D))  # (then the dense reference)
+
+
 def test_query_chunks_give_the_same_result():
     lens, qs = [35, 7], [29, 1]
     whole, mass_whole, *_ = _case(lens, qs, seed=3)

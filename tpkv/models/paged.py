@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 from tpkv.errors import BadRequestError, SlotError
 
@@ -244,8 +245,9 @@ def paged_decode_attention(pool: Tensor, layer: int, q: Tensor, meta: PagedMeta,
 
 
 # A turn after a cached prefix attends to keys padded to this many blocks, and its queries are
-# padded to a bucket (`query_bucket`): shapes repeat, so SDPA's cuDNN backend plans each shape
-# once (it plans anew for every shape, tens of ms) and the prefill graphs have few shapes.
+# padded to a bucket (`query_bucket`), as are a first prefill's rows: shapes repeat, so SDPA's
+# cuDNN backend plans each shape once (it plans anew for every shape, tens of ms) and the
+# prefill graphs have few shapes.
 PREFIX_BUCKET_BLOCKS = 64
 
 
@@ -275,7 +277,7 @@ def prefix_attention(kv: Tensor, table: Tensor, q: Tensor, positions: Tensor,
     outside = (keys >= seq_len)[:, None, None]
     k, v = k.masked_fill(outside, 0), v.masked_fill(outside, 0)
     mask = keys[None, :] <= positions[:, None]  # [Q, L]
-    out = torch.nn.functional.scaled_dot_product_attention(
+    out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None].to(k.dtype), k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         attn_mask=mask, scale=scale, enable_gqa=True)  # [1, Hq, Q, D]
     return out[0].transpose(0, 1)  # [Q, Hq, D]
@@ -286,8 +288,8 @@ def paged_attention_sdpa(pool: Tensor, layer: int, q: Tensor, meta: PagedMeta, s
     """The fast implementation: prefill through torch's fused scaled_dot_product_attention,
     one session at a time (no block mass: the heat policy learns from decode steps); decode
     through `paged_decode_attention`, which gives the block mass. A session's first prefill
-    (nothing cached) is plainly causal; new tokens after cached ones go through
-    `prefix_attention` with queries and keys padded to buckets. Deterministic, so a tiered run
+    (nothing cached) is causal, its rows padded at the end to `query_bucket`; new tokens after
+    cached ones go through `prefix_attention` with queries and keys padded to buckets. Deterministic, so a tiered run
     and an all-L1 run with this implementation give identical tokens; it is not bit-equal to the
     float32 reference."""
     if meta.max_q_len == 1 and meta.write_src is None:
@@ -302,14 +304,16 @@ def paged_attention_sdpa(pool: Tensor, layer: int, q: Tensor, meta: PagedMeta, s
         meta.q_lens.tolist())
     for b, (nb, seq, qn) in enumerate(zip(nbs, seqs, qns)):
         rows = slice(starts[b], starts[b + 1])
-        if qn == seq:  # nothing cached: the new tokens attend causally among themselves
+        if qn == seq:  # nothing cached: the new tokens attend causally among themselves,
+            # padded at the end to a bucket of rows (zeros: a real row never sees them)
             blocks = kv[meta.block_table[b, :nb]]  # [nb, 2, bt, Hkv, D]
-            k = blocks[:, 0].flatten(0, 1)[:seq].transpose(0, 1)[None]  # [1, Hkv, L, D]
-            v = blocks[:, 1].flatten(0, 1)[:seq].transpose(0, 1)[None]
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q[rows].transpose(0, 1)[None].to(k.dtype), k, v, is_causal=True, scale=scale,
-                enable_gqa=True)
-            out[rows] = o[0].transpose(0, 1).to(q.dtype)
+            tail = (0, 0, 0, 0, 0, query_bucket(seq) - seq)
+            k, v = (F.pad(blocks[:, i].flatten(0, 1)[:seq], tail).transpose(0, 1)[None]
+                    for i in (0, 1))  # [1, Hkv, L padded, D]
+            o = F.scaled_dot_product_attention(
+                F.pad(q[rows].to(k.dtype), tail).transpose(0, 1)[None], k, v, is_causal=True,
+                scale=scale, enable_gqa=True)
+            out[rows] = o[0, :, :seq].transpose(0, 1).to(q.dtype)
             continue
         width, qb = bucket_width(nb), query_bucket(qn)
         table = meta.block_table.new_zeros(width)
