@@ -9,12 +9,13 @@ an A/B) would measure the order. So every run starts with this one, with small t
 every tier path (demotions, spills, L3 read aheads, loads and recomputes), and throws its
 result away.
 
-Its sessions span the run's context lengths evenly, so that the prefill graph of every key
-width bucket of a returning turn (`tpkv.models.paged.PREFIX_BUCKET_BLOCKS` blocks wide) and the
-kernels of every size are met here first. With a quarter of the lengths, as before, the first
-configuration met them in its measured turns: on the H200 (2026-12-03, (b2) with
---compare-local) its first 9 returning turns' forwards took 120-153 ms through the Ray actor
-against 46-51 ms for the same turns in process after it, 0.8 s of the 1.2 s between the two.
+Its sessions span the run's context lengths evenly, so that the kernels of every size and
+cuDNN's plans of every prefill bucket are met here first (each configuration captures its own
+CUDA graphs before its rounds: PagedEngine.capture_graphs). With a quarter of the lengths, as
+before, the first configuration met them in its measured turns: on the H200 (2026-12-03, (b2)
+with --compare-local) its first 9 returning turns' forwards took 120-153 ms through the Ray
+actor against 46-51 ms for the same turns in process after it, 0.8 s of the 1.2 s between the
+two.
 """
 
 from __future__ import annotations
