@@ -289,9 +289,9 @@ def paged_attention_sdpa(pool: Tensor, layer: int, q: Tensor, meta: PagedMeta, s
     one session at a time (no block mass: the heat policy learns from decode steps); decode
     through `paged_decode_attention`, which gives the block mass. A session's first prefill
     (nothing cached) is causal, its rows padded at the end to `query_bucket`; new tokens after
-    cached ones go through `prefix_attention` with queries and keys padded to buckets. Deterministic, so a tiered run
-    and an all-L1 run with this implementation give identical tokens; it is not bit-equal to the
-    float32 reference."""
+    cached ones go through `prefix_attention` with queries and keys padded to buckets.
+    Deterministic, so a tiered run and an all-L1 run with this implementation give identical
+    tokens; it is not bit-equal to the float32 reference."""
     if meta.max_q_len == 1 and meta.write_src is None:
         return paged_decode_attention(pool, layer, q, meta, scale)
     kv = pool[:, layer]  # [slots, 2, bt, Hkv, D]
