@@ -29,9 +29,9 @@ from bench.e2e_stats import (  # noqa: F401  (rerate: e2e.py's import)
 from bench.gc_clock import GC_CLOCK
 from tpkv.config import GiB
 from tpkv.errors import TpkvError
-from tpkv.models.engine import Finished
 from tpkv.models.paged import paged_attention_ref, paged_attention_sdpa
 from tpkv.models.tiered import StepTrace, TieredEngine
+from tpkv.models.turns import Finished
 from tpkv.protocol.plan import Tier
 
 

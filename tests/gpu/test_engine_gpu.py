@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tpkv.models.engine import PagedEngine, StepReport
+from tpkv.models.engine import PagedEngine
 from tpkv.models.llama import Llama, ModelConfig, build_model, dense_generate
 from tpkv.models.tp import apply_tp
+from tpkv.models.turns import StepReport
 from tpkv.workers.pools import HbmPool
 
 pytestmark = pytest.mark.gpu

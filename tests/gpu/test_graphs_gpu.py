@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from tpkv.errors import BadRequestError
-from tpkv.models.engine import PagedEngine, StepReport
+from tpkv.models.engine import PagedEngine
 from tpkv.models.llama import build_model
 from tpkv.models.paged import paged_attention_ref, paged_attention_sdpa
+from tpkv.models.turns import StepReport
 from tpkv.workers.pools import HbmPool
 
 pytestmark = pytest.mark.gpu

@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tpkv.models.engine import PagedEngine, StepReport
+from tpkv.models.engine import PagedEngine
 from tpkv.models.llama import build_model
 from tpkv.models.tp import apply_tp
+from tpkv.models.turns import StepReport
 
 BT, SLOTS = 4, 64
 # Float32 throughout. TP splits the row-parallel sums in two and adds the halves (gloo), so

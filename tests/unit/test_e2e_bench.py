@@ -234,7 +234,7 @@ class _LoadingEngine:
     def __init__(self) -> None:
         from types import SimpleNamespace
 
-        from tpkv.models.engine import Seq
+        from tpkv.models.turns import Seq
 
         self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=100))
         self.seqs = {"s0": Seq("s0", token_ids=[1, 2, 3, 9], num_cached=3, generated=[9])}

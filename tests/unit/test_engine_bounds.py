@@ -61,9 +61,9 @@ def test_a_refused_turn_leaves_nothing_queued_and_the_engine_working(
     """On 2bd07df each was queued (or half-queued), raised at step time, and every later step
     failed on it: a valid session's turn never ran and could not be closed."""
     from tpkv import errors
-    from tpkv.models.engine import Finished
     from tpkv.models.llama import dense_generate
     from tpkv.models.tiered import TieredEngine
+    from tpkv.models.turns import Finished
 
     rt, model = runtime
     tiered = TieredEngine(rt, model, report_prefill=False)

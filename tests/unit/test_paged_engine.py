@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from tpkv.errors import ArgumentError, BadRequestError, ConfigError, TierFullError
-from tpkv.models.engine import Finished, PagedEngine, StepReport
+from tpkv.models.engine import PagedEngine
 from tpkv.models.llama import Llama, ModelConfig, build_model, dense_generate
 from tpkv.models.paged import paged_attention_ref
+from tpkv.models.turns import Finished, StepReport
 
 BT = 4
 ATOL = 1e-4  # float32 logits: paged (masked fp32 softmax) vs dense (SDPA) differ by reduction order

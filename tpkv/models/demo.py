@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpkv.models.engine import Finished, PagedEngine
+from tpkv.models.engine import PagedEngine
 from tpkv.models.llama import ModelConfig, build_model
 from tpkv.models.tp import apply_tp, maybe_init_dist
+from tpkv.models.turns import Finished
 from tpkv.models.workload import TurnEvent, Workload, WorkloadConfig
 
 

@@ -12,11 +12,12 @@ import numpy as np
 
 from tpkv.config import HbmConfig, HostConfig, PolicyConfig, SsdConfig, TpkvConfig
 from tpkv.launch.runtime import TpkvRuntime
-from tpkv.models.engine import PagedEngine, StepReport
+from tpkv.models.engine import PagedEngine
 from tpkv.models.fingerprint import llama_fingerprint
 from tpkv.models.llama import Llama, ModelConfig
 from tpkv.models.returns import Returns
 from tpkv.models.scheduler import StepTables
+from tpkv.models.turns import StepReport
 from tpkv.protocol.messages import StepResult
 from tpkv.protocol.plan import Tier
 
