@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from tpkv.errors import ArgumentError, BadRequestError, ConfigError, TierFullError
 from tpkv.models.engine import PagedEngine
+from tpkv.models.graphs import graph_keys
 from tpkv.models.llama import Llama, ModelConfig, build_model, dense_generate
 from tpkv.models.paged import paged_attention_ref
 from tpkv.models.turns import Finished, StepReport
@@ -207,6 +209,31 @@ def test_misuse_is_refused():
     engine.waiting.pop()
     del engine.seqs["big"]
     assert engine.run() == [Finished("s", tuple(dense_generate(model, [1, 2], 2)[0]))]
+
+
+def test_graph_keys_cover_every_batch_width_and_turn_bucket():
+    # decode: batches 1-3 x widths 64, 128 blocks; turns: rows 16..512, all under 64 blocks
+    assert len(graph_keys(3, 1202, 16, 64, 512)) == 3 * 2 + 6 * 2
+    assert len(graph_keys(3, 17408, 16, 64, 512)) == 153  # bench/e2e.py --full's sessions
+    assert graph_keys(2, 100, 16, 64, 0) == [(1, 64, 0), (2, 64, 0)]  # no turn graphs
+    keys = graph_keys(1, 100, 4, 8, 64)  # widths 8..32 blocks of 4 tokens: rows that fit
+    assert [k for k in keys if k[0] == 1] == [(1, 8, 0), (1, 16, 0), (1, 24, 0), (1, 32, 0)]
+    assert sorted(k[1:] for k in keys if k[0] == -1) == [
+        (16, 8), (16, 16), (16, 24), (16, 32), (32, 16), (32, 24), (32, 32), (64, 24), (64, 32)]
+
+
+def test_capture_graphs_refuses_more_graphs_than_it_should_capture_ahead():
+    model = _model()
+    engine = PagedEngine(model, _pool(model, 4096), max_batch=64)
+    captured = []
+    engine.graphs = SimpleNamespace(  # stands in for a GPU's DecodeGraphs
+        ahead_keys=lambda b, t: graph_keys(b, t, BT, 64, 512),
+        capture_ahead=lambda keys: captured.append(keys) or len(keys))
+    with pytest.raises(ArgumentError, match=r"would capture 4477 graphs \(max_batch 64, "
+                                            r"max_tokens 16384\), more than 1024"):
+        engine.capture_graphs(16384)
+    assert not captured
+    assert engine.capture_graphs(256) == 64 + 4 and len(captured) == 1  # width 64, rows < 256
 
 
 @pytest.mark.parametrize("turn", [1, 6, 17])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -37,6 +38,10 @@ from tpkv.models.turns import (
     WaitFn,
 )
 from tpkv.ssd.format import validate_session_id
+
+log = logging.getLogger(__name__)
+# capture_graphs refuses to capture more graphs than this ahead of serving
+MAX_AHEAD_GRAPHS = 1024
 
 
 class PagedEngine:
@@ -157,7 +162,15 @@ class PagedEngine:
                                   f"holds {len(self.seqs)} sessions")
         if self.graphs is None:
             return 0
-        return self.graphs.capture_ahead(self.graphs.ahead_keys(self.max_batch, max_tokens))
+        keys = self.graphs.ahead_keys(self.max_batch, max_tokens)
+        if len(keys) > MAX_AHEAD_GRAPHS:  # (tens of ms each: minutes, and their outputs' memory)
+            raise ArgumentError(f"capture_graphs would capture {len(keys)} graphs (max_batch "
+                                f"{self.max_batch}, max_tokens {max_tokens}), more than "
+                                f"{MAX_AHEAD_GRAPHS}; lower max_tokens or max_batch")
+        t0 = time.perf_counter()
+        made = self.graphs.capture_ahead(keys)
+        log.info("captured %d CUDA graphs in %.1f s", made, time.perf_counter() - t0)
+        return made
 
     @property
     def has_work(self) -> bool:

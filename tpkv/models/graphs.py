@@ -136,18 +136,9 @@ class DecodeGraphs:
         return entry
 
     def ahead_keys(self, max_batch: int, max_tokens: int) -> list[tuple[int, int, int]]:
-        """The graph keys a run of batches up to `max_batch` sessions of up to `max_tokens`
-        tokens can meet: decode (B, width, 0) and, where turns replay, prefill (-1, rows,
-        width)."""
-        widths = range(self.bucket_blocks, bucket_width(-(-max_tokens // self.block_tokens),
-                                                        self.bucket_blocks) + 1,
-                       self.bucket_blocks)
-        keys = [(b, w, 0) for b in range(1, max_batch + 1) for w in widths]
-        if self.max_prefill_tokens:
-            rows = sorted({query_bucket(q) for q in range(2, self.max_prefill_tokens + 1)})
-            keys += [(-1, qb, w) for qb in rows for w in widths
-                     if qb < w * self.block_tokens]
-        return keys
+        """`graph_keys` of this engine's blocks, buckets and prefill limit."""
+        return graph_keys(max_batch, max_tokens, self.block_tokens, self.bucket_blocks,
+                          self.max_prefill_tokens)
 
     def capture_ahead(self, keys: Sequence[tuple[int, int, int]]) -> int:
         """Capture the graphs of `keys` (`ahead_keys`) not yet captured, and keep them (the
@@ -217,6 +208,21 @@ class DecodeGraphs:
         self.graphs[key] = entry
         self.captures += 1
         return entry
+
+
+def graph_keys(max_batch: int, max_tokens: int, block_tokens: int, bucket_blocks: int,
+               max_prefill_tokens: int) -> list[tuple[int, int, int]]:
+    """The graph keys that batches of up to `max_batch` sessions of up to `max_tokens` tokens
+    can meet: decode (B, width, 0) for every batch size and table width bucket, and with
+    `max_prefill_tokens` (turns that replay a graph) prefill (-1, rows, width) for every row
+    bucket of 2 to max_prefill_tokens tokens that fits the width."""
+    top = bucket_width(-(-max_tokens // block_tokens), bucket_blocks)
+    widths = range(bucket_blocks, top + 1, bucket_blocks)
+    keys = [(b, w, 0) for b in range(1, max_batch + 1) for w in widths]
+    if max_prefill_tokens > 1:
+        rows = sorted({query_bucket(q) for q in range(2, max_prefill_tokens + 1)})
+        keys += [(-1, qb, w) for qb in rows for w in widths if qb < w * block_tokens]
+    return keys
 
 
 def prefill_inputs(token_ids: Sequence[int], table: np.ndarray, seq_len: int, block_tokens: int,
