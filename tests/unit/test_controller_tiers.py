@@ -213,6 +213,25 @@ class _Event:
         return end.t_ms - self.t_ms
 
 
+def test_a_plan_whose_reads_were_waited_for_late_gives_the_rate_meter_no_sample():
+    """A late plan's L3 reads are waited for at the next step (Worker.apply_late): its host
+    time spans the forward between, not its transfers, so it reports none."""
+    from tpkv.config import PolicyConfig
+    from tpkv.controller.cost import RateMeter
+    from tpkv.protocol.plan import MoveResult
+    from tpkv.workers.outcome import ExecOutcome
+
+    out = ExecOutcome(done=np.ones(1, dtype=bool), bytes_ssd_read=64 << 20, host_ns=9_000_000,
+                      unmeasured=True)
+    assert out.elapsed_ns() == 0
+    m = RateMeter(PolicyConfig())
+    m.observe_plan([MoveResult(epoch=1, rank=0, moves_applied=1, slot_map_digest=0,
+                               bytes_ssd_read=out.bytes_ssd_read, elapsed_ns=out.elapsed_ns())])
+    assert m.samples["ssd_read"] == 0
+    out.unmeasured = False
+    assert out.elapsed_ns() == 9_000_000
+
+
 def test_a_plan_whose_copies_still_run_gives_the_rate_meter_no_sample():
     """A plan reported before its copies end (one issued after the forward's launch, confirmed
     at the next step) has no GPU time yet: it reports no elapsed time, and the rate meter

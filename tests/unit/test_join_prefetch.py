@@ -47,6 +47,7 @@ def _reference() -> dict[str, list[tuple[int, ...]]]:
 
 def _run(root: str, hint: bool, controller: str) -> dict[str, Any]:
     import tpkv
+    from tpkv.protocol.plan import Tier
     from tests.multiproc.test_engine_tiered import BT
     from tpkv.config import PolicyConfig
     from tpkv.models.llama import build_model
@@ -82,12 +83,24 @@ def _run(root: str, hint: bool, controller: str) -> dict[str, Any]:
             joined_loading.append(ups)
             return applied
 
+        real_late, reads_running = worker.apply_late, 0
+
+        def apply_late() -> None:
+            nonlocal reads_running
+            real_late()
+            if worker._rest is not None:  # its reads run on: the map has them on L3 still
+                plan = worker._rest[1].plan
+                tier, _ = worker.mirror.where(plan.block_ids)
+                assert (tier[plan.mask(Tier.SSD, Tier.DRAM)] == int(Tier.SSD)).all()
+                reads_running += 1
+
         late_ok_seen = False
-        worker.apply_step = apply_step
+        worker.apply_step, worker.apply_late = apply_step, apply_late
         tokens = _drive(tiered.engine)
         return {"tokens": tokens, "late_ups": late_ups, "moves": dict(tiered.stats.moves),
                 "demand_ups": sum(joined_loading), "mismatches": rt.num_mismatches,
-                "late_ok": late_ok_seen, "by_tier": dict(tiered.stats.resume_s)}
+                "late_ok": late_ok_seen, "by_tier": dict(tiered.stats.resume_s),
+                "reads_later": worker.num_reads_later, "reads_running": reads_running}
     finally:
         rt.close()
 
@@ -101,6 +114,8 @@ def test_turns_in_line_come_up_before_they_join_with_the_same_tokens(tmp_path,
     assert ahead["mismatches"] == plain["mismatches"] == 0
     assert plain["late_ups"] == 0  # nothing named: promotions are the batch's own
     assert ahead["late_ups"] > 0
+    # staged from L3 after the forward's launch, their reads waited for at the next step
+    assert ahead["reads_running"] == ahead["reads_later"] > 0
     # the joining turns' own steps load less: part of it came up in the steps before
     assert ahead["demand_ups"] < plain["demand_ups"]
 
@@ -224,3 +239,44 @@ def test_a_read_ahead_that_misses_blocks_now_on_l3_reads_them_before_it_is_done(
                 break
         assert worker.returning.on_l3(name) == 0, "the prefetch did not stage it"
         assert worker.store.ahead.num_served == 4 and worker.store.step_disk_blocks == disk
+
+
+def test_a_late_plans_reads_left_running_are_waited_for_at_close(tmp_path) -> None:
+    """Closing after a failure with a late plan's L3 reads still running (their wait left to
+    the next step) waits for them before L2 goes, and applies nothing of that plan."""
+    import tpkv
+    from tests.multiproc.test_engine_tiered import BT
+    from tpkv.config import PolicyConfig
+    from tpkv.models.llama import build_model
+    from tpkv.models.tiered import TieredEngine, tiered_config
+
+    class _Stop(Exception):
+        pass
+
+    model = build_model("tiny", seed=0, device="cpu")
+    cfg = tiered_config(model, 1, block_tokens=BT, l1_blocks=40, l2_blocks=16,
+                        ssd_root=str(tmp_path), policy=PolicyConfig(cooldown_s=0.0,
+                                                                    prefill_tokens_per_s=10.0))
+    rt = tpkv.init(cfg, controller="local", device="cpu")
+    worker, left = rt.worker, []
+    real_late = worker.apply_late
+
+    def apply_late() -> None:
+        real_late()
+        if worker._rest is not None:
+            left.append(worker._rest[1])
+            raise _Stop
+
+    stopped: BaseException | None = None
+    try:
+        tiered = TieredEngine(rt, model, report_prefill=False, max_batch=MAX_BATCH,
+                              scheduler_seed=3)
+        worker.apply_late = apply_late
+        with pytest.raises(_Stop) as info:
+            _drive(tiered.engine)
+        stopped, epoch = info.value, worker.epoch
+    finally:
+        rt.close(stopped)  # as an app that fails: nothing more is applied or confirmed
+    assert len(left) == 1 and worker._rest is None
+    assert all(job.done() for _, job in left[0].jobs)
+    assert worker.epoch == epoch == left[0].plan.epoch - 1  # the plan itself was not applied

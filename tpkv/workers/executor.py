@@ -20,6 +20,7 @@ from tpkv.workers.outcome import ExecOutcome, blocked, spill_waits, wait_handle
 from tpkv.workers.pieces import DemotionPieces
 from tpkv.workers.reads import L3Reader, ReadJobs
 from tpkv.workers.relocate import relocate_bytes
+from tpkv.workers.rest import PlanRest
 from tpkv.workers.spills import SpillTracker
 
 HBM, DRAM, SSD = int(Tier.HBM), int(Tier.DRAM), int(Tier.SSD)
@@ -116,7 +117,8 @@ class PlanExecutor:
     # ---- one plan --------------------------------------------------------------------------
     def run(self, plan: MovePlan, ok: np.ndarray, later_l1: np.ndarray | None = None,
             chain: Chain | None = None) -> ExecOutcome:
-        """Issue every move in `ok`; copies L1 <-> L2 may still run on return, SSD I/O is done.
+        """Issue every move in `ok`; copies L1 <-> L2 may still run on return, SSD I/O is done
+        (run_reads_later: the same, the wait for its L3 reads and what follows them apart).
 
         `later_l1`: the L1 slots the rest of the step fills (later plans' promotions, the
         step's new K/V), where the caller knows them. Demotions of a plan with promotions that
@@ -125,6 +127,11 @@ class PlanExecutor:
 
         `chain`: the next plan's L2 -> L1 moves of blocks this plan loads from L3 (Chain), each
         issued once its block's read job is done; that plan's run() takes them as done."""
+        return self._run(plan, ok, later_l1, chain).finish()
+
+    def _run(self, plan: MovePlan, ok: np.ndarray, later_l1: np.ndarray | None = None,
+             chain: Chain | None = None) -> PlanRest:
+        """run() up to the wait for its L3 reads (submitted): what is left of it."""
         started = time.perf_counter_ns()
         out = ExecOutcome(done=np.zeros(plan.num_moves, dtype=bool))
         ahead = self._take_chained(plan, ok, out)
@@ -221,8 +228,27 @@ class PlanExecutor:
                 i = np.setdiff1d(i, self._load_direct(plan, i, self.chained, out),
                                  assume_unique=True)
             jobs += self.reads.submit(plan, i, deadline)
+        return PlanRest(plan, jobs, deadline, partial(self._after_reads, plan, pick, jobs,
+                                                      out, deadline, started,
+                                                      self.chained))
+
+    def run_reads_later(self, plan: MovePlan, ok: np.ndarray,
+                        later_l1: np.ndarray | None = None) -> PlanRest:
+        """run() up to its L3 reads, which go on on the store's threads; the PlanRest's finish()
+        waits for them, does the rest (the spills, after the reads) and returns the outcome,
+        whose time the rate meter does not sample (the wait for its reads began late). For
+        the last plan of a step applied after its forward is launched (Worker.apply_late):
+        reads from the read-ahead buffers into L2 that nothing of the step reads, whose wait
+        held the step's host past its forward."""
+        rest = self._run(plan, ok, later_l1)
+        rest.later = True
+        return rest
+
+    def _after_reads(self, plan: MovePlan, pick: dict[str, np.ndarray], jobs: ReadJobs,
+                     out: ExecOutcome, deadline: float, started: int, chained: Chain | None
+                     ) -> ExecOutcome:
+        """run()'s end: wait for the plan's L3 reads, then start its spills."""
         if self.reads is not None:
-            chained = self.chained
             self.reads.collect(plan, jobs, out, deadline,
                                None if chained is None else partial(self._issue_chained, chained))
         # Spills only after the plan's reads: a resume waits for its reads, never for the
@@ -234,7 +260,7 @@ class PlanExecutor:
                 wait_handle(self.demotions.newest_writing(plan.src_slot[i]), deadline,
                             f"epoch {plan.epoch} L2 -> L3")
             self.spills.submit(plan, i)
-            out.done[i], out.bytes_ssd_write = True, len(i) * block_bytes
+            out.done[i], out.bytes_ssd_write = True, len(i) * self.hbm.block_bytes
         self.spills.ran(plan)
         out.spills_written_below, out.spill_write_bytes_per_s = self.spills.progress()
         out.host_ns = time.perf_counter_ns() - started
@@ -411,3 +437,4 @@ class PlanExecutor:
         nowhere (lost here; their bytes are zeros)."""
         self.synchronize()
         return relocate_bytes(self.engine, self.store, self.spills.commit, rel, self.timeout_s)
+

@@ -45,13 +45,17 @@ class ExecOutcome:
     # SpillTracker.progress once the plan ran: spills written below this epoch, disk rate
     spills_written_below: int = 0
     spill_write_bytes_per_s: int = 0
+    # its L3 reads were waited for only at a later step (PlanExecutor.run_reads_later): its
+    # time is not that of its transfers
+    unmeasured: bool = False
 
     def elapsed_ns(self) -> int:
         """Host time, or the GPU time of its copies if longer; 0 (not measured: the rate meter
-        takes no sample) while a copy still runs. A step's plans issued once its forward is
-        launched are reported at the next step, often before their copies (which follow the
-        forward) are done: their host time alone read as 400-500 GB/s of H2D on the H200."""
-        if not all(b.query() for _, _, b in self.timing):
+        takes no sample) while a copy still runs, or when `unmeasured`. A step's plans issued
+        once its forward is launched are reported at the next step, often before their copies
+        (which follow the forward) are done: their host time alone read as 400-500 GB/s of H2D
+        on the H200."""
+        if self.unmeasured or not all(b.query() for _, _, b in self.timing):
             return 0
         done = [a.elapsed_time(b) for _, a, b in self.timing]
         gpu_ms = max([sum(done[:self.ahead_spans]), *done[self.ahead_spans:]], default=0.0)

@@ -18,7 +18,7 @@ from tpkv.ssd.store import SsdStore
 from tpkv.workers import cuda_rt, kernels
 from tpkv.workers.agreement import SpillLedger
 from tpkv.workers.applied import NO_IDS, AppliedPlan, AppliedStep, StepReport
-from tpkv.workers.chain import find_chain
+from tpkv.workers.chain import Chain, find_chain
 from tpkv.workers.confirm import (
     NO_REPORT,
     ROW,
@@ -36,6 +36,7 @@ from tpkv.workers.mirror import HBM, SlotMirror
 from tpkv.workers.outcome import ExecOutcome
 from tpkv.workers.pools import HbmPool, HostPool
 from tpkv.workers.reads import plan_sessions
+from tpkv.workers.rest import PlanRest
 from tpkv.workers.returning import ReturningReads
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ class Worker:
         self.fault_miss_from: int | None = None  # tests: first L3 read from this epoch misses
         self.late: AppliedStep | None = None  # a step whose plans wait (apply_step's late_ok)
         self.num_late = 0  # steps whose plans waited so
+        # a late step's last plan, its L3 reads still running, and that step (apply_late)
+        self._rest: tuple[AppliedStep, PlanRest, np.ndarray, int, int | None] | None = None
+        self.num_reads_later = 0  # late plans whose reads were waited for at the next call
         # compute queued before the last step's forward (late_ok): what plans applied after
         # that forward was launched (apply_late) wait for instead of it
         self._step_mark: torch.cuda.Event | None = None
@@ -117,20 +121,41 @@ class Worker:
 
     def apply_late(self) -> None:
         """Apply the plans of a step applied with late_ok, if they still wait, and start its
-        confirmation (finish() collects it as any other)."""
+        confirmation (finish() collects it as any other). At TP 1 the wait for its last
+        plan's L3 reads (blocks read ahead, copied into L2 on the store's threads) and the
+        rest of that plan are left to the next call (the next step's begin, or any call that
+        needs this rank's map whole): nothing of the step reads those blocks, and the wait
+        held the step's host past its forward (decode steps that staged such blocks took 13
+        ms against 7.6 for quiet ones on the H200, bench/e2e.py (c2-em14))."""
         if self.late is None:
+            self._end_rest()
             return
         late, self.late = self.late, None
         late.plans = self._apply_plans_after_mark(late.step)
         late.waiting = False
+        if self._rest is not None:
+            self._rest = (late, *self._rest[1:])
+        else:
+            self._confirm(late)
+
+    def _end_rest(self) -> None:
+        """The late step's last plan once its reads are done (apply_late), then the step's
+        confirmation."""
+        if self._rest is None:
+            return
+        late, rest, ok, refused, skip = self._rest
+        self._rest = None
+        late.plans.append(self._record(rest.plan, ok, refused, skip, rest.finish()))
+        self.last_applied = late.plans
         self._confirm(late)
 
     def _apply_plans_after_mark(self, step: StepResult) -> list[AppliedPlan]:
         """_apply_plans once the step's forward is launched: its copies wait for the compute
-        queued before that forward (the step mark), not for the forward."""
+        queued before that forward (the step mark), not for the forward; its last plan's
+        reads from L3 are waited for later (apply_late)."""
         self.executor.compute_mark = self._step_mark
         try:
-            return self._apply_plans(step)
+            return self._apply_plans(step, reads_later=self.world_size == 1)
         finally:
             self.executor.compute_mark = None
 
@@ -164,8 +189,9 @@ class Worker:
                 return False
         return True
 
-    def _apply_plans(self, step: StepResult) -> list[AppliedPlan]:
-        """The step's plans and drops in order."""
+    def _apply_plans(self, step: StepResult, reads_later: bool = False) -> list[AppliedPlan]:
+        """The step's plans and drops in order. `reads_later`: a last plan that reads from L3
+        is left running (`_rest`: apply_late)."""
         applied = []
         # Per plan: the L1 slots the rest of the step fills (see PlanExecutor.run).
         later = [np.asarray(step.fresh_slots, dtype=np.int64)]
@@ -176,6 +202,12 @@ class Worker:
             drops = step.drops[i] if i < len(step.drops) else NO_IDS
             self.mirror.drop(drops)
             nxt = step.plans[i + 1] if i + 1 < len(step.plans) else None
+            if reads_later and nxt is None and plan.mask(Tier.SSD, Tier.DRAM).any():
+                ok, refused, skip, _ = self._check_plan(plan, None)
+                rest = self.executor.run_reads_later(plan, ok, later[0])
+                self._rest = (AppliedStep(step, []), rest, ok, refused, skip)
+                self.num_reads_later += 1
+                break
             then = None
             if nxt is not None:
                 then = (nxt, step.drops[i + 1] if i + 1 < len(step.drops) else NO_IDS)
@@ -242,6 +274,14 @@ class Worker:
         the step's next plan and
         the drops applied before it, whose L2 -> L1 moves of blocks this plan loads from L3
         may go during this plan's reads (find_chain)."""
+        ok, refused, skip, chain = self._check_plan(plan, then)
+        return self._record(plan, ok, refused, skip,
+                            self.executor.run(plan, ok, later_l1, chain=chain))
+
+    def _check_plan(self, plan: MovePlan, then: tuple[MovePlan, np.ndarray] | None
+                    ) -> tuple[np.ndarray, int, int | None, Chain | None]:
+        """apply_plan's checks: (the moves this rank's map allows, how many it refuses, the
+        move a test skips, the next plan's moves that may go during this one's reads)."""
         if plan.epoch != self.epoch + 1:
             raise PlanOrderError(f"rank {self.rank}: plan {plan.epoch} arrived after plan "
                                  f"{self.epoch}; plans apply strictly in epoch order")
@@ -258,7 +298,11 @@ class Worker:
         # job is done (find_chain), not after all of them
         chain = (find_chain(plan, ok, *then, self.mirror, self.hbm.num_slots)
                  if then is not None and plan.epoch + 1 not in self.fault_skip else None)
-        outcome = self.executor.run(plan, ok, later_l1, chain=chain)
+        return ok, refused, skip, chain
+
+    def _record(self, plan: MovePlan, ok: np.ndarray, refused: int, skip: int | None,
+                outcome: ExecOutcome) -> AppliedPlan:
+        """apply_plan's end: the plan's outcome into this rank's map, as an AppliedPlan."""
         if self.fault_miss_from is not None and plan.epoch >= self.fault_miss_from:
             self._inject_miss(plan, outcome)
         self.mirror.apply(plan, outcome.done)
@@ -349,8 +393,12 @@ class Worker:
 
     def close(self) -> None:
         # Plans still waiting are not applied: that would start a confirmation (a collective)
-        # while closing, perhaps after a failure; the blocks' bytes stay where they are.
+        # while closing, perhaps after a failure; the blocks' bytes stay where they are. A
+        # late plan's reads into L2 are waited for (L2 goes below), nothing else of it done.
         self.late = None
+        if self._rest is not None:
+            self._rest[1].settle()
+            self._rest = None
         if self.confirmer is not None:
             self.confirmer.close()
         self.executor.synchronize()
