@@ -97,18 +97,24 @@ def _turns(model, graphs: bool, lengths: list[int], turns: list[int], new_tokens
 
     engine = PagedEngine(model, pool.tensor, attention=paged_attention_sdpa, cuda_graphs=graphs,
                          scheduler_seed=1, report=keep, max_prefill_tokens=1)
+    return engine, _serve(engine, lengths, turns, new_tokens), first, pool.tensor
+
+
+def _serve(engine: PagedEngine, lengths: list[int], turns: list[int], new_tokens: int
+           ) -> dict[str, list[int]]:
+    """_turns' sessions and turns (seeded) through `engine`: the tokens of each session."""
     rng = np.random.default_rng(3)
+    vocab = engine.model.config.vocab_size
     tokens: dict[str, list[int]] = {}
     for i, n in enumerate(lengths):
-        engine.add_turn(str(i), rng.integers(0, model.config.vocab_size, n).tolist(), 1)
+        engine.add_turn(str(i), rng.integers(0, vocab, n).tolist(), 1)
     for rnd in [None, *turns]:
         if rnd is not None:
             for i in range(len(lengths)):
-                engine.add_turn(str(i), rng.integers(0, model.config.vocab_size, rnd).tolist(),
-                                new_tokens)
+                engine.add_turn(str(i), rng.integers(0, vocab, rnd).tolist(), new_tokens)
         for f in engine.run():
             tokens.setdefault(f.session, []).extend(f.token_ids)
-    return engine, tokens, first, pool.tensor
+    return tokens
 
 
 def test_turn_prefill_graphs_give_the_tokens_and_kv_of_eager():
@@ -164,17 +170,7 @@ def test_graphs_captured_ahead_serve_every_step_and_leave_slot_0_as_it_was():
     assert made == len(engine.graphs.graphs) == 3 * 2 + 6 * 2, sorted(engine.graphs.graphs)
     assert torch.equal(pool.tensor[0], before)
     assert engine.capture_graphs(longest) == 0
-    rng = np.random.default_rng(3)
-    got: dict[str, list[int]] = {}
-    for i, n in enumerate(lengths):
-        engine.add_turn(str(i), rng.integers(0, model.config.vocab_size, n).tolist(), 1)
-    for rnd in [None, *turns]:
-        if rnd is not None:
-            for i in range(len(lengths)):
-                engine.add_turn(str(i), rng.integers(0, model.config.vocab_size, rnd).tolist(), 3)
-        for f in engine.run():
-            got.setdefault(f.session, []).extend(f.token_ids)
-    assert got == want
+    assert _serve(engine, lengths, turns, 3) == want
     assert engine.graphs.captures == made and engine.graphs.replays > 0
     with pytest.raises(BadRequestError, match="holds 3 sessions"):
         engine.capture_graphs(longest)
