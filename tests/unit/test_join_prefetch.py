@@ -47,11 +47,11 @@ def _reference() -> dict[str, list[tuple[int, ...]]]:
 
 def _run(root: str, hint: bool, controller: str) -> dict[str, Any]:
     import tpkv
-    from tpkv.protocol.plan import Tier
     from tests.multiproc.test_engine_tiered import BT
     from tpkv.config import PolicyConfig
     from tpkv.models.llama import build_model
     from tpkv.models.tiered import TieredEngine, tiered_config
+    from tpkv.protocol.plan import Tier
 
     model = build_model("tiny", seed=0, device="cpu")
     cfg = tiered_config(model, 1, block_tokens=BT, l1_blocks=40, l2_blocks=16, ssd_root=root,
