@@ -82,6 +82,8 @@ def run_tiered(s: Setting, sizes: Any, contexts: list[int], device: torch.device
             r["emulated_l3"] = paced.stats()
         eng = rt.worker.engine  # how well the slot placement let copies merge into runs
         r["copy_blocks"], r["copy_descriptors"] = dict(eng.num_blocks), dict(eng.num_descriptors)
+        # late plans whose read-ahead copies into L2 were waited for at the next step
+        r["reads_later"] = rt.worker.num_reads_later
         snap = rt.controller.snapshot()
         r["events"] = snap["event_counts"]  # the controller's, by kind
         # the spill pacer's disk: the write rate the ranks' spills measured, its lag in steps

@@ -77,6 +77,8 @@ def test_rounds_report_returning_ttft_and_bound(tmp_path: Path) -> None:
         assert r["decode_steps_capturing_a_graph"] == 0  # (no CUDA graphs on the CPU)
         assert r["resume_steps_capturing_a_graph"] == 0
         assert all(x["captured_graph"] is False for x in r["resume_records"])
+        assert r["graphs_captured_ahead"]["graphs"] == 0
+    assert a["reads_later"] == 0  # (no L3)
     assert a["recompute_tokens"] > 0  # (a) recomputes what L1 lost
     # each resume says how many tokens it recomputed, out of those its session held before
     for r in (*a["resume_records"], *c["resume_records"]):
