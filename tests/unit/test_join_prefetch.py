@@ -89,7 +89,7 @@ def _run(root: str, hint: bool, controller: str) -> dict[str, Any]:
             nonlocal reads_running
             real_late()
             if worker._rest is not None:  # its reads run on: the map has them on L3 still
-                plan = worker._rest[1].plan
+                plan = worker._rest[0].plan
                 tier, _ = worker.mirror.where(plan.block_ids)
                 assert (tier[plan.mask(Tier.SSD, Tier.DRAM)] == int(Tier.SSD)).all()
                 reads_running += 1
@@ -264,7 +264,7 @@ def test_a_late_plans_reads_left_running_are_waited_for_at_close(tmp_path) -> No
     def apply_late() -> None:
         real_late()
         if worker._rest is not None:
-            left.append(worker._rest[1])
+            left.append(worker._rest[0])
             raise _Stop
 
     stopped: BaseException | None = None

@@ -437,4 +437,3 @@ class PlanExecutor:
         nowhere (lost here; their bytes are zeros)."""
         self.synchronize()
         return relocate_bytes(self.engine, self.store, self.spills.commit, rel, self.timeout_s)
-

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -78,8 +80,10 @@ class Worker:
         self.fault_miss_from: int | None = None  # tests: first L3 read from this epoch misses
         self.late: AppliedStep | None = None  # a step whose plans wait (apply_step's late_ok)
         self.num_late = 0  # steps whose plans waited so
-        # a late step's last plan, its L3 reads still running, and that step (apply_late)
-        self._rest: tuple[AppliedStep, PlanRest, np.ndarray, int, int | None] | None = None
+        # a late step's last plan, its L3 reads still running, with what records its outcome
+        # here (apply_late); and that step, confirmed once the plan is recorded
+        self._rest: tuple[PlanRest, Callable[[ExecOutcome], AppliedPlan]] | None = None
+        self._rest_step: AppliedStep | None = None
         self.num_reads_later = 0  # late plans whose reads were waited for at the next call
         # compute queued before the last step's forward (late_ok): what plans applied after
         # that forward was launched (apply_late) wait for instead of it
@@ -134,7 +138,7 @@ class Worker:
         late.plans = self._apply_plans_after_mark(late.step)
         late.waiting = False
         if self._rest is not None:
-            self._rest = (late, *self._rest[1:])
+            self._rest_step = late
         else:
             self._confirm(late)
 
@@ -143,9 +147,10 @@ class Worker:
         confirmation."""
         if self._rest is None:
             return
-        late, rest, ok, refused, skip = self._rest
-        self._rest = None
-        late.plans.append(self._record(rest.plan, ok, refused, skip, rest.finish()))
+        (rest, record), late = self._rest, self._rest_step
+        assert late is not None  # (apply_late sets both)
+        self._rest = self._rest_step = None
+        late.plans.append(record(rest.finish()))
         self.last_applied = late.plans
         self._confirm(late)
 
@@ -204,8 +209,8 @@ class Worker:
             nxt = step.plans[i + 1] if i + 1 < len(step.plans) else None
             if reads_later and nxt is None and plan.mask(Tier.SSD, Tier.DRAM).any():
                 ok, refused, skip, _ = self._check_plan(plan, None)
-                rest = self.executor.run_reads_later(plan, ok, later[0])
-                self._rest = (AppliedStep(step, []), rest, ok, refused, skip)
+                self._rest = (self.executor.run_reads_later(plan, ok, later[0]),
+                              partial(self._record, plan, refused, skip))
                 self.num_reads_later += 1
                 break
             then = None
@@ -275,7 +280,7 @@ class Worker:
         the drops applied before it, whose L2 -> L1 moves of blocks this plan loads from L3
         may go during this plan's reads (find_chain)."""
         ok, refused, skip, chain = self._check_plan(plan, then)
-        return self._record(plan, ok, refused, skip,
+        return self._record(plan, refused, skip,
                             self.executor.run(plan, ok, later_l1, chain=chain))
 
     def _check_plan(self, plan: MovePlan, then: tuple[MovePlan, np.ndarray] | None
@@ -300,8 +305,8 @@ class Worker:
                  if then is not None and plan.epoch + 1 not in self.fault_skip else None)
         return ok, refused, skip, chain
 
-    def _record(self, plan: MovePlan, ok: np.ndarray, refused: int, skip: int | None,
-                outcome: ExecOutcome) -> AppliedPlan:
+    def _record(self, plan: MovePlan, refused: int, skip: int | None, outcome: ExecOutcome
+                ) -> AppliedPlan:
         """apply_plan's end: the plan's outcome into this rank's map, as an AppliedPlan."""
         if self.fault_miss_from is not None and plan.epoch >= self.fault_miss_from:
             self._inject_miss(plan, outcome)
@@ -397,8 +402,8 @@ class Worker:
         # late plan's reads into L2 are waited for (L2 goes below), nothing else of it done.
         self.late = None
         if self._rest is not None:
-            self._rest[1].settle()
-            self._rest = None
+            self._rest[0].settle()
+            self._rest = self._rest_step = None
         if self.confirmer is not None:
             self.confirmer.close()
         self.executor.synchronize()
