@@ -96,7 +96,11 @@ def test_a_record_that_does_not_check_out_is_a_failed_load(damage: str) -> None:
     elif damage == "tokens":
         object.__setattr__(rec, "tokens", (4, 5, 6, 8))
     else:
-        store._records[keys[1]] = store.record(keys[2])  # type: ignore[assignment]
+        other = store.record(keys[2])
+        assert other is not None
+        store.slots.ref(other.slot)  # the entry holds its slot, as every record in memory does
+        store.release(rec)
+        store._records[keys[1]] = other
     before = {name: t[9].clone() for name, t in caches.items()}
 
     b = request("b", list(prompt))

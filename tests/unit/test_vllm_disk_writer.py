@@ -40,8 +40,8 @@ class Gate:
         self.writes = 0
 
 
-@pytest.fixture
-def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+def gated_writes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    """Every disk record write waits for the gate (the body of a `gate` fixture)."""
     g = Gate()
     real = DiskBlockStore.write
 
@@ -54,6 +54,11 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
     monkeypatch.setattr(DiskBlockStore, "write", slow_write)
     yield g
     g.open.set()  # never leave a writer thread stuck
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    yield from gated_writes(monkeypatch)
 
 
 def host(tmp_path: Path, capacity_blocks: int, queue_blocks: int,

@@ -217,15 +217,22 @@ class DiskBlockStore:
         """Write a block's record, durably, after making room; False (nothing kept) when the
         block is not the layout's, the key is not its parent's and tokens', or the write
         fails. A key held already is kept as it is (True)."""
-        if key in self._lru:
-            self._lru.move_to_end(key)
-            self._cached.pop(key, None)  # the disk holds the only copy again
+        if self.touch(key):
             return True
         if not self.reserve(key, parent, tokens, data):
             return False
         ok = self.write(key, parent, tokens, data)
         self.finish(key, ok)
         return ok
+
+    def touch(self, key: bytes) -> bool:
+        """Whether the key is held; a held one becomes the most recently used, and the disk
+        holds the only copy of it again (no longer marked cached)."""
+        if key not in self._lru:
+            return False
+        self._lru.move_to_end(key)
+        self._cached.pop(key, None)
+        return True
 
     def reserve(self, key: bytes, parent: bytes, tokens: Sequence[int],
                 data: np.ndarray) -> bool:

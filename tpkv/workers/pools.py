@@ -7,11 +7,13 @@ import mmap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tpkv import startup
+from tpkv.checks import check_int
 from tpkv.config import GiB, HostConfig, KvGeometry
 from tpkv.errors import ConfigError, SlotError
 from tpkv.ssd.backend import PAGE_BYTES as IO_PAGE_BYTES
@@ -29,6 +31,28 @@ def torch_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(f"torch has no dtype {name!r}")
     return dtype
+
+
+@dataclass(frozen=True)
+class ByteBlocks:
+    """The block shape of a HostPool of raw bytes: `[rows, row_bytes]` uint8 (vLLM's blocks
+    in the connector: one row a layer). It stands where a KvGeometry does for the pool."""
+
+    rows: int
+    row_bytes: int
+    dtype: str = "uint8"
+
+    def __post_init__(self) -> None:
+        check_int("rows", self.rows)
+        check_int("row_bytes", self.row_bytes)
+
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        return (self.rows, self.row_bytes)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.rows * self.row_bytes
 
 
 class HbmPool:
@@ -94,8 +118,8 @@ class HostPool:
     (none when it refuses the first arena: the start goes on with L2 empty).
     """
 
-    def __init__(self, geometry: KvGeometry, num_slots: int, config: HostConfig | None = None
-                 ) -> None:
+    def __init__(self, geometry: KvGeometry | ByteBlocks, num_slots: int,
+                 config: HostConfig | None = None) -> None:
         config = config or HostConfig()
         self.geometry = geometry
         self.num_slots = num_slots
@@ -199,7 +223,8 @@ class HostPool:
         return divmod(int(slot), self.slots_per_arena)
 
     def block(self, slot: int) -> torch.Tensor:
-        """One block: [layers, 2, block_tokens, heads_per_rank, head_dim] (a view)."""
+        """One block in the geometry's block shape (a view): [layers, 2, block_tokens,
+        heads_per_rank, head_dim] for a KvGeometry, [rows, row_bytes] for ByteBlocks."""
         arena, index = self._locate(slot)
         return self.arenas[arena][index]
 

@@ -1,16 +1,16 @@
 """A rank's background loads: blocks read from host memory or disk into vLLM's KV cache on a
 thread of its own, while vLLM's steps go on.
 
-`submit` (on vLLM's worker thread, in start_load_kv) takes each block's record when host memory
-holds it, or pins its disk record (not deleted for room until read), so nothing a later step
-stores or drops can take a block from under the load; a key dropped outright (the index forgot
-it) is a miss. The thread then checks each record, reads the pinned ones from disk, and copies
-the blocks into the request's vLLM blocks (those are the request's alone, and vLLM neither
-reads nor frees them before every rank named the request finished). On a GPU the copies run
-on the thread's stream after what vLLM's stream held at submit (it zeroes freshly allocated
-blocks there). A job is done once every block is in the KV cache (on a GPU, once its copy
-stream is synchronized); `take_done` hands finished jobs back to the worker thread, which
-reports them to vLLM with their failed blocks.
+`submit` (on vLLM's worker thread, in start_load_kv) holds each block's record when host memory
+holds it (its slot is not reused until the job ends), or pins its disk record (not deleted for
+room until read), so nothing a later step stores or drops can take a block from under the load;
+a key dropped outright (the index forgot it) is a miss. The thread then checks each record,
+reads the pinned ones from disk, and copies the blocks into the request's vLLM blocks (those
+are the request's alone, and vLLM neither reads nor frees them before every rank named the
+request finished). On a GPU the copies run on the thread's stream after what vLLM's stream
+held at submit (it zeroes freshly allocated blocks there). A job is done once every block is
+in the KV cache (on a GPU, once its copy stream is synchronized); `take_done` hands finished
+jobs back to the worker thread, which reports them to vLLM with their failed blocks.
 A job submitted `inline` (the scheduler's plan says so in a step without a forward) runs the
 same way on the caller's thread instead, done when submit returns.
 """
@@ -107,6 +107,10 @@ class BackgroundLoader(CopyThread[LoadJob]):
             log.exception("tpkv vLLM connector: background load of request %s failed",
                           job.spec.req_id)
             self._give_up(job)
+            if stream is not None:  # copies issued may still read the held records
+                stream.synchronize()
+        finally:
+            self._release(job)
         with self._done_lock:
             self._done.append(job)
 
@@ -117,17 +121,22 @@ class BackgroundLoader(CopyThread[LoadJob]):
         for pos, (block_id, key) in enumerate(zip(job.spec.block_ids, job.spec.keys)):
             job.pos = pos
             rec, pinned = job.held[pos]
-            data = None
+            data = got = None
             if store is not None:
                 with self.lock:
                     if pinned:
                         store.release_load(key)
                         job.held[pos] = (rec, False)
-                    data = store.checked(key, rec) if rec is not None else store.get(key)
+                    if rec is not None:
+                        data = store.checked(key, rec)
+                    else:
+                        got = store.take(key)
+                        data = None if got is None else got.data
             if data is None:
                 self.fail(job, pos)
                 continue
             if rec is None:
+                job.held[pos] = (got, False)  # released with the others when the job ends
                 job.report.disk_loads.setdefault(job.spec.req_id, set()).add(
                     job.spec.first_block + pos)
                 job.disk_blocks += 1
@@ -143,3 +152,14 @@ class BackgroundLoader(CopyThread[LoadJob]):
             if pinned and self.store is not None:
                 with self.lock:
                     self.store.release_load(job.spec.keys[pos])
+                job.held[pos] = (rec, False)
+
+    def _release(self, job: LoadJob) -> None:
+        """The job is over: the records it held may be reused."""
+        if self.store is None:
+            return
+        with self.lock:
+            for rec, _ in job.held:
+                if rec is not None:
+                    self.store.release(rec)
+        job.held = [(None, pinned) for _, pinned in job.held]

@@ -16,6 +16,7 @@ from tpkv.integrations.vllm.async_load import BackgroundLoader, LoadJob
 from tpkv.integrations.vllm.layer_load import LayerCopier, LayerJob
 from tpkv.integrations.vllm.options import queue_bytes_in_effect, write_queue_blocks
 from tpkv.integrations.vllm.plan import LoadSpec, RankFigures, SaveSpec, StepPlan, StepReport
+from tpkv.integrations.vllm.record import BlockRecord
 from tpkv.integrations.vllm.stats import rank_figures
 from tpkv.integrations.vllm.store import HostBlockStore
 
@@ -90,6 +91,7 @@ class BlockCopier:
         self.layers: LayerCopier | None = None
         self._layer_job: LayerJob | None = None
         self._layer_owners: list[tuple[LoadSpec, int]] = []  # by block of the job: spec, pos
+        self._layer_held: list[BlockRecord] = []  # the job's records, held until it is done
         self.num_layer_loaded_blocks = 0  # of num_loaded_blocks, those copied layer-wise
         self.num_layer_misses = 0  # layer-wise loads the forward did not wait for every layer of
 
@@ -133,46 +135,62 @@ class BlockCopier:
         self.finish_layer_loads()
         blocks: list[tuple[int, np.ndarray]] = []
         owners: list[tuple[LoadSpec, int]] = []
+        held: list[BlockRecord] = []
         for spec in loads:
             if spec.background:
                 self.num_async_loads += 1
                 self._loader().submit(spec, inline=spec.inline)
                 continue
             with self.lock:
-                for pos, block_id, data in self._read(spec):
+                for pos, block_id, rec in self._read(spec):
                     if layer_order is None:
-                        self._copy_in(block_id, data)
+                        try:
+                            self._copy_in(block_id, rec.data)
+                        finally:
+                            self._release([rec])
                         self.num_loaded_blocks += 1
                     else:
-                        blocks.append((block_id, data))
+                        blocks.append((block_id, rec.data))
                         owners.append((spec, pos))
+                        held.append(rec)
         if blocks and layer_order is not None:
             if self.layers is None:
                 self.layers = LayerCopier(self._views, self.rank)
             index = {name: i for i, name in enumerate(self.layer_names)}
-            self._layer_job = self.layers.start(blocks, [index[n] for n in layer_order],
-                                                layer_order)
+            try:
+                self._layer_job = self.layers.start(blocks, [index[n] for n in layer_order],
+                                                    layer_order)
+            except BaseException:
+                self._release(held)
+                raise
+            self._layer_held = held  # released once the copies are in (finish_layer_loads)
             self._layer_owners = owners
 
-    def _read(self, spec: LoadSpec) -> list[tuple[int, int, np.ndarray]]:
-        """The blocks of `spec` that check out: (pos, vLLM block id, bytes); the others are
-        failed blocks."""
+    def _read(self, spec: LoadSpec) -> list[tuple[int, int, BlockRecord]]:
+        """The blocks of `spec` that check out: (pos, vLLM block id, its record, held: the
+        caller releases it); the others are failed blocks."""
         got = []
         for pos, (block_id, key) in enumerate(zip(spec.block_ids, spec.keys)):
             if self.store is None:
                 _fail(self._report, self._failed_block_ids, spec, pos)
                 continue
             from_disk = not self.store.in_memory(key)
-            data = self.store.get(key)
-            if data is None:
+            rec = self.store.take(key)
+            if rec is None:
                 _fail(self._report, self._failed_block_ids, spec, pos)
                 continue
             if from_disk:  # the planner counts those before the request's first failure
                 self._report.disk_loads.setdefault(spec.req_id, set()).add(
                     spec.first_block + pos)
                 self.num_disk_loaded_blocks += 1
-            got.append((pos, block_id, data))
+            got.append((pos, block_id, rec))
         return got
+
+    def _release(self, recs: list[BlockRecord]) -> None:
+        if self.store is not None:
+            with self.lock:
+                for rec in recs:
+                    self.store.release(rec)
 
     def wait_layer(self, name: str) -> None:
         """Return once this step's layer-wise loads copied layer `name` (at once without)."""
@@ -187,6 +205,8 @@ class BlockCopier:
         if job is None or self.layers is None:
             return True
         copied = self.layers.finish(job)
+        held, self._layer_held = self._layer_held, []
+        self._release(held)
         waited = len(job.waited) == len(job.order)
         if copied and waited:
             self.num_loaded_blocks += len(job.blocks)
@@ -245,8 +265,7 @@ class BlockCopier:
                 self._report.failed_saves.add(spec.key)
                 continue
             rows = [view[spec.block_id] for view in self._views]
-            data = torch.stack(rows).cpu().numpy()
-            if self.store.put(spec.key, spec.parent, spec.tokens, data):
+            if self.store.put(spec.key, spec.parent, spec.tokens, rows):
                 self._report.saved.add(spec.key)
                 self.num_saved_blocks += 1
             else:

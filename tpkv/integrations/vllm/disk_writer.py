@@ -7,6 +7,8 @@ step's behalf: when the store needs room the oldest queued write is dropped (`dr
 block the index drops while queued is never written (`cancel`), and one dropped while its
 record is being written is deleted once written, so the disk never keeps a record the index
 gave up. Writes that fail, or whose block no longer checks out, are reported by `take_lost`.
+A queued block holds the store's slot until its job ends (`release` is called once per block
+handed over, however it ends; `take_back` hands the hold back to the store instead).
 Blocks given up because the queue was full are counted (`num_dropped`, `bytes_dropped`) and
 logged as a warning naming disk_queue_bytes and the bytes the writer needed: at the first drop,
 then at most every `warn_interval_s` with the running count, and once more at close.
@@ -45,13 +47,16 @@ class _Job:
 
 class DiskWriter:
     """One background writer of block records into `disk` (see the module docstring).
-    `queue_bytes`: the disk_queue_bytes setting in effect, for the drop warning only."""
+    `queue_bytes`: the disk_queue_bytes setting in effect, for the drop warning only;
+    `release(rec)`: called, with `lock` held, when a block handed over is done with."""
 
     def __init__(self, disk: DiskBlockStore, max_jobs: int, queue_bytes: int | None = None,
                  warn_interval_s: float = DROP_WARN_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 release: Callable[[BlockRecord], None] = lambda rec: None) -> None:
         check_int("max_jobs", max_jobs)
         self.disk = disk
+        self.release = release
         self.max_jobs = max_jobs
         self.queue_bytes = queue_bytes
         self.warn_interval_s = warn_interval_s
@@ -107,6 +112,7 @@ class DiskWriter:
             return None
         queued = len(self)
         key, job = self._queue.popitem(last=False)
+        self.release(job.rec)
         self.count_drop(job.rec.data.nbytes, queued)
         return key
 
@@ -139,7 +145,9 @@ class DiskWriter:
     def cancel(self, key: bytes) -> bool:
         """The index dropped the key: a queued write is not made, a running one is deleted
         once written. False when the key is neither queued nor being written."""
-        if self._queue.pop(key, None) is not None:
+        job = self._queue.pop(key, None)
+        if job is not None:
+            self.release(job.rec)
             return True
         if self._running is not None and self._running.rec.key == key:
             if self._running.cancelled:
@@ -211,6 +219,7 @@ class DiskWriter:
                         self._lost.append(rec.key)
                 finally:
                     self._running = None
+                    self.release(rec)
                     if not self._queue:  # idle: a later drop starts a new burst
                         self._burst_dropped = 0
                     self._changed.notify_all()

@@ -1,19 +1,22 @@
-"""One rank's host copies of vLLM KV blocks, keyed by chain key, over an optional disk tier;
-every read checks the record."""
+"""One rank's host copies of vLLM KV blocks, keyed by chain key, in a HostPool allocated once,
+over an optional disk tier; every read checks the record."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from tpkv.checks import check_int
 from tpkv.errors import ConfigError
 from tpkv.integrations.disk_blocks import DiskBlockStore
 from tpkv.integrations.prefix_index import KEY_BYTES, block_key
 from tpkv.integrations.vllm.disk_writer import DiskWriter
+from tpkv.integrations.vllm.host_slots import HostSlots
 from tpkv.integrations.vllm.record import BlockRecord
 from tpkv.ssd.format import crc_of
 
@@ -22,23 +25,29 @@ log = logging.getLogger(__name__)
 
 class HostBlockStore:
     """Blocks in host memory, at most `capacity_bytes` of them, put and dropped as the scheduler's
-    index says. `get` returns a block's bytes only when the record checks out: its key is the one
-    asked, the key recomputed from its parent and tokens is that key, its shape is the rank's
-    block shape and its CRC32C matches; anything else is a miss (the caller recomputes).
+    index says. A read (`take`) returns a block only when the record checks out: its key is the
+    one asked, the key recomputed from its parent and tokens is that key, its shape is the
+    rank's block shape and its CRC32C matches; anything else is a miss (the caller recomputes).
+
+    The memory is a HostSlots pool of `capacity_bytes // block_bytes` slots, allocated at start
+    (pinned where CUDA is present): nothing here allocates a block's memory again, and the
+    budget holds however the blocks come and go. A record in memory holds its slot; so does a
+    write queued for disk, and every record `take` or `hold_for_load` handed out, until its
+    holder calls `release`: a slot is filled once, when taken free, so a holder's bytes never
+    change under it, and a slot held only by a load still counts against the budget.
 
     With a `disk` tier, the least recently used blocks move to disk. With `queue_blocks` > 0 a
     DiskWriter thread writes them: once more than `capacity - queue_blocks` blocks are in
-    memory, the oldest are queued (at most queue_blocks), still counted against the capacity
-    and served from memory until written; a put that finds no room gives up the oldest queued
-    write (or, with none queued, the oldest block) instead of waiting, and `take_lost` names
-    the keys so given up, for the index to forget (the writer counts and logs them;
-    `queue_bytes`, the disk_queue_bytes in effect, names the setting in its warning). With
-    queue_blocks 0 the move is a write on
-    the caller's path. A get that misses in memory reads the disk and brings the block back
-    into memory as the most recently used when memory has free room (with a writer it keeps
-    queue_blocks free; without, a full memory takes none). Its record stays on disk, marked
-    as cached: moving the block out again writes nothing, and the disk gives up such records
-    first when it needs room (the block then lives in memory only)."""
+    memory, the oldest are queued (at most queue_blocks), still holding their slots and served
+    from memory until written; a put that finds no free slot gives up the oldest queued write
+    (or, with none queued, the oldest block) instead of waiting, and `take_lost` names the keys
+    so given up, for the index to forget (the writer counts and logs them; `queue_bytes`, the
+    disk_queue_bytes in effect, names the setting in its warning). With queue_blocks 0 the move
+    is a write on the caller's path. A read that misses in memory reads the disk and brings
+    the block back into memory as the most recently used when a slot is free (otherwise the
+    caller gets a copy of its own). Its record stays on disk, marked as cached: moving the
+    block out again writes nothing, and the disk gives up such records first when it needs
+    room (the block then lives in memory only)."""
 
     def __init__(self, capacity_bytes: int, block_shape: tuple[int, int],
                  disk: DiskBlockStore | None = None, queue_blocks: int = 0,
@@ -61,8 +70,9 @@ class HostBlockStore:
             raise ConfigError(f"a disk write queue of {queue_blocks} blocks leaves no room in "
                               f"host_bytes {capacity_bytes} ({self.capacity_blocks} blocks of "
                               f"{self.block_bytes} bytes)")
+        self.slots = HostSlots(block_shape, self.capacity_blocks)
         self.disk = disk
-        self.writer = (DiskWriter(disk, queue_blocks, queue_bytes)
+        self.writer = (DiskWriter(disk, queue_blocks, queue_bytes, release=self.release)
                        if disk is not None and queue_blocks else None)
         self._lock: contextlib.AbstractContextManager[Any] = (
             self.writer.lock if self.writer is not None else contextlib.nullcontext())
@@ -91,7 +101,8 @@ class HostBlockStore:
 
     @property
     def used_bytes(self) -> int:
-        return (len(self._records) + self.num_pending) * self.block_bytes
+        """Bytes of the slots held: blocks in memory, queued for disk, or held by a load."""
+        return self.slots.num_used * self.block_bytes
 
     def keys(self) -> list[bytes]:
         """Keys held in memory, least recently used first (not those queued for disk)."""
@@ -111,65 +122,101 @@ class HostBlockStore:
         with self._lock:
             return self.disk is not None and key in self.disk
 
-    def put(self, key: bytes, parent: bytes, tokens: tuple[int, ...], data: np.ndarray) -> bool:
-        """Keep a copy of `data`; False (nothing kept) when it has the wrong shape or dtype, the
-        key is not the one of parent and tokens, or the store is full (and has no disk tier). A
-        key held already, in memory or on disk, is kept as it is (True)."""
+    def put(self, key: bytes, parent: bytes, tokens: Sequence[int],
+            data: np.ndarray | Sequence[torch.Tensor]) -> bool:
+        """Keep a copy of `data` (the block as [layers, page_bytes] uint8, or its layers' rows
+        as uint8 tensors of page_bytes each, on any device: copied into a free slot); False
+        (nothing kept) when it has the wrong shape or dtype, the key is not the one of parent
+        and tokens, or no slot can be freed (and there is no disk tier). A key held already,
+        in memory or on disk, is kept as it is (True)."""
         if key in self._records:
             return True
         with self._lock:
             if self.writer is not None and self.writer.pending(key) is not None:
                 return True
-            if self.disk is not None and key in self.disk:
-                return self.disk.put(key, parent, tokens, data)  # touched, not written again
-        if data.shape != self.block_shape or data.dtype != np.uint8:
-            log.warning("tpkv vLLM store: block %s has shape %s %s, expected %s uint8; not kept",
-                        key.hex(), data.shape, data.dtype, self.block_shape)
+            if self.disk is not None and self.disk.touch(key):
+                return True  # not written again
+        problem = self._data_problem(data)
+        if problem:
+            log.warning("tpkv vLLM store: block %s %s; not kept", key.hex(), problem)
             return False
         if len(key) != KEY_BYTES or block_key(parent, tokens) != key:
             log.warning("tpkv vLLM store: key %s is not the key of its parent and %d tokens; "
                         "not kept", key.hex(), len(tokens))
             return False
-        if not self._make_room():
-            log.warning("tpkv vLLM store: full (%d of %d bytes); block %s not kept",
+        slot = self.slots.take() if self._make_room() else None
+        if slot is None:
+            log.warning("tpkv vLLM store: full (%d of %d bytes held); block %s not kept",
                         self.used_bytes, self.capacity_bytes, key.hex())
             return False
-        copy = np.array(data, dtype=np.uint8, copy=True, order="C")
-        self._records[key] = BlockRecord(key, parent, tuple(tokens), copy, crc_of(copy))
+        view = self.slots.view(slot)
+        try:
+            if isinstance(data, np.ndarray):
+                view[...] = data
+            else:
+                dst = torch.from_numpy(view)
+                for layer, row in enumerate(data):
+                    dst[layer].copy_(row.reshape(-1))
+        except BaseException:
+            self.slots.release(slot)
+            raise
+        self._records[key] = BlockRecord(key, parent, tuple(tokens), view, crc_of(view), slot)
         self._queue_oldest()
         return True
 
-    def get(self, key: bytes) -> np.ndarray | None:
-        """The block's bytes ([layers, page_bytes] uint8, not to be written), from memory (a
-        block queued for disk included) or else from disk, or None on a miss or a record that
-        does not check out (which is dropped)."""
+    def take(self, key: bytes) -> BlockRecord | None:
+        """The block's record, checked, for the caller to read until it calls `release(rec)`:
+        from memory (a block queued for disk included) or else from disk; None on a miss or a
+        record that does not check out (which is dropped)."""
         rec = self._records.pop(key, None)
         if rec is None and self.writer is not None:
             with self._lock:
                 rec = self.writer.take_back(key)  # its write not made: memory holds it again
                 running = None if rec is not None else self.writer.pending(key)
+                if running is not None:
+                    self._ref(running)  # before the writer can let its slot go
             if running is not None:
-                return self._checked(key, running)
+                if self._checked(key, running) is None:
+                    self.release(running)
+                    return None
+                return running
         if rec is None:
-            return self._get_from_disk(key)
-        data = self._checked(key, rec)
-        if data is not None:
-            self._records[key] = rec  # most recently used
-            self._queue_oldest()
+            return self._take_from_disk(key)
+        if self._checked(key, rec) is None:
+            self.release(rec)  # the index's hold
+            return None
+        self._records[key] = rec  # most recently used
+        self._ref(rec)
+        self._queue_oldest()
+        return rec
+
+    def get(self, key: bytes) -> np.ndarray | None:
+        """A copy of the block's bytes (see `take`), for inspection and tests."""
+        rec = self.take(key)
+        if rec is None:
+            return None
+        data = rec.data.copy()
+        self.release(rec)
         return data
 
+    def release(self, rec: BlockRecord) -> None:
+        """A holder of `rec` (from take, hold_for_load, or a queued write) is done with it."""
+        if rec.slot >= 0:
+            self.slots.release(rec.slot)
+
     def hold_for_load(self, key: bytes) -> tuple[BlockRecord | None, bool]:
-        """For a load that reads the key later, on another thread: (its record, unchecked,
-        when memory holds it, made the most recently used; whether the disk record was
-        pinned instead: not deleted for room until release_load). The record stays valid
-        whatever happens to the key after (records are never written to)."""
+        """For a load that reads the key later, on another thread: (its record, unchecked and
+        held until `release`, when memory holds it, made the most recently used; whether the
+        disk record was pinned instead: not deleted for room until release_load)."""
         rec = self._records.pop(key, None)
         if rec is not None:
             self._records[key] = rec
+            self._ref(rec)
             return rec, False
         with self._lock:
             rec = self.writer.pending(key) if self.writer is not None else None
             if rec is not None:
+                self._ref(rec)
                 return rec, False
             if self.disk is not None and key in self.disk:
                 self.disk.pin(key)
@@ -184,13 +231,14 @@ class HostBlockStore:
 
     def checked(self, key: bytes, rec: BlockRecord) -> np.ndarray | None:
         """A held record's bytes when it checks out (see the class docstring), else None and
-        the key is dropped."""
+        the key is dropped (the caller still releases its hold)."""
         return self._checked(key, rec)
 
     def drop(self, key: bytes) -> bool:
-        in_memory = self._records.pop(key, None) is not None
+        rec = self._records.pop(key, None)
         with self._lock:
-            if in_memory:
+            if rec is not None:
+                self.release(rec)
                 if self.disk is not None and self.disk.is_cached(key):
                     self.disk.drop(key)
                 return True
@@ -212,20 +260,39 @@ class HostBlockStore:
         return self.writer is None or self.writer.flush(timeout_s)
 
     def close(self) -> None:
-        """Finish the queued writes, then give up the disk tier's directory."""
+        """Finish the queued writes, then give up the disk tier's directory and the memory."""
         if self.writer is not None and not self.writer.close():
-            return  # still writing: the directory's lock goes with the process
+            return  # still writing from a slot: the memory and the lock go with the process
         if self.disk is not None:
             self.disk.close()
+        self.slots.close()
 
     def record(self, key: bytes) -> BlockRecord | None:
-        """The raw record, in memory or queued for disk (for tests and inspection; `get` is the
-        checked read)."""
+        """The raw record, in memory or queued for disk (for tests and inspection; `take` is
+        the checked read)."""
         rec = self._records.get(key)
         if rec is None and self.writer is not None:
             with self._lock:
                 rec = self.writer.pending(key)
         return rec
+
+    def _ref(self, rec: BlockRecord) -> None:
+        if rec.slot >= 0:
+            self.slots.ref(rec.slot)
+
+    def _data_problem(self, data: np.ndarray | Sequence[torch.Tensor]) -> str:
+        layers, page = self.block_shape
+        if isinstance(data, np.ndarray):
+            if data.shape != self.block_shape or data.dtype != np.uint8:
+                return f"has shape {data.shape} {data.dtype}, expected {self.block_shape} uint8"
+            return ""
+        if len(data) != layers:
+            return f"has {len(data)} layers, expected {layers}"
+        for layer, row in enumerate(data):
+            if row.dtype != torch.uint8 or row.numel() != page:
+                return (f"layer {layer} has {row.numel()} {row.dtype} values, expected {page} "
+                        f"uint8")
+        return ""
 
     def _checked(self, key: bytes, rec: BlockRecord) -> np.ndarray | None:
         problem = self._check(key, rec)
@@ -236,35 +303,42 @@ class HostBlockStore:
         self.drop(key)  # a write of it under way is deleted once made
         return None
 
-    def _get_from_disk(self, key: bytes) -> np.ndarray | None:
+    def _take_from_disk(self, key: bytes) -> BlockRecord | None:
         disk = self.disk
         if disk is None:
             return None
+        slot = None
         with self._lock:
             got = disk.get_record(key)
             if got is None:
                 return None
             head, data = got
-            free = self.capacity_blocks - len(self._records) - (
-                len(self.writer) if self.writer is not None else 0)
-            if free > 0:
+            slot = self.slots.take()
+            if slot is not None:
                 disk.mark_cached(key)  # the record stays: moving the block out again is free
-        if free > 0:
-            self._records[key] = BlockRecord(key, head.parent, head.tokens, data, head.data_crc)
-            self.num_promoted += 1
-            self._queue_oldest()
-        return data
+        if slot is None:  # no room in memory: the caller's own copy
+            return BlockRecord(key, head.parent, head.tokens, data, head.data_crc)
+        view = self.slots.view(slot)
+        view[...] = data
+        rec = BlockRecord(key, head.parent, head.tokens, view, head.data_crc, slot)
+        self._records[key] = rec
+        self._ref(rec)  # the caller's hold beside the index's
+        self.num_promoted += 1
+        self._queue_oldest()
+        return rec
 
     def _make_room(self) -> bool:
-        """Room for one more block; with a writer, by giving up the oldest queued write (or
-        the oldest block), never by waiting; without, by writing the oldest block to disk."""
-        while self.used_bytes + self.block_bytes > self.capacity_bytes:
+        """A free slot; with a writer, by giving up the oldest queued write (or the oldest
+        block), never by waiting; without, by writing the oldest block to disk. False when
+        none can be freed (every slot held by a load or a write under way)."""
+        while not self.slots.num_free:
             if self.writer is not None:
                 with self._lock:
                     key = self.writer.drop_oldest()
                 if key is None and self._records:
                     key = next(iter(self._records))
-                    del self._records[key]
+                    rec = self._records.pop(key)
+                    self.release(rec)
                     with self._lock:
                         if self.disk is not None and self.disk.is_cached(key):
                             self.disk.mark_cached(key, False)  # on disk still: not lost
@@ -282,7 +356,7 @@ class HostBlockStore:
 
     def _queue_oldest(self) -> None:
         """With a writer: queue the oldest blocks for disk while memory holds more than
-        capacity - max_jobs of them and the queue has room."""
+        capacity - max_jobs of them and the queue has room (their slots go with them)."""
         writer = self.writer
         if writer is None:
             return
@@ -293,6 +367,7 @@ class HostBlockStore:
                 rec = self._records.pop(key)
                 if writer.disk.is_cached(key):
                     writer.disk.mark_cached(key, False)  # its record is on disk already
+                    self.release(rec)
                 else:
                     writer.submit(rec)  # checked by the writer before writing
                 self.num_spilled += 1
@@ -302,14 +377,18 @@ class HostBlockStore:
         write fails, is dropped (and named by take_lost)."""
         key = next(iter(self._records))
         rec = self._records.pop(key)
-        problem = self._check(key, rec)
-        if problem:
-            self.num_bad_reads += 1
-            log.warning("tpkv vLLM store: block %s is not moved to disk: %s", key.hex(), problem)
-        elif disk.put(key, rec.parent, rec.tokens, rec.data):
-            self.num_spilled += 1
-            return
-        self._lost.append(key)
+        try:
+            problem = self._check(key, rec)
+            if problem:
+                self.num_bad_reads += 1
+                log.warning("tpkv vLLM store: block %s is not moved to disk: %s", key.hex(),
+                            problem)
+            elif disk.put(key, rec.parent, rec.tokens, rec.data):
+                self.num_spilled += 1
+                return
+            self._lost.append(key)
+        finally:
+            self.release(rec)
 
     def _check(self, key: bytes, rec: BlockRecord) -> str:
         if rec.key != key:
