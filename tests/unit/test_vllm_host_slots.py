@@ -21,6 +21,7 @@ from tpkv.integrations.vllm.copier import BlockCopier
 from tpkv.integrations.vllm.host_slots import HostSlots
 from tpkv.integrations.vllm.load_policy import LoadPolicy
 from tpkv.integrations.vllm.planner import Planner
+from tpkv.integrations.vllm.record import BlockRecord
 from tpkv.integrations.vllm.store import HostBlockStore
 
 
@@ -137,10 +138,10 @@ def test_a_background_load_copies_its_blocks_though_their_slots_are_refilled() -
     entered = threading.Event()
     real = copier._copy_in
 
-    def slow_copy_in(block_id: int, data: np.ndarray) -> None:
+    def slow_copy_in(block_ids: list[int], recs: list[BlockRecord], stream: object) -> None:
         entered.set()
         assert release.wait(10)
-        real(block_id, data)
+        real(block_ids, recs, stream)
 
     copier._copy_in = slow_copy_in  # type: ignore[method-assign]
     copier.loader = None  # made anew with the slow copy

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from tpkv.integrations.vllm.copy_thread import CopyThread
@@ -55,11 +54,12 @@ class LoadJob:
 
 class BackgroundLoader(CopyThread[LoadJob]):
     """Runs LoadJobs one after the other on a daemon thread. `store` is the rank's store (None:
-    every block fails), `lock` what every call into it holds, `copy_in(block_id, data)` writes
-    one block into vLLM's KV cache, `fail(job, pos)` records a failed block."""
+    every block fails), `lock` what every call into it holds, `copy_in(block_ids, records,
+    stream)` writes held records into those vLLM blocks (on `stream` on a GPU; None: done on
+    return), `fail(job, pos)` records a failed block."""
 
     def __init__(self, store: HostBlockStore | None, lock: threading.RLock,
-                 copy_in: Callable[[int, np.ndarray], None],
+                 copy_in: Callable[[list[int], list[BlockRecord], Any], None],
                  fail: Callable[[LoadJob, int], None], device: torch.device, rank: int) -> None:
         self.store = store
         self.lock = lock
@@ -94,15 +94,15 @@ class BackgroundLoader(CopyThread[LoadJob]):
         synchronous without one) and hand it to take_done, failed blocks and all."""
         try:
             if stream is None:
-                self._load(job)
+                copied = self._load(job)
             else:
                 if job.start_event is not None:
                     stream.wait_event(job.start_event)
                 with torch.cuda.stream(stream):
-                    self._load(job)
-                job.pos = 0  # no block is known to be in place before the copies end
+                    copied = self._load(job, stream)
                 stream.synchronize()
-                job.pos = len(job.spec.keys)
+            job.pos = len(job.spec.keys)
+            job.loaded_blocks = copied
         except Exception:  # a block not known to be in place is a failed one
             log.exception("tpkv vLLM connector: background load of request %s failed",
                           job.spec.req_id)
@@ -114,10 +114,13 @@ class BackgroundLoader(CopyThread[LoadJob]):
         with self._done_lock:
             self._done.append(job)
 
-    def _load(self, job: LoadJob) -> None:
-        """Check or read each block, copy it in; a miss or a record that does not check out
-        is a failed block (vLLM recomputes from the request's first one)."""
+    def _load(self, job: LoadJob, stream: Any = None) -> int:
+        """Check or read each block, then copy them all in; a miss or a record that does not
+        check out is a failed block (vLLM recomputes from the request's first one), and so is
+        every block of a copy that raised (job.pos is 0 from the copy on until it is done)."""
         store = self.store
+        block_ids: list[int] = []
+        recs: list[BlockRecord] = []
         for pos, (block_id, key) in enumerate(zip(job.spec.block_ids, job.spec.keys)):
             job.pos = pos
             rec, pinned = job.held[pos]
@@ -136,13 +139,17 @@ class BackgroundLoader(CopyThread[LoadJob]):
                 self.fail(job, pos)
                 continue
             if rec is None:
+                rec = got
                 job.held[pos] = (got, False)  # released with the others when the job ends
                 job.report.disk_loads.setdefault(job.spec.req_id, set()).add(
                     job.spec.first_block + pos)
                 job.disk_blocks += 1
-            self.copy_in(block_id, data)
-            job.loaded_blocks += 1
-        job.pos = len(job.spec.keys)
+            assert rec is not None
+            block_ids.append(block_id)
+            recs.append(rec)
+        job.pos = 0  # no block is known to be in place before the copies are done
+        self.copy_in(block_ids, recs, stream)
+        return len(recs)
 
     def _give_up(self, job: LoadJob) -> None:
         """After an error at block job.pos: it and every later block failed; their pins go."""

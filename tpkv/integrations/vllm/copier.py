@@ -5,20 +5,21 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
 import torch
 
 from tpkv.errors import KvLayoutError
 from tpkv.integrations.disk_blocks import DiskBlockStore
 from tpkv.integrations.disk_format import DiskLayout
 from tpkv.integrations.vllm.async_load import BackgroundLoader, LoadJob
+from tpkv.integrations.vllm.block_io import KvRows, batch_of
 from tpkv.integrations.vllm.layer_load import LayerCopier, LayerJob
 from tpkv.integrations.vllm.options import queue_bytes_in_effect, write_queue_blocks
 from tpkv.integrations.vllm.plan import LoadSpec, RankFigures, SaveSpec, StepPlan, StepReport
 from tpkv.integrations.vllm.record import BlockRecord
 from tpkv.integrations.vllm.stats import rank_figures
-from tpkv.integrations.vllm.store import HostBlockStore
+from tpkv.integrations.vllm.store import HELD, HostBlockStore
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class BlockCopier:
         self.disk = disk
         self.layer_names: list[str] = []
         self._views: list[torch.Tensor] = []
+        self.rows: KvRows | None = None
+        self._stream: Any = None  # on a GPU: the stream of the step's saves and whole loads
         self.store: HostBlockStore | None = None
         self._report = StepReport()
         self._failed_block_ids: set[int] = set()
@@ -117,6 +120,7 @@ class BlockCopier:
                 disk.close()
             raise
         self.layer_names, self._views, self.store, self.rank = names, views, store, rank
+        self.rows = KvRows(views)
 
     def _loader(self) -> BackgroundLoader:
         if self.loader is None:
@@ -133,7 +137,7 @@ class BlockCopier:
         finish_layer_loads for all). A miss or a record that does not check out is a failed
         block (reported by take_failed_block_ids)."""
         self.finish_layer_loads()
-        blocks: list[tuple[int, np.ndarray]] = []
+        block_ids: list[int] = []
         owners: list[tuple[LoadSpec, int]] = []
         held: list[BlockRecord] = []
         for spec in loads:
@@ -143,22 +147,29 @@ class BlockCopier:
                 continue
             with self.lock:
                 for pos, block_id, rec in self._read(spec):
-                    if layer_order is None:
-                        try:
-                            self._copy_in(block_id, rec.data)
-                        finally:
-                            self._release([rec])
-                        self.num_loaded_blocks += 1
-                    else:
-                        blocks.append((block_id, rec.data))
-                        owners.append((spec, pos))
-                        held.append(rec)
-        if blocks and layer_order is not None:
+                    block_ids.append(block_id)
+                    owners.append((spec, pos))
+                    held.append(rec)
+        if held and layer_order is None:
+            try:
+                self._copy_in(block_ids, held)
+            except Exception:  # not known to be in place: failed loads, recomputed
+                log.exception("tpkv vLLM connector: rank %d's load of %d blocks failed",
+                              self.rank, len(held))
+                for spec, pos in owners:
+                    _fail(self._report, self._failed_block_ids, spec, pos)
+            else:
+                self.num_loaded_blocks += len(held)
+            finally:
+                self._release(held)
+        elif held and layer_order is not None:
             if self.layers is None:
                 self.layers = LayerCopier(self._views, self.rank)
             index = {name: i for i, name in enumerate(self.layer_names)}
+            batch = batch_of(block_ids, held, self.store.slots if self.store else None,
+                             self._views[0].device.type == "cuda")
             try:
-                self._layer_job = self.layers.start(blocks, [index[n] for n in layer_order],
+                self._layer_job = self.layers.start(batch, [index[n] for n in layer_order],
                                                     layer_order)
             except BaseException:
                 self._release(held)
@@ -209,8 +220,8 @@ class BlockCopier:
         self._release(held)
         waited = len(job.waited) == len(job.order)
         if copied and waited:
-            self.num_loaded_blocks += len(job.blocks)
-            self.num_layer_loaded_blocks += len(job.blocks)
+            self.num_loaded_blocks += len(job.batch)
+            self.num_layer_loaded_blocks += len(job.batch)
             return True
         if not waited:
             self.num_layer_misses += 1
@@ -218,10 +229,27 @@ class BlockCopier:
             _fail(self._report, self._failed_block_ids, spec, pos)
         return waited
 
-    def _copy_in(self, block_id: int, data: np.ndarray) -> None:
-        src = torch.from_numpy(data)
-        for layer, view in enumerate(self._views):
-            view[block_id].copy_(src[layer])
+    def _copy_in(self, block_ids: list[int], recs: list[BlockRecord], stream: Any = None
+                 ) -> None:
+        """Copy held records into vLLM blocks `block_ids` (KvRows): on the CPU done on
+        return; on a GPU on `stream` (the caller synchronizes it), or without one on the
+        copier's stream after the current one, synchronized here."""
+        assert self.rows is not None
+        on_gpu = self.rows.on_gpu
+        batch = batch_of(block_ids, recs, self.store.slots if self.store else None, on_gpu)
+        if not on_gpu or stream is not None:
+            self.rows.load_batch(batch, None, stream)
+            return
+        own = self._copy_stream()
+        own.wait_stream(torch.cuda.current_stream(self.rows.device))
+        with torch.cuda.stream(own):  # row-by-row copies, too
+            self.rows.load_batch(batch, None, own)
+        own.synchronize()
+
+    def _copy_stream(self) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._views[0].device)
+        return self._stream
 
     def _fail_job_block(self, job: LoadJob, pos: int) -> None:
         _fail(job.report, job.failed_block_ids, job.spec, pos)
@@ -260,16 +288,51 @@ class BlockCopier:
             self._save(saves)
 
     def _save(self, saves: list[SaveSpec]) -> None:
+        """Reserve a slot for each block and copy them in one batch, then keep them; when the
+        store has no slot left for the next block, the batch reserved so far is copied and
+        kept first (their slots may then go to disk or be given up for room), and the block
+        asks again."""
+        store = self.store
+        todo: list[tuple[SaveSpec, int]] = []
         for spec in saves:
-            if spec.req_id in self._report.failed_load_reqs or self.store is None:
+            slot = None
+            if spec.req_id not in self._report.failed_load_reqs and store is not None:
+                slot = store.reserve(spec.key, spec.parent, spec.tokens)
+                if slot is None and todo:
+                    self._save_batch(todo)
+                    todo = []
+                    slot = store.reserve(spec.key, spec.parent, spec.tokens)
+                if slot is None:
+                    store.full(spec.key)
+            if slot is None:
                 self._report.failed_saves.add(spec.key)
-                continue
-            rows = [view[spec.block_id] for view in self._views]
-            if self.store.put(spec.key, spec.parent, spec.tokens, rows):
+            elif slot == HELD:
                 self._report.saved.add(spec.key)
                 self.num_saved_blocks += 1
             else:
-                self._report.failed_saves.add(spec.key)
+                todo.append((spec, slot))
+        self._save_batch(todo)
+
+    def _save_batch(self, todo: list[tuple[SaveSpec, int]]) -> None:
+        """Copy the reserved blocks `todo` ((spec, slot)) from vLLM's KV cache, keep them."""
+        store = self.store
+        if not todo or store is None or self.rows is None:
+            return
+        on_gpu = self.rows.on_gpu
+        slots = [slot for _, slot in todo]
+        try:
+            self.rows.save([spec.block_id for spec, _ in todo],
+                           [store.slots.view(slot) for slot in slots],
+                           self._copy_stream() if on_gpu else None,
+                           pinned=on_gpu and store.slots.pinned_for(slots))
+        except BaseException:
+            for spec, _ in todo:
+                store.cancel(spec.key)
+            raise
+        for spec, _ in todo:
+            store.admit(spec.key)
+            self._report.saved.add(spec.key)
+            self.num_saved_blocks += 1
 
     def drop(self, keys: list[bytes]) -> None:
         if self.store is not None:

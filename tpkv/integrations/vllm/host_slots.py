@@ -77,6 +77,17 @@ class HostSlots:
         with self._lock:
             return int(self._refs[slot])
 
+    def pinned_for(self, slots: list[int]) -> bool:
+        """Whether these slots are pinned memory (waits for their arenas' background pinning;
+        False when the pool is not pinned or pinning stopped before them)."""
+        if not self.pool.pinned:
+            return False
+        try:
+            self.pool.await_pinned(np.asarray(slots, dtype=np.int64))
+        except SlotError:
+            return False
+        return True
+
     def view(self, slot: int) -> np.ndarray:
         """The slot's bytes, `[layers, page_bytes]` uint8 (a view of the pool)."""
         return self.pool.block_bytes_view(slot).reshape(self.pool.geometry.block_shape)

@@ -21,9 +21,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
+from tpkv.integrations.vllm.block_io import HostBatch, KvRows
 from tpkv.integrations.vllm.copy_thread import CopyThread
 
 log = logging.getLogger(__name__)
@@ -68,13 +68,13 @@ class LayerHooks:
 
 @dataclass
 class LayerJob:
-    """One step's layer-wise copies: `blocks` (vLLM block id, its stored bytes [layers,
-    page_bytes]) copied layer after layer in `order` (indices of the copier's views; `names`
-    are their layer names). By position in `order`: `copied` is set once that layer's copies
-    are in (on a GPU: issued, and `events` holds the event after them); `waited` holds the
-    positions the forward waited for."""
+    """One step's layer-wise copies: `batch` (vLLM block ids and their stored bytes [layers,
+    page_bytes], held by the caller until `finish`) copied layer after layer in `order`
+    (indices of the copier's views; `names` are their layer names). By position in `order`:
+    `copied` is set once that layer's copies are in (on a GPU: issued, and `events` holds the
+    event after them); `waited` holds the positions the forward waited for."""
 
-    blocks: list[tuple[int, np.ndarray]]
+    batch: HostBatch
     order: list[int]
     names: dict[str, int]  # layer name -> position in order
     copied: list[threading.Event]
@@ -91,12 +91,12 @@ class LayerCopier(CopyThread[LayerJob]):
     def __init__(self, views: list[torch.Tensor], rank: int) -> None:
         super().__init__(views[0].device)
         self.views = views
+        self.rows = KvRows(views)
         self._start(f"tpkv-layers-rank{rank}")
 
-    def start(self, blocks: list[tuple[int, np.ndarray]], order: list[int],
-              names: list[str]) -> LayerJob:
-        """Start copying `blocks` layer by layer in `order`; returns at once."""
-        job = LayerJob(blocks, order, {name: pos for pos, name in enumerate(names)},
+    def start(self, batch: HostBatch, order: list[int], names: list[str]) -> LayerJob:
+        """Start copying `batch` layer by layer in `order`; returns at once."""
+        job = LayerJob(batch, order, {name: pos for pos, name in enumerate(names)},
                        [threading.Event() for _ in order], [None] * len(order))
         job.start_event = self._caller_event()
         self._jobs.put(job)
@@ -114,12 +114,13 @@ class LayerCopier(CopyThread[LayerJob]):
             torch.cuda.current_stream(self.device).wait_event(event)
 
     def finish(self, job: LayerJob) -> bool:
-        """Wait for every layer's copies (on a GPU, the forward's stream does); whether they
-        all went in."""
+        """Wait for every layer's copies (on a GPU, the forward's stream does, and the host
+        waits until they read the job's host bytes); whether they all went in."""
         last = len(job.order) - 1
         job.copied[last].wait()
         if job.events[last] is not None:
             torch.cuda.current_stream(self.device).wait_event(job.events[last])
+            job.events[last].synchronize()
         return job.error is None
 
     def _run_job(self, job: LayerJob, stream: Any) -> None:
@@ -134,14 +135,14 @@ class LayerCopier(CopyThread[LayerJob]):
         pos = 0
         try:
             for pos, layer in enumerate(job.order):
-                view = self.views[layer]
-                for block_id, data in job.blocks:
-                    view[block_id].copy_(torch.from_numpy(data[layer]))
+                self.rows.load_batch(job.batch, [layer], stream)
                 if stream is not None:
                     job.events[pos] = stream.record_event()
                 job.copied[pos].set()
         except Exception as exc:  # this layer and the later ones are not known to be in
             log.exception("tpkv vLLM connector: layer-wise load failed at layer %d", pos)
             job.error = exc
+            if stream is not None:  # what was issued still reads the job's host bytes
+                stream.synchronize()
             for event in job.copied[pos:]:
                 event.set()

@@ -22,6 +22,8 @@ from tpkv.ssd.format import crc_of
 
 log = logging.getLogger(__name__)
 
+HELD = -1  # reserve: the key is held already
+
 
 class HostBlockStore:
     """Blocks in host memory, at most `capacity_bytes` of them, put and dropped as the scheduler's
@@ -77,6 +79,7 @@ class HostBlockStore:
         self._lock: contextlib.AbstractContextManager[Any] = (
             self.writer.lock if self.writer is not None else contextlib.nullcontext())
         self._records: dict[bytes, BlockRecord] = {}  # oldest use first
+        self._reserved: dict[bytes, tuple[int, bytes, tuple[int, ...]]] = {}  # key: slot, ...
         self._lost: list[bytes] = []
         self.num_bad_reads = 0
         self.num_spilled = 0  # blocks moved to disk (queued, with a writer)
@@ -125,30 +128,18 @@ class HostBlockStore:
     def put(self, key: bytes, parent: bytes, tokens: Sequence[int],
             data: np.ndarray | Sequence[torch.Tensor]) -> bool:
         """Keep a copy of `data` (the block as [layers, page_bytes] uint8, or its layers' rows
-        as uint8 tensors of page_bytes each, on any device: copied into a free slot); False
-        (nothing kept) when it has the wrong shape or dtype, the key is not the one of parent
-        and tokens, or no slot can be freed (and there is no disk tier). A key held already,
-        in memory or on disk, is kept as it is (True)."""
-        if key in self._records:
-            return True
-        with self._lock:
-            if self.writer is not None and self.writer.pending(key) is not None:
-                return True
-            if self.disk is not None and self.disk.touch(key):
-                return True  # not written again
+        as uint8 tensors of page_bytes each, on any device); False (nothing kept) when it has
+        the wrong shape or dtype, or `reserve` refuses it. A key held already, in memory or on
+        disk, is kept as it is (True)."""
         problem = self._data_problem(data)
         if problem:
             log.warning("tpkv vLLM store: block %s %s; not kept", key.hex(), problem)
             return False
-        if len(key) != KEY_BYTES or block_key(parent, tokens) != key:
-            log.warning("tpkv vLLM store: key %s is not the key of its parent and %d tokens; "
-                        "not kept", key.hex(), len(tokens))
-            return False
-        slot = self.slots.take() if self._make_room() else None
-        if slot is None:
-            log.warning("tpkv vLLM store: full (%d of %d bytes held); block %s not kept",
-                        self.used_bytes, self.capacity_bytes, key.hex())
-            return False
+        slot = self.reserve(key, parent, tokens)
+        if slot is None and len(key) == KEY_BYTES and block_key(parent, tokens) == key:
+            self.full(key)
+        if slot is None or slot == HELD:
+            return slot == HELD
         view = self.slots.view(slot)
         try:
             if isinstance(data, np.ndarray):
@@ -158,11 +149,51 @@ class HostBlockStore:
                 for layer, row in enumerate(data):
                     dst[layer].copy_(row.reshape(-1))
         except BaseException:
-            self.slots.release(slot)
+            self.cancel(key)
             raise
-        self._records[key] = BlockRecord(key, parent, tuple(tokens), view, crc_of(view), slot)
+        return self.admit(key)
+
+    def reserve(self, key: bytes, parent: bytes, tokens: Sequence[int]) -> int | None:
+        """First half of a save in two (the caller fills the slot, `slots.view(slot)`, then
+        calls `admit(key)`, or `cancel(key)`): a free slot for the block, `HELD` when memory or
+        disk holds the key already (or a reservation does; kept as it is), None (nothing kept)
+        when the key is not the one of parent and tokens (with a warning) or no slot can be
+        freed (every slot held, or no disk tier: `full` says so)."""
+        if key in self._records or key in self._reserved:
+            return HELD
+        with self._lock:
+            if self.writer is not None and self.writer.pending(key) is not None:
+                return HELD
+            if self.disk is not None and self.disk.touch(key):
+                return HELD  # not written again
+        if len(key) != KEY_BYTES or block_key(parent, tokens) != key:
+            log.warning("tpkv vLLM store: key %s is not the key of its parent and %d tokens; "
+                        "not kept", key.hex(), len(tokens))
+            return None
+        slot = self.slots.take() if self._make_room() else None
+        if slot is not None:
+            self._reserved[key] = (slot, parent, tuple(tokens))
+        return slot
+
+    def full(self, key: bytes) -> None:
+        """Say that `key` was not kept for want of a slot."""
+        log.warning("tpkv vLLM store: full (%d of %d bytes held, %d by blocks being saved); "
+                    "block %s not kept", self.used_bytes, self.capacity_bytes,
+                    len(self._reserved) * self.block_bytes, key.hex())
+
+    def admit(self, key: bytes) -> bool:
+        """Second half of a save: the reserved slot now holds the block; it is kept (its CRC32C
+        taken now) as the most recently used."""
+        slot, parent, tokens = self._reserved.pop(key)
+        view = self.slots.view(slot)
+        self._records[key] = BlockRecord(key, parent, tokens, view, crc_of(view), slot)
         self._queue_oldest()
         return True
+
+    def cancel(self, key: bytes) -> None:
+        """A reservation not filled: its slot is free again."""
+        slot, _, _ = self._reserved.pop(key)
+        self.slots.release(slot)
 
     def take(self, key: bytes) -> BlockRecord | None:
         """The block's record, checked, for the caller to read until it calls `release(rec)`:
