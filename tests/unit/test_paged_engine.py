@@ -268,6 +268,39 @@ def test_padded_turn_of_the_prefill_graphs_matches_the_turn_run_eagerly(turn):
     assert torch.isnan(pool[[1, 4, 6, 10, 13, 15]]).all()  # slots outside the table: untouched
 
 
+def test_the_decode_graphs_inputs_run_eagerly_match_the_engine_decode():
+    """The form the decode graphs replay (decode_inputs: one token a session, the tables
+    padded with slot 0 to the width bucket), run eagerly here through the graphs' own forward:
+    the logits and every byte written to the pool match the engine's eager decode step. The
+    dummy a capture runs is the same builder's one-token session."""
+    from tpkv.models.graphs import _FIELDS, DecodeGraphs, decode_inputs
+
+    model = _model()
+    pool = _pool(model, 32)
+    engine = PagedEngine(model, pool, cuda_graphs=False)
+    tables = {"a": np.array([9, 3]), "b": np.array([14, 0, 7, 11, 5]), "c": np.array([30])}
+    for s, n in zip(tables, (6, 17, 2)):
+        engine.prefill(s, _prompts([n], seed=n)[0], tables[s])
+    seqs = [engine.seqs[s] for s in tables]
+    seq_lens = [len(q.token_ids) for q in seqs]
+    host, width, used = decode_inputs([q.token_ids[-1] for q in seqs], list(tables.values()),
+                                      seq_lens, BT, bucket_blocks=4)
+    assert (width, used) == (8, 5)  # 18 tokens: 5 blocks of 4, in the bucket of 8
+    graph_pool = pool.clone()
+    want = engine.decode_step(list(tables.items())).logits
+    runner = SimpleNamespace(model=model, pool=graph_pool, attention=engine.attention,
+                             block_tokens=BT)
+    with torch.inference_mode():
+        got, _ = DecodeGraphs._run(runner, torch.from_numpy(host), 3, width)  # type: ignore[arg-type]
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(graph_pool, pool, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+    dummy, w, _ = decode_inputs([0] * 2, [np.zeros(1, np.int64)] * 2, [1] * 2, BT, 4, width=12)
+    want_dummy = np.zeros(2 * (_FIELDS + 12), dtype=np.int64)
+    want_dummy[2 * 2:3 * 2] = 1  # sequence length 1; token, position, slot, offset 0
+    assert w == 12 and np.array_equal(dummy, want_dummy)
+
+
 def test_predict_next_names_the_batch_the_next_step_runs():
     """Inside each step (its `launched` hook) the engine names the next step's batch: prefills
     of the turns waiting (as many as the token budget and the batch take), then the decoding

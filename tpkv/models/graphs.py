@@ -100,22 +100,10 @@ class DecodeGraphs:
         """Logits [B, vocab] (a copy) and block mass [B, NB] of one decode step: session b feeds
         token_ids[b] at position seq_lens[b] - 1; tables[b] lists its L1 slots (checked by the
         caller, `check_tables`)."""
-        b = len(token_ids)
-        seq = np.asarray(seq_lens, dtype=np.int64)
-        nb_used = -(-seq // self.block_tokens)
-        width = int(-(-int(nb_used.max()) // self.bucket_blocks) * self.bucket_blocks)
-        host = np.zeros(b * (_FIELDS + width), dtype=np.int64)
-        fields = host[:b * _FIELDS].reshape(_FIELDS, b)
-        table = host[b * _FIELDS:].reshape(b, width)
-        for i, t in enumerate(tables):
-            table[i, :nb_used[i]] = np.asarray(t, dtype=np.int64)[:nb_used[i]]
-        pos = seq - 1
-        fields[0] = np.asarray(token_ids, dtype=np.int64)
-        fields[1], fields[2] = pos, seq
-        fields[3] = table[np.arange(b), pos // self.block_tokens]
-        fields[4] = pos % self.block_tokens
-        entry = self._replay((b, width, 0), host)
-        mass = None if entry.mass is None else entry.mass[:, :int(nb_used.max())]
+        host, width, used = decode_inputs(token_ids, tables, seq_lens, self.block_tokens,
+                                          self.bucket_blocks)
+        entry = self._replay((len(token_ids), width, 0), host)
+        mass = None if entry.mass is None else entry.mass[:, :used]
         return entry.logits.clone(), mass
 
     def _replay(self, key: tuple[int, int, int], host: np.ndarray) -> _Graph:
@@ -152,8 +140,9 @@ class DecodeGraphs:
         saved = self.pool[0].clone()
         for key in todo:
             if key[0] > 0:  # decode: one token at position 0 of a one-token session
-                host = np.zeros(key[0] * (_FIELDS + key[1]), dtype=np.int64)
-                host[2 * key[0]:3 * key[0]] = 1
+                host, _, _ = decode_inputs([0] * key[0], [np.zeros(1, np.int64)] * key[0],
+                                           [1] * key[0], self.block_tokens,
+                                           self.bucket_blocks, width=key[1])
             else:  # a turn of `rows` tokens ending the table's last position, in slot 0
                 qn, seq = key[1], key[2] * self.block_tokens
                 host, _, _ = prefill_inputs([0] * qn, np.zeros(key[2], dtype=np.int64), seq,
@@ -223,6 +212,32 @@ def graph_keys(max_batch: int, max_tokens: int, block_tokens: int, bucket_blocks
         rows = sorted({query_bucket(q) for q in range(2, max_prefill_tokens + 1)})
         keys += [(-1, qb, w) for qb in rows for w in widths if qb < w * block_tokens]
     return keys
+
+
+def decode_inputs(token_ids: Sequence[int], tables: Sequence[np.ndarray],
+                  seq_lens: Sequence[int], block_tokens: int, bucket_blocks: int,
+                  width: int | None = None) -> tuple[np.ndarray, int, int]:
+    """(int64 inputs, width bucket, blocks the longest session uses) of one decode step: per
+    session (a row each of _FIELDS) its token id, position (seq_len - 1), seq_len, the L1 slot
+    and offset its new K/V goes to; then the tables padded with slot 0 to the width (the
+    bucket of the longest, or `width` where given)."""
+    b = len(token_ids)
+    seq = np.asarray(seq_lens, dtype=np.int64)
+    nb_used = -(-seq // block_tokens)
+    used = int(nb_used.max())
+    if width is None:
+        width = bucket_width(used, bucket_blocks)
+    host = np.zeros(b * (_FIELDS + width), dtype=np.int64)
+    fields = host[:b * _FIELDS].reshape(_FIELDS, b)
+    table = host[b * _FIELDS:].reshape(b, width)
+    for i, t in enumerate(tables):
+        table[i, :nb_used[i]] = np.asarray(t, dtype=np.int64)[:nb_used[i]]
+    pos = seq - 1
+    fields[0] = np.asarray(token_ids, dtype=np.int64)
+    fields[1], fields[2] = pos, seq
+    fields[3] = table[np.arange(b), pos // block_tokens]
+    fields[4] = pos % block_tokens
+    return host, width, used
 
 
 def prefill_inputs(token_ids: Sequence[int], table: np.ndarray, seq_len: int, block_tokens: int,
