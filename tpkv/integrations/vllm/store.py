@@ -17,7 +17,7 @@ from tpkv.integrations.disk_blocks import DiskBlockStore
 from tpkv.integrations.prefix_index import KEY_BYTES, block_key
 from tpkv.integrations.vllm.disk_writer import DiskWriter
 from tpkv.integrations.vllm.host_slots import HostSlots
-from tpkv.integrations.vllm.record import BlockRecord
+from tpkv.integrations.vllm.record import BlockRecord, data_problem, record_problem
 from tpkv.ssd.format import crc_of
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class HostBlockStore:
         as uint8 tensors of page_bytes each, on any device); False (nothing kept) when it has
         the wrong shape or dtype, or `reserve` refuses it. A key held already, in memory or on
         disk, is kept as it is (True)."""
-        problem = self._data_problem(data)
+        problem = data_problem(data, self.block_shape)
         if problem:
             log.warning("tpkv vLLM store: block %s %s; not kept", key.hex(), problem)
             return False
@@ -311,22 +311,8 @@ class HostBlockStore:
         if rec.slot >= 0:
             self.slots.ref(rec.slot)
 
-    def _data_problem(self, data: np.ndarray | Sequence[torch.Tensor]) -> str:
-        layers, page = self.block_shape
-        if isinstance(data, np.ndarray):
-            if data.shape != self.block_shape or data.dtype != np.uint8:
-                return f"has shape {data.shape} {data.dtype}, expected {self.block_shape} uint8"
-            return ""
-        if len(data) != layers:
-            return f"has {len(data)} layers, expected {layers}"
-        for layer, row in enumerate(data):
-            if row.dtype != torch.uint8 or row.numel() != page:
-                return (f"layer {layer} has {row.numel()} {row.dtype} values, expected {page} "
-                        f"uint8")
-        return ""
-
     def _checked(self, key: bytes, rec: BlockRecord) -> np.ndarray | None:
-        problem = self._check(key, rec)
+        problem = record_problem(key, rec, self.block_shape)
         if not problem:
             return rec.data
         self.num_bad_reads += 1
@@ -409,7 +395,7 @@ class HostBlockStore:
         key = next(iter(self._records))
         rec = self._records.pop(key)
         try:
-            problem = self._check(key, rec)
+            problem = record_problem(key, rec, self.block_shape)
             if problem:
                 self.num_bad_reads += 1
                 log.warning("tpkv vLLM store: block %s is not moved to disk: %s", key.hex(),
@@ -420,15 +406,3 @@ class HostBlockStore:
             self._lost.append(key)
         finally:
             self.release(rec)
-
-    def _check(self, key: bytes, rec: BlockRecord) -> str:
-        if rec.key != key:
-            return f"record holds key {rec.key.hex()}"
-        if block_key(rec.parent, rec.tokens) != key:
-            return "its parent and tokens hash to another key"
-        if rec.data.shape != self.block_shape or rec.data.dtype != np.uint8:
-            return f"shape {rec.data.shape} {rec.data.dtype}, expected {self.block_shape} uint8"
-        crc = crc_of(rec.data)
-        if crc != rec.crc:
-            return f"CRC32C {crc:#010x}, recorded {rec.crc:#010x}"
-        return ""
