@@ -78,15 +78,10 @@ class HostSlots:
             return int(self._refs[slot])
 
     def pinned_for(self, slots: list[int]) -> bool:
-        """Whether these slots are pinned memory (waits for their arenas' background pinning;
-        False when the pool is not pinned or pinning stopped before them)."""
-        if not self.pool.pinned:
-            return False
-        try:
-            self.pool.await_pinned(np.asarray(slots, dtype=np.int64))
-        except SlotError:
-            return False
-        return True
+        """Whether these slots are pinned memory now: the pool pins (CUDA is present) and
+        their arenas are in the pinned prefix. Never waits for the background pinning: a copy
+        from a slot not pinned yet goes the pageable way."""
+        return self.pool.pinned and bool(slots) and max(slots) < self.pool.ready_slots
 
     def view(self, slot: int) -> np.ndarray:
         """The slot's bytes, `[layers, page_bytes]` uint8 (a view of the pool)."""
