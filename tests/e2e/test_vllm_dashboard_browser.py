@@ -4,6 +4,7 @@ and a hostile model name as text."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import urllib.request
 from pathlib import Path
@@ -22,6 +23,8 @@ pytestmark = pytest.mark.timeout(120)
 def test_the_page_shows_a_vllm_instance(browser: Any, two_turns: Any,  # noqa: F811
                                         tmp_path: Path) -> None:
     planner, copier, _ = two_turns
+    (step, figures), = planner.counters._ranks.values()  # as a rank on a GPU reports it
+    planner.counters._ranks[0] = (step, dataclasses.replace(figures, pinned_bytes=3 << 20))
     info = dict(INFO, model='<img src=x onerror="window.__xss=1">')
     dash = ConnectorDashboard(planner, ConnectorOptions.from_extra({"dashboard_port": 0}), info)
     url = dash.start()
@@ -39,6 +42,7 @@ def test_the_page_shows_a_vllm_instance(browser: Any, two_turns: Any,  # noqa: F
         (row,) = cells(page, "#vllm-tier-table tbody tr")
         rank = v["ranks"][0]
         assert row[0] == "0" and row[1].startswith(f"{rank['host_blocks']} blocks, ")
+        assert row[1].endswith(", 3.0 MiB pinned")
         assert row[2].startswith(f"{rank['disk_blocks']} blocks, ") and row[3] == "0"
         assert row[4] == str(rank["reported_step"])
         counters = page.text_content("#vllm-counters")

@@ -47,7 +47,9 @@ class RankFigures:
     """What one rank's store holds and gave up, for the dashboard (sent when it changed): blocks
     and bytes in host memory (blocks queued for disk included, `queued` of them), on disk,
     their caps, and the blocks and bytes a full disk write queue gave up since start with the
-    bytes the queue needed to give up none. A block read back from disk is in both tiers."""
+    bytes the queue needed to give up none; and the host memory pinned for copies (the store's
+    pool: all of host_capacity_bytes once pinned where CUDA is present, 0 without). A block
+    read back from disk is in both tiers."""
 
     rank: int
     block_bytes: int
@@ -62,6 +64,7 @@ class RankFigures:
     dropped_blocks: int = 0
     dropped_bytes: int = 0
     needed_queue_bytes: int = 0
+    pinned_bytes: int = 0
 
 
 @dataclass

@@ -26,7 +26,8 @@ def rank_figures(rank: int, store: HostBlockStore) -> RankFigures:
         queued_blocks=queued, disk_enabled=disk is not None, disk_blocks=disk_blocks,
         disk_bytes=disk_bytes,
         disk_capacity_bytes=disk.capacity_bytes if disk is not None else 0,
-        dropped_blocks=dropped[0], dropped_bytes=dropped[1], needed_queue_bytes=dropped[2])
+        dropped_blocks=dropped[0], dropped_bytes=dropped[1], needed_queue_bytes=dropped[2],
+        pinned_bytes=store.slots.pool.pinned_bytes)
 
 
 class ConnectorCounters:

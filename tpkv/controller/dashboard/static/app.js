@@ -335,7 +335,8 @@
     fill($("vllm-tier-table").tBodies[0], ranks.length ? ranks.map((r) => el("tr", { data: { rank: r.rank } },
       td(r.rank, "n"),
       usage(r.host_bytes, r.host_capacity_bytes, "L2", r.host_blocks + " blocks, " + bytes(r.host_bytes) +
-        " of " + bytes(r.host_capacity_bytes) + (r.queued_blocks ? " (" + r.queued_blocks + " queued for disk)" : "")),
+        " of " + bytes(r.host_capacity_bytes) + (r.queued_blocks ? " (" + r.queued_blocks + " queued for disk)" : "") +
+        (r.pinned_bytes ? ", " + bytes(r.pinned_bytes) + " pinned" : "")),
       r.disk_enabled ? usage(r.disk_bytes, r.disk_capacity_bytes, "L3", r.disk_blocks + " blocks, " +
         bytes(r.disk_bytes) + " of " + bytes(r.disk_capacity_bytes)) : td("off", "note"),
       td(r.dropped_blocks ? r.dropped_blocks + " (" + bytes(r.dropped_bytes) + "; the queue needed " +
