@@ -151,6 +151,7 @@ def test_the_dashboard_serves_the_snapshot_on_loopback_behind_its_token(
         status, metrics = get(url + "metrics", "s3cret")
         assert status == 200 and f"tpkv_vllm_hit_tokens_total {4.0 * BT}" in metrics.decode()
         assert 'tpkv_vllm_tier_blocks{rank="0",tier="disk"} 4.0' in metrics.decode()
+        assert 'tpkv_vllm_pinned_bytes{rank="0"} 0.0' in metrics.decode()  # no GPU here
         status, page = get(url)  # the page itself needs no token; its data does
         assert status == 200 and b'id="vllm"' in page
         with pytest.raises(OSError, match="HTTP 401"):

@@ -155,6 +155,8 @@ def _vllm(b: _Builder, v: Mapping[str, Any]) -> None:
           [((str(r.get("rank")), t), r.get(f"{t}_blocks")) for r in ranks for t in names])
     b.add("tpkv_vllm_tier_bytes", "gauge", "Bytes a rank holds in a tier", rt,
           [((str(r.get("rank")), t), r.get(f"{t}_bytes")) for r in ranks for t in names])
+    b.add("tpkv_vllm_pinned_bytes", "gauge", "Host bytes a rank holds pinned for copies",
+          ("rank",), [((str(r.get("rank")),), r.get("pinned_bytes")) for r in ranks])
     b.add("tpkv_vllm_index_blocks", "gauge", "Blocks the scheduler's prefix index holds",
           value=(v.get("index") or {}).get("blocks"))
 
