@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from tests.unit.test_vllm_async_load import caches, request, store_prompt, wait_finished
-from tests.unit.test_vllm_disk_tier import SEED, SHAPE, blocks
+from tests.unit.test_vllm_disk_tier import RECORD, SEED, SHAPE, blocks
 from tests.unit.test_vllm_disk_writer import BLOCK, Gate, gated_writes, host, wait_running
 from tpkv.errors import SlotError
 from tpkv.integrations.prefix_index import extend_chain
-from tpkv.integrations.vllm.copier import BlockCopier
+from tpkv.integrations.vllm.copier import BlockCopier, DiskSpec
 from tpkv.integrations.vllm.host_slots import HostSlots
 from tpkv.integrations.vllm.load_policy import LoadPolicy
+from tpkv.integrations.vllm.plan import SaveSpec
 from tpkv.integrations.vllm.planner import Planner
 from tpkv.integrations.vllm.record import BlockRecord
 from tpkv.integrations.vllm.store import HostBlockStore
@@ -165,4 +166,39 @@ def test_a_background_load_copies_its_blocks_though_their_slots_are_refilled() -
     assert store.slots.num_free == 2  # the load let its two slots go
     with copier.lock:
         assert store.put(*fresh[1]) and store.put(*fresh[2])
+    copier.close()
+
+
+def save_specs(keys_of: list[int], tokens: list[int]) -> list[SaveSpec]:
+    """Saves of the full blocks of `tokens` (chain of SEED, 4 tokens a block) from vLLM blocks
+    keys_of[i]."""
+    keys = extend_chain([], tokens, 4, SEED)
+    return [SaveSpec("w", keys_of[i], key, keys[i - 1] if i else SEED,
+                     tuple(tokens[4 * i:4 * i + 4])) for i, key in enumerate(keys)]
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_a_step_saving_more_blocks_than_slots_keeps_what_fits_exactly(
+        tmp_path: Path, disk: bool) -> None:
+    """Three slots, five saves in one step: without a disk tier the first three are kept and the
+    others are failed saves; with one (written on the step's path), the batch so far is kept
+    and moved out as the next blocks need room, so all five are held, bit-exact."""
+    kv = caches(5)
+    spec = DiskSpec(str(tmp_path), 16 * RECORD, SEED, 4, "test-model", queue_bytes=0)
+    copier = BlockCopier(3 * BLOCK, spec if disk else None)
+    copier.register(kv, 16)
+    saves = save_specs([4, 9, 1, 12, 6], list(range(1000, 1020)))
+    bad = SaveSpec("w", 2, b"\x00" * 16, SEED, (1, 2, 3, 4))  # not the key of its tokens
+    copier.save([saves[0], bad, *saves[1:]])
+    report = copier.take_report()
+    store = copier.store
+    assert report is not None and store is not None
+    kept = saves if disk else saves[:3]
+    assert report.saved == {s.key for s in kept}
+    assert report.failed_saves == {bad.key} | {s.key for s in saves if s not in kept}
+    assert store.used_bytes <= 3 * BLOCK and store.slots.num_used == len(store)
+    for s in kept:
+        want = torch.stack([t[s.block_id].reshape(-1).view(torch.uint8)
+                            for t in kv.values()]).numpy()
+        assert np.array_equal(store.get(s.key), want)
     copier.close()

@@ -19,7 +19,7 @@ from tpkv.integrations.vllm.options import queue_bytes_in_effect, write_queue_bl
 from tpkv.integrations.vllm.plan import LoadSpec, RankFigures, SaveSpec, StepPlan, StepReport
 from tpkv.integrations.vllm.record import BlockRecord
 from tpkv.integrations.vllm.stats import rank_figures
-from tpkv.integrations.vllm.store import HELD, HostBlockStore
+from tpkv.integrations.vllm.store import HELD, REFUSED, HostBlockStore
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +304,7 @@ class BlockCopier:
                     slot = store.reserve(spec.key, spec.parent, spec.tokens)
                 if slot is None:
                     store.full(spec.key)
-            if slot is None:
+            if slot is None or slot == REFUSED:
                 self._report.failed_saves.add(spec.key)
             elif slot == HELD:
                 self._report.saved.add(spec.key)

@@ -23,6 +23,7 @@ from tpkv.ssd.format import crc_of
 log = logging.getLogger(__name__)
 
 HELD = -1  # reserve: the key is held already
+REFUSED = -2  # reserve: the key is not the one of its parent and tokens
 
 
 class HostBlockStore:
@@ -136,9 +137,9 @@ class HostBlockStore:
             log.warning("tpkv vLLM store: block %s %s; not kept", key.hex(), problem)
             return False
         slot = self.reserve(key, parent, tokens)
-        if slot is None and len(key) == KEY_BYTES and block_key(parent, tokens) == key:
+        if slot is None:
             self.full(key)
-        if slot is None or slot == HELD:
+        if slot is None or slot < 0:
             return slot == HELD
         view = self.slots.view(slot)
         try:
@@ -156,9 +157,9 @@ class HostBlockStore:
     def reserve(self, key: bytes, parent: bytes, tokens: Sequence[int]) -> int | None:
         """First half of a save in two (the caller fills the slot, `slots.view(slot)`, then
         calls `admit(key)`, or `cancel(key)`): a free slot for the block, `HELD` when memory or
-        disk holds the key already (or a reservation does; kept as it is), None (nothing kept)
-        when the key is not the one of parent and tokens (with a warning) or no slot can be
-        freed (every slot held, or no disk tier: `full` says so)."""
+        disk holds the key already (or a reservation does; kept as it is), `REFUSED` (nothing
+        kept, with a warning) when the key is not the one of parent and tokens, None when no
+        slot can be freed (every slot held, or no disk tier: `full` says so)."""
         if key in self._records or key in self._reserved:
             return HELD
         with self._lock:
@@ -169,7 +170,7 @@ class HostBlockStore:
         if len(key) != KEY_BYTES or block_key(parent, tokens) != key:
             log.warning("tpkv vLLM store: key %s is not the key of its parent and %d tokens; "
                         "not kept", key.hex(), len(tokens))
-            return None
+            return REFUSED
         slot = self.slots.take() if self._make_room() else None
         if slot is not None:
             self._reserved[key] = (slot, parent, tuple(tokens))
