@@ -251,6 +251,38 @@ def test_a_load_that_raises_fails_its_remaining_blocks_and_still_finishes() -> N
     copier.close()
 
 
+def test_a_load_whose_read_raises_midway_fails_every_block() -> None:
+    """The copies come after every block was read: an error reading block 1 leaves block 0
+    uncopied too, so all three are failed loads (vLLM recomputes), none left half done."""
+    kv = caches(6)
+    copier = BlockCopier(1 << 20)
+    copier.register(kv, NUM_BLOCKS)
+    planner = Planner(BT, SEED, 64, policy=LoadPolicy("always", 0, BLOCK_BYTES, 64))
+    prompt = list(range(900, 913))  # 3 full blocks
+    store_prompt(planner, copier, prompt, [1, 2, 3, 4])
+    keys = extend_chain([], prompt, BT, SEED)
+    store = copier.store
+    assert store is not None
+    checked = store.checked
+
+    def flaky(key: bytes, rec: BlockRecord) -> np.ndarray | None:
+        if key == keys[1]:
+            raise OSError("store gone")
+        return checked(key, rec)
+
+    store.checked = flaky  # type: ignore[method-assign]
+    before = kv["layer0"][5].clone()
+    req = request("r", list(prompt))
+    assert planner.matched_tokens(req, 0) == 12
+    planner.after_alloc(req, [5, 6, 7, 8], 12)
+    copier.load(planner.plan([], lambda r: []).loads)
+    assert wait_finished(copier) == {"r"}
+    assert copier.take_failed_block_ids() == {5, 6, 7}
+    assert torch.equal(kv["layer0"][5], before)  # block 0 was read, never copied
+    assert store.slots.num_free == store.slots.num_slots - 3  # the load let its holds go
+    copier.close()
+
+
 def test_a_small_background_load_in_a_step_without_forward_runs_inline() -> None:
     kv = caches(4)
     copier = BlockCopier(1 << 20)

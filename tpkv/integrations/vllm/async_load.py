@@ -46,7 +46,6 @@ class LoadJob:
     failed_block_ids: set[int] = field(default_factory=set)
     loaded_blocks: int = 0
     disk_blocks: int = 0
-    pos: int = 0  # the block being loaded
     # On a GPU: recorded on the submitting thread's stream at submit, so the copies come after
     # what vLLM queued there for these blocks before (it zeroes freshly allocated blocks)
     start_event: Any = None
@@ -101,7 +100,6 @@ class BackgroundLoader(CopyThread[LoadJob]):
                 with torch.cuda.stream(stream):
                     copied = self._load(job, stream)
                 stream.synchronize()
-            job.pos = len(job.spec.keys)
             job.loaded_blocks = copied
         except Exception:  # a block not known to be in place is a failed one
             log.exception("tpkv vLLM connector: background load of request %s failed",
@@ -116,13 +114,12 @@ class BackgroundLoader(CopyThread[LoadJob]):
 
     def _load(self, job: LoadJob, stream: Any = None) -> int:
         """Check or read each block, then copy them all in; a miss or a record that does not
-        check out is a failed block (vLLM recomputes from the request's first one), and so is
-        every block of a copy that raised (job.pos is 0 from the copy on until it is done)."""
+        check out is a failed block (vLLM recomputes from the request's first one). Nothing
+        is copied before every block was read, so on an error no block is in place."""
         store = self.store
         block_ids: list[int] = []
         recs: list[BlockRecord] = []
         for pos, (block_id, key) in enumerate(zip(job.spec.block_ids, job.spec.keys)):
-            job.pos = pos
             rec, pinned = job.held[pos]
             data = got = None
             if store is not None:
@@ -147,13 +144,13 @@ class BackgroundLoader(CopyThread[LoadJob]):
             assert rec is not None
             block_ids.append(block_id)
             recs.append(rec)
-        job.pos = 0  # no block is known to be in place before the copies are done
         self.copy_in(block_ids, recs, stream)
         return len(recs)
 
     def _give_up(self, job: LoadJob) -> None:
-        """After an error at block job.pos: it and every later block failed; their pins go."""
-        for pos in range(job.pos, len(job.spec.keys)):
+        """After an error: every block of the job failed (none is known to be in place: the
+        copies come after every read), and the disk pins still held go."""
+        for pos in range(len(job.spec.keys)):
             self.fail(job, pos)
             rec, pinned = job.held[pos]
             if pinned and self.store is not None:
