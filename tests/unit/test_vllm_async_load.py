@@ -61,6 +61,20 @@ def store_prompt(planner: Planner, copier: BlockCopier, prompt: list[int],
     planner.finished("w")
 
 
+def three_stored(seed: int, first_token: int
+                 ) -> tuple[dict[str, torch.Tensor], BlockCopier, Planner, list[int]]:
+    """A copier over caches(seed) whose store holds the 3 full blocks of a 13-token prompt
+    from first_token (computed in vLLM blocks 1-4), and a planner that loads in the
+    background: (caches, copier, planner, prompt)."""
+    kv = caches(seed)
+    copier = BlockCopier(1 << 20)
+    copier.register(kv, NUM_BLOCKS)
+    planner = Planner(BT, SEED, 64, policy=LoadPolicy("always", 0, BLOCK_BYTES, 64))
+    prompt = list(range(first_token, first_token + 13))
+    store_prompt(planner, copier, prompt, [1, 2, 3, 4])
+    return kv, copier, planner, prompt
+
+
 def test_the_policy_runs_disk_and_large_loads_in_the_background() -> None:
     keys = [bytes([i]) * 16 for i in range(4)]
     auto = LoadPolicy("auto", 3 * 100, 100, host_blocks=2)
@@ -114,12 +128,7 @@ def test_a_background_load_is_bit_exact_and_finishes_once() -> None:
 
 
 def test_a_damaged_record_fails_its_block_with_the_finished_request() -> None:
-    kv = caches(1)
-    copier = BlockCopier(1 << 20)
-    copier.register(kv, NUM_BLOCKS)
-    planner = Planner(BT, SEED, 64, policy=LoadPolicy("always", 0, BLOCK_BYTES, 64))
-    prompt = list(range(200, 213))  # 3 full blocks
-    store_prompt(planner, copier, prompt, [1, 2, 3, 4])
+    kv, copier, planner, prompt = three_stored(1, 200)
     keys = extend_chain([], prompt, BT, SEED)
     assert copier.store is not None
     rec = copier.store.record(keys[1])
@@ -225,12 +234,7 @@ def test_a_background_load_reads_the_disk_tier_and_releases_its_pins(tmp_path: P
 
 
 def test_a_load_that_raises_fails_its_remaining_blocks_and_still_finishes() -> None:
-    kv = caches(3)
-    copier = BlockCopier(1 << 20)
-    copier.register(kv, NUM_BLOCKS)
-    planner = Planner(BT, SEED, 64, policy=LoadPolicy("always", 0, BLOCK_BYTES, 64))
-    prompt = list(range(700, 713))  # 3 full blocks
-    store_prompt(planner, copier, prompt, [1, 2, 3, 4])
+    kv, copier, planner, prompt = three_stored(3, 700)
     req = request("r", list(prompt))
     assert planner.matched_tokens(req, 0) == 12
     planner.after_alloc(req, [5, 6, 7, 8], 12)
@@ -254,12 +258,7 @@ def test_a_load_that_raises_fails_its_remaining_blocks_and_still_finishes() -> N
 def test_a_load_whose_read_raises_midway_fails_every_block() -> None:
     """The copies come after every block was read: an error reading block 1 leaves block 0
     uncopied too, so all three are failed loads (vLLM recomputes), none left half done."""
-    kv = caches(6)
-    copier = BlockCopier(1 << 20)
-    copier.register(kv, NUM_BLOCKS)
-    planner = Planner(BT, SEED, 64, policy=LoadPolicy("always", 0, BLOCK_BYTES, 64))
-    prompt = list(range(900, 913))  # 3 full blocks
-    store_prompt(planner, copier, prompt, [1, 2, 3, 4])
+    kv, copier, planner, prompt = three_stored(6, 900)
     keys = extend_chain([], prompt, BT, SEED)
     store = copier.store
     assert store is not None
