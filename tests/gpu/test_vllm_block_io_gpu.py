@@ -50,8 +50,7 @@ def test_pinned_slots_go_by_address_both_ways_bit_exact() -> None:
     own = host_rows(caches, 5)  # an array of its own (pageable): row by row
     recs.append(BlockRecord(b"o" * 16, b"p" * 16, (9,), own, 0))
     batch = batch_of([0, 1, 3, 4], recs, slots, on_gpu=True)
-    assert [(ids_, pinned) for ids_, _, pinned in batch.groups] == [([0, 1, 3], True),
-                                                                      ([4], False)]
+    assert [(g.ids, g.pinned) for g in batch.groups] == [([0, 1, 3], True), ([4], False)]
     before = {name: t.clone() for name, t in caches.items()}
     with torch.cuda.stream(stream):
         rows.load_batch(batch, None, stream)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tpkv.integrations.vllm.block_io import HostBatch, KvRows, batch_of
+from tpkv.integrations.vllm.block_io import HostBatch, KvRows, RowGroup, batch_of
 from tpkv.integrations.vllm.copier import block_views
 from tpkv.integrations.vllm.host_slots import HostSlots
 from tpkv.integrations.vllm.record import BlockRecord
@@ -42,7 +42,7 @@ def test_addresses_are_layer_then_block() -> None:
     rows = KvRows(views)
     page = rows.page_bytes
     blocks = [np.zeros((LAYERS, page), np.uint8) for _ in range(2)]
-    got_kv, got_host = rows.addresses([5, 2], blocks, [2, 0])
+    got_kv, got_host = rows.addresses([5, 2], kernels.addresses(blocks)[0], [2, 0])
     want_kv = [views[2].data_ptr() + 5 * page, views[2].data_ptr() + 2 * page,
                views[0].data_ptr() + 5 * page, views[0].data_ptr() + 2 * page]
     want_host = [blocks[0].ctypes.data + 2 * page, blocks[1].ctypes.data + 2 * page,
@@ -61,7 +61,7 @@ def test_save_then_load_is_bit_exact_and_touches_nothing_else(mode: str) -> None
         assert np.array_equal(block, by_rows(caches, block_id))
     before = {name: t.clone() for name, t in caches.items()}
     targets = [1, 2, 9, 10]
-    rows.load(targets, blocks)
+    rows.load(RowGroup.of(targets, blocks, True))
     for name, t in caches.items():
         for src, dst in zip(ids, targets):
             assert torch.equal(t[dst], before[name][src])
@@ -76,7 +76,7 @@ def test_a_load_of_some_layers_copies_only_those(mode: str) -> None:
     rng = np.random.default_rng(0)
     blocks = [rng.integers(0, 256, (LAYERS, rows.page_bytes), dtype=np.uint8) for _ in range(2)]
     before = {name: t.clone() for name, t in caches.items()}
-    rows.load([4, 6], blocks, layers=[1])
+    rows.load(RowGroup.of([4, 6], blocks, True), layers=[1])
     names = list(caches)
     for layer, name in enumerate(names):
         for block_id, block in zip([4, 6], blocks):
@@ -95,9 +95,10 @@ def test_a_batch_off_a_gpu_is_one_group_of_slots_and_arrays_alike() -> None:
     recs = [BlockRecord(b"k" * 16, b"p" * 16, (1,), slots.view(slot), 0, slot),
             BlockRecord(b"j" * 16, b"p" * 16, (2,), own, 0)]
     batch = batch_of([3, 4], recs, slots, on_gpu=False)
-    assert len(batch) == 2 and [g[0] for g in batch.groups] == [[3, 4]]
+    assert len(batch) == 2 and [g.ids for g in batch.groups] == [[3, 4]]
+    assert batch.groups[0].host.tolist() == [slots.view(slot).ctypes.data, own.ctypes.data]
     # on a GPU, only slots of pinned memory go by address; a pool not pinned has none
     gpu = batch_of([3, 4], recs, slots, on_gpu=True)
-    assert [(ids, pinned) for ids, _, pinned in gpu.groups] == [([3, 4], False)]
+    assert [(g.ids, g.pinned) for g in gpu.groups] == [([3, 4], False)]
     assert len(HostBatch()) == 0 and len(batch_of([], [], slots, on_gpu=False)) == 0
     slots.close()

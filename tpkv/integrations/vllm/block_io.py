@@ -21,14 +21,28 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class HostBatch:
-    """Host blocks to copy into vLLM blocks, in groups of (vLLM block ids, their host bytes,
-    whether those are pinned): see `batch_of`."""
+class RowGroup:
+    """Host blocks to copy into vLLM blocks `ids`: their bytes, whether those are pinned, and
+    their addresses (taken once, whatever the layers copied)."""
 
-    groups: list[tuple[list[int], list[np.ndarray], bool]] = field(default_factory=list)
+    ids: list[int]
+    blocks: list[np.ndarray]
+    pinned: bool
+    host: np.ndarray
+
+    @classmethod
+    def of(cls, ids: list[int], blocks: list[np.ndarray], pinned: bool) -> RowGroup:
+        return cls(ids, blocks, pinned, kernels.addresses(blocks)[0])
+
+
+@dataclass
+class HostBatch:
+    """Host blocks to copy into vLLM blocks, in RowGroups: see `batch_of`."""
+
+    groups: list[RowGroup] = field(default_factory=list)
 
     def __len__(self) -> int:
-        return sum(len(ids) for ids, _, _ in self.groups)
+        return sum(len(g.ids) for g in self.groups)
 
 
 def batch_of(block_ids: Sequence[int], recs: Sequence[BlockRecord], slots: HostSlots | None,
@@ -36,7 +50,8 @@ def batch_of(block_ids: Sequence[int], recs: Sequence[BlockRecord], slots: HostS
     """The records `recs` (held by the caller) for vLLM blocks `block_ids`: one group off a GPU;
     on a GPU those in pinned slots, then the others."""
     if not on_gpu:
-        return HostBatch([(list(block_ids), [r.data for r in recs], True)] if recs else [])
+        return HostBatch([RowGroup.of(list(block_ids), [r.data for r in recs], True)]
+                         if recs else [])
     pooled = [i for i, r in enumerate(recs) if r.slot >= 0]
     pinned = slots is not None and bool(pooled) and slots.pinned_for(
         [recs[i].slot for i in pooled])
@@ -45,8 +60,8 @@ def batch_of(block_ids: Sequence[int], recs: Sequence[BlockRecord], slots: HostS
     for group, is_pinned in (([i for i in range(len(recs)) if i in fast], True),
                              ([i for i in range(len(recs)) if i not in fast], False)):
         if group:
-            batch.groups.append(([block_ids[i] for i in group], [recs[i].data for i in group],
-                                 is_pinned))
+            batch.groups.append(RowGroup.of([block_ids[i] for i in group],
+                                            [recs[i].data for i in group], is_pinned))
     return batch
 
 
@@ -72,15 +87,14 @@ class KvRows:
         # on a GPU, by address through the batch entry of the CUDA runtime, where it has one
         self.batched = not self.on_gpu or cuda_rt.has_memcpy_batch()
 
-    def addresses(self, block_ids: Sequence[int], blocks: Sequence[np.ndarray],
+    def addresses(self, block_ids: Sequence[int], host: np.ndarray,
                   layers: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(KV cache row addresses, host row addresses), layer by layer, then block by block
-        within a layer."""
+        """(KV cache row addresses, host row addresses) of the host blocks at addresses `host`
+        (kernels.addresses), layer by layer, then block by block within a layer."""
         order = range(self.num_layers) if layers is None else layers
         lay = np.asarray(order, dtype=np.uint64)
         bases = np.array([self.views[layer].data_ptr() for layer in order], dtype=np.uint64)
         ids = np.asarray(block_ids, dtype=np.uint64)
-        host = np.array([b.ctypes.data for b in blocks], dtype=np.uint64)
         page = np.uint64(self.page_bytes)
         kv = (bases[:, None] + ids[None, :] * page).ravel()
         rows = (host[None, :] + lay[:, None] * page).ravel()
@@ -93,12 +107,13 @@ class KvRows:
         holds (the forward that wrote them)."""
         if not len(block_ids):
             return
+        by_address = not self.on_gpu or (self.batched and pinned and stream is not None)
+        if by_address:
+            kv, host = self.addresses(block_ids, kernels.addresses(blocks)[0])
         if not self.on_gpu:
-            kv, host = self.addresses(block_ids, blocks)
             if kernels.copy_addresses(host, kv, self.page_bytes):
                 return
-        elif self.batched and pinned and stream is not None:
-            kv, host = self.addresses(block_ids, blocks)
+        elif by_address:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             self._batch(host, kv, stream)
             stream.synchronize()
@@ -108,33 +123,33 @@ class KvRows:
             for layer, view in enumerate(self.views):
                 dst[layer].copy_(view[block_id])
 
-    def load(self, block_ids: Sequence[int], blocks: Sequence[np.ndarray],
-             layers: Sequence[int] | None = None, stream: Any = None,
-             pinned: bool = True) -> None:
-        """`blocks` into the KV cache rows of `block_ids`, the `layers` given (default all):
-        done on return on the CPU; on a GPU issued on `stream` (a stream made for them; the
-        current one when None, row by row)."""
-        if not len(block_ids):
+    def load(self, group: RowGroup, layers: Sequence[int] | None = None,
+             stream: Any = None) -> None:
+        """The group's blocks into the KV cache rows of its ids, the `layers` given (default
+        all): done on return on the CPU; on a GPU issued on `stream` (a stream made for them;
+        the current one when None, row by row)."""
+        if not group.ids:
             return
         order = range(self.num_layers) if layers is None else layers
+        by_address = not self.on_gpu or (self.batched and group.pinned and stream is not None)
+        if by_address:
+            kv, host = self.addresses(group.ids, group.host, order)
         if not self.on_gpu:
-            kv, host = self.addresses(block_ids, blocks, order)
             if kernels.copy_addresses(kv, host, self.page_bytes):
                 return
-        elif self.batched and pinned and stream is not None:
-            kv, host = self.addresses(block_ids, blocks, order)
+        elif by_address:
             self._batch(kv, host, stream)
             return
         for layer in order:
             view = self.views[layer]
-            for block_id, block in zip(block_ids, blocks):
+            for block_id, block in zip(group.ids, group.blocks):
                 view[block_id].copy_(torch.from_numpy(block[layer]), non_blocking=self.on_gpu)
 
     def load_batch(self, batch: HostBatch, layers: Sequence[int] | None = None,
                    stream: Any = None) -> None:
         """`load` of every group of `batch`."""
-        for ids, blocks, pinned in batch.groups:
-            self.load(ids, blocks, layers, stream, pinned)
+        for group in batch.groups:
+            self.load(group, layers, stream)
 
     def _batch(self, dsts: np.ndarray, srcs: np.ndarray, stream: Any) -> None:
         cuda_rt.memcpy_batch(dsts, srcs, np.full(len(dsts), self.page_bytes, dtype=np.uint64),
