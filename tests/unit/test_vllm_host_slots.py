@@ -70,16 +70,15 @@ def test_blocks_live_in_the_pool_and_a_full_store_refuses_without_allocating() -
     store.close()
 
 
-def test_rows_on_any_device_are_copied_once_into_the_slot_and_checked() -> None:
+def test_a_block_is_copied_once_into_its_slot_and_a_bad_one_takes_none() -> None:
     store = HostBlockStore(2 * BLOCK, SHAPE)
     (key, parent, tokens, data), other = blocks(2)
-    rows = [torch.from_numpy(data[layer].copy()) for layer in range(SHAPE[0])]
-    assert store.put(key, parent, tokens, rows)
+    assert store.put(key, parent, tokens, data)
     assert np.array_equal(store.get(key), data)
-    bad = [rows[0]]  # one layer of two
+    bad = other[3][:1]  # one layer of two
     assert not store.put(other[0], other[1], other[2], bad)
-    assert not store.put(other[0], other[1], other[2], [r.view(torch.int8) for r in rows])
-    assert not store.put(other[0], other[1], other[2], [r[:-1] for r in rows])
+    assert not store.put(other[0], other[1], other[2], other[3].view(np.int8))
+    assert not store.put(other[0], other[1], other[2], other[3][:, :-1])
     assert store.slots.num_free == 1 and store.record(other[0]) is None  # nothing taken
     store.close()
 

@@ -13,7 +13,7 @@ from tpkv.errors import KvLayoutError
 from tpkv.integrations.disk_blocks import DiskBlockStore
 from tpkv.integrations.disk_format import DiskLayout
 from tpkv.integrations.vllm.async_load import BackgroundLoader, LoadJob
-from tpkv.integrations.vllm.block_io import KvRows, batch_of
+from tpkv.integrations.vllm.block_io import HostBatch, KvRows, batch_of
 from tpkv.integrations.vllm.layer_load import LayerCopier, LayerJob
 from tpkv.integrations.vllm.options import queue_bytes_in_effect, write_queue_blocks
 from tpkv.integrations.vllm.plan import LoadSpec, RankFigures, SaveSpec, StepPlan, StepReport
@@ -166,8 +166,7 @@ class BlockCopier:
             if self.layers is None:
                 self.layers = LayerCopier(self._views, self.rank)
             index = {name: i for i, name in enumerate(self.layer_names)}
-            batch = batch_of(block_ids, held, self.store.slots if self.store else None,
-                             self._views[0].device.type == "cuda")
+            batch = self._batch(block_ids, held)
             try:
                 self._layer_job = self.layers.start(batch, [index[n] for n in layer_order],
                                                     layer_order)
@@ -235,9 +234,8 @@ class BlockCopier:
         return; on a GPU on `stream` (the caller synchronizes it), or without one on the
         copier's stream after the current one, synchronized here."""
         assert self.rows is not None
-        on_gpu = self.rows.on_gpu
-        batch = batch_of(block_ids, recs, self.store.slots if self.store else None, on_gpu)
-        if not on_gpu or stream is not None:
+        batch = self._batch(block_ids, recs)
+        if not self.rows.on_gpu or stream is not None:
             self.rows.load_batch(batch, None, stream)
             return
         own = self._copy_stream()
@@ -245,6 +243,11 @@ class BlockCopier:
         with torch.cuda.stream(own):  # row-by-row copies, too
             self.rows.load_batch(batch, None, own)
         own.synchronize()
+
+    def _batch(self, block_ids: list[int], recs: list[BlockRecord]) -> HostBatch:
+        assert self.rows is not None
+        return batch_of(block_ids, recs, self.store.slots if self.store else None,
+                        self.rows.on_gpu)
 
     def _copy_stream(self) -> Any:
         if self._stream is None:

@@ -3,11 +3,9 @@ checks a record and a block's bytes must pass."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from tpkv.integrations.prefix_index import block_key
 from tpkv.ssd.format import crc_of
@@ -42,17 +40,8 @@ def record_problem(key: bytes, rec: BlockRecord, block_shape: tuple[int, int]) -
     return ""
 
 
-def data_problem(data: np.ndarray | Sequence[torch.Tensor], block_shape: tuple[int, int]) -> str:
-    """Why `data` is not a block of this shape ("" when it is): [layers, page_bytes] uint8, or
-    a uint8 row of page_bytes for each layer."""
-    layers, page = block_shape
-    if isinstance(data, np.ndarray):
-        if data.shape != block_shape or data.dtype != np.uint8:
-            return f"has shape {data.shape} {data.dtype}, expected {block_shape} uint8"
-        return ""
-    if len(data) != layers:
-        return f"has {len(data)} layers, expected {layers}"
-    for layer, row in enumerate(data):
-        if row.dtype != torch.uint8 or row.numel() != page:
-            return f"layer {layer} has {row.numel()} {row.dtype} values, expected {page} uint8"
+def data_problem(data: np.ndarray, block_shape: tuple[int, int]) -> str:
+    """Why `data` is not a block of this shape, [layers, page_bytes] uint8 ("" when it is)."""
+    if data.shape != block_shape or data.dtype != np.uint8:
+        return f"has shape {data.shape} {data.dtype}, expected {block_shape} uint8"
     return ""

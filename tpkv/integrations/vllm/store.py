@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from tpkv.checks import check_int
 from tpkv.errors import ConfigError
@@ -126,12 +125,11 @@ class HostBlockStore:
         with self._lock:
             return self.disk is not None and key in self.disk
 
-    def put(self, key: bytes, parent: bytes, tokens: Sequence[int],
-            data: np.ndarray | Sequence[torch.Tensor]) -> bool:
-        """Keep a copy of `data` (the block as [layers, page_bytes] uint8, or its layers' rows
-        as uint8 tensors of page_bytes each, on any device); False (nothing kept) when it has
-        the wrong shape or dtype, or `reserve` refuses it. A key held already, in memory or on
-        disk, is kept as it is (True)."""
+    def put(self, key: bytes, parent: bytes, tokens: Sequence[int], data: np.ndarray) -> bool:
+        """Keep a copy of `data` (the block as [layers, page_bytes] uint8): reserve, fill and
+        admit in one call (the copier reserves a step's blocks and copies them at once);
+        False (nothing kept) when it has the wrong shape or dtype, or `reserve` refuses it. A
+        key held already, in memory or on disk, is kept as it is (True)."""
         problem = data_problem(data, self.block_shape)
         if problem:
             log.warning("tpkv vLLM store: block %s %s; not kept", key.hex(), problem)
@@ -141,17 +139,7 @@ class HostBlockStore:
             self.full(key)
         if slot is None or slot < 0:
             return slot == HELD
-        view = self.slots.view(slot)
-        try:
-            if isinstance(data, np.ndarray):
-                view[...] = data
-            else:
-                dst = torch.from_numpy(view)
-                for layer, row in enumerate(data):
-                    dst[layer].copy_(row.reshape(-1))
-        except BaseException:
-            self.cancel(key)
-            raise
+        self.slots.view(slot)[...] = data
         return self.admit(key)
 
     def reserve(self, key: bytes, parent: bytes, tokens: Sequence[int]) -> int | None:
