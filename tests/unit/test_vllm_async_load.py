@@ -262,14 +262,18 @@ def test_a_load_whose_read_raises_midway_fails_every_block() -> None:
     keys = extend_chain([], prompt, BT, SEED)
     store = copier.store
     assert store is not None
-    checked = store.checked
+    hold, take = store.hold_for_load, store.take
 
-    def flaky(key: bytes, rec: BlockRecord) -> np.ndarray | None:
-        if key == keys[1]:
+    def not_held(key: bytes) -> tuple[BlockRecord | None, bool]:
+        return (None, False) if key == keys[1] else hold(key)  # block 1: read on the thread
+
+    def flaky(keys_: list[bytes]) -> list[BlockRecord | None]:
+        if keys_ == [keys[1]]:
             raise OSError("store gone")
-        return checked(key, rec)
+        return take(keys_)
 
-    store.checked = flaky  # type: ignore[method-assign]
+    store.hold_for_load = not_held  # type: ignore[method-assign]
+    store.take = flaky  # type: ignore[method-assign]
     before = kv["layer0"][5].clone()
     req = request("r", list(prompt))
     assert planner.matched_tokens(req, 0) == 12

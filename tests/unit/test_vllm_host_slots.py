@@ -87,7 +87,7 @@ def test_a_held_record_keeps_its_slot_until_released() -> None:
     store = HostBlockStore(2 * BLOCK, SHAPE)
     bs = blocks(4)
     assert store.put(*bs[0]) and store.put(*bs[1])
-    rec = store.take(bs[0][0])
+    rec = store.take([bs[0][0]])[0]
     assert rec is not None and store.slots.refs(rec.slot) == 2
     assert store.drop(bs[0][0])  # the index forgets it; the load still reads its bytes
     assert not store.put(*bs[2])  # its slot is not free: a held slot counts against the budget
@@ -95,7 +95,7 @@ def test_a_held_record_keeps_its_slot_until_released() -> None:
     assert np.array_equal(rec.data, bs[0][3])
     store.release(rec)
     assert store.put(*bs[2]) and store.record(bs[2][0]).slot == rec.slot  # type: ignore[union-attr]
-    assert store.take(bs[0][0]) is None
+    assert store.take([bs[0][0]])[0] is None
     store.close()
 
 

@@ -4,13 +4,14 @@ thread of its own, while vLLM's steps go on.
 `submit` (on vLLM's worker thread, in start_load_kv) holds each block's record when host memory
 holds it (its slot is not reused until the job ends), or pins its disk record (not deleted for
 room until read), so nothing a later step stores or drops can take a block from under the load;
-a key dropped outright (the index forgot it) is a miss. The thread then checks each record,
-reads the pinned ones from disk, and copies the blocks into the request's vLLM blocks (those
-are the request's alone, and vLLM neither reads nor frees them before every rank named the
-request finished). On a GPU the copies run on the thread's stream after what vLLM's stream
-held at submit (it zeroes freshly allocated blocks there). A job is done once every block is
-in the KV cache (on a GPU, once its copy stream is synchronized); `take_done` hands finished
-jobs back to the worker thread, which reports them to vLLM with their failed blocks.
+a key dropped outright (the index forgot it) is a miss. The thread then reads the pinned ones
+from disk, checks the held records outside the lock, all at once, and copies the blocks into
+the request's vLLM blocks (those are the request's alone, and vLLM neither reads nor frees them
+before every rank named the request finished). On a GPU the copies run on the thread's stream
+after what vLLM's stream held at submit (it zeroes freshly allocated blocks there). A job is
+done once every block is in the KV cache (on a GPU, once its copy stream is synchronized);
+`take_done` hands finished jobs back to the worker thread, which reports them to vLLM with
+their failed blocks.
 A job submitted `inline` (the scheduler's plan says so in a step without a forward) runs the
 same way on the caller's thread instead, done when submit returns.
 """
@@ -27,6 +28,7 @@ import torch
 
 from tpkv.integrations.vllm.copy_thread import CopyThread
 from tpkv.integrations.vllm.plan import LoadSpec, StepReport
+from tpkv.integrations.vllm.record import record_problems
 
 if TYPE_CHECKING:
     from tpkv.integrations.vllm.record import BlockRecord
@@ -115,34 +117,45 @@ class BackgroundLoader(CopyThread[LoadJob]):
     def _load(self, job: LoadJob, stream: Any = None) -> int:
         """Check or read each block, then copy them all in; a miss or a record that does not
         check out is a failed block (vLLM recomputes from the request's first one). Nothing
-        is copied before every block was read, so on an error no block is in place."""
+        is copied before every block was read, so on an error no block is in place. The
+        records held in memory are checked outside the lock, all at once (their bytes do not
+        change while held)."""
         store = self.store
+        if store is None:
+            for pos in range(len(job.spec.keys)):
+                self.fail(job, pos)
+            return 0
+        keys = job.spec.keys
+        check = [pos for pos, (rec, _) in enumerate(job.held) if rec is not None]
+        with self.lock:
+            for pos, key in enumerate(keys):
+                rec, pinned = job.held[pos]
+                if pinned:
+                    store.release_load(key)
+                if rec is None:
+                    got = store.take([key])[0]  # checked as it is taken
+                    job.held[pos] = (got, False)  # released with the others when the job ends
+                    if got is not None:
+                        job.report.disk_loads.setdefault(job.spec.req_id, set()).add(
+                            job.spec.first_block + pos)
+                        job.disk_blocks += 1
+                else:
+                    job.held[pos] = (rec, False)
+        problems = record_problems(
+            [(keys[pos], job.held[pos][0]) for pos in check],  # type: ignore[misc]
+            store.block_shape)
+        bad = {pos: problem for pos, problem in zip(check, problems) if problem}
+        if bad:
+            with self.lock:
+                for pos, problem in bad.items():
+                    store.reject(keys[pos], problem)
         block_ids: list[int] = []
         recs: list[BlockRecord] = []
-        for pos, (block_id, key) in enumerate(zip(job.spec.block_ids, job.spec.keys)):
-            rec, pinned = job.held[pos]
-            data = got = None
-            if store is not None:
-                with self.lock:
-                    if pinned:
-                        store.release_load(key)
-                        job.held[pos] = (rec, False)
-                    if rec is not None:
-                        data = store.checked(key, rec)
-                    else:
-                        got = store.take(key)
-                        data = None if got is None else got.data
-            if data is None:
+        for pos, (rec, _) in enumerate(job.held):
+            if rec is None or pos in bad:
                 self.fail(job, pos)
                 continue
-            if rec is None:
-                rec = got
-                job.held[pos] = (got, False)  # released with the others when the job ends
-                job.report.disk_loads.setdefault(job.spec.req_id, set()).add(
-                    job.spec.first_block + pos)
-                job.disk_blocks += 1
-            assert rec is not None
-            block_ids.append(block_id)
+            block_ids.append(job.spec.block_ids[pos])
             recs.append(rec)
         self.copy_in(block_ids, recs, stream)
         return len(recs)

@@ -137,19 +137,16 @@ class BlockCopier:
         finish_layer_loads for all). A miss or a record that does not check out is a failed
         block (reported by take_failed_block_ids)."""
         self.finish_layer_loads()
-        block_ids: list[int] = []
-        owners: list[tuple[LoadSpec, int]] = []
-        held: list[BlockRecord] = []
+        now = [spec for spec in loads if not spec.background]
         for spec in loads:
             if spec.background:
                 self.num_async_loads += 1
                 self._loader().submit(spec, inline=spec.inline)
-                continue
-            with self.lock:
-                for pos, block_id, rec in self._read(spec):
-                    block_ids.append(block_id)
-                    owners.append((spec, pos))
-                    held.append(rec)
+        with self.lock:
+            got = self._read(now)
+        block_ids = [block_id for _, _, block_id, _ in got]
+        owners = [(spec, pos) for spec, pos, _, _ in got]
+        held = [rec for _, _, _, rec in got]
         if held and layer_order is None:
             try:
                 self._copy_in(block_ids, held)
@@ -176,24 +173,26 @@ class BlockCopier:
             self._layer_held = held  # released once the copies are in (finish_layer_loads)
             self._layer_owners = owners
 
-    def _read(self, spec: LoadSpec) -> list[tuple[int, int, BlockRecord]]:
-        """The blocks of `spec` that check out: (pos, vLLM block id, its record, held: the
-        caller releases it); the others are failed blocks."""
-        got = []
-        for pos, (block_id, key) in enumerate(zip(spec.block_ids, spec.keys)):
-            if self.store is None:
+    def _read(self, loads: list[LoadSpec]) -> list[tuple[LoadSpec, int, int, BlockRecord]]:
+        """The blocks of `loads` that check out, all taken at once: (spec, pos, vLLM block id,
+        its record, held: the caller releases it); the others are failed blocks."""
+        wanted = [(spec, pos) for spec in loads for pos in range(len(spec.keys))]
+        if self.store is None:
+            for spec, pos in wanted:
                 _fail(self._report, self._failed_block_ids, spec, pos)
-                continue
-            from_disk = not self.store.in_memory(key)
-            rec = self.store.take(key)
+            return []
+        keys = [spec.keys[pos] for spec, pos in wanted]
+        from_disk = [not self.store.in_memory(key) for key in keys]
+        got = []
+        for (spec, pos), disk, rec in zip(wanted, from_disk, self.store.take(keys)):
             if rec is None:
                 _fail(self._report, self._failed_block_ids, spec, pos)
                 continue
-            if from_disk:  # the planner counts those before the request's first failure
+            if disk:  # the planner counts those before the request's first failure
                 self._report.disk_loads.setdefault(spec.req_id, set()).add(
                     spec.first_block + pos)
                 self.num_disk_loaded_blocks += 1
-            got.append((pos, block_id, rec))
+            got.append((spec, pos, spec.block_ids[pos], rec))
         return got
 
     def _release(self, recs: list[BlockRecord]) -> None:
@@ -332,8 +331,8 @@ class BlockCopier:
             for spec, _ in todo:
                 store.cancel(spec.key)
             raise
+        store.admit([spec.key for spec, _ in todo])
         for spec, _ in todo:
-            store.admit(spec.key)
             self._report.saved.add(spec.key)
             self.num_saved_blocks += 1
 

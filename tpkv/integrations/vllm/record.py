@@ -3,12 +3,13 @@ checks a record and a block's bytes must pass."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from tpkv.integrations.prefix_index import block_key
-from tpkv.ssd.format import crc_of
+from tpkv.ssd.crc_threads import crc_spread
 
 
 @dataclass(frozen=True)
@@ -25,18 +26,27 @@ class BlockRecord:
     slot: int = -1
 
 
-def record_problem(key: bytes, rec: BlockRecord, block_shape: tuple[int, int]) -> str:
-    """Why `rec` is not the block `key` of this shape ("" when it is): another key, parent and
-    tokens that hash to another key, another shape or dtype, or bytes whose CRC32C changed."""
+def record_problems(items: Sequence[tuple[bytes, BlockRecord]], block_shape: tuple[int, int]
+                    ) -> list[str]:
+    """Why each record is not the block of its key and this shape ("" when it is): another
+    key, parent and tokens that hash to another key, another shape or dtype, or bytes whose
+    CRC32C changed. The CRC32Cs of those that pass the other checks are taken at once
+    (crc_spread); their bytes must not change meanwhile (held)."""
+    problems = [_header_problem(key, rec, block_shape) for key, rec in items]
+    todo = [i for i, p in enumerate(problems) if not p]
+    for i, crc in zip(todo, crc_spread([items[i][1].data for i in todo])):
+        if crc != items[i][1].crc:
+            problems[i] = f"CRC32C {crc:#010x}, recorded {items[i][1].crc:#010x}"
+    return problems
+
+
+def _header_problem(key: bytes, rec: BlockRecord, block_shape: tuple[int, int]) -> str:
     if rec.key != key:
         return f"record holds key {rec.key.hex()}"
     if block_key(rec.parent, rec.tokens) != key:
         return "its parent and tokens hash to another key"
     if rec.data.shape != block_shape or rec.data.dtype != np.uint8:
         return f"shape {rec.data.shape} {rec.data.dtype}, expected {block_shape} uint8"
-    crc = crc_of(rec.data)
-    if crc != rec.crc:
-        return f"CRC32C {crc:#010x}, recorded {rec.crc:#010x}"
     return ""
 
 

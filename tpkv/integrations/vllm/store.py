@@ -16,8 +16,8 @@ from tpkv.integrations.disk_blocks import DiskBlockStore
 from tpkv.integrations.prefix_index import KEY_BYTES, block_key
 from tpkv.integrations.vllm.disk_writer import DiskWriter
 from tpkv.integrations.vllm.host_slots import HostSlots
-from tpkv.integrations.vllm.record import BlockRecord, data_problem, record_problem
-from tpkv.ssd.format import crc_of
+from tpkv.integrations.vllm.record import BlockRecord, data_problem, record_problems
+from tpkv.ssd.crc_threads import crc_spread
 
 log = logging.getLogger(__name__)
 
@@ -140,14 +140,16 @@ class HostBlockStore:
         if slot is None or slot < 0:
             return slot == HELD
         self.slots.view(slot)[...] = data
-        return self.admit(key)
+        self.admit([key])
+        return True
 
     def reserve(self, key: bytes, parent: bytes, tokens: Sequence[int]) -> int | None:
         """First half of a save in two (the caller fills the slot, `slots.view(slot)`, then
-        calls `admit(key)`, or `cancel(key)`): a free slot for the block, `HELD` when memory or
-        disk holds the key already (or a reservation does; kept as it is), `REFUSED` (nothing
-        kept, with a warning) when the key is not the one of parent and tokens, None when no
-        slot can be freed (every slot held, or no disk tier: `full` says so)."""
+        calls `admit([key, ...])`, or `cancel(key)`): a free slot for the block, `HELD` when
+        memory or disk holds the key already (or a reservation does; kept as it is),
+        `REFUSED` (nothing kept, with a warning) when the key is not the one of parent and
+        tokens, None when no slot can be freed (every slot held, or no disk tier: `full` says
+        so)."""
         if key in self._records or key in self._reserved:
             return HELD
         with self._lock:
@@ -170,24 +172,43 @@ class HostBlockStore:
                     "block %s not kept", self.used_bytes, self.capacity_bytes,
                     len(self._reserved) * self.block_bytes, key.hex())
 
-    def admit(self, key: bytes) -> bool:
-        """Second half of a save: the reserved slot now holds the block; it is kept (its CRC32C
-        taken now) as the most recently used."""
-        slot, parent, tokens = self._reserved.pop(key)
-        view = self.slots.view(slot)
-        self._records[key] = BlockRecord(key, parent, tokens, view, crc_of(view), slot)
+    def admit(self, keys: Sequence[bytes]) -> None:
+        """Second half of a save: the reserved slots now hold these blocks; each is kept (its
+        CRC32C taken now, all at once) as the most recently used."""
+        got = [self._reserved.pop(key) for key in keys]
+        views = [self.slots.view(slot) for slot, _, _ in got]
+        for key, (slot, parent, tokens), view, crc in zip(keys, got, views, crc_spread(views)):
+            self._records[key] = BlockRecord(key, parent, tokens, view, crc, slot)
         self._queue_oldest()
-        return True
 
     def cancel(self, key: bytes) -> None:
         """A reservation not filled: its slot is free again."""
         slot, _, _ = self._reserved.pop(key)
         self.slots.release(slot)
 
-    def take(self, key: bytes) -> BlockRecord | None:
-        """The block's record, checked, for the caller to read until it calls `release(rec)`:
+    def take(self, keys: Sequence[bytes]) -> list[BlockRecord | None]:
+        """Each block's record, checked, for the caller to read until it calls `release(rec)`:
         from memory (a block queued for disk included) or else from disk; None on a miss or a
-        record that does not check out (which is dropped)."""
+        record that does not check out (which is dropped). The CRC32Cs of the records in
+        memory are taken at once (record_problems)."""
+        recs = [self._hold(key) for key in keys]
+        todo = [i for i, (rec, check) in enumerate(recs) if rec is not None and check]
+        problems = record_problems([(keys[i], recs[i][0]) for i in todo  # type: ignore[misc]
+                                    ], self.block_shape)
+        out = [rec for rec, _ in recs]
+        for i, problem in zip(todo, problems):
+            if problem:
+                self.reject(keys[i], problem)
+                self.release(recs[i][0])  # type: ignore[arg-type]
+                out[i] = None
+        if todo:
+            self._queue_oldest()
+        return out
+
+    def _hold(self, key: bytes) -> tuple[BlockRecord | None, bool]:
+        """(the key's record, held for the caller; whether its bytes still need their check):
+        one in memory, or queued for disk, is made the most recently used and needs it; one
+        read from disk was checked as it was read."""
         rec = self._records.pop(key, None)
         if rec is None and self.writer is not None:
             with self._lock:
@@ -196,23 +217,16 @@ class HostBlockStore:
                 if running is not None:
                     self._ref(running)  # before the writer can let its slot go
             if running is not None:
-                if self._checked(key, running) is None:
-                    self.release(running)
-                    return None
-                return running
+                return running, True
         if rec is None:
-            return self._take_from_disk(key)
-        if self._checked(key, rec) is None:
-            self.release(rec)  # the index's hold
-            return None
+            return self._take_from_disk(key), False
         self._records[key] = rec  # most recently used
         self._ref(rec)
-        self._queue_oldest()
-        return rec
+        return rec, True
 
     def get(self, key: bytes) -> np.ndarray | None:
         """A copy of the block's bytes (see `take`), for inspection and tests."""
-        rec = self.take(key)
+        rec = self.take([key])[0]
         if rec is None:
             return None
         data = rec.data.copy()
@@ -248,11 +262,6 @@ class HostBlockStore:
         if self.disk is not None:
             with self._lock:
                 self.disk.unpin(key)
-
-    def checked(self, key: bytes, rec: BlockRecord) -> np.ndarray | None:
-        """A held record's bytes when it checks out (see the class docstring), else None and
-        the key is dropped (the caller still releases its hold)."""
-        return self._checked(key, rec)
 
     def drop(self, key: bytes) -> bool:
         rec = self._records.pop(key, None)
@@ -300,14 +309,12 @@ class HostBlockStore:
         if rec.slot >= 0:
             self.slots.ref(rec.slot)
 
-    def _checked(self, key: bytes, rec: BlockRecord) -> np.ndarray | None:
-        problem = record_problem(key, rec, self.block_shape)
-        if not problem:
-            return rec.data
+    def reject(self, key: bytes, problem: str) -> None:
+        """A held record of `key` did not check out (`problem`, from record_problems): it is
+        counted, logged and dropped (the holder still releases it)."""
         self.num_bad_reads += 1
         log.warning("tpkv vLLM store: block %s is not served: %s", key.hex(), problem)
         self.drop(key)  # a write of it under way is deleted once made
-        return None
 
     def _take_from_disk(self, key: bytes) -> BlockRecord | None:
         disk = self.disk
@@ -384,7 +391,7 @@ class HostBlockStore:
         key = next(iter(self._records))
         rec = self._records.pop(key)
         try:
-            problem = record_problem(key, rec, self.block_shape)
+            problem = record_problems([(key, rec)], self.block_shape)[0]
             if problem:
                 self.num_bad_reads += 1
                 log.warning("tpkv vLLM store: block %s is not moved to disk: %s", key.hex(),
