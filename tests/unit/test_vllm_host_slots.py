@@ -138,10 +138,11 @@ def test_a_background_load_copies_its_blocks_though_their_slots_are_refilled() -
     entered = threading.Event()
     real = copier._copy_in
 
-    def slow_copy_in(block_ids: list[int], recs: list[BlockRecord], stream: object) -> None:
+    def slow_copy_in(block_ids: list[int], recs: list[BlockRecord], stream: object,
+                     keys: list[bytes], unchecked: set[int]) -> dict[int, str]:
         entered.set()
         assert release.wait(10)
-        real(block_ids, recs, stream)
+        return real(block_ids, recs, stream, keys, unchecked)
 
     copier._copy_in = slow_copy_in  # type: ignore[method-assign]
     copier.loader = None  # made anew with the slow copy
