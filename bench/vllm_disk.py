@@ -30,7 +30,8 @@ import torch
 
 from tpkv.integrations.disk_format import record_bytes
 from tpkv.integrations.prefix_index import chain_seed
-from tpkv.integrations.vllm.copier import BlockCopier, DiskSpec
+from tpkv.integrations.vllm.copier import BlockCopier
+from tpkv.integrations.vllm.options import DiskSpec
 from tpkv.integrations.vllm.planner import Planner
 
 BLOCK_TOKENS = 16

@@ -10,8 +10,7 @@ import torch
 
 from tests.layer_load_cases import LOADED, NAMES, STORED, loaded, stored_setup
 from tpkv.integrations.vllm import copier as copier_module
-from tpkv.integrations.vllm.block_io import KvRows, batch_of
-from tpkv.integrations.vllm.copier import block_views
+from tpkv.integrations.vllm.block_io import KvRows, batch_of, block_views
 from tpkv.integrations.vllm.host_slots import HostSlots
 from tpkv.integrations.vllm.record import BlockRecord
 from tpkv.ssd.format import crc_of

@@ -14,9 +14,9 @@ from tpkv.errors import ConfigError
 from tpkv.integrations.disk_blocks import DiskBlockStore
 from tpkv.integrations.disk_format import DiskLayout, record_bytes
 from tpkv.integrations.prefix_index import chain_seed, extend_chain
-from tpkv.integrations.vllm.copier import BlockCopier, DiskSpec
+from tpkv.integrations.vllm.copier import BlockCopier
 from tpkv.integrations.vllm.load_policy import LoadPolicy
-from tpkv.integrations.vllm.options import ConnectorOptions
+from tpkv.integrations.vllm.options import ConnectorOptions, DiskSpec
 from tpkv.integrations.vllm.plan import StepReport
 from tpkv.integrations.vllm.planner import Planner
 from tpkv.integrations.vllm.record import BlockRecord

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tpkv.integrations.vllm.block_io import HostBatch, KvRows, RowGroup, batch_of
-from tpkv.integrations.vllm.copier import block_views
+from tpkv.integrations.vllm.block_io import HostBatch, KvRows, RowGroup, batch_of, block_views
 from tpkv.integrations.vllm.host_slots import HostSlots
 from tpkv.integrations.vllm.record import BlockRecord
 from tpkv.ssd import kernels

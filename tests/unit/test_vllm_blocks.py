@@ -10,7 +10,8 @@ import torch
 from tpkv.errors import ConfigError, KvLayoutError
 from tpkv.integrations.prefix_index import chain_seed
 from tpkv.integrations.vllm import copier as copier_module
-from tpkv.integrations.vllm.copier import BlockCopier, block_views
+from tpkv.integrations.vllm.block_io import block_views
+from tpkv.integrations.vllm.copier import BlockCopier
 from tpkv.integrations.vllm.plan import StepReport
 from tpkv.integrations.vllm.planner import Planner
 

@@ -21,9 +21,9 @@ from rich.console import Console
 from tests.unit.test_vllm_disk_tier import BT, RECORD, SEED, SHAPE, caches
 from tpkv.errors import ConfigError
 from tpkv.integrations.prefix_index import extend_chain
-from tpkv.integrations.vllm.copier import BlockCopier, DiskSpec
+from tpkv.integrations.vllm.copier import BlockCopier
 from tpkv.integrations.vllm.dashboard import ConnectorDashboard, snapshot
-from tpkv.integrations.vllm.options import ConnectorOptions
+from tpkv.integrations.vllm.options import ConnectorOptions, DiskSpec
 from tpkv.integrations.vllm.plan import RankFigures, StepReport
 from tpkv.integrations.vllm.planner import Planner
 from tpkv.launch.status_cli import add_status_commands

@@ -14,8 +14,8 @@ from tpkv.errors import ConfigError, SsdRootInUseError
 from tpkv.integrations.disk_blocks import DiskBlockStore, stored_keys
 from tpkv.integrations.disk_format import DiskLayout, rank_dir, record_bytes
 from tpkv.integrations.prefix_index import PrefixIndex, block_key, chain_seed, extend_chain
-from tpkv.integrations.vllm.copier import BlockCopier, DiskSpec
-from tpkv.integrations.vllm.options import ConnectorOptions
+from tpkv.integrations.vllm.copier import BlockCopier
+from tpkv.integrations.vllm.options import ConnectorOptions, DiskSpec
 from tpkv.integrations.vllm.planner import Planner
 from tpkv.integrations.vllm.store import HostBlockStore
 

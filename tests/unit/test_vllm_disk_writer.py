@@ -20,9 +20,9 @@ from tests.unit.test_vllm_disk_tier import BT, RECORD, SEED, SHAPE, blocks, cach
 from tpkv.errors import ConfigError
 from tpkv.integrations.disk_blocks import DiskBlockStore, stored_keys
 from tpkv.integrations.prefix_index import PrefixIndex, extend_chain
-from tpkv.integrations.vllm.copier import BlockCopier, DiskSpec
+from tpkv.integrations.vllm.copier import BlockCopier
 from tpkv.integrations.vllm.disk_writer import DiskWriter
-from tpkv.integrations.vllm.options import ConnectorOptions, write_queue_blocks
+from tpkv.integrations.vllm.options import ConnectorOptions, DiskSpec, write_queue_blocks
 from tpkv.integrations.vllm.plan import StepReport
 from tpkv.integrations.vllm.planner import Planner
 from tpkv.integrations.vllm.store import BlockRecord, HostBlockStore

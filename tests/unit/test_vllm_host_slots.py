@@ -17,9 +17,10 @@ from tests.unit.test_vllm_disk_tier import RECORD, SEED, SHAPE, blocks
 from tests.unit.test_vllm_disk_writer import BLOCK, Gate, gated_writes, host, wait_running
 from tpkv.errors import SlotError
 from tpkv.integrations.prefix_index import extend_chain
-from tpkv.integrations.vllm.copier import BlockCopier, DiskSpec
+from tpkv.integrations.vllm.copier import BlockCopier
 from tpkv.integrations.vllm.host_slots import HostSlots
 from tpkv.integrations.vllm.load_policy import LoadPolicy
+from tpkv.integrations.vllm.options import DiskSpec
 from tpkv.integrations.vllm.plan import SaveSpec
 from tpkv.integrations.vllm.planner import Planner
 from tpkv.integrations.vllm.record import BlockRecord

@@ -11,7 +11,8 @@ import torch
 
 from tpkv.integrations.disk_blocks import stored_keys
 from tpkv.integrations.prefix_index import chain_seed
-from tpkv.integrations.vllm.copier import BlockCopier, DiskSpec
+from tpkv.integrations.vllm.copier import BlockCopier
+from tpkv.integrations.vllm.options import DiskSpec
 from tpkv.integrations.vllm.plan import StepReport
 from tpkv.integrations.vllm.planner import Planner
 from tpkv.integrations.vllm.rank_check import unconfirmed_saves

@@ -12,12 +12,37 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tpkv.errors import KvLayoutError
 from tpkv.ssd import kernels
 from tpkv.workers import cuda_rt
 
 if TYPE_CHECKING:
     from tpkv.integrations.vllm.host_slots import HostSlots
     from tpkv.integrations.vllm.record import BlockRecord
+
+
+def block_views(kv_caches: dict[str, torch.Tensor], num_blocks: int
+                ) -> tuple[list[str], list[torch.Tensor]]:
+    """Each layer's KV cache as [num_blocks, page_bytes] uint8 (a view, no copy). vLLM puts the
+    block index first in every layer's tensor (one page a block, or several kernel blocks a
+    block); anything else is a KvLayoutError naming the layer and its shape."""
+    if not kv_caches:
+        raise KvLayoutError("vLLM registered no KV cache layers")
+    names, views = [], []
+    for name, t in kv_caches.items():
+        if not isinstance(t, torch.Tensor):
+            raise KvLayoutError(f"layer {name!r}: KV cache is a {type(t).__name__}, not a tensor")
+        if t.dim() < 1 or t.shape[0] % num_blocks or not t.is_contiguous():
+            raise KvLayoutError(
+                f"layer {name!r}: KV cache of shape {tuple(t.shape)} and strides {t.stride()} "
+                f"is not {num_blocks} contiguous blocks along dim 0")
+        flat = t.reshape(-1).view(torch.uint8)
+        views.append(flat.view(num_blocks, -1))
+        names.append(name)
+    pages = {v.shape[1] for v in views}
+    if len(pages) != 1:
+        raise KvLayoutError(f"layers have different block sizes in bytes: {sorted(pages)}")
+    return names, views
 
 
 @dataclass

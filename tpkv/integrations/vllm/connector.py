@@ -79,12 +79,13 @@ from tpkv.integrations.disk_blocks import check_disk_bytes, prepare_dir
 from tpkv.integrations.disk_format import record_bytes
 from tpkv.integrations.index_service import IndexSpec, build_index
 from tpkv.integrations.prefix_index import PrefixIndex, chain_seed
-from tpkv.integrations.vllm.copier import BlockCopier, DiskSpec
+from tpkv.integrations.vllm.copier import BlockCopier
 from tpkv.integrations.vllm.dashboard import ConnectorDashboard
 from tpkv.integrations.vllm.layer_load import LayerHooks
 from tpkv.integrations.vllm.load_policy import LoadPolicy
 from tpkv.integrations.vllm.options import (
     ConnectorOptions,
+    DiskSpec,
     instance_id,
     vllm_fingerprint,
     write_queue_blocks,

@@ -5,18 +5,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Container, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tpkv.errors import KvLayoutError
 from tpkv.integrations.disk_blocks import DiskBlockStore
 from tpkv.integrations.disk_format import DiskLayout
 from tpkv.integrations.vllm.async_load import BackgroundLoader, LoadJob
-from tpkv.integrations.vllm.block_io import HostBatch, KvRows, batch_of
+from tpkv.integrations.vllm.block_io import HostBatch, KvRows, batch_of, block_views
 from tpkv.integrations.vllm.layer_load import LayerCopier, LayerJob
-from tpkv.integrations.vllm.options import queue_bytes_in_effect, write_queue_blocks
+from tpkv.integrations.vllm.options import DiskSpec, queue_bytes_in_effect, write_queue_blocks
 from tpkv.integrations.vllm.plan import LoadSpec, RankFigures, SaveSpec, StepPlan, StepReport
 from tpkv.integrations.vllm.record import BlockRecord, record_problems
 from tpkv.integrations.vllm.stats import rank_figures
@@ -28,45 +26,6 @@ log = logging.getLogger(__name__)
 # A load checks and copies its blocks this many bytes at a time: on a GPU the next part's
 # CRC32Cs (crc_spread) are taken while the part before copies
 CHECK_CHUNK_BYTES = 32 << 20
-
-
-def block_views(kv_caches: dict[str, torch.Tensor], num_blocks: int
-                ) -> tuple[list[str], list[torch.Tensor]]:
-    """Each layer's KV cache as [num_blocks, page_bytes] uint8 (a view, no copy). vLLM puts the
-    block index first in every layer's tensor (one page a block, or several kernel blocks a
-    block); anything else is a KvLayoutError naming the layer and its shape."""
-    if not kv_caches:
-        raise KvLayoutError("vLLM registered no KV cache layers")
-    names, views = [], []
-    for name, t in kv_caches.items():
-        if not isinstance(t, torch.Tensor):
-            raise KvLayoutError(f"layer {name!r}: KV cache is a {type(t).__name__}, not a tensor")
-        if t.dim() < 1 or t.shape[0] % num_blocks or not t.is_contiguous():
-            raise KvLayoutError(
-                f"layer {name!r}: KV cache of shape {tuple(t.shape)} and strides {t.stride()} "
-                f"is not {num_blocks} contiguous blocks along dim 0")
-        flat = t.reshape(-1).view(torch.uint8)
-        views.append(flat.view(num_blocks, -1))
-        names.append(name)
-    pages = {v.shape[1] for v in views}
-    if len(pages) != 1:
-        raise KvLayoutError(f"layers have different block sizes in bytes: {sorted(pages)}")
-    return names, views
-
-
-@dataclass(frozen=True)
-class DiskSpec:
-    """The disk tier a rank opens once it knows its block shape: directory, byte cap, the
-    model's chain seed and fingerprint, tokens per block, and the part of the host budget for
-    blocks queued for the background writer (None: the default, 0: written on the step's
-    path)."""
-
-    root: str
-    capacity_bytes: int
-    seed: bytes
-    block_tokens: int
-    model_fingerprint: str = ""
-    queue_bytes: int | None = None  # host bytes for blocks on their way to disk (options.py)
 
 
 class BlockCopier:

@@ -183,3 +183,18 @@ def vllm_fingerprint(vllm_config: Any, options: ConnectorOptions) -> str:
     return (f"vllm|model={model}|rev={getattr(mc, 'revision', None)}|dtype={mc.dtype}"
             f"|kv={vllm_config.cache_config.cache_dtype}|tp={pc.tensor_parallel_size}"
             f"|pp={pc.pipeline_parallel_size}|files={files}")
+
+
+@dataclass(frozen=True)
+class DiskSpec:
+    """The disk tier a rank opens once it knows its block shape: directory, byte cap, the
+    model's chain seed and fingerprint, tokens per block, and the part of the host budget for
+    blocks queued for the background writer (None: the default, 0: written on the step's
+    path)."""
+
+    root: str
+    capacity_bytes: int
+    seed: bytes
+    block_tokens: int
+    model_fingerprint: str = ""
+    queue_bytes: int | None = None  # host bytes for blocks on their way to disk (options.py)
