@@ -241,8 +241,7 @@ def test_a_load_that_raises_fails_its_remaining_blocks_and_still_finishes() -> N
     plan = planner.plan([], lambda r: [])
     loader = copier._loader()
 
-    def flaky(block_ids: list[int], recs: list[BlockRecord], stream: object,
-              keys: list[bytes], unchecked: set[int]) -> dict[int, str]:
+    def flaky(block_ids: list[int], recs: list[BlockRecord], stream: object) -> None:
         raise RuntimeError("copy engine gone")
 
     loader.copy_in = flaky

@@ -139,11 +139,10 @@ def test_a_background_load_copies_its_blocks_though_their_slots_are_refilled() -
     entered = threading.Event()
     real = copier._copy_in
 
-    def slow_copy_in(block_ids: list[int], recs: list[BlockRecord], stream: object,
-                     keys: list[bytes], unchecked: set[int]) -> dict[int, str]:
+    def slow_copy_in(block_ids: list[int], recs: list[BlockRecord], stream: object) -> None:
         entered.set()
         assert release.wait(10)
-        return real(block_ids, recs, stream, keys, unchecked)
+        real(block_ids, recs, stream)
 
     copier._copy_in = slow_copy_in  # type: ignore[method-assign]
     copier.loader = None  # made anew with the slow copy

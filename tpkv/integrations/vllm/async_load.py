@@ -28,6 +28,7 @@ import torch
 
 from tpkv.integrations.vllm.copy_thread import CopyThread
 from tpkv.integrations.vllm.plan import LoadSpec, StepReport
+from tpkv.integrations.vllm.record import record_problems
 
 if TYPE_CHECKING:
     from tpkv.integrations.vllm.record import BlockRecord
@@ -55,13 +56,11 @@ class LoadJob:
 class BackgroundLoader(CopyThread[LoadJob]):
     """Runs LoadJobs one after the other on a daemon thread. `store` is the rank's store (None:
     every block fails), `lock` what every call into it holds, `copy_in(block_ids, records,
-    stream, keys, unchecked)` writes held records into those vLLM blocks (on `stream` on a GPU;
-    None: done on return), those at positions `unchecked` once checked (it returns position ->
-    problem of those that failed and were not copied), `fail(job, pos)` records a failed block."""
+    stream)` writes held records into those vLLM blocks (on `stream` on a GPU; None: done on
+    return), `fail(job, pos)` records a failed block."""
 
     def __init__(self, store: HostBlockStore | None, lock: threading.RLock,
-                 copy_in: Callable[[list[int], list[BlockRecord], Any, list[bytes], set[int]],
-                                   dict[int, str]],
+                 copy_in: Callable[[list[int], list[BlockRecord], Any], None],
                  fail: Callable[[LoadJob, int], None], device: torch.device, rank: int) -> None:
         self.store = store
         self.lock = lock
@@ -116,45 +115,50 @@ class BackgroundLoader(CopyThread[LoadJob]):
             self._done.append(job)
 
     def _load(self, job: LoadJob, stream: Any = None) -> int:
-        """Read each block not held from disk, then copy them all in, the records held in
-        memory checked part by part before their copies (outside the lock: held bytes do not
-        change; copy_in); a miss or a record that does not check out is a failed block (vLLM
-        recomputes from the request's first one). Nothing is copied before every block was
-        read, so on an error no block is in place."""
+        """Check or read each block, then copy them all in; a miss or a record that does not
+        check out is a failed block (vLLM recomputes from the request's first one). Nothing
+        is copied before every block was read, so on an error no block is in place. The
+        records held in memory are checked outside the lock, all at once (their bytes do not
+        change while held)."""
         store = self.store
+        if store is None:
+            for pos in range(len(job.spec.keys)):
+                self.fail(job, pos)
+            return 0
+        keys = job.spec.keys
+        check = [pos for pos, (rec, _) in enumerate(job.held) if rec is not None]
+        with self.lock:
+            for pos, key in enumerate(keys):
+                rec, pinned = job.held[pos]
+                if pinned:
+                    store.release_load(key)
+                if rec is None:
+                    got = store.take([key])[0]  # checked as it is taken
+                    job.held[pos] = (got, False)  # released with the others when the job ends
+                    if got is not None:
+                        job.report.disk_loads.setdefault(job.spec.req_id, set()).add(
+                            job.spec.first_block + pos)
+                        job.disk_blocks += 1
+                else:
+                    job.held[pos] = (rec, False)
+        problems = record_problems(
+            [(keys[pos], job.held[pos][0]) for pos in check],  # type: ignore[misc]
+            store.block_shape)
+        bad = {pos: problem for pos, problem in zip(check, problems) if problem}
+        if bad:
+            with self.lock:
+                for pos, problem in bad.items():
+                    store.reject(keys[pos], problem)
         block_ids: list[int] = []
         recs: list[BlockRecord] = []
-        keys: list[bytes] = []
-        owners: list[int] = []
-        unchecked: set[int] = set()
-        for pos, (block_id, key) in enumerate(zip(job.spec.block_ids, job.spec.keys)):
-            rec, pinned = job.held[pos]
-            if store is not None and rec is None:
-                with self.lock:
-                    if pinned:
-                        store.release_load(key)
-                    rec = store.take([key])[0]  # checked as it is read
-                job.held[pos] = (rec, False)  # released with the others when the job ends
-                if rec is not None:
-                    job.report.disk_loads.setdefault(job.spec.req_id, set()).add(
-                        job.spec.first_block + pos)
-                    job.disk_blocks += 1
-            elif rec is not None:
-                unchecked.add(len(recs))
-            if store is None or rec is None:
+        for pos, (rec, _) in enumerate(job.held):
+            if rec is None or pos in bad:
                 self.fail(job, pos)
                 continue
-            block_ids.append(block_id)
+            block_ids.append(job.spec.block_ids[pos])
             recs.append(rec)
-            keys.append(key)
-            owners.append(pos)
-        bad = self.copy_in(block_ids, recs, stream, keys, unchecked)
-        if bad and store is not None:
-            with self.lock:
-                for i, problem in bad.items():
-                    store.reject(keys[i], problem)
-                    self.fail(job, owners[i])
-        return len(recs) - len(bad)
+        self.copy_in(block_ids, recs, stream)
+        return len(recs)
 
     def _give_up(self, job: LoadJob) -> None:
         """After an error: every block of the job failed (none is known to be in place: the

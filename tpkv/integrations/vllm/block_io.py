@@ -126,30 +126,27 @@ class KvRows:
         return kv, rows
 
     def save(self, block_ids: Sequence[int], blocks: Sequence[np.ndarray],
-             stream: Any = None, pinned: bool = True, wait: bool = True) -> bool:
-        """KV cache rows of `block_ids` into `blocks` (every layer). On a GPU the copies run
-        on `stream` (a stream made for them) after what the current stream holds (the forward
-        that wrote them). Returns whether they still run on `stream` (only with `wait` False,
-        on a GPU by address: the caller synchronizes it); else they are done."""
+             stream: Any = None, pinned: bool = True) -> None:
+        """KV cache rows of `block_ids` into `blocks` (every layer); done on return. On a GPU
+        the copies run on `stream` (a stream made for them) after what the current stream
+        holds (the forward that wrote them)."""
         if not len(block_ids):
-            return False
+            return
         by_address = not self.on_gpu or (self.batched and pinned and stream is not None)
         if by_address:
             kv, host = self.addresses(block_ids, kernels.addresses(blocks)[0])
         if not self.on_gpu:
             if kernels.copy_addresses(host, kv, self.page_bytes):
-                return False
+                return
         elif by_address:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             self._batch(host, kv, stream)
-            if wait:
-                stream.synchronize()
-            return not wait
+            stream.synchronize()
+            return
         for block_id, block in zip(block_ids, blocks):
             dst = torch.from_numpy(block)
             for layer, view in enumerate(self.views):
                 dst[layer].copy_(view[block_id])
-        return False
 
     def load(self, group: RowGroup, layers: Sequence[int] | None = None,
              stream: Any = None) -> None:

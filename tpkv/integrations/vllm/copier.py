@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -16,16 +15,11 @@ from tpkv.integrations.vllm.block_io import HostBatch, KvRows, batch_of, block_v
 from tpkv.integrations.vllm.layer_load import LayerCopier, LayerJob
 from tpkv.integrations.vllm.options import DiskSpec, queue_bytes_in_effect, write_queue_blocks
 from tpkv.integrations.vllm.plan import LoadSpec, RankFigures, SaveSpec, StepPlan, StepReport
-from tpkv.integrations.vllm.record import BlockRecord, record_problems
+from tpkv.integrations.vllm.record import BlockRecord
 from tpkv.integrations.vllm.stats import rank_figures
 from tpkv.integrations.vllm.store import HELD, REFUSED, HostBlockStore
-from tpkv.ssd.crc_threads import crc_spread
 
 log = logging.getLogger(__name__)
-
-# A load checks and copies its blocks this many bytes at a time: on a GPU the next part's
-# CRC32Cs (crc_spread) are taken while the part before copies
-CHECK_CHUNK_BYTES = 32 << 20
 
 
 class BlockCopier:
@@ -108,33 +102,27 @@ class BlockCopier:
                 self.num_async_loads += 1
                 self._loader().submit(spec, inline=spec.inline)
         with self.lock:
-            got, unchecked = self._read(now)
+            got = self._read(now)
         block_ids = [block_id for _, _, block_id, _ in got]
-        keys = [spec.keys[pos] for spec, pos, _, _ in got]
+        owners = [(spec, pos) for spec, pos, _, _ in got]
         held = [rec for _, _, _, rec in got]
         if held and layer_order is None:
-            bad: dict[int, str] = {}
             try:
-                bad = self._copy_in(block_ids, held, None, keys, unchecked)
+                self._copy_in(block_ids, held)
             except Exception:  # not known to be in place: failed loads, recomputed
                 log.exception("tpkv vLLM connector: rank %d's load of %d blocks failed",
                               self.rank, len(held))
-                bad = dict.fromkeys(range(len(got)), "")
+                for spec, pos in owners:
+                    _fail(self._report, self._failed_block_ids, spec, pos)
+            else:
+                self.num_loaded_blocks += len(held)
             finally:
-                self._fail_loads(got, bad)
                 self._release(held)
-            self.num_loaded_blocks += len(held) - len(bad)
         elif held and layer_order is not None:
-            bad = self._fail_loads(got, self._check(keys, held, unchecked))
-            good = [i for i in range(len(got)) if i not in bad]
-            self._release([held[i] for i in bad])
-            held = [held[i] for i in good]
-            if not held:
-                return
             if self.layers is None:
                 self.layers = LayerCopier(self._views, self.rank)
             index = {name: i for i, name in enumerate(self.layer_names)}
-            batch = self._batch([block_ids[i] for i in good], held)
+            batch = self._batch(block_ids, held)
             try:
                 self._layer_job = self.layers.start(batch, [index[n] for n in layer_order],
                                                     layer_order)
@@ -142,46 +130,20 @@ class BlockCopier:
                 self._release(held)
                 raise
             self._layer_held = held  # released once the copies are in (finish_layer_loads)
-            self._layer_owners = [got[i][:2] for i in good]
+            self._layer_owners = owners
 
-    def _check(self, keys: list[bytes], recs: list[BlockRecord], positions: Iterable[int]
-               ) -> dict[int, str]:
-        """Position -> problem of the held records at `positions` that do not check out
-        (record_problems, outside the lock: held bytes do not change)."""
-        todo = list(positions)
-        assert self.store is not None
-        problems = record_problems([(keys[i], recs[i]) for i in todo], self.store.block_shape)
-        return {i: p for i, p in zip(todo, problems) if p}
-
-    def _fail_loads(self, got: list[tuple[LoadSpec, int, int, BlockRecord]],
-                    bad: dict[int, str]) -> dict[int, str]:
-        """The blocks of `got` at the positions `bad` names failed: those with a problem are
-        dropped from the store (record_problems said why); each is a failed load."""
-        with self.lock:
-            for i, problem in bad.items():
-                spec, pos, _, _ = got[i]
-                if problem and self.store is not None:
-                    self.store.reject(spec.keys[pos], problem)
-                _fail(self._report, self._failed_block_ids, spec, pos)
-        return bad
-
-    def _read(self, loads: list[LoadSpec]
-              ) -> tuple[list[tuple[LoadSpec, int, int, BlockRecord]], set[int]]:
-        """The blocks of `loads` held, all at once: (spec, pos, vLLM block id, its record,
-        held: the caller releases it), and the positions in that list whose records are
-        still to be checked (held in memory: record_problems); a miss is a failed block."""
+    def _read(self, loads: list[LoadSpec]) -> list[tuple[LoadSpec, int, int, BlockRecord]]:
+        """The blocks of `loads` that check out, all taken at once: (spec, pos, vLLM block id,
+        its record, held: the caller releases it); the others are failed blocks."""
         wanted = [(spec, pos) for spec in loads for pos in range(len(spec.keys))]
         if self.store is None:
             for spec, pos in wanted:
                 _fail(self._report, self._failed_block_ids, spec, pos)
-            return [], set()
+            return []
         keys = [spec.keys[pos] for spec, pos in wanted]
         from_disk = [not self.store.in_memory(key) for key in keys]
-        recs, todo = self.store.hold(keys)
-        check = set(todo)
-        got: list[tuple[LoadSpec, int, int, BlockRecord]] = []
-        unchecked = set()
-        for i, ((spec, pos), disk, rec) in enumerate(zip(wanted, from_disk, recs)):
+        got = []
+        for (spec, pos), disk, rec in zip(wanted, from_disk, self.store.take(keys)):
             if rec is None:
                 _fail(self._report, self._failed_block_ids, spec, pos)
                 continue
@@ -189,10 +151,8 @@ class BlockCopier:
                 self._report.disk_loads.setdefault(spec.req_id, set()).add(
                     spec.first_block + pos)
                 self.num_disk_loaded_blocks += 1
-            if i in check:
-                unchecked.add(len(got))
             got.append((spec, pos, spec.block_ids[pos], rec))
-        return got, unchecked
+        return got
 
     def _release(self, recs: list[BlockRecord]) -> None:
         if self.store is not None:
@@ -226,36 +186,21 @@ class BlockCopier:
             _fail(self._report, self._failed_block_ids, spec, pos)
         return waited
 
-    def _copy_in(self, block_ids: list[int], recs: list[BlockRecord], stream: Any = None,
-                 keys: Sequence[bytes] = (), unchecked: Container[int] = ()
-                 ) -> dict[int, str]:
-        """Copy held records into vLLM blocks `block_ids` (KvRows), CHECK_CHUNK_BYTES at a
-        time: a chunk's records at positions `unchecked` are checked (record_problems) before
-        its copies are issued, and on a GPU the next chunk's checks run while they copy. On
-        the CPU done on return; on a GPU on `stream` (the caller synchronizes it), or without
-        one on the copier's stream after the current one, synchronized here. Returns the
-        position -> problem of the records not copied for failing their check."""
-        assert self.rows is not None and self.store is not None
-        bad: dict[int, str] = {}
-        step = max(1, CHECK_CHUNK_BYTES // self.store.block_bytes)
-
-        def issue(on: Any) -> None:
-            for lo in range(0, len(recs), step):
-                span = range(lo, min(lo + step, len(recs)))
-                bad.update(self._check(list(keys), recs, [i for i in span if i in unchecked]))
-                good = [i for i in span if i not in bad]
-                self.rows.load_batch(  # type: ignore[union-attr]
-                    self._batch([block_ids[i] for i in good], [recs[i] for i in good]), None, on)
-
+    def _copy_in(self, block_ids: list[int], recs: list[BlockRecord], stream: Any = None
+                 ) -> None:
+        """Copy held records into vLLM blocks `block_ids` (KvRows): on the CPU done on
+        return; on a GPU on `stream` (the caller synchronizes it), or without one on the
+        copier's stream after the current one, synchronized here."""
+        assert self.rows is not None
+        batch = self._batch(block_ids, recs)
         if not self.rows.on_gpu or stream is not None:
-            issue(stream)
-            return bad
+            self.rows.load_batch(batch, None, stream)
+            return
         own = self._copy_stream()
         own.wait_stream(torch.cuda.current_stream(self.rows.device))
         with torch.cuda.stream(own):  # row-by-row copies, too
-            issue(own)
+            self.rows.load_batch(batch, None, own)
         own.synchronize()
-        return bad
 
     def _batch(self, block_ids: list[int], recs: list[BlockRecord]) -> HostBatch:
         assert self.rows is not None
@@ -330,37 +275,22 @@ class BlockCopier:
         self._save_batch(todo)
 
     def _save_batch(self, todo: list[tuple[SaveSpec, int]]) -> None:
-        """Copy the reserved blocks `todo` ((spec, slot)) from vLLM's KV cache, keep them. On
-        a GPU the copies are issued CHECK_CHUNK_BYTES at a time, and each part's CRC32Cs are
-        taken (crc_spread) while the parts after it copy."""
+        """Copy the reserved blocks `todo` ((spec, slot)) from vLLM's KV cache, keep them."""
         store = self.store
         if not todo or store is None or self.rows is None:
             return
-        stream = self._copy_stream() if self.rows.on_gpu else None
+        on_gpu = self.rows.on_gpu
         slots = [slot for _, slot in todo]
-        pinned = stream is not None and store.slots.pinned_for(slots)
-        ids = [spec.block_id for spec, _ in todo]
-        views = [store.slots.view(slot) for slot in slots]
-        step = max(1, CHECK_CHUNK_BYTES // store.block_bytes)
-        parts = range(0, len(todo), step)
-        crcs: list[int] = []
         try:
-            events = []
-            for lo in parts:
-                busy = self.rows.save(ids[lo:lo + step], views[lo:lo + step], stream, pinned,
-                                      wait=False)
-                events.append(stream.record_event() if busy and stream is not None else None)
-            for lo, event in zip(parts, events):
-                if event is not None:
-                    event.synchronize()
-                crcs += crc_spread(views[lo:lo + step])
+            self.rows.save([spec.block_id for spec, _ in todo],
+                           [store.slots.view(slot) for slot in slots],
+                           self._copy_stream() if on_gpu else None,
+                           pinned=on_gpu and store.slots.pinned_for(slots))
         except BaseException:
-            if stream is not None:
-                stream.synchronize()  # nothing still writes the slots given back
             for spec, _ in todo:
                 store.cancel(spec.key)
             raise
-        store.admit([spec.key for spec, _ in todo], crcs)
+        store.admit([spec.key for spec, _ in todo])
         for spec, _ in todo:
             self._report.saved.add(spec.key)
             self.num_saved_blocks += 1

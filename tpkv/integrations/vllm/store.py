@@ -172,13 +172,12 @@ class HostBlockStore:
                     "block %s not kept", self.used_bytes, self.capacity_bytes,
                     len(self._reserved) * self.block_bytes, key.hex())
 
-    def admit(self, keys: Sequence[bytes], crcs: Sequence[int] | None = None) -> None:
-        """Second half of a save: the reserved slots now hold these blocks; each is kept as
-        the most recently used, with its CRC32C (`crcs`, the caller's, or taken now)."""
+    def admit(self, keys: Sequence[bytes]) -> None:
+        """Second half of a save: the reserved slots now hold these blocks; each is kept (its
+        CRC32C taken now, all at once) as the most recently used."""
         got = [self._reserved.pop(key) for key in keys]
         views = [self.slots.view(slot) for slot, _, _ in got]
-        crcs = crc_spread(views) if crcs is None else crcs
-        for key, (slot, parent, tokens), view, crc in zip(keys, got, views, crcs, strict=True):
+        for key, (slot, parent, tokens), view, crc in zip(keys, got, views, crc_spread(views)):
             self._records[key] = BlockRecord(key, parent, tokens, view, crc, slot)
         self._queue_oldest()
 
@@ -189,29 +188,22 @@ class HostBlockStore:
 
     def take(self, keys: Sequence[bytes]) -> list[BlockRecord | None]:
         """Each block's record, checked, for the caller to read until it calls `release(rec)`:
-        `hold`, then the checks (record_problems, every CRC32C at once); a record that does
-        not check out is dropped, let go and None."""
-        recs, todo = self.hold(keys)
-        problems = record_problems([(keys[i], recs[i]) for i in todo],  # type: ignore[misc]
-                                   self.block_shape)
+        from memory (a block queued for disk included) or else from disk; None on a miss or a
+        record that does not check out (which is dropped). The CRC32Cs of the records in
+        memory are taken at once (record_problems)."""
+        recs = [self._hold(key) for key in keys]
+        todo = [i for i, (rec, check) in enumerate(recs) if rec is not None and check]
+        problems = record_problems([(keys[i], recs[i][0]) for i in todo  # type: ignore[misc]
+                                    ], self.block_shape)
+        out = [rec for rec, _ in recs]
         for i, problem in zip(todo, problems):
             if problem:
                 self.reject(keys[i], problem)
-                self.release(recs[i])  # type: ignore[arg-type]
-                recs[i] = None
-        return recs
-
-    def hold(self, keys: Sequence[bytes]) -> tuple[list[BlockRecord | None], list[int]]:
-        """(each block's record, held for the caller until `release(rec)`: from memory, a
-        block queued for disk included, made the most recently used, or else from disk; None
-        on a miss; the positions whose bytes the caller must still check, with
-        record_problems, before it serves them, and `reject` those that fail: those held in
-        memory; a record read from disk was checked as it was read)."""
-        got = [self._hold(key) for key in keys]
-        todo = [i for i, (rec, check) in enumerate(got) if rec is not None and check]
+                self.release(recs[i][0])  # type: ignore[arg-type]
+                out[i] = None
         if todo:
             self._queue_oldest()
-        return [rec for rec, _ in got], todo
+        return out
 
     def _hold(self, key: bytes) -> tuple[BlockRecord | None, bool]:
         """(the key's record, held for the caller; whether its bytes still need their check):
