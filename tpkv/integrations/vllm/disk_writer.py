@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from tpkv.checks import check_int
 from tpkv.integrations.disk_blocks import DiskBlockStore
+from tpkv.integrations.vllm.record import crc_value
 from tpkv.ssd.format import crc_of
 
 if TYPE_CHECKING:
@@ -199,7 +200,7 @@ class DiskWriter:
                     log.exception("tpkv disk tier: making room for block %s failed",
                                   rec.key.hex())
             try:
-                if reserved and crc_of(rec.data) != rec.crc:
+                if reserved and crc_of(rec.data) != crc_value(rec):
                     log.warning("tpkv disk tier: block %s changed in memory (CRC32C); not "
                                 "written", rec.key.hex())
                 elif reserved:

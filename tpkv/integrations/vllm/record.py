@@ -3,6 +3,7 @@ checks a record and a block's bytes must pass."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,18 +13,47 @@ from tpkv.integrations.prefix_index import block_key
 from tpkv.ssd.crc_threads import crc_spread
 
 
+class PendingCrc:
+    """The CRC32C of a block saved this step, taken on a thread beside vLLM's steps (the
+    store's CrcJobs): `value()` waits until it is set. A job that fails sets BAD_CRC, which no
+    block matches."""
+
+    __slots__ = ("_done", "_value")
+
+    def __init__(self) -> None:
+        self._value = BAD_CRC
+        self._done = threading.Event()
+
+    def set(self, value: int) -> None:
+        self._value = value
+        self._done.set()
+
+    def value(self) -> int:
+        self._done.wait()
+        return self._value
+
+
+BAD_CRC = -1  # matches no CRC32C
+
+
 @dataclass(frozen=True)
 class BlockRecord:
     """A stored block: its key, the parent key and tokens it was made from, its bytes
-    ([layers, page_bytes] uint8) and their CRC32C, and the host slot holding them (HostSlots;
-    -1: bytes of their own, a disk read with no room in memory)."""
+    ([layers, page_bytes] uint8) and their CRC32C (or the PendingCrc of a block just saved:
+    `crc_value`), and the host slot holding them (HostSlots; -1: bytes of their own, a disk
+    read with no room in memory)."""
 
     key: bytes
     parent: bytes
     tokens: tuple[int, ...]
     data: np.ndarray
-    crc: int
+    crc: int | PendingCrc
     slot: int = -1
+
+
+def crc_value(rec: BlockRecord) -> int:
+    """The record's CRC32C, once taken (a PendingCrc is waited for)."""
+    return rec.crc if isinstance(rec.crc, int) else rec.crc.value()
 
 
 def record_problems(items: Sequence[tuple[bytes, BlockRecord]], block_shape: tuple[int, int]
@@ -35,8 +65,9 @@ def record_problems(items: Sequence[tuple[bytes, BlockRecord]], block_shape: tup
     problems = [_header_problem(key, rec, block_shape) for key, rec in items]
     todo = [i for i, p in enumerate(problems) if not p]
     for i, crc in zip(todo, crc_spread([items[i][1].data for i in todo])):
-        if crc != items[i][1].crc:
-            problems[i] = f"CRC32C {crc:#010x}, recorded {items[i][1].crc:#010x}"
+        recorded = crc_value(items[i][1])
+        if crc != recorded:
+            problems[i] = f"CRC32C {crc:#010x}, recorded {recorded:#010x}"
     return problems
 
 

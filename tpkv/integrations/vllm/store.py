@@ -14,10 +14,10 @@ from tpkv.checks import check_int
 from tpkv.errors import ConfigError
 from tpkv.integrations.disk_blocks import DiskBlockStore
 from tpkv.integrations.prefix_index import KEY_BYTES, block_key
+from tpkv.integrations.vllm.crc_jobs import CrcJobs
 from tpkv.integrations.vllm.disk_writer import DiskWriter
 from tpkv.integrations.vllm.host_slots import HostSlots
 from tpkv.integrations.vllm.record import BlockRecord, data_problem, record_problems
-from tpkv.ssd.crc_threads import crc_spread
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class HostBlockStore:
                               f"host_bytes {capacity_bytes} ({self.capacity_blocks} blocks of "
                               f"{self.block_bytes} bytes)")
         self.slots = HostSlots(block_shape, self.capacity_blocks)
+        self._crcs = CrcJobs(self.slots)
         self.disk = disk
         self.writer = (DiskWriter(disk, queue_blocks, queue_bytes, release=self.release)
                        if disk is not None and queue_blocks else None)
@@ -173,12 +174,13 @@ class HostBlockStore:
                     len(self._reserved) * self.block_bytes, key.hex())
 
     def admit(self, keys: Sequence[bytes]) -> None:
-        """Second half of a save: the reserved slots now hold these blocks; each is kept (its
-        CRC32C taken now, all at once) as the most recently used."""
+        """Second half of a save: the reserved slots now hold these blocks; each is kept as
+        the most recently used, its CRC32C pending (taken by the CrcJobs thread)."""
         got = [self._reserved.pop(key) for key in keys]
-        views = [self.slots.view(slot) for slot, _, _ in got]
-        for key, (slot, parent, tokens), view, crc in zip(keys, got, views, crc_spread(views)):
-            self._records[key] = BlockRecord(key, parent, tokens, view, crc, slot)
+        crcs = self._crcs.start([slot for slot, _, _ in got])
+        for key, (slot, parent, tokens), crc in zip(keys, got, crcs):
+            self._records[key] = BlockRecord(key, parent, tokens, self.slots.view(slot), crc,
+                                             slot)
         self._queue_oldest()
 
     def cancel(self, key: bytes) -> None:
@@ -289,7 +291,9 @@ class HostBlockStore:
         return self.writer is None or self.writer.flush(timeout_s)
 
     def close(self) -> None:
-        """Finish the queued writes, then give up the disk tier's directory and the memory."""
+        """Finish the CRC jobs and the queued writes, then give up the disk tier's directory
+        and the memory."""
+        self._crcs.close()
         if self.writer is not None and not self.writer.close():
             return  # still writing from a slot: the memory and the lock go with the process
         if self.disk is not None:
@@ -297,8 +301,9 @@ class HostBlockStore:
         self.slots.close()
 
     def record(self, key: bytes) -> BlockRecord | None:
-        """The raw record, in memory or queued for disk (for tests and inspection; `take` is
-        the checked read)."""
+        """The raw record, in memory or queued for disk, its CRC32C taken (for tests and
+        inspection; `take` is the checked read)."""
+        self._crcs.wait()
         rec = self._records.get(key)
         if rec is None and self.writer is not None:
             with self._lock:
@@ -342,8 +347,11 @@ class HostBlockStore:
 
     def _make_room(self) -> bool:
         """A free slot; with a writer, by giving up the oldest queued write (or the oldest
-        block), never by waiting; without, by writing the oldest block to disk. False when
-        none can be freed (every slot held by a load or a write under way)."""
+        block), never by waiting for the disk (only for the CRC jobs under way); without, by
+        writing the oldest block to disk. False when none can be freed (every slot held by a
+        load or a write under way)."""
+        if not self.slots.num_free:
+            self._crcs.wait()  # a CRC job's hold would hide the slot a drop frees
         while not self.slots.num_free:
             if self.writer is not None:
                 with self._lock:
